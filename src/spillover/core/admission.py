@@ -1,0 +1,218 @@
+"""Admission: one pure function decides where a request goes before any device is touched.
+
+``decide(request, ledger, lanes, breaker, now_s, policy) -> Decision``
+
+Rules, applied in order (the first that matches wins):
+
+1. Longer than the GPU lane's context cap: shrink if allowed and it then fits, else route
+   to CPU (``too_long_for_gpu``).
+2. Breaker not letting work through: route to CPU (``breaker_open``).
+3. No ready GPU worker: route to CPU (``gpu_unavailable``).
+4. Device usage cannot be trusted (no fresh observation): route to CPU
+   (``observation_stale``).
+5. The footprint fits the headroom: ``Admit`` (``fits``) when a slot is free, else
+   ``Delay`` (``gpu_busy``) while the wait is within ``delay_max_s``.
+6. It does not fit. The reason is ``observed_pressure`` when what is observed exceeds what
+   we predicted (someone else holds memory), ``margin`` when it would fit without the
+   margin, and ``kv_pages_exhausted`` otherwise. Then:
+   a. if our own reservations will come back and the wait is within ``delay_max_s``: Delay;
+   b. if the client allowed shrinking and a smaller ``max_tokens`` fits: Shrink;
+   c. else route to CPU.
+7. Routing to CPU needs room in the CPU lane; otherwise ``Reject`` with a Retry-After.
+
+Every decision carries a machine-readable ``reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spillover.core.breaker import BreakerPolicy, BreakerState, allows
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
+
+__all__ = [
+    "Admit",
+    "AdmissionPolicy",
+    "AdmissionRequest",
+    "Decision",
+    "Delay",
+    "LaneView",
+    "Reject",
+    "Route",
+    "Shrink",
+    "decide",
+]
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """What admission needs to know about one request."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    arrived_s: float
+    allow_shrink: bool = False
+    min_max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class LaneView:
+    """The lanes as admission sees them right now."""
+
+    gpu_ready: bool
+    gpu_free_slots: int
+    gpu_ctx_cap_tokens: int
+    cpu_ready: bool
+    cpu_queue_free: int
+    cpu_ctx_cap_tokens: int
+    cpu_retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Thresholds (configuration) and the memory model used to size requests."""
+
+    memory: MemoryModel
+    delay_max_s: float = 2.0
+    delay_poll_s: float = 0.05
+    allow_cpu_route: bool = True
+    breaker: BreakerPolicy = BreakerPolicy()
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Run on the GPU with a reservation of ``nbytes`` covering ``kv_tokens``."""
+
+    nbytes: int
+    kv_tokens: int
+    reason: str = "fits"
+    route: str = "gpu"
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Run on the GPU with a smaller ``max_tokens``; always reported to the client."""
+
+    max_tokens: int
+    nbytes: int
+    kv_tokens: int
+    reason: str
+    route: str = "gpu"
+
+
+@dataclass(frozen=True)
+class Delay:
+    """Ask again at ``until_s`` (bounded by ``delay_max_s`` from arrival)."""
+
+    until_s: float
+    reason: str
+    route: str = "gpu"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Serve on the CPU lane."""
+
+    reason: str
+    route: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Refuse now; the client may retry after ``retry_after_s``."""
+
+    retry_after_s: float
+    reason: str
+    route: str = "none"
+
+
+Decision = Admit | Shrink | Delay | Route | Reject
+
+
+def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: str, p: AdmissionPolicy) -> Decision:
+    if not p.allow_cpu_route or not lanes.cpu_ready:
+        return Reject(lanes.cpu_retry_after_s, f"{reason}+cpu_unavailable")
+    if req.prompt_tokens + req.max_tokens > lanes.cpu_ctx_cap_tokens:
+        return Reject(lanes.cpu_retry_after_s, f"{reason}+too_long_for_cpu")
+    if lanes.cpu_queue_free <= 0:
+        return Reject(lanes.cpu_retry_after_s, f"{reason}+cpu_queue_full")
+    return Route(reason)
+
+
+def _may_wait(req: AdmissionRequest, now_s: float, p: AdmissionPolicy) -> float | None:
+    deadline = req.arrived_s + p.delay_max_s
+    if now_s >= deadline:
+        return None
+    return min(deadline, now_s + p.delay_poll_s)
+
+
+def _shrunk(req: AdmissionRequest, room: int, cap: int, p: AdmissionPolicy) -> Shrink | None:
+    """The largest ``max_tokens`` (>= min) whose footprint fits ``room`` and ``cap``."""
+    best: Shrink | None = None
+    lo, hi = req.min_max_tokens, min(req.max_tokens - 1, cap - req.prompt_tokens)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        fp = p.memory.request_footprint(req.prompt_tokens, mid)
+        if fp.total_bytes <= room:
+            best = Shrink(mid, fp.total_bytes, fp.kv_tokens, "shrunk_to_fit")
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def decide(
+    req: AdmissionRequest,
+    ledger: DeviceLedger,
+    lanes: LaneView,
+    breaker: BreakerState,
+    now_s: float,
+    p: AdmissionPolicy,
+) -> Decision:
+    """Decide admit / delay / shrink / route / reject for one request (rules above)."""
+    total_tokens = req.prompt_tokens + req.max_tokens
+    if total_tokens > lanes.gpu_ctx_cap_tokens:
+        if req.allow_shrink and req.prompt_tokens + req.min_max_tokens <= lanes.gpu_ctx_cap_tokens:
+            room = ledger.headroom(now_s)
+            if room is not None and lanes.gpu_ready and allows(breaker, p.breaker):
+                shrink = _shrunk(req, room, lanes.gpu_ctx_cap_tokens, p)
+                if shrink is not None and lanes.gpu_free_slots > 0:
+                    return shrink
+        return _to_cpu(req, lanes, "too_long_for_gpu", p)
+    if not allows(breaker, p.breaker):
+        return _to_cpu(req, lanes, "breaker_open", p)
+    if not lanes.gpu_ready:
+        return _to_cpu(req, lanes, "gpu_unavailable", p)
+    room = ledger.headroom(now_s)
+    if room is None:
+        return _to_cpu(req, lanes, "observation_stale", p)
+    fp = p.memory.request_footprint(req.prompt_tokens, req.max_tokens)
+    if fp.total_bytes <= room:
+        if lanes.gpu_free_slots > 0:
+            return Admit(nbytes=fp.total_bytes, kv_tokens=fp.kv_tokens)
+        until = _may_wait(req, now_s, p)
+        if until is not None:
+            return Delay(until, "gpu_busy")
+        return _to_cpu(req, lanes, "gpu_busy", p)
+
+    observed = ledger.observed_fresh(now_s) or 0
+    predicted = ledger.predicted_bytes
+    if observed > predicted:
+        reason = "observed_pressure"
+    elif fp.total_bytes <= room + ledger.margin_bytes:
+        reason = "margin"
+    else:
+        reason = "kv_pages_exhausted"
+    ours_coming_back = ledger.reserved_by_kind("request")
+    if reason != "observed_pressure" or observed - predicted < ours_coming_back:
+        if fp.total_bytes <= room + ours_coming_back:
+            until = _may_wait(req, now_s, p)
+            if until is not None:
+                return Delay(until, reason)
+    if req.allow_shrink and lanes.gpu_free_slots > 0:
+        shrink = _shrunk(req, room, lanes.gpu_ctx_cap_tokens, p)
+        if shrink is not None:
+            return shrink
+    return _to_cpu(req, lanes, reason, p)

@@ -1,0 +1,155 @@
+"""Circuit breaker per GPU worker: one enum, one transition table, one ``advance()``.
+
+Rules:
+
+1. CLOSED counts failures; ``failure_threshold`` failures within ``window_s`` open it.
+   A failure marked ``severe`` (a classified OOM, a crash, a driver reset) opens it at once.
+2. OPEN refuses work until ``cooldown_s`` has passed (``tick``), then goes HALF_OPEN.
+   Each re-open within ``flap_window_s`` doubles the cooldown, up to ``cooldown_max_s``
+   (hysteresis against flapping).
+3. HALF_OPEN lets at most ``half_open_probes`` requests through; ``close_after_successes``
+   successes close it, any failure re-opens it.
+4. Success in CLOSED clears the failure count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+__all__ = ["BreakerEvent", "BreakerPolicy", "BreakerState", "Circuit", "advance", "allows"]
+
+
+class Circuit(str, Enum):
+    """The three breaker states."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class BreakerEvent(str, Enum):
+    """What can happen to a breaker."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    SEVERE_FAILURE = "severe_failure"
+    TICK = "tick"
+    PROBE = "probe"
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """Breaker thresholds (configuration)."""
+
+    failure_threshold: int = 3
+    window_s: float = 30.0
+    cooldown_s: float = 2.0
+    cooldown_max_s: float = 30.0
+    flap_window_s: float = 60.0
+    half_open_probes: int = 1
+    close_after_successes: int = 2
+
+
+@dataclass(frozen=True)
+class BreakerState:
+    """A breaker snapshot; ``advance`` returns a new one."""
+
+    circuit: Circuit = Circuit.CLOSED
+    failures: int = 0
+    first_failure_s: float = 0.0
+    opened_at_s: float = 0.0
+    cooldown_s: float = 0.0
+    probes_in_flight: int = 0
+    probe_successes: int = 0
+    opens: int = 0
+
+    def retry_after_s(self, now_s: float) -> float:
+        """Seconds until an OPEN breaker will try HALF_OPEN (0 otherwise)."""
+        if self.circuit is not Circuit.OPEN:
+            return 0.0
+        return max(0.0, self.opened_at_s + self.cooldown_s - now_s)
+
+
+def _open(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    flapping = b.opens > 0 and now_s - b.opened_at_s < p.flap_window_s
+    cooldown = min(p.cooldown_max_s, b.cooldown_s * 2) if flapping else p.cooldown_s
+    return BreakerState(
+        circuit=Circuit.OPEN,
+        opened_at_s=now_s,
+        cooldown_s=max(cooldown, p.cooldown_s),
+        opens=b.opens + 1,
+    )
+
+
+def _closed_failure(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    if b.failures and now_s - b.first_failure_s <= p.window_s:
+        failures, first = b.failures + 1, b.first_failure_s
+    else:
+        failures, first = 1, now_s
+    if failures >= p.failure_threshold:
+        return _open(b, now_s, p)
+    return replace(b, failures=failures, first_failure_s=first)
+
+
+def _half_open_success(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    successes = b.probe_successes + 1
+    if successes >= p.close_after_successes:
+        return replace(
+            BreakerState(), opens=b.opens, opened_at_s=b.opened_at_s, cooldown_s=b.cooldown_s
+        )
+    return replace(b, probe_successes=successes, probes_in_flight=max(0, b.probes_in_flight - 1))
+
+
+def _tick_open(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    if now_s >= b.opened_at_s + b.cooldown_s:
+        return replace(b, circuit=Circuit.HALF_OPEN, probes_in_flight=0, probe_successes=0)
+    return b
+
+
+def _probe(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    return replace(b, probes_in_flight=b.probes_in_flight + 1)
+
+
+def _same(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    return b
+
+
+def _clear(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    return replace(b, failures=0, first_failure_s=0.0)
+
+
+_C, _O, _H = Circuit.CLOSED, Circuit.OPEN, Circuit.HALF_OPEN
+_E = BreakerEvent
+TABLE = {
+    (_C, _E.SUCCESS): _clear,
+    (_C, _E.FAILURE): _closed_failure,
+    (_C, _E.SEVERE_FAILURE): _open,
+    (_C, _E.TICK): _same,
+    (_O, _E.SUCCESS): _same,  # a request admitted before the trip finished fine
+    (_O, _E.FAILURE): _same,
+    (_O, _E.SEVERE_FAILURE): _same,
+    (_O, _E.TICK): _tick_open,
+    (_H, _E.SUCCESS): _half_open_success,
+    (_H, _E.FAILURE): _open,
+    (_H, _E.SEVERE_FAILURE): _open,
+    (_H, _E.TICK): _same,
+    (_H, _E.PROBE): _probe,
+}
+
+
+def advance(b: BreakerState, event: BreakerEvent, now_s: float, p: BreakerPolicy) -> BreakerState:
+    """Apply one event; an event the table does not list for this state raises ValueError."""
+    step = TABLE.get((b.circuit, event))
+    if step is None:
+        raise ValueError(f"breaker: {event.value} is not allowed in {b.circuit.value}")
+    return step(b, now_s, p)
+
+
+def allows(b: BreakerState, p: BreakerPolicy) -> bool:
+    """Whether a new GPU request may pass now (call ``advance(TICK)`` first)."""
+    if b.circuit is Circuit.CLOSED:
+        return True
+    if b.circuit is Circuit.HALF_OPEN:
+        return b.probes_in_flight < p.half_open_probes
+    return False

@@ -1,0 +1,150 @@
+"""Device ledger: what is promised on a device versus what is seen there.
+
+Rules:
+
+1. ``predicted`` is the sum of live reservations (admitted requests, loads, tenants we know).
+2. ``observed`` is the last reading (sim ledger, NVML or the worker's report) with its time.
+   A reading older than ``freshness_s`` is not trusted: ``headroom`` is then ``None``.
+3. ``headroom = capacity - margin - max(predicted, observed)``.
+4. ``reserve_nowait`` grants only what fits in headroom (never over-commits) and returns
+   ``None`` when it does not fit: running out is a value.
+5. Every reservation is released exactly once; releasing an unknown id raises KeyError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DeviceLedger", "LedgerStatistics", "Reservation"]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A grant of device bytes to one holder."""
+
+    holder: str
+    nbytes: int
+    kind: str  # "request" | "weights" | "tenant"
+    granted_s: float
+
+
+@dataclass(frozen=True)
+class LedgerStatistics:
+    """A frozen snapshot for /v1/status, /metrics, logs and tests."""
+
+    device: str
+    capacity_bytes: int
+    margin_bytes: int
+    predicted_bytes: int
+    observed_bytes: int | None
+    observed_age_s: float | None
+    headroom_bytes: int | None
+    reservations: int
+    granted_total: int
+    released_total: int
+
+
+@dataclass
+class DeviceLedger:
+    """Predicted reservations plus observed usage for one device."""
+
+    device: str
+    capacity_bytes: int
+    margin_bytes: int
+    freshness_s: float
+    _reservations: dict[str, Reservation] = field(default_factory=dict)
+    _observed_bytes: int | None = None
+    _observed_at_s: float | None = None
+    _granted_total: int = 0
+    _released_total: int = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<DeviceLedger {self.device} cap={self.capacity_bytes} "
+            f"predicted={self.predicted_bytes} observed={self._observed_bytes}>"
+        )
+
+    @property
+    def predicted_bytes(self) -> int:
+        """Sum of live reservations."""
+        return sum(r.nbytes for r in self._reservations.values())
+
+    @property
+    def usable_bytes(self) -> int:
+        """Capacity less the safety margin."""
+        return max(0, self.capacity_bytes - self.margin_bytes)
+
+    def observe(self, used_bytes: int, now_s: float, capacity_bytes: int | None = None) -> None:
+        """Record a reading of device usage (and capacity, when the device reports it)."""
+        self._observed_bytes = max(0, used_bytes)
+        self._observed_at_s = now_s
+        if capacity_bytes is not None:
+            self.capacity_bytes = capacity_bytes
+
+    def observed_fresh(self, now_s: float) -> int | None:
+        """The last reading, or None when it is missing or stale."""
+        if self._observed_at_s is None or self._observed_bytes is None:
+            return None
+        if now_s - self._observed_at_s > self.freshness_s:
+            return None
+        return self._observed_bytes
+
+    def headroom(self, now_s: float) -> int | None:
+        """Bytes that may still be reserved, or None when usage cannot be trusted."""
+        observed = self.observed_fresh(now_s)
+        if observed is None:
+            return None
+        return self.usable_bytes - max(self.predicted_bytes, observed)
+
+    def reserve_nowait(
+        self, holder: str, nbytes: int, now_s: float, kind: str = "request"
+    ) -> Reservation | None:
+        """Grant ``nbytes`` to ``holder`` if it fits now; ``None`` otherwise."""
+        if holder in self._reservations:
+            raise KeyError(f"{holder} already holds a reservation")
+        room = self.headroom(now_s)
+        if nbytes < 0 or room is None or nbytes > room:
+            return None
+        res = Reservation(holder=holder, nbytes=nbytes, kind=kind, granted_s=now_s)
+        self._reservations[holder] = res
+        self._granted_total += 1
+        return res
+
+    def force_reserve(self, holder: str, nbytes: int, now_s: float, kind: str) -> Reservation:
+        """Record bytes already committed on the device (a loaded model's weights)."""
+        if holder in self._reservations:
+            raise KeyError(f"{holder} already holds a reservation")
+        res = Reservation(holder=holder, nbytes=nbytes, kind=kind, granted_s=now_s)
+        self._reservations[holder] = res
+        self._granted_total += 1
+        return res
+
+    def release(self, holder: str) -> Reservation:
+        """Return a reservation; each one exactly once."""
+        res = self._reservations.pop(holder)
+        self._released_total += 1
+        return res
+
+    def holds(self, holder: str) -> bool:
+        """Whether ``holder`` has a live reservation."""
+        return holder in self._reservations
+
+    def reserved_by_kind(self, kind: str) -> int:
+        """Bytes held by reservations of one kind."""
+        return sum(r.nbytes for r in self._reservations.values() if r.kind == kind)
+
+    def statistics(self, now_s: float) -> LedgerStatistics:
+        """A frozen snapshot."""
+        age = None if self._observed_at_s is None else max(0.0, now_s - self._observed_at_s)
+        return LedgerStatistics(
+            device=self.device,
+            capacity_bytes=self.capacity_bytes,
+            margin_bytes=self.margin_bytes,
+            predicted_bytes=self.predicted_bytes,
+            observed_bytes=self._observed_bytes,
+            observed_age_s=age,
+            headroom_bytes=self.headroom(now_s),
+            reservations=len(self._reservations),
+            granted_total=self._granted_total,
+            released_total=self._released_total,
+        )

@@ -1,0 +1,71 @@
+"""The request lifecycle: one enum, one transition table, one ``advance()``.
+
+Rules:
+
+1. A request is ACCEPTED only once it is durably recorded; bad input never gets there.
+2. Every move is a row of ``TRANSITIONS``; anything else raises ``IllegalTransition``
+   and changes nothing.
+3. COMPLETED, FAILED, CANCELLED, REJECTED and RESUMABLE_ERROR are terminal.
+4. A fault while RUNNING either re-queues (replayable) or ends as RESUMABLE_ERROR.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["TERMINAL", "TRANSITIONS", "IllegalTransition", "State", "advance"]
+
+
+class State(str, Enum):
+    """Where a request is in its life."""
+
+    RECEIVED = "received"
+    ACCEPTED = "accepted"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    RESUMABLE_ERROR = "resumable_error"
+
+
+class IllegalTransition(Exception):
+    """A move that the table does not allow; a bug in the caller."""
+
+
+S = State
+TRANSITIONS: frozenset[tuple[State, State]] = frozenset(
+    {
+        (S.RECEIVED, S.ACCEPTED),
+        (S.RECEIVED, S.REJECTED),
+        (S.ACCEPTED, S.QUEUED),
+        (S.ACCEPTED, S.REJECTED),
+        (S.ACCEPTED, S.CANCELLED),
+        (S.QUEUED, S.ADMITTED),
+        (S.QUEUED, S.QUEUED),  # moved to another lane (routing)
+        (S.QUEUED, S.CANCELLED),
+        (S.QUEUED, S.REJECTED),
+        (S.ADMITTED, S.RUNNING),
+        (S.ADMITTED, S.QUEUED),  # allocation failed before generation: replay
+        (S.ADMITTED, S.FAILED),
+        (S.ADMITTED, S.CANCELLED),
+        (S.RUNNING, S.COMPLETED),
+        (S.RUNNING, S.FAILED),
+        (S.RUNNING, S.CANCELLED),
+        (S.RUNNING, S.QUEUED),  # fault, replayable
+        (S.RUNNING, S.RESUMABLE_ERROR),  # fault, not replayable
+    }
+)
+
+TERMINAL: frozenset[State] = frozenset(
+    {S.COMPLETED, S.FAILED, S.CANCELLED, S.REJECTED, S.RESUMABLE_ERROR}
+)
+
+
+def advance(current: State, target: State) -> State:
+    """Return ``target`` if the table allows ``current -> target``; raise otherwise."""
+    if (current, target) not in TRANSITIONS:
+        raise IllegalTransition(f"{current.value} -> {target.value} is not allowed")
+    return target

@@ -1,0 +1,1 @@
+"""Worker-process side: the llama.cpp engine, GGUF metadata, and device backends."""

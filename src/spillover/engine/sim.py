@@ -1,0 +1,225 @@
+"""The ``sim`` accelerator: a device memory ledger shared by every process "on" the device.
+
+The ledger is a JSON file guarded by an exclusive ``flock`` on a sibling lock file, so
+workers, tenants, the gateway and fault-injection commands in separate processes all see
+one truth. It fails an allocation exactly where a card of that capacity would.
+
+Faults it supports (from any process):
+
+- ``fail_next(n)``: the next n allocations fail;
+- ``set_capacity(bytes)``: shrink or grow the card; live allocations stay;
+- ``reset()``: a driver reset: every allocation is lost and ``epoch`` moves on, so the
+  workers on the device notice and die;
+- ``set_hang(True)``: kernels stop making progress until cleared.
+
+Allocations of processes that no longer exist are reaped on every operation, as a real
+driver frees a dead process's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SimDevice", "SimSnapshot"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SimSnapshot:
+    """One consistent reading of the sim device."""
+
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    epoch: int
+    hang: bool
+    fail_next: int
+    alloc_failures: int
+    allocations: tuple[tuple[str, int, int, str], ...]  # (tag, pid, bytes, owner)
+
+    def used_by_pid(self, pid: int) -> int:
+        """Bytes held by one process."""
+        return sum(b for _, p, b, _ in self.allocations if p == pid)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "free_bytes": max(0, self.capacity_bytes - self.used_bytes),
+            "epoch": self.epoch,
+            "hang": self.hang,
+            "fail_next": self.fail_next,
+            "alloc_failures": self.alloc_failures,
+            "allocations": [
+                {"tag": t, "pid": p, "bytes": b, "owner": o} for t, p, b, o in self.allocations
+            ],
+        }
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); treat it as gone (its memory is released).
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class SimDevice:
+    """Handle on one sim device ledger file; cheap to create, safe across processes."""
+
+    def __init__(self, state_dir: str | Path, name: str = "sim0") -> None:
+        self.name = name
+        self.dir = Path(state_dir)
+        self.path = self.dir / f"{name}.ledger.json"
+        self.lock_path = self.dir / f"{name}.ledger.lock"
+
+    def __repr__(self) -> str:
+        return f"<SimDevice {self.name} at {self.path}>"
+
+    # -- file plumbing -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                state = self._read()
+                before = json.dumps(state, sort_keys=True)
+                self._reap(state)
+                yield state
+                if json.dumps(state, sort_keys=True) != before:
+                    self._write(state)
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                data: dict[str, Any] = json.load(fh)
+                return data
+        except FileNotFoundError:
+            return {
+                "capacity": 0,
+                "epoch": 0,
+                "hang": False,
+                "fail_next": 0,
+                "alloc_failures": 0,
+                "allocs": {},
+            }
+
+    def _write(self, state: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(state, fh)
+        os.replace(tmp, self.path)
+
+    @staticmethod
+    def _reap(state: dict[str, Any]) -> None:
+        allocs = state["allocs"]
+        for key in [k for k, a in allocs.items() if not _alive(int(a["pid"]))]:
+            del allocs[key]
+
+    # -- operations ----------------------------------------------------------------
+    def create(self, capacity_bytes: int, *, keep_allocations: bool = False) -> None:
+        """(Re)initialise the device with a capacity; clears faults."""
+        with self._locked() as s:
+            s["capacity"] = int(capacity_bytes)
+            s["hang"] = False
+            s["fail_next"] = 0
+            if not keep_allocations:
+                s["allocs"] = {}
+                s["epoch"] = int(s["epoch"]) + 1
+
+    def allocate(self, tag: str, nbytes: int, owner: str, pid: int | None = None) -> bool:
+        """Charge ``nbytes`` under ``tag``; False (and a counted failure) if it does not fit."""
+        pid = os.getpid() if pid is None else pid
+        key = f"{pid}:{tag}"
+        with self._locked() as s:
+            if key in s["allocs"]:
+                raise KeyError(f"allocation {key} exists")
+            used = sum(int(a["bytes"]) for a in s["allocs"].values())
+            if s["fail_next"] > 0:
+                s["fail_next"] -= 1
+                s["alloc_failures"] += 1
+                return False
+            if used + nbytes > int(s["capacity"]):
+                s["alloc_failures"] += 1
+                return False
+            s["allocs"][key] = {"pid": pid, "bytes": int(nbytes), "owner": owner}
+            return True
+
+    def free(self, tag: str, pid: int | None = None) -> bool:
+        """Release one allocation; False when it was already gone (reset, reaped)."""
+        pid = os.getpid() if pid is None else pid
+        with self._locked() as s:
+            return s["allocs"].pop(f"{pid}:{tag}", None) is not None
+
+    def free_pid(self, pid: int) -> int:
+        """Release everything a process holds; returns the bytes freed."""
+        with self._locked() as s:
+            keys = [k for k, a in s["allocs"].items() if int(a["pid"]) == pid]
+            freed = sum(int(s["allocs"][k]["bytes"]) for k in keys)
+            for k in keys:
+                del s["allocs"][k]
+            return freed
+
+    def set_capacity(self, capacity_bytes: int) -> None:
+        """Change the capacity; allocations already made stay."""
+        with self._locked() as s:
+            s["capacity"] = int(capacity_bytes)
+
+    def fail_next(self, n: int) -> None:
+        """Make the next ``n`` allocations fail."""
+        with self._locked() as s:
+            s["fail_next"] = int(n)
+
+    def set_hang(self, hang: bool) -> None:
+        """Stop (or resume) kernel progress on the device."""
+        with self._locked() as s:
+            s["hang"] = bool(hang)
+
+    def reset(self) -> None:
+        """Driver reset: every allocation is lost; workers see the new epoch and die."""
+        with self._locked() as s:
+            s["allocs"] = {}
+            s["epoch"] = int(s["epoch"]) + 1
+            s["hang"] = False
+
+    def snapshot(self) -> SimSnapshot:
+        """A consistent reading of the whole device."""
+        with self._locked() as s:
+            allocs = tuple(
+                sorted(
+                    (k.split(":", 1)[1], int(a["pid"]), int(a["bytes"]), str(a["owner"]))
+                    for k, a in s["allocs"].items()
+                )
+            )
+            return SimSnapshot(
+                name=self.name,
+                capacity_bytes=int(s["capacity"]),
+                used_bytes=sum(b for _, _, b, _ in allocs),
+                epoch=int(s["epoch"]),
+                hang=bool(s["hang"]),
+                fail_next=int(s["fail_next"]),
+                alloc_failures=int(s["alloc_failures"]),
+                allocations=allocs,
+            )

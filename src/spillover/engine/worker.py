@@ -1,0 +1,271 @@
+"""The worker process: one engine instance (one model on one device).
+
+Channel: newline-delimited JSON over the process's stdin (gateway -> worker) and a private
+duplicate of its original stdout (worker -> gateway). File descriptor 1 is pointed at
+stderr at start-up, so nothing that llama.cpp or a library prints can corrupt the channel.
+
+Gateway -> worker ops::
+
+    {"op": "generate", "rid", "tokens", "max_tokens", "temperature", "top_p", "seed",
+     "stop", "json_schema", "kv_tokens", "reserve_bytes"}
+    {"op": "cancel", "rid"}
+    {"op": "ping", "seq"}
+
+Worker -> gateway events::
+
+    {"ev": "ready", "info": {...}}            once, after the model is loaded
+    {"ev": "started", "rid"}                  memory granted, generation begins
+    {"ev": "token", "rid", "id", "text"}      one per generated token
+    {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
+    {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | bad_request | engine
+    {"ev": "pong", "seq", "progress"}         progress: tokens generated so far, in total
+    {"ev": "fatal", "kind", "message"}        then the process exits
+
+On a ``sim`` device the worker charges the shared ledger for the weights at load and for
+each request's reservation (KV pages + compute) before generating; a refused allocation is
+an ``alloc_failed`` error and nothing is generated. A driver reset ("epoch" change) makes
+the worker exit at once, as a real worker would lose its context. A device hang stops
+token progress while pings are still answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+__all__ = ["main"]
+
+EXIT_DEVICE_LOST = 75
+EXIT_LOAD_FAILED = 3
+
+
+class Channel:
+    """Thread-safe writer of JSON lines to the gateway."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        line = json.dumps(msg, separators=(",", ":")) + "\n"
+        with self._lock:
+            try:
+                self._out.write(line)
+                self._out.flush()
+            except (BrokenPipeError, ValueError):
+                os._exit(0)
+
+
+class Worker:
+    """Holds the engine, the device handle and the per-request cancel flags."""
+
+    def __init__(self, args: argparse.Namespace, chan: Channel) -> None:
+        from spillover.engine.llama_engine import Engine, Tokenizer, fingerprint_parts
+
+        self.args = args
+        self.chan = chan
+        self.cancelled: set[str] = set()
+        self.progress = 0
+        self.hang = threading.Event()
+        self.sim = None
+        self.sim_epoch = 0
+        kind = args.device.split(":", 1)[0]
+        if kind == "sim":
+            from spillover.engine.sim import SimDevice
+
+            self.sim = SimDevice(args.state_dir, args.sim_name)
+            snap = self.sim.snapshot()
+            self.sim_epoch = snap.epoch
+            if not self.sim.allocate("weights", args.weights_bytes, owner=args.worker_id):
+                chan.send(
+                    {
+                        "ev": "fatal",
+                        "kind": "alloc_failed",
+                        "message": f"sim device refused {args.weights_bytes} bytes of weights",
+                    }
+                )
+                sys.exit(EXIT_LOAD_FAILED)
+        n_gpu_layers = -1 if kind == "cuda" else 0
+        t0 = time.monotonic()
+        self.engine = Engine(
+            args.model,
+            slots=args.slots,
+            n_ctx=args.n_ctx,
+            n_threads=args.n_threads,
+            n_batch=args.n_batch,
+            n_gpu_layers=n_gpu_layers,
+        )
+        tok = Tokenizer(args.model)
+        backend = "cuda" if kind == "cuda" else "cpu"
+        self.fingerprint = fingerprint_parts(args.model, tok, backend, cache_dir=None)
+        self.load_s = time.monotonic() - t0
+        self.pool = ThreadPoolExecutor(max_workers=args.slots, thread_name_prefix="slot")
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "worker_id": self.args.worker_id,
+            "device": self.args.device,
+            "slots": self.engine.slots,
+            "n_ctx": self.args.n_ctx,
+            "load_s": round(self.load_s, 3),
+            "fingerprint": self.fingerprint,
+            "weights_bytes": self.args.weights_bytes,
+        }
+
+    # -- sim device watcher ---------------------------------------------------------
+    def watch_device(self) -> None:
+        assert self.sim is not None
+        while True:
+            snap = self.sim.snapshot()
+            if snap.epoch != self.sim_epoch:
+                self.chan.send(
+                    {"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"}
+                )
+                os._exit(EXIT_DEVICE_LOST)
+            if snap.hang:
+                self.hang.set()
+            else:
+                self.hang.clear()
+            time.sleep(0.05)
+
+    # -- requests ---------------------------------------------------------------------
+    def run_request(self, msg: dict[str, Any]) -> None:
+        from spillover.engine.llama_engine import GenerateParams, Step
+
+        rid = str(msg["rid"])
+        tag = f"req:{rid}"
+        charged = False
+        slot = self.engine.acquire_slot()
+        try:
+            if slot is None:
+                self.chan.send(
+                    {"ev": "error", "rid": rid, "kind": "engine", "message": "no free slot"}
+                )
+                return
+            reserve = int(msg.get("reserve_bytes") or 0)
+            if self.sim is not None and reserve > 0:
+                if not self.sim.allocate(tag, reserve, owner=self.args.worker_id):
+                    self.chan.send(
+                        {
+                            "ev": "error",
+                            "rid": rid,
+                            "kind": "alloc_failed",
+                            "message": f"device refused {reserve} bytes",
+                        }
+                    )
+                    return
+                charged = True
+            params = GenerateParams(
+                max_tokens=int(msg["max_tokens"]),
+                temperature=float(msg.get("temperature", 1.0)),
+                top_p=float(msg.get("top_p", 1.0)),
+                seed=int(msg.get("seed", 0)),
+                stop=tuple(msg.get("stop") or ()),
+                json_schema=msg.get("json_schema"),
+            )
+            tokens = [int(t) for t in msg["tokens"]]
+            kv_tokens = int(msg.get("kv_tokens") or self.args.n_ctx)
+            self.chan.send({"ev": "started", "rid": rid})
+            t0 = time.monotonic()
+            t_first: float | None = None
+            n = 0
+            finish = "stop"
+            for item in self.engine.generate(
+                slot, tokens, params, kv_tokens=kv_tokens, should_stop=lambda: rid in self.cancelled
+            ):
+                while self.hang.is_set() and rid not in self.cancelled:
+                    time.sleep(0.01)
+                if isinstance(item, Step):
+                    if item.token_id >= 0:
+                        n += 1
+                        self.progress += 1
+                        if t_first is None:
+                            t_first = time.monotonic()
+                    self.chan.send({"ev": "token", "rid": rid, "id": item.token_id, "text": item.text})
+                else:
+                    finish = item
+            t1 = time.monotonic()
+            self.chan.send(
+                {
+                    "ev": "done",
+                    "rid": rid,
+                    "finish_reason": finish,
+                    "prompt_tokens": len(tokens),
+                    "completion_tokens": n,
+                    "timings": {
+                        "prefill_s": round((t_first or t1) - t0, 6),
+                        "total_s": round(t1 - t0, 6),
+                    },
+                }
+            )
+        except Exception as exc:  # engine failure: report, keep serving
+            self.chan.send(
+                {"ev": "error", "rid": rid, "kind": "engine", "message": f"{type(exc).__name__}: {exc}"}
+            )
+        finally:
+            if charged and self.sim is not None:
+                self.sim.free(tag)
+            if slot is not None:
+                self.engine.release_slot(slot)
+            self.cancelled.discard(rid)
+
+    def serve(self, inp: IO[str]) -> None:
+        if self.sim is not None:
+            threading.Thread(target=self.watch_device, daemon=True, name="sim-watch").start()
+        self.chan.send({"ev": "ready", "info": self.info()})
+        for line in inp:
+            if not line.strip():
+                continue
+            msg = json.loads(line)
+            op = msg.get("op")
+            if op == "generate":
+                self.pool.submit(self.run_request, msg)
+            elif op == "cancel":
+                self.cancelled.add(str(msg["rid"]))
+            elif op == "ping":
+                self.chan.send({"ev": "pong", "seq": msg.get("seq"), "progress": self.progress})
+        # stdin closed: the gateway is gone; leave without waiting for work.
+        os._exit(0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spillover-worker", description=__doc__.split("\n")[0])
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cpu", help="cpu | cuda:N | sim:<capacity_mib>")
+    p.add_argument("--sim-name", default="sim0")
+    p.add_argument("--state-dir", default="var/spillover")
+    p.add_argument("--slots", type=int, default=1)
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--n-threads", type=int, default=1)
+    p.add_argument("--n-batch", type=int, default=512)
+    p.add_argument("--weights-bytes", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: ``python -m spillover.engine.worker ...``."""
+    args = parse_args(argv)
+    proto = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    chan = Channel(proto)
+    try:
+        worker = Worker(args, chan)
+    except SystemExit:
+        raise
+    except Exception as exc:
+        chan.send({"ev": "fatal", "kind": "load_failed", "message": f"{type(exc).__name__}: {exc}"})
+        sys.exit(EXIT_LOAD_FAILED)
+    worker.serve(sys.stdin)
+
+
+if __name__ == "__main__":
+    main()

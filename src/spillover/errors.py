@@ -1,0 +1,179 @@
+"""One error tree for spillover, and the one mapping of it to HTTP.
+
+::
+
+    SpilloverError                      (500 internal_error)
+    ├── ConfigError                     bad configuration; never reaches HTTP
+    ├── ClientError                     the request is wrong; nothing was journaled
+    │   ├── InvalidRequest              400 invalid_request_error (param set)
+    │   ├── ContextLengthExceeded       400 code=context_length_exceeded
+    │   ├── Unauthorized                401 authentication_error
+    │   ├── NotFound                    404 (model_not_found, request_not_found, ...)
+    │   └── PayloadTooLarge             413 code=payload_too_large
+    ├── CapacityError                   503 + Retry-After: the gateway is full right now
+    │   ├── QueueFull                   code=queue_full
+    │   └── NoWorkerReady               code=no_worker_ready
+    └── WorkerFailed                    503 + Retry-After: a worker died or failed mid-request
+        └── AllocationFailed            the device refused memory before generation
+
+Expected outcomes inside the core are values (``Decision``); these exceptions cross
+layers. A foreign exception is wrapped once, at its boundary, with ``from exc``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "AllocationFailed",
+    "CapacityError",
+    "ClientError",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "HttpError",
+    "InvalidRequest",
+    "NoWorkerReady",
+    "NotFound",
+    "PayloadTooLarge",
+    "QueueFull",
+    "SpilloverError",
+    "Unauthorized",
+    "WorkerFailed",
+    "to_http",
+]
+
+
+class SpilloverError(Exception):
+    """Base of every error spillover raises on purpose."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class ConfigError(SpilloverError):
+    """The configuration file or flags are invalid."""
+
+    code = "config_error"
+
+
+class ClientError(SpilloverError):
+    """The request itself is wrong."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidRequest(ClientError):
+    """A parameter is missing, malformed or out of range; ``param`` names it."""
+
+
+class ContextLengthExceeded(ClientError):
+    """The prompt plus ``max_tokens`` does not fit any lane's context."""
+
+    code = "context_length_exceeded"
+
+
+class Unauthorized(ClientError):
+    """Missing or wrong API key."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ClientError):
+    """Unknown model, request id or route."""
+
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(ClientError):
+    """The body exceeds the configured limit; it was not buffered."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class CapacityError(SpilloverError):
+    """The gateway cannot take the request now; the client should retry later."""
+
+    status = 503
+    type = "server_overloaded"
+    code = "capacity"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float = 1.0,
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(CapacityError):
+    """A lane's bounded queue is full; answered at once."""
+
+    code = "queue_full"
+
+
+class NoWorkerReady(CapacityError):
+    """No worker that can serve this model is ready."""
+
+    code = "no_worker_ready"
+
+
+class WorkerFailed(CapacityError):
+    """The worker serving the request died or failed; the request did not complete."""
+
+    type = "worker_failed"
+    code = "worker_failed"
+
+
+class AllocationFailed(WorkerFailed):
+    """The device refused the request's memory before generation started."""
+
+    code = "allocation_failed"
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """What ``to_http`` produces: status, OpenAI-shaped body and extra headers."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+def to_http(exc: BaseException) -> HttpError:
+    """Map any exception to an OpenAI-shaped HTTP error. The only such mapping."""
+    if not isinstance(exc, SpilloverError):
+        exc = SpilloverError(f"internal error: {type(exc).__name__}")
+    headers: dict[str, str] = {}
+    if isinstance(exc, CapacityError):
+        retry_s = max(0.0, exc.retry_after_s)
+        headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
+        headers["retry-after-ms"] = str(int(retry_s * 1000))
+    body = {
+        "error": {
+            "message": exc.message,
+            "type": exc.type,
+            "param": exc.param,
+            "code": exc.code,
+        }
+    }
+    return HttpError(status=exc.status, body=body, headers=headers)

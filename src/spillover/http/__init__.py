@@ -1,0 +1,1 @@
+"""HTTP: the app factory, OpenAI schemas, routes and the status page."""

@@ -1,0 +1,238 @@
+"""Validation of OpenAI-shaped request bodies into frozen values.
+
+Bad input raises ``InvalidRequest`` with ``param`` naming the field; nothing invalid
+gets past this module (and so nothing invalid is ever queued or journaled).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from spillover.errors import InvalidRequest
+
+__all__ = ["GenerationRequest", "parse_chat", "parse_completion"]
+
+MAX_STOPS = 4
+MAX_MESSAGES = 1024
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated chat or text completion request."""
+
+    kind: str  # "chat" | "text"
+    model: str
+    stream: bool
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    include_usage: bool
+    allow_shrink: bool
+    messages: tuple[dict[str, Any], ...] = ()
+    prompt: str = ""
+    tools: tuple[dict[str, Any], ...] = ()
+    forced_tool: str | None = None  # a named function, or "*" for "required"
+    user: str | None = None
+
+
+def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise InvalidRequest(f"'{name}' must be a number", param=name)
+    if not lo <= float(v) <= hi:
+        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}", param=name)
+    return float(v)
+
+
+def _int_opt(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequest(f"'{name}' must be an integer", param=name)
+    if not lo <= v <= hi:
+        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}", param=name)
+    return v
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise InvalidRequest("'stop' must be a non-empty string or a list of them", param="stop")
+    if len(v) > MAX_STOPS:
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOPS} sequences", param="stop")
+    return tuple(v)
+
+
+def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
+    model = body.get("model", default_model)
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    n = body.get("n", 1)
+    if n != 1:
+        raise InvalidRequest("only n=1 is supported", param="n")
+    so = body.get("stream_options") or {}
+    if not isinstance(so, dict):
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    ext = body.get("spillover") or {}
+    if not isinstance(ext, dict):
+        raise InvalidRequest("'spillover' must be an object", param="spillover")
+    allow_shrink = ext.get("allow_shrink", False)
+    if not isinstance(allow_shrink, bool):
+        raise InvalidRequest("'spillover.allow_shrink' must be a boolean", param="spillover.allow_shrink")
+    max_tokens = _int_opt(body, "max_completion_tokens", 1, 1 << 20)
+    if max_tokens is None:
+        max_tokens = _int_opt(body, "max_tokens", 1, 1 << 20)
+    user = body.get("user")
+    return {
+        "model": model,
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _num(body, "top_p", 1.0, 0.0, 1.0),
+        "seed": _int_opt(body, "seed", -(1 << 63), (1 << 63) - 1),
+        "stop": _stops(body),
+        "include_usage": bool(so.get("include_usage", False)),
+        "allow_shrink": allow_shrink,
+        "user": user if isinstance(user, str) else None,
+    }
+
+
+def _content(m: dict[str, Any], i: int) -> str | None:
+    c = m.get("content")
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise InvalidRequest("only text content parts are supported", param=f"messages[{i}].content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise InvalidRequest("'content' must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise InvalidRequest("each message must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise InvalidRequest(f"unknown role {role!r}", param=f"messages[{i}].role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list):
+                raise InvalidRequest("'tool_calls' must be an array", param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = calls
+            if msg["content"] is None:
+                msg["content"] = "".join(
+                    json.dumps({"name": c.get("function", {}).get("name"),
+                                "arguments": c.get("function", {}).get("arguments")})
+                    for c in calls if isinstance(c, dict)
+                )
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise InvalidRequest("tool messages need 'tool_call_id'", param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if msg["content"] is None:
+            if role != "assistant":
+                raise InvalidRequest("'content' is required", param=f"messages[{i}].content")
+            msg["content"] = ""
+        out.append(msg)
+    return tuple(out)
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None]:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+        return (), None
+    if not isinstance(tools, list) or not tools:
+        raise InvalidRequest("'tools' must be a non-empty array", param="tools")
+    names = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise InvalidRequest("each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest("a function needs a 'name'", param=f"tools[{i}].function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise InvalidRequest("'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters")
+        names.add(fn["name"])
+    forced: str | None = None
+    if choice in (None, "auto", "none"):
+        forced = None
+    elif choice == "required":
+        forced = "*"
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise InvalidRequest(f"tool_choice names unknown function {name!r}", param="tool_choice")
+        forced = name
+    else:
+        raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
+    return tuple(tools), forced
+
+
+def parse_chat(body: Any, default_model: str) -> GenerationRequest:
+    """Validate a /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    common = _common(body, default_model)
+    tools, forced = _tools(body)
+    return GenerationRequest(kind="chat", messages=_messages(body), tools=tools, forced_tool=forced, **common)
+
+
+def parse_completion(body: Any, default_model: str) -> GenerationRequest:
+    """Validate a /v1/completions body."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    common = _common(body, default_model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidRequest("'prompt' must be a string (batches are not supported)", param="prompt")
+    return GenerationRequest(kind="text", prompt=prompt, **common)
+
+
+def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any]:
+    """JSON schema the constrained output must follow for a forced tool call."""
+    def params(t: dict[str, Any]) -> dict[str, Any]:
+        p = dict(t["function"].get("parameters") or {"type": "object", "properties": {}})
+        p.setdefault("type", "object")
+        return p
+
+    chosen = [t for t in tools if forced == "*" or t["function"]["name"] == forced]
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "arguments": params(t)},
+            "required": ["name", "arguments"],
+        }
+        for t in chosen
+    ]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}

@@ -1,0 +1,1 @@
+"""The gateway's asyncio side: worker channel, supervisor, scheduler loop."""

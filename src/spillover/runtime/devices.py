@@ -1,0 +1,95 @@
+"""Device discovery and observation: sim ledger file or NVML, read off the event loop."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from spillover.engine.sim import MIB, SimDevice
+
+__all__ = ["DeviceReading", "GpuDevice", "cuda_available"]
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One observation of a device."""
+
+    used_bytes: int
+    capacity_bytes: int
+    epoch: int = 0
+    alloc_failures: int = 0
+    hang: bool = False
+
+
+def cuda_available(index: int = 0) -> bool:
+    """True when NVML sees GPU ``index`` and llama.cpp was built with GPU offload."""
+    try:
+        import llama_cpp
+        import pynvml
+
+        if not llama_cpp.llama_supports_gpu_offload():
+            return False
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()) > index
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+class GpuDevice:
+    """The GPU lane's device: ``sim:<mib>`` or ``cuda:N``."""
+
+    def __init__(self, kind: str, index_or_mib: int, state_dir: str) -> None:
+        self.kind = kind
+        self.sim: SimDevice | None = None
+        self.index = 0
+        self._nvml_handle: object | None = None
+        if kind == "sim":
+            self.sim = SimDevice(state_dir, "sim0")
+            self.spec = f"sim:{index_or_mib}"
+            self.initial_capacity_bytes = index_or_mib * MIB
+        else:
+            self.index = index_or_mib
+            self.spec = f"cuda:{index_or_mib}"
+            self.initial_capacity_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"<GpuDevice {self.spec}>"
+
+    def init(self) -> None:
+        """Create the sim ledger (fresh) or open NVML."""
+        if self.sim is not None:
+            self.sim.create(self.initial_capacity_bytes)
+            return
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+        self.initial_capacity_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle).total)
+
+    def read(self) -> DeviceReading:
+        """A blocking reading; call it in a thread."""
+        if self.sim is not None:
+            snap = self.sim.snapshot()
+            return DeviceReading(
+                snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang
+            )
+        import pynvml
+
+        info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)
+        return DeviceReading(int(info.used), int(info.total))
+
+    def held_by(self, pid: int) -> int:
+        """Bytes a process still holds on the device (sim only; NVML: 0 once it is dead)."""
+        if self.sim is not None:
+            return self.sim.snapshot().used_by_pid(pid)
+        return 0
+
+    def close(self) -> None:
+        if self._nvml_handle is not None:
+            import pynvml
+
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()

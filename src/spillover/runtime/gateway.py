@@ -1,0 +1,230 @@
+"""The gateway process's runtime: wires config, devices, workers, supervisors and scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+from spillover.config import Config, parse_device
+from spillover.core.admission import AdmissionPolicy
+from spillover.core.breaker import BreakerPolicy
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.runtime.devices import GpuDevice, cuda_available
+from spillover.runtime.scheduler import Scheduler
+from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.worker_client import WorkerSpec, WorkerState
+
+__all__ = ["Gateway", "resolve_gpu"]
+
+log = logging.getLogger("spillover.gateway")
+OBSERVE_INTERVAL_S = 0.1
+
+
+def resolve_gpu(cfg: Config) -> tuple[str, int] | None:
+    """(kind, n) of the GPU lane's device, or None when there is no GPU lane."""
+    kind, n = parse_device(cfg.device.gpu)
+    if kind in ("none", "cpu"):
+        return None
+    if kind == "auto":
+        return ("cuda", 0) if cuda_available(0) else ("sim", cfg.device.sim_capacity_mib)
+    return kind, n
+
+
+class Gateway:
+    """Everything behind the HTTP API. ``start()`` then ``stop()``."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.model_path = cfg.model_path()
+        self.started_s = time.monotonic()
+        self.tokenizer: Any = None
+        self.spec: ModelSpec | None = None
+        self.memory: MemoryModel | None = None
+        self.device: GpuDevice | None = None
+        self.ledger: DeviceLedger | None = None
+        self.scheduler: Scheduler | None = None
+        self.supervisors: list[Supervisor] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.device_epoch = 0
+        self.alloc_failures = 0
+        self.device_hang = False
+        self.events: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"<Gateway model={self.cfg.model.name} device={self.device}>"
+
+    # -- life ----------------------------------------------------------------------
+    async def start(self) -> None:
+        from spillover.engine.gguf_meta import read_model_spec
+        from spillover.engine.llama_engine import Tokenizer
+
+        state = self.cfg.state_path()
+        state.mkdir(parents=True, exist_ok=True)
+        self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
+        self.spec = await asyncio.to_thread(read_model_spec, self.model_path)
+        a = self.cfg.admission
+        self.memory = MemoryModel(
+            self.spec,
+            page_tokens=a.kv_page_tokens,
+            fragmentation_ratio=a.fragmentation_ratio,
+            n_ubatch=self.cfg.gpu_lane.n_batch_tokens,
+        )
+        gpu = resolve_gpu(self.cfg)
+        policy = None
+        if gpu is not None:
+            self.device = GpuDevice(gpu[0], gpu[1], str(state))
+            await asyncio.to_thread(self.device.init)
+            self.ledger = DeviceLedger(
+                device=self.device.spec,
+                capacity_bytes=self.device.initial_capacity_bytes,
+                margin_bytes=self.cfg.device.margin_mib * 1024 * 1024,
+                freshness_s=a.observed_freshness_s,
+            )
+            policy = AdmissionPolicy(
+                memory=self.memory,
+                delay_max_s=a.delay_max_s,
+                allow_cpu_route=a.allow_cpu_route,
+                breaker=BreakerPolicy(),
+            )
+            log.info(
+                "GPU lane on %s%s", self.device.spec,
+                " (simulated accelerator: no GPU found)" if gpu[0] == "sim" else "",
+            )
+        else:
+            log.info("no GPU lane (device.gpu=%s): CPU only", self.cfg.device.gpu)
+        self.scheduler = Scheduler(
+            gpu_lane=self.cfg.gpu_lane if gpu else None,
+            cpu_lane=self.cfg.cpu_lane,
+            ledger=self.ledger,
+            policy=policy,
+        )
+        if gpu is not None and self.device is not None:
+            spec = self._worker_spec("gpu0", "gpu", self.device.spec)
+            sup = Supervisor(spec, self.cfg.supervisor, device=self.device, on_change=self._worker_event)
+            self.supervisors.append(sup)
+            self.scheduler.gpu_workers.append(sup.worker)
+        spec = self._worker_spec("cpu0", "cpu", "cpu")
+        sup = Supervisor(spec, self.cfg.supervisor, on_change=self._worker_event)
+        self.supervisors.append(sup)
+        self.scheduler.cpu_workers.append(sup.worker)
+        for s in self.supervisors:
+            self._tasks.append(asyncio.create_task(s.run(), name=f"sup-{s.worker.spec.worker_id}"))
+        self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
+        if self.device is not None:
+            self._tasks.append(asyncio.create_task(self._observe_loop(), name="observe"))
+
+    def _worker_spec(self, wid: str, lane: str, device: str) -> WorkerSpec:
+        lc = self.cfg.gpu_lane if lane == "gpu" else self.cfg.cpu_lane
+        assert self.memory is not None
+        weights = self.memory.weights_bytes() if device.startswith("sim") else 0
+        return WorkerSpec(
+            worker_id=wid,
+            lane=lane,
+            device=device,
+            model_path=self.model_path,
+            state_dir=str(self.cfg.state_path()),
+            slots=lc.slots,
+            n_ctx=lc.ctx_cap_tokens,
+            n_threads=lc.n_threads,
+            n_batch=lc.n_batch_tokens,
+            weights_bytes=weights,
+        )
+
+    def _worker_event(self, worker: Any, what: str) -> None:
+        self.events.append({"t_s": round(time.monotonic() - self.started_s, 3),
+                            "worker": worker.spec.worker_id, "event": what})
+        del self.events[:-100]
+        if self.ledger is not None and worker.spec.lane == "gpu":
+            holder = f"weights:{worker.spec.worker_id}"
+            now = time.monotonic()
+            if what == "starting" and not self.ledger.holds(holder):
+                self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")
+            elif what.startswith(("died", "failed")) and self.ledger.holds(holder):
+                self.ledger.release(holder)
+        if self.scheduler is not None:
+            self.scheduler.kick()
+
+    async def _observe_loop(self) -> None:
+        assert self.device is not None and self.ledger is not None and self.scheduler is not None
+        while True:
+            try:
+                r = await asyncio.to_thread(self.device.read)
+                self.ledger.observe(r.used_bytes, time.monotonic(), r.capacity_bytes)
+                self.device_epoch, self.alloc_failures, self.device_hang = r.epoch, r.alloc_failures, r.hang
+                self.scheduler.kick()
+            except Exception as exc:  # a failed reading goes stale; admission stops trusting it
+                log.warning("device reading failed: %s", exc)
+            await asyncio.sleep(OBSERVE_INTERVAL_S)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for s in self.supervisors:
+            await s.stop()
+        if self.device is not None:
+            self.device.close()
+
+    # -- readiness and status --------------------------------------------------------
+    def ready(self) -> bool:
+        """At least one worker for the model can serve."""
+        return any(s.worker.state is WorkerState.READY for s in self.supervisors)
+
+    def status(self) -> dict[str, Any]:
+        """The /v1/status document."""
+        now = time.monotonic()
+        sched = self.scheduler
+        workers = [asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in self.supervisors]
+        gpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] == "gpu")
+        cpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] == "cpu")
+        breaker = sched.breaker.circuit.value if sched else "closed"
+        reasons = []
+        if self.device is not None and not gpu_ready:
+            reasons.append("gpu worker not ready")
+        if breaker != "closed":
+            reasons.append(f"gpu breaker {breaker}")
+        if self.device is None:
+            reasons.append("no gpu lane")
+        if not (gpu_ready or cpu_ready):
+            mode = "unavailable"
+        elif reasons:
+            mode = "degraded"
+        else:
+            mode = "normal"
+        device: dict[str, Any] | None = None
+        if self.device is not None and self.ledger is not None:
+            device = {
+                "spec": self.device.spec,
+                "kind": self.device.kind,
+                "simulated": self.device.kind == "sim",
+                "epoch": self.device_epoch,
+                "alloc_failures": self.alloc_failures,
+                "hang": self.device_hang,
+                "ledger": asdict(self.ledger.statistics(now)),
+            }
+        return {
+            "object": "spillover.status",
+            "mode": mode,
+            "reasons": reasons,
+            "model": self.cfg.model.name,
+            "model_path": self.model_path,
+            "device": device,
+            "note": (
+                "GPU lane runs on a simulated accelerator (sim): no GPU was found"
+                if self.device is not None and self.device.kind == "sim" else None
+            ),
+            "breaker": asdict(sched.breaker) | {"circuit": breaker} if sched else None,
+            "lanes": [asdict(x) for x in sched.statistics()] if sched else [],
+            "workers": workers,
+            "recent_decisions": list(sched.decisions)[-20:] if sched else [],
+            "decision_counts": dict(sched.decision_counts) if sched else {},
+            "events": self.events[-20:],
+            "uptime_s": round(now - self.started_s, 3),
+        }

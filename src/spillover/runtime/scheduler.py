@@ -1,0 +1,306 @@
+"""The scheduler loop: bounded lanes, admission decisions, dispatch to worker slots.
+
+Every request enters the GPU lane (or the CPU lane when there is no GPU). The pump asks
+``core.admission.decide`` for each waiting GPU job and executes the decision: reserve
+pages and dispatch, wait, move to the CPU lane, or reject. A full queue answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spillover.config import LaneConfig
+from spillover.core.admission import (
+    Admit,
+    AdmissionPolicy,
+    AdmissionRequest,
+    Decision,
+    Delay,
+    LaneView,
+    Reject,
+    Route,
+    Shrink,
+    decide,
+)
+from spillover.core.breaker import BreakerEvent, BreakerState, advance
+from spillover.core.ledger import DeviceLedger
+from spillover.errors import CapacityError, QueueFull
+from spillover.runtime.worker_client import WorkerClient, WorkerState
+
+__all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
+
+
+@dataclass
+class Job:
+    """One request waiting for a slot."""
+
+    rid: str
+    prompt_tokens: int
+    max_tokens: int
+    arrived_s: float
+    allow_shrink: bool = False
+    lane: str = "gpu"
+    enqueued_s: float = 0.0
+    future: asyncio.Future[Dispatch] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    last_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where a job runs and under which limits."""
+
+    worker: WorkerClient
+    route: str  # gpu | cpu
+    reason: str
+    max_tokens: int
+    kv_tokens: int
+    reserve_bytes: int
+    shrunk: bool
+    queued_s: float
+
+
+@dataclass(frozen=True)
+class LaneStatistics:
+    """Frozen snapshot of one lane."""
+
+    lane: str
+    depth: int
+    max_depth: int
+    oldest_age_s: float
+    running: int
+    slots: int
+    ctx_cap_tokens: int
+    admitted_total: int
+    shed_total: int
+    expired_total: int
+
+
+class _Lane:
+    def __init__(self, name: str, cfg: LaneConfig) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.queue: deque[Job] = deque()
+        self.admitted_total = 0
+        self.shed_total = 0
+        self.expired_total = 0
+
+    def free(self) -> int:
+        return self.cfg.queue_depth - len(self.queue)
+
+
+class Scheduler:
+    """Owns the lanes, the GPU ledger and breaker, and assigns jobs to workers."""
+
+    def __init__(
+        self,
+        *,
+        gpu_lane: LaneConfig | None,
+        cpu_lane: LaneConfig,
+        ledger: DeviceLedger | None,
+        policy: AdmissionPolicy | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.gpu = _Lane("gpu", gpu_lane) if gpu_lane else None
+        self.cpu = _Lane("cpu", cpu_lane)
+        self.ledger = ledger
+        self.policy = policy
+        self.breaker = BreakerState()
+        self.gpu_workers: list[WorkerClient] = []
+        self.cpu_workers: list[WorkerClient] = []
+        self._wake = asyncio.Event()
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=50)
+        self.decision_counts: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        g = len(self.gpu.queue) if self.gpu else "-"
+        return f"<Scheduler gpu_q={g} cpu_q={len(self.cpu.queue)} breaker={self.breaker.circuit.value}>"
+
+    # -- entry ---------------------------------------------------------------------
+    def submit_nowait(self, job: Job) -> None:
+        """Queue a job, or raise QueueFull at once."""
+        lane = self.gpu if self.gpu is not None else self.cpu
+        if lane.free() <= 0:
+            lane.shed_total += 1
+            raise QueueFull(
+                f"the {lane.name} queue is full ({lane.cfg.queue_depth} waiting)",
+                retry_after_s=self._retry_after_s(),
+            )
+        job.lane = lane.name
+        job.enqueued_s = self.clock()
+        lane.queue.append(job)
+        self.kick()
+
+    def withdraw(self, job: Job) -> None:
+        """Remove a job that is still queued (its client went away)."""
+        for lane in (self.gpu, self.cpu):
+            if lane is not None and job in lane.queue:
+                lane.queue.remove(job)
+        self.kick()
+
+    def kick(self) -> None:
+        """Wake the pump."""
+        self._wake.set()
+
+    def queue_position(self, job: Job) -> int:
+        """1-based position of a job in its lane (0 when not queued)."""
+        for lane in (self.gpu, self.cpu):
+            if lane is not None and job in lane.queue:
+                return list(lane.queue).index(job) + 1
+        return 0
+
+    # -- completion ----------------------------------------------------------------
+    def finished(self, rid: str, d: Dispatch, outcome: str) -> None:
+        """Return a job's reservation and feed the breaker (``ok`` | ``failed`` | ``severe``)."""
+        if d.route == "gpu" and self.ledger is not None and self.ledger.holds(rid):
+            self.ledger.release(rid)
+        if d.route == "gpu" and self.policy is not None:
+            ev = {
+                "ok": BreakerEvent.SUCCESS,
+                "failed": BreakerEvent.FAILURE,
+                "severe": BreakerEvent.SEVERE_FAILURE,
+            }.get(outcome)
+            if ev is not None:
+                self.breaker = advance(self.breaker, ev, self.clock(), self.policy.breaker)
+        self.kick()
+
+    # -- the pump ------------------------------------------------------------------
+    async def run(self) -> None:
+        """Decide and dispatch until cancelled; wakes on events and every 20 ms."""
+        while True:
+            self._wake.clear()
+            self.pump_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.02)
+
+    def lane_view(self) -> LaneView:
+        gpu_ready = any(w.state is WorkerState.READY for w in self.gpu_workers)
+        cpu_ready = any(w.state is WorkerState.READY for w in self.cpu_workers)
+        return LaneView(
+            gpu_ready=gpu_ready,
+            gpu_free_slots=sum(w.free_slots for w in self.gpu_workers),
+            gpu_ctx_cap_tokens=self.gpu.cfg.ctx_cap_tokens if self.gpu else 0,
+            cpu_ready=cpu_ready,
+            cpu_queue_free=self.cpu.free(),
+            cpu_ctx_cap_tokens=self.cpu.cfg.ctx_cap_tokens,
+            cpu_retry_after_s=self._retry_after_s(),
+        )
+
+    def pump_once(self) -> None:
+        """One pass: expire old jobs, decide GPU jobs, dispatch CPU jobs."""
+        now = self.clock()
+        if self.policy is not None:
+            self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.policy.breaker)
+        for lane in (self.gpu, self.cpu):
+            if lane is None:
+                continue
+            for job in [j for j in lane.queue if now - j.enqueued_s > lane.cfg.queue_max_age_s]:
+                lane.queue.remove(job)
+                lane.expired_total += 1
+                self._fail(job, CapacityError(
+                    f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue",
+                    retry_after_s=self._retry_after_s(), code="queue_timeout"))
+            for job in [j for j in lane.queue if j.future.done()]:
+                lane.queue.remove(job)
+        if self.gpu is not None and self.ledger is not None and self.policy is not None:
+            for job in list(self.gpu.queue):
+                self._decide_gpu(job, now)
+        self._dispatch_cpu(now)
+
+    def _record(self, job: Job, d: Decision, now: float) -> None:
+        name = type(d).__name__.lower()
+        self.decision_counts[f"{name}:{d.reason}"] = self.decision_counts.get(f"{name}:{d.reason}", 0) + 1
+        if isinstance(d, Delay) and job.last_reason == d.reason:
+            return
+        job.last_reason = d.reason
+        self.decisions.append(
+            {"t_s": round(now, 3), "rid": job.rid, "decision": name, "reason": d.reason, "route": d.route}
+        )
+
+    def _decide_gpu(self, job: Job, now: float) -> None:
+        assert self.gpu is not None and self.ledger is not None and self.policy is not None
+        req = AdmissionRequest(
+            request_id=job.rid,
+            prompt_tokens=job.prompt_tokens,
+            max_tokens=job.max_tokens,
+            arrived_s=job.arrived_s,
+            allow_shrink=job.allow_shrink,
+        )
+        d = decide(req, self.ledger, self.lane_view(), self.breaker, now, self.policy)
+        self._record(job, d, now)
+        if isinstance(d, Admit | Shrink):
+            worker = next((w for w in self.gpu_workers if w.free_slots > 0), None)
+            if worker is None or self.ledger.reserve_nowait(job.rid, d.nbytes, now) is None:
+                return
+            if self.breaker.circuit.value == "half_open":
+                self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.policy.breaker)
+            self.gpu.queue.remove(job)
+            self.gpu.admitted_total += 1
+            max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
+            worker.claim_slot(job.rid)
+            job.future.set_result(
+                Dispatch(worker, "gpu", d.reason, max_tokens, d.kv_tokens, d.nbytes,
+                         isinstance(d, Shrink), now - job.enqueued_s)
+            )
+        elif isinstance(d, Route):
+            self.gpu.queue.remove(job)
+            job.lane = "cpu"
+            job.last_reason = d.reason
+            self.cpu.queue.append(job)
+        elif isinstance(d, Reject):
+            self.gpu.queue.remove(job)
+            self.gpu.shed_total += 1
+            self._fail(job, CapacityError(
+                f"no capacity for this request now ({d.reason})",
+                retry_after_s=d.retry_after_s, code=d.reason.split("+")[-1]))
+        # Delay: leave it queued; the pump asks again.
+
+    def _dispatch_cpu(self, now: float) -> None:
+        while self.cpu.queue:
+            worker = next((w for w in self.cpu_workers if w.free_slots > 0), None)
+            if worker is None:
+                return
+            job = self.cpu.queue.popleft()
+            self.cpu.admitted_total += 1
+            worker.claim_slot(job.rid)
+            reason = job.last_reason or "cpu_lane"
+            job.future.set_result(
+                Dispatch(worker, "cpu", reason, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, 0,
+                         False, now - job.enqueued_s)
+            )
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        if not job.future.done():
+            job.future.set_exception(exc)
+            job.future.exception()
+
+    def _retry_after_s(self) -> float:
+        return max(1.0, self.breaker.retry_after_s(self.clock()))
+
+    def statistics(self) -> list[LaneStatistics]:
+        now = self.clock()
+        out = []
+        for lane, workers in ((self.gpu, self.gpu_workers), (self.cpu, self.cpu_workers)):
+            if lane is None:
+                continue
+            out.append(
+                LaneStatistics(
+                    lane=lane.name,
+                    depth=len(lane.queue),
+                    max_depth=lane.cfg.queue_depth,
+                    oldest_age_s=round(now - lane.queue[0].enqueued_s, 3) if lane.queue else 0.0,
+                    running=sum(w.busy for w in workers),
+                    slots=sum(w.spec.slots for w in workers),
+                    ctx_cap_tokens=lane.cfg.ctx_cap_tokens,
+                    admitted_total=lane.admitted_total,
+                    shed_total=lane.shed_total,
+                    expired_total=lane.expired_total,
+                )
+            )
+        return out

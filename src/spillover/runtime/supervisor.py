@@ -1,0 +1,127 @@
+"""The supervisor: start a worker, watch its health, restart it with capped back-off.
+
+Rules:
+
+1. A worker that dies is restarted after ``backoff`` seconds; the back-off doubles on each
+   death up to ``restart_backoff_max_s`` and resets after 30 s of healthy running.
+2. Before reloading a GPU worker it waits (bounded by ``release_wait_s``) until the device
+   shows the dead process's memory released.
+3. A worker whose pings go unanswered for ``health_timeout_s`` is killed (then restarted).
+4. Nothing here touches another worker or lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from spillover.config import SupervisorConfig
+from spillover.runtime.devices import GpuDevice
+from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec, WorkerState
+
+__all__ = ["Supervisor"]
+
+log = logging.getLogger("spillover.supervisor")
+HEALTHY_RESET_S = 30.0
+
+
+class Supervisor:
+    """Keeps one worker running."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        cfg: SupervisorConfig,
+        *,
+        device: GpuDevice | None = None,
+        on_change: Callable[[WorkerClient, str], None] = lambda w, e: None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self._on_change = on_change
+        self._exited = asyncio.Event()
+        self.worker = WorkerClient(spec, self._worker_exited)
+        self.restarts = 0
+        self.backoff_s = cfg.restart_backoff_initial_s
+        self.events: list[tuple[float, str]] = []
+        self._stopping = False
+
+    def __repr__(self) -> str:
+        return f"<Supervisor {self.worker.spec.worker_id} restarts={self.restarts}>"
+
+    def _event(self, what: str) -> None:
+        self.events.append((time.monotonic(), what))
+        del self.events[:-50]
+        log.info("worker %s: %s", self.worker.spec.worker_id, what)
+        self._on_change(self.worker, what)
+
+    def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:
+        self._exited.set()
+        if not self._stopping:
+            self._event(f"died ({gone.kind}: {gone.message})")
+
+    async def run(self) -> None:
+        """Start, watch and restart the worker until cancelled."""
+        while not self._stopping:
+            self._exited.clear()
+            pid_before = self.worker.pid
+            if pid_before is not None and self.device is not None:
+                await self._wait_released(pid_before)
+            try:
+                self._event("starting")
+                info = await self.worker.start(self.cfg.load_timeout_s)
+                self._event(f"ready pid={info.get('pid')}")
+            except Exception as exc:
+                self._event(f"failed to start: {exc}")
+                await self._exited.wait()
+                await self._sleep_backoff(0.0)
+                continue
+            up_since = time.monotonic()
+            health = asyncio.create_task(self._health_loop(), name="health")
+            try:
+                await self._exited.wait()
+            finally:
+                health.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await health
+            if self._stopping:
+                return
+            self.restarts += 1
+            await self._sleep_backoff(time.monotonic() - up_since)
+
+    async def _sleep_backoff(self, up_for_s: float) -> None:
+        if up_for_s >= HEALTHY_RESET_S:
+            self.backoff_s = self.cfg.restart_backoff_initial_s
+        delay = self.backoff_s
+        self.backoff_s = min(self.cfg.restart_backoff_max_s, self.backoff_s * 2)
+        self._event(f"restarting in {delay:.2f}s")
+        await asyncio.sleep(delay)
+
+    async def _wait_released(self, pid: int) -> None:
+        assert self.device is not None
+        deadline = time.monotonic() + self.cfg.release_wait_s
+        while time.monotonic() < deadline:
+            held = await asyncio.to_thread(self.device.held_by, pid)
+            if held == 0:
+                return
+            await asyncio.sleep(0.05)
+        self._event(f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s")
+
+    async def _health_loop(self) -> None:
+        w = self.worker
+        while w.state is WorkerState.READY:
+            await w.ping()
+            await asyncio.sleep(self.cfg.health_interval_s)
+            age = time.monotonic() - (w.last_pong_s or 0.0)
+            if age > self.cfg.health_timeout_s:
+                self._event(f"no pong for {age:.1f}s: killing")
+                await w.kill()
+                return
+
+    async def stop(self) -> None:
+        """Stop the worker for good."""
+        self._stopping = True
+        await self.worker.stop()

@@ -1,0 +1,287 @@
+"""Gateway side of the worker channel: spawn a worker process, talk JSON lines to it.
+
+A worker's death is an event (``on_exit``), never a gateway crash: every request in
+flight on it receives a ``WorkerGone`` item and its caller turns that into a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = ["WorkerClient", "WorkerGone", "WorkerSpec", "WorkerState", "WorkerStatistics"]
+
+_LINE_LIMIT = 8 * 1024 * 1024
+
+
+class WorkerState(str, Enum):
+    """Life of one worker process, as the gateway sees it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to start one worker."""
+
+    worker_id: str
+    lane: str  # "gpu" | "cpu"
+    device: str  # "cpu" | "cuda:N" | "sim:<mib>"
+    model_path: str
+    state_dir: str
+    slots: int
+    n_ctx: int
+    n_threads: int
+    n_batch: int
+    weights_bytes: int = 0
+    sim_name: str = "sim0"
+
+    def argv(self) -> list[str]:
+        """Command line of the worker process."""
+        return [
+            sys.executable,
+            "-m",
+            "spillover.engine.worker",
+            "--worker-id", self.worker_id,
+            "--model", self.model_path,
+            "--device", self.device,
+            "--sim-name", self.sim_name,
+            "--state-dir", self.state_dir,
+            "--slots", str(self.slots),
+            "--n-ctx", str(self.n_ctx),
+            "--n-threads", str(self.n_threads),
+            "--n-batch", str(self.n_batch),
+            "--weights-bytes", str(self.weights_bytes),
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    """Queued to every in-flight request when the worker process ends."""
+
+    kind: str  # "exited" | "device_lost" | ...
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    """Frozen snapshot for /v1/status and tests."""
+
+    worker_id: str
+    lane: str
+    device: str
+    state: str
+    pid: int | None
+    slots: int
+    busy: int
+    starts: int
+    exits: int
+    last_exit: str | None
+    last_pong_age_s: float | None
+    progress_tokens: int
+    fingerprint: dict[str, str] | None
+    info: dict[str, Any] | None
+
+
+class WorkerClient:
+    """One worker process and its channel. Restarting is the supervisor's job."""
+
+    def __init__(self, spec: WorkerSpec, on_exit: Callable[[WorkerClient, WorkerGone], None]):
+        self.spec = spec
+        self.state = WorkerState.STOPPED
+        self._on_exit = on_exit
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._streams: dict[str, asyncio.Queue[dict[str, Any] | WorkerGone]] = {}
+        self._claimed: set[str] = set()
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self.info: dict[str, Any] | None = None
+        self.starts = 0
+        self.exits = 0
+        self.last_exit: str | None = None
+        self.last_pong_s: float | None = None
+        self.progress = 0
+        self._ping_seq = 0
+        self._last_fatal: WorkerGone | None = None
+
+    def __repr__(self) -> str:
+        return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def busy(self) -> int:
+        return len(self._claimed)
+
+    def claim_slot(self, rid: str) -> None:
+        """Hold a slot for ``rid`` from dispatch until ``release_slot``."""
+        if self.free_slots <= 0:
+            raise RuntimeError(f"{self.spec.worker_id} has no free slot")
+        self._claimed.add(rid)
+
+    def release_slot(self, rid: str) -> None:
+        """Give back the slot held for ``rid`` (no-op if already gone)."""
+        self._claimed.discard(rid)
+
+    @property
+    def free_slots(self) -> int:
+        if self.state is not WorkerState.READY:
+            return 0
+        return max(0, self.spec.slots - len(self._claimed))
+
+    async def start(self, timeout_s: float) -> dict[str, Any]:
+        """Spawn the process and wait (bounded) for its ``ready`` event."""
+        self.state = WorkerState.STARTING
+        self.starts += 1
+        self._last_fatal = None
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.spec.argv(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=None,
+            limit=_LINE_LIMIT,
+            start_new_session=True,
+        )
+        self._reader = asyncio.create_task(self._read_loop(self._proc), name=f"read-{self.spec.worker_id}")
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except TimeoutError:
+            await self.kill()
+            raise
+        self.info = info
+        self.state = WorkerState.READY
+        self.last_pong_s = time.monotonic()
+        return info
+
+    async def _read_loop(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        try:
+            while True:
+                line = await proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                self._dispatch(msg)
+        finally:
+            rc = await proc.wait()
+            gone = self._last_fatal or WorkerGone("exited", f"worker exited with code {rc}")
+            self.state = WorkerState.DEAD if self.state is not WorkerState.STOPPED else self.state
+            self.exits += 1
+            self.last_exit = f"{gone.kind}: {gone.message}"
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(RuntimeError(self.last_exit))
+                self._ready.exception()  # mark retrieved; start() re-raises through wait_for
+            for q in self._streams.values():
+                q.put_nowait(gone)
+            self._streams.clear()
+            self._claimed.clear()
+            self._on_exit(self, gone)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        ev = msg.get("ev")
+        if ev == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg.get("info") or {})
+        elif ev == "pong":
+            self.last_pong_s = time.monotonic()
+            self.progress = int(msg.get("progress") or 0)
+        elif ev == "fatal":
+            self._last_fatal = WorkerGone(str(msg.get("kind")), str(msg.get("message")))
+        else:
+            q = self._streams.get(str(msg.get("rid")))
+            if q is not None:
+                q.put_nowait(msg)
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdin.is_closing():
+            raise ConnectionError("worker channel closed")
+        proc.stdin.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        await asyncio.wait_for(proc.stdin.drain(), 5.0)
+
+    async def generate(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any] | WorkerGone]:
+        """Send one ``generate`` op; yield its events until done/error or the worker's end."""
+        rid = str(job["rid"])
+        q: asyncio.Queue[dict[str, Any] | WorkerGone] = asyncio.Queue()
+        if self.state is not WorkerState.READY:
+            yield WorkerGone("not_ready", f"worker {self.spec.worker_id} is {self.state.value}")
+            return
+        self._streams[rid] = q
+        finished = False
+        try:
+            try:
+                await self._send({"op": "generate", **job})
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                yield WorkerGone("exited", f"cannot reach worker: {exc}")
+                finished = True
+                return
+            while True:
+                item = await q.get()
+                yield item
+                if isinstance(item, WorkerGone) or item.get("ev") in ("done", "error"):
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            self._claimed.discard(rid)
+            if not finished:
+                with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+                    await self._send({"op": "cancel", "rid": rid})
+
+    async def ping(self) -> None:
+        """Send a health ping; the pong updates ``last_pong_s``."""
+        self._ping_seq += 1
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+            await self._send({"op": "ping", "seq": self._ping_seq})
+
+    async def kill(self) -> None:
+        """SIGKILL the process (used on stop, load time-outs and hangs)."""
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+    async def stop(self) -> None:
+        """Stop for good: close the channel, kill, and wait for the reader to finish."""
+        self.state = WorkerState.STOPPED
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
+        await self.kill()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._reader, 5.0)
+
+    def statistics(self) -> WorkerStatistics:
+        age = None if self.last_pong_s is None else time.monotonic() - self.last_pong_s
+        return WorkerStatistics(
+            worker_id=self.spec.worker_id,
+            lane=self.spec.lane,
+            device=self.spec.device,
+            state=self.state.value,
+            pid=self.pid,
+            slots=self.spec.slots,
+            busy=self.busy,
+            starts=self.starts,
+            exits=self.exits,
+            last_exit=self.last_exit,
+            last_pong_age_s=None if age is None else round(age, 3),
+            progress_tokens=self.progress,
+            fingerprint=(self.info or {}).get("fingerprint"),
+            info=self.info,
+        )
