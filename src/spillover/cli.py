@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from spillover.config import Config, describe_fields, env_api_key, load_config
+from spillover.config import describe_fields, env_api_key, load_config
 from spillover.errors import ConfigError
 
 __all__ = ["main"]
@@ -21,8 +21,13 @@ MIB = 1024 * 1024
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return {
-        "server": {"host": a.host, "port": a.port, "api_key": a.api_key or env_api_key() or None,
-                   "state_dir": a.state_dir, "max_body_bytes": a.max_body_bytes},
+        "server": {
+            "host": a.host,
+            "port": a.port,
+            "api_key": a.api_key or env_api_key() or None,
+            "state_dir": a.state_dir,
+            "max_body_bytes": a.max_body_bytes,
+        },
         "model": {"path": a.model, "name": a.model_name},
         "device": {"gpu": a.gpu, "sim_capacity_mib": a.sim_capacity_mib, "margin_mib": a.margin_mib},
         "gpu_lane": {"slots": a.gpu_slots, "n_threads": a.gpu_threads, "ctx_cap_tokens": a.gpu_ctx},
@@ -40,8 +45,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gw = Gateway(cfg)
     app = create_app(gw)
-    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app, host=cfg.server.host, port=cfg.server.port, log_level="info", timeout_graceful_shutdown=5
+    )
     return 0
 
 
@@ -101,12 +107,17 @@ def cmd_config(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spillover", description="spillover: GPU gateway with a safe CPU overflow route")
+    p = argparse.ArgumentParser(
+        prog="spillover", description="spillover: GPU gateway with a safe CPU overflow route"
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="start the gateway with a GPU (or sim) worker and a CPU worker",
-                       description="Start the OpenAI-compatible gateway. Settings come from defaults, "
-                       "then --config FILE (TOML, see `spillover config`), then these flags.")
+    s = sub.add_parser(
+        "serve",
+        help="start the gateway with a GPU (or sim) worker and a CPU worker",
+        description="Start the OpenAI-compatible gateway. Settings come from defaults, "
+        "then --config FILE (TOML, see `spillover config`), then these flags.",
+    )
     s.add_argument("--config", help="TOML config file")
     s.add_argument("--host", help="bind address (default 127.0.0.1; other addresses need --api-key)")
     s.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
@@ -126,14 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-ctx", type=int, help="context cap of the CPU lane (tokens)")
     s.set_defaults(func=cmd_serve)
 
-    for name, helptext in (("sim", "inspect the sim device or inject faults"),
-                           ("tenant", "hold memory on the sim device as another service would")):
+    for name, helptext in (
+        ("sim", "inspect the sim device or inject faults"),
+        ("tenant", "hold memory on the sim device as another service would"),
+    ):
         q = sub.add_parser(name, help=helptext, description=helptext)
         q.add_argument("--state-dir", default="var/spillover", help="the gateway's state folder")
         q.add_argument("--device-name", default="sim0", help="sim device name (default sim0)")
         if name == "sim":
-            q.add_argument("action", choices=["status", "fail-next", "capacity", "reset", "hang", "unhang"],
-                           help="status | fail-next N | capacity MIB | reset (driver reset) | hang | unhang")
+            q.add_argument(
+                "action",
+                choices=["status", "fail-next", "capacity", "reset", "hang", "unhang"],
+                help="status | fail-next N | capacity MIB | reset (driver reset) | hang | unhang",
+            )
             q.add_argument("value", nargs="?", type=int, default=1, help="N for fail-next, MiB for capacity")
             q.set_defaults(func=cmd_sim)
         else:

@@ -179,9 +179,7 @@ def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ConfigError(
-                f"[{section}].{key} must be {expected.__name__}, got {type(value).__name__}"
-            )
+            raise ConfigError(f"[{section}].{key} must be {expected.__name__}, got {type(value).__name__}")
         kwargs[key] = value
     return cls(**kwargs)
 

@@ -12,10 +12,11 @@ Rules, applied in order (the first that matches wins):
    (``observation_stale``).
 5. The footprint fits the headroom: ``Admit`` (``fits``) when a slot is free, else
    ``Delay`` (``gpu_busy``) while the wait is within ``delay_max_s``.
-6. It does not fit. The reason is ``observed_pressure`` when what is observed exceeds what
-   we predicted (someone else holds memory), ``margin`` when it would fit without the
-   margin, and ``kv_pages_exhausted`` otherwise. Then:
-   a. if our own reservations will come back and the wait is within ``delay_max_s``: Delay;
+6. It does not fit. The reason is ``margin`` when it would fit but for the safety margin,
+   ``observed_pressure`` when what is observed exceeds what we predicted (someone else
+   holds memory), and ``kv_pages_exhausted`` otherwise. Then:
+   a. if our own request reservations, once returned, would make room and the wait is
+      within ``delay_max_s``: Delay;
    b. if the client allowed shrinking and a smaller ``max_tokens`` fits: Shrink;
    c. else route to CPU.
 7. Routing to CPU needs room in the CPU lane; otherwise ``Reject`` with a Retry-After.
@@ -25,16 +26,16 @@ Every decision carries a machine-readable ``reason``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spillover.core.breaker import BreakerPolicy, BreakerState, allows
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
 
 __all__ = [
-    "Admit",
     "AdmissionPolicy",
     "AdmissionRequest",
+    "Admit",
     "Decision",
     "Delay",
     "LaneView",
@@ -78,7 +79,7 @@ class AdmissionPolicy:
     delay_max_s: float = 2.0
     delay_poll_s: float = 0.05
     allow_cpu_route: bool = True
-    breaker: BreakerPolicy = BreakerPolicy()
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
 
 
 @dataclass(frozen=True)
@@ -198,19 +199,16 @@ def decide(
         return _to_cpu(req, lanes, "gpu_busy", p)
 
     observed = ledger.observed_fresh(now_s) or 0
-    predicted = ledger.predicted_bytes
-    if observed > predicted:
-        reason = "observed_pressure"
-    elif fp.total_bytes <= room + ledger.margin_bytes:
+    if fp.total_bytes <= room + ledger.margin_bytes:
         reason = "margin"
+    elif observed > ledger.predicted_bytes:
+        reason = "observed_pressure"
     else:
         reason = "kv_pages_exhausted"
-    ours_coming_back = ledger.reserved_by_kind("request")
-    if reason != "observed_pressure" or observed - predicted < ours_coming_back:
-        if fp.total_bytes <= room + ours_coming_back:
-            until = _may_wait(req, now_s, p)
-            if until is not None:
-                return Delay(until, reason)
+    if fp.total_bytes <= room + ledger.reserved_by_kind("request"):
+        until = _may_wait(req, now_s, p)
+        if until is not None:
+            return Delay(until, reason)
     if req.allow_shrink and lanes.gpu_free_slots > 0:
         shrink = _shrunk(req, room, lanes.gpu_ctx_cap_tokens, p)
         if shrink is not None:

@@ -95,9 +95,7 @@ def _closed_failure(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerS
 def _half_open_success(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
     successes = b.probe_successes + 1
     if successes >= p.close_after_successes:
-        return replace(
-            BreakerState(), opens=b.opens, opened_at_s=b.opened_at_s, cooldown_s=b.cooldown_s
-        )
+        return replace(BreakerState(), opens=b.opens, opened_at_s=b.opened_at_s, cooldown_s=b.cooldown_s)
     return replace(b, probe_successes=successes, probes_in_flight=max(0, b.probes_in_flight - 1))
 
 

@@ -59,9 +59,7 @@ TRANSITIONS: frozenset[tuple[State, State]] = frozenset(
     }
 )
 
-TERMINAL: frozenset[State] = frozenset(
-    {S.COMPLETED, S.FAILED, S.CANCELLED, S.REJECTED, S.RESUMABLE_ERROR}
-)
+TERMINAL: frozenset[State] = frozenset({S.COMPLETED, S.FAILED, S.CANCELLED, S.REJECTED, S.RESUMABLE_ERROR})
 
 
 def advance(current: State, target: State) -> State:

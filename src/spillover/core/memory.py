@@ -65,7 +65,7 @@ class Footprint:
 
 
 def _pad(n: int, to: int) -> int:
-    return int(math.ceil(n / to) * to)
+    return math.ceil(n / to) * to
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class MemoryModel:
     def request_footprint(self, prompt_tokens: int, max_tokens: int) -> Footprint:
         """Footprint of one request: KV pages for prompt+max_tokens, compute, fragmentation."""
         tokens = max(1, prompt_tokens + max_tokens)
-        pages = int(math.ceil(tokens / self.page_tokens))
+        pages = math.ceil(tokens / self.page_tokens)
         kv_tokens = pages * self.page_tokens
         kv = kv_tokens * self.kv_bytes_per_token()
         compute = self.compute_bytes(kv_tokens)

@@ -55,7 +55,7 @@ class Tokenizer:
         fmt = Jinja2ChatFormatter(
             template=self.chat_template, eos_token=self.eos_token, bos_token=self.bos_token
         )
-        result = fmt(messages=messages, tools=tools)
+        result = fmt(messages=messages, tools=tools)  # type: ignore[arg-type]
         return str(result.prompt)
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
@@ -92,7 +92,9 @@ def file_digest(path: str, cache_dir: Path | None = None) -> str:
     return digest
 
 
-def fingerprint_parts(model_path: str, tok: Tokenizer, backend: str, cache_dir: Path | None) -> dict[str, str]:
+def fingerprint_parts(
+    model_path: str, tok: Tokenizer, backend: str, cache_dir: Path | None
+) -> dict[str, str]:
     """The compatibility and numerics parts of a worker's fingerprint."""
     import llama_cpp
 
@@ -196,10 +198,11 @@ class Engine:
             yield "length"
             return
         grammar = (
-            llama_cpp.LlamaGrammar.from_json_schema(params.json_schema, verbose=False)
+            llama_cpp.LlamaGrammar.from_json_schema(params.json_schema, verbose=False)  # type: ignore[attr-defined]
             if params.json_schema
             else None
         )
+        llm.reset()  # no KV prefix reuse: it made seeded sampling irreproducible
         llm.set_seed(params.seed)
         greedy = params.temperature <= 0
         scanner = StopScanner(stops=params.stop)

@@ -60,9 +60,7 @@ class SimSnapshot:
             "hang": self.hang,
             "fail_next": self.fail_next,
             "alloc_failures": self.alloc_failures,
-            "allocations": [
-                {"tag": t, "pid": p, "bytes": b, "owner": o} for t, p, b, o in self.allocations
-            ],
+            "allocations": [{"tag": t, "pid": p, "bytes": b, "owner": o} for t, p, b, o in self.allocations],
         }
 
 

@@ -125,9 +125,7 @@ class Worker:
         while True:
             snap = self.sim.snapshot()
             if snap.epoch != self.sim_epoch:
-                self.chan.send(
-                    {"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"}
-                )
+                self.chan.send({"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"})
                 os._exit(EXIT_DEVICE_LOST)
             if snap.hang:
                 self.hang.set()
@@ -145,9 +143,7 @@ class Worker:
         slot = self.engine.acquire_slot()
         try:
             if slot is None:
-                self.chan.send(
-                    {"ev": "error", "rid": rid, "kind": "engine", "message": "no free slot"}
-                )
+                self.chan.send({"ev": "error", "rid": rid, "kind": "engine", "message": "no free slot"})
                 return
             reserve = int(msg.get("reserve_bytes") or 0)
             if self.sim is not None and reserve > 0:

@@ -94,8 +94,11 @@ def create_app(gw: Gateway) -> Starlette:
         except SpilloverError as exc:
             return _error_response(exc, rid)
         if req.stream:
-            return StreamingResponse(_stream(run, req), media_type="text/event-stream",
-                                     headers=run.headers() | {"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _stream(run, req),
+                media_type="text/event-stream",
+                headers=run.headers() | {"Cache-Control": "no-cache"},
+            )
         try:
             await g.collect(run)
             tool_calls = g.tool_calls_from(run) if kind == "chat" else None
@@ -104,7 +107,9 @@ def create_app(gw: Gateway) -> Starlette:
             return JSONResponse(e.body, status_code=e.status, headers=run.headers() | e.headers)
         return JSONResponse(_final_body(run, req, tool_calls), headers=run.headers())
 
-    def _final_body(run: g.Run, req: GenerationRequest, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    def _final_body(
+        run: g.Run, req: GenerationRequest, tool_calls: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
         created = int(time.time())
         text = "".join(run.text)
         if req.kind == "chat":
@@ -113,14 +118,26 @@ def create_app(gw: Gateway) -> Starlette:
             if tool_calls:
                 message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
                 finish = "tool_calls"
-            return {"id": f"chatcmpl-{run.prep.rid}", "object": "chat.completion", "created": created,
-                    "model": cfg.model.name, "system_fingerprint": _sys_fp(run),
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-                    "usage": run.usage(), "spillover": run.spillover_object()}
-        return {"id": f"cmpl-{run.prep.rid}", "object": "text_completion", "created": created,
-                "model": cfg.model.name, "system_fingerprint": _sys_fp(run),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}],
-                "usage": run.usage(), "spillover": run.spillover_object()}
+            return {
+                "id": f"chatcmpl-{run.prep.rid}",
+                "object": "chat.completion",
+                "created": created,
+                "model": cfg.model.name,
+                "system_fingerprint": _sys_fp(run),
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": run.usage(),
+                "spillover": run.spillover_object(),
+            }
+        return {
+            "id": f"cmpl-{run.prep.rid}",
+            "object": "text_completion",
+            "created": created,
+            "model": cfg.model.name,
+            "system_fingerprint": _sys_fp(run),
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}],
+            "usage": run.usage(),
+            "spillover": run.spillover_object(),
+        }
 
     def _sys_fp(run: g.Run) -> str | None:
         fp = run.dispatch.worker.statistics().fingerprint or {}
@@ -139,12 +156,19 @@ def create_app(gw: Gateway) -> Starlette:
                 choice["delta"] = delta
             else:
                 choice["text"] = delta
-            return {"id": cid, "object": obj, "created": created, "model": cfg.model.name,
-                    "choices": [choice], **extra}
+            return {
+                "id": cid,
+                "object": obj,
+                "created": created,
+                "model": cfg.model.name,
+                "choices": [choice],
+                **extra,
+            }
 
         try:
-            yield _sse(chunk({"role": "assistant", "content": ""} if chat else "",
-                             spillover=run.spillover_object()))
+            yield _sse(
+                chunk({"role": "assistant", "content": ""} if chat else "", spillover=run.spillover_object())
+            )
             while True:
                 ev = await run.next_event()
                 if ev["ev"] == "token":
@@ -164,8 +188,16 @@ def create_app(gw: Gateway) -> Starlette:
             run.outcome = "ok"
             yield _sse(chunk({} if chat else "", finish))
             if req.include_usage:
-                yield _sse({"id": cid, "object": obj, "created": created, "model": cfg.model.name,
-                            "choices": [], "usage": run.usage()})
+                yield _sse(
+                    {
+                        "id": cid,
+                        "object": obj,
+                        "created": created,
+                        "model": cfg.model.name,
+                        "choices": [],
+                        "usage": run.usage(),
+                    }
+                )
             yield b"data: [DONE]\n\n"
         except SpilloverError as exc:
             run.outcome = "severe"
@@ -185,16 +217,24 @@ def create_app(gw: Gateway) -> Starlette:
         return await generate(request, "text")
 
     def _plain(request: Request, data: Any, status: int = 200) -> JSONResponse:
-        return JSONResponse(data, status_code=status,
-                            headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"})
+        return JSONResponse(
+            data,
+            status_code=status,
+            headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"},
+        )
 
     async def models(request: Request) -> Response:
         try:
             authorize(request)
         except SpilloverError as exc:
             return _error_response(exc)
-        return _plain(request, {"object": "list", "data": [
-            {"id": cfg.model.name, "object": "model", "created": 0, "owned_by": "spillover"}]})
+        return _plain(
+            request,
+            {
+                "object": "list",
+                "data": [{"id": cfg.model.name, "object": "model", "created": 0, "owned_by": "spillover"}],
+            },
+        )
 
     async def health(request: Request) -> Response:
         return _plain(request, {"status": "ok"})
@@ -220,8 +260,9 @@ def create_app(gw: Gateway) -> Starlette:
         except SpilloverError as exc:
             return _error_response(exc)
         page = resources.files("spillover.http").joinpath("static/status.html").read_text("utf-8")
-        return HTMLResponse(page, headers={"X-Spillover-Request-Id": g.new_request_id(),
-                                           "X-Spillover-Route": "none"})
+        return HTMLResponse(
+            page, headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"}
+        )
 
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -253,5 +294,8 @@ def create_app(gw: Gateway) -> Starlette:
         finally:
             await gw.stop()
 
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: on_http_exception, Exception: on_error})
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: on_http_exception, Exception: on_error},
+    )

@@ -53,7 +53,7 @@ def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
     fns = [t["function"] for t in req.tools if req.forced_tool in ("*", t["function"]["name"])]
     return {
         "role": "system",
-        "content": "You call functions. Reply with one JSON object {\"name\": ..., \"arguments\": {...}} "
+        "content": 'You call functions. Reply with one JSON object {"name": ..., "arguments": {...}} '
         "that calls one of these functions:\n" + json.dumps(fns),
     }
 
@@ -74,8 +74,11 @@ def _render(gw: Gateway, req: GenerationRequest) -> tuple[list[int], str | None]
 async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     """Check the model, tokenize, and apply the context limits (400 when too long)."""
     if req.model != gw.cfg.model.name:
-        raise NotFound(f"model {req.model!r} does not exist; this server serves "
-                       f"{gw.cfg.model.name!r}", param="model", code="model_not_found")
+        raise NotFound(
+            f"model {req.model!r} does not exist; this server serves {gw.cfg.model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
     tokens, schema = await asyncio.to_thread(_render, gw, req)
     caps = [gw.cfg.cpu_lane.ctx_cap_tokens]
     if gw.device is not None:
@@ -86,8 +89,12 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         want = n + (req.max_tokens or 1)
         raise ContextLengthExceeded(
             f"this request needs {want} tokens ({n} in the prompt) but the longest context "
-            f"any lane serves is {cap} tokens", param="messages" if req.kind == "chat" else "prompt")
-    max_tokens = req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
+            f"any lane serves is {cap} tokens",
+            param="messages" if req.kind == "chat" else "prompt",
+        )
+    max_tokens = (
+        req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
+    )
     seed = req.seed if req.seed is not None else gw.cfg.model.seed
     return Prepared(rid, req, tokens, max_tokens, schema, seed)
 
@@ -143,13 +150,16 @@ class Run:
         """The next worker event; a dead worker or a worker error raises a typed error."""
         item = await anext(self.events)
         if isinstance(item, WorkerGone):
-            raise WorkerFailed(f"the {self.dispatch.route} worker failed mid-request ({item.kind}: "
-                               f"{item.message}); request {self.prep.rid} did not complete",
-                               retry_after_s=1.0)
+            raise WorkerFailed(
+                f"the {self.dispatch.route} worker failed mid-request ({item.kind}: "
+                f"{item.message}); request {self.prep.rid} did not complete",
+                retry_after_s=1.0,
+            )
         if item.get("ev") == "error":
             if item.get("kind") == "alloc_failed":
-                raise AllocationFailed(f"device memory allocation failed: {item.get('message')}",
-                                       retry_after_s=1.0)
+                raise AllocationFailed(
+                    f"device memory allocation failed: {item.get('message')}", retry_after_s=1.0
+                )
             raise WorkerFailed(f"worker error: {item.get('message')}", retry_after_s=1.0)
         return item
 
@@ -166,8 +176,11 @@ class Run:
 
     def usage(self) -> dict[str, int]:
         n = len(self.prep.tokens)
-        return {"prompt_tokens": n, "completion_tokens": self.completion_tokens,
-                "total_tokens": n + self.completion_tokens}
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": n + self.completion_tokens,
+        }
 
 
 async def start(gw: Gateway, prep: Prepared) -> Run:
@@ -175,8 +188,13 @@ async def start(gw: Gateway, prep: Prepared) -> Run:
     assert gw.scheduler is not None
     sched = gw.scheduler
     now = time.monotonic()
-    job = Job(rid=prep.rid, prompt_tokens=len(prep.tokens), max_tokens=prep.max_tokens,
-              arrived_s=now, allow_shrink=prep.req.allow_shrink)
+    job = Job(
+        rid=prep.rid,
+        prompt_tokens=len(prep.tokens),
+        max_tokens=prep.max_tokens,
+        arrived_s=now,
+        allow_shrink=prep.req.allow_shrink,
+    )
     sched.submit_nowait(job)
     try:
         dispatch = await job.future
@@ -239,10 +257,14 @@ def tool_calls_from(run: Run) -> list[dict[str, Any]] | None:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise WorkerFailed(f"the tool call was cut off before it was complete "
-                           f"(finish_reason={run.finish_reason}); raise max_tokens") from exc
-    return [{
-        "id": tool_call_id(run.prep.rid, 0),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
-    }]
+        raise WorkerFailed(
+            f"the tool call was cut off before it was complete "
+            f"(finish_reason={run.finish_reason}); raise max_tokens"
+        ) from exc
+    return [
+        {
+            "id": tool_call_id(run.prep.rid, 0),
+            "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
+        }
+    ]

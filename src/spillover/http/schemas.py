@@ -146,9 +146,14 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
             msg["tool_calls"] = calls
             if msg["content"] is None:
                 msg["content"] = "".join(
-                    json.dumps({"name": c.get("function", {}).get("name"),
-                                "arguments": c.get("function", {}).get("arguments")})
-                    for c in calls if isinstance(c, dict)
+                    json.dumps(
+                        {
+                            "name": c.get("function", {}).get("name"),
+                            "arguments": c.get("function", {}).get("arguments"),
+                        }
+                    )
+                    for c in calls
+                    if isinstance(c, dict)
                 )
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
@@ -175,12 +180,16 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise InvalidRequest("each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]")
+            raise InvalidRequest(
+                "each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]"
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest("a function needs a 'name'", param=f"tools[{i}].function.name")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise InvalidRequest("'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters")
+            raise InvalidRequest(
+                "'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters"
+            )
         names.add(fn["name"])
     forced: str | None = None
     if choice in (None, "auto", "none"):
@@ -193,7 +202,9 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
             raise InvalidRequest(f"tool_choice names unknown function {name!r}", param="tool_choice")
         forced = name
     else:
-        raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
+        raise InvalidRequest(
+            "'tool_choice' must be none, auto, required or a named function", param="tool_choice"
+        )
     return tuple(tools), forced
 
 
@@ -221,6 +232,7 @@ def parse_completion(body: Any, default_model: str) -> GenerationRequest:
 
 def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any]:
     """JSON schema the constrained output must follow for a forced tool call."""
+
     def params(t: dict[str, Any]) -> dict[str, Any]:
         p = dict(t["function"].get("parameters") or {"type": "object", "properties": {}})
         p.setdefault("type", "object")

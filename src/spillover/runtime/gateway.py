@@ -92,7 +92,8 @@ class Gateway:
                 breaker=BreakerPolicy(),
             )
             log.info(
-                "GPU lane on %s%s", self.device.spec,
+                "GPU lane on %s%s",
+                self.device.spec,
                 " (simulated accelerator: no GPU found)" if gpu[0] == "sim" else "",
             )
         else:
@@ -136,8 +137,13 @@ class Gateway:
         )
 
     def _worker_event(self, worker: Any, what: str) -> None:
-        self.events.append({"t_s": round(time.monotonic() - self.started_s, 3),
-                            "worker": worker.spec.worker_id, "event": what})
+        self.events.append(
+            {
+                "t_s": round(time.monotonic() - self.started_s, 3),
+                "worker": worker.spec.worker_id,
+                "event": what,
+            }
+        )
         del self.events[:-100]
         if self.ledger is not None and worker.spec.lane == "gpu":
             holder = f"weights:{worker.spec.worker_id}"
@@ -218,7 +224,8 @@ class Gateway:
             "device": device,
             "note": (
                 "GPU lane runs on a simulated accelerator (sim): no GPU was found"
-                if self.device is not None and self.device.kind == "sim" else None
+                if self.device is not None and self.device.kind == "sim"
+                else None
             ),
             "breaker": asdict(sched.breaker) | {"circuit": breaker} if sched else None,
             "lanes": [asdict(x) for x in sched.statistics()] if sched else [],

@@ -17,9 +17,9 @@ from typing import Any
 
 from spillover.config import LaneConfig
 from spillover.core.admission import (
-    Admit,
     AdmissionPolicy,
     AdmissionRequest,
+    Admit,
     Decision,
     Delay,
     LaneView,
@@ -47,7 +47,9 @@ class Job:
     allow_shrink: bool = False
     lane: str = "gpu"
     enqueued_s: float = 0.0
-    future: asyncio.Future[Dispatch] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    future: asyncio.Future[Dispatch] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
     last_reason: str = ""
 
 
@@ -203,9 +205,14 @@ class Scheduler:
             for job in [j for j in lane.queue if now - j.enqueued_s > lane.cfg.queue_max_age_s]:
                 lane.queue.remove(job)
                 lane.expired_total += 1
-                self._fail(job, CapacityError(
-                    f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue",
-                    retry_after_s=self._retry_after_s(), code="queue_timeout"))
+                self._fail(
+                    job,
+                    CapacityError(
+                        f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue",
+                        retry_after_s=self._retry_after_s(),
+                        code="queue_timeout",
+                    ),
+                )
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
         if self.gpu is not None and self.ledger is not None and self.policy is not None:
@@ -245,8 +252,16 @@ class Scheduler:
             max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
             worker.claim_slot(job.rid)
             job.future.set_result(
-                Dispatch(worker, "gpu", d.reason, max_tokens, d.kv_tokens, d.nbytes,
-                         isinstance(d, Shrink), now - job.enqueued_s)
+                Dispatch(
+                    worker,
+                    "gpu",
+                    d.reason,
+                    max_tokens,
+                    d.kv_tokens,
+                    d.nbytes,
+                    isinstance(d, Shrink),
+                    now - job.enqueued_s,
+                )
             )
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
@@ -256,9 +271,14 @@ class Scheduler:
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
             self.gpu.shed_total += 1
-            self._fail(job, CapacityError(
-                f"no capacity for this request now ({d.reason})",
-                retry_after_s=d.retry_after_s, code=d.reason.split("+")[-1]))
+            self._fail(
+                job,
+                CapacityError(
+                    f"no capacity for this request now ({d.reason})",
+                    retry_after_s=d.retry_after_s,
+                    code=d.reason.split("+")[-1],
+                ),
+            )
         # Delay: leave it queued; the pump asks again.
 
     def _dispatch_cpu(self, now: float) -> None:
@@ -271,8 +291,16 @@ class Scheduler:
             worker.claim_slot(job.rid)
             reason = job.last_reason or "cpu_lane"
             job.future.set_result(
-                Dispatch(worker, "cpu", reason, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, 0,
-                         False, now - job.enqueued_s)
+                Dispatch(
+                    worker,
+                    "cpu",
+                    reason,
+                    job.max_tokens,
+                    self.cpu.cfg.ctx_cap_tokens,
+                    0,
+                    False,
+                    now - job.enqueued_s,
+                )
             )
 
     def _fail(self, job: Job, exc: Exception) -> None:

@@ -1,0 +1,137 @@
+"""Run a real ``spillover serve`` as a child process on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = ["GatewayProcess", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GatewayProcess:
+    """``with GatewayProcess(["--gpu", "sim:512"]) as gw: gw.url ...``"""
+
+    def __init__(
+        self,
+        args: list[str] | None = None,
+        *,
+        state_dir: str | None = None,
+        ready_timeout_s: float = 120.0,
+        log_path: str | None = None,
+    ) -> None:
+        self.args = list(args or [])
+        self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="spillover-")
+        self.state_dir = state_dir or (self._tmp.name if self._tmp else "")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_timeout_s = ready_timeout_s
+        self.log_path = log_path or os.path.join(self.state_dir, "gateway.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"<GatewayProcess {self.url} pid={self.proc.pid if self.proc else None}>"
+
+    def start(self) -> GatewayProcess:
+        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spillover.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--state-dir",
+                self.state_dir,
+                *self.args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None, *, all_workers: bool = True) -> dict[str, Any]:
+        """Wait until /ready is 200 (and, by default, every worker is ready)."""
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                st: dict[str, Any] = self.get("/v1/status")
+                last = st
+                if not all_workers or all(w["state"] == "ready" for w in st["workers"]):
+                    return st
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway not ready: {last} {self.tail()}")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.get("/v1/status")
+        return result
+
+    def worker(self, lane: str) -> dict[str, Any]:
+        """The status entry of the first worker of a lane."""
+        return next(w for w in self.status()["workers"] if w["lane"] == lane)
+
+    def tail(self, n: int = 3000) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as fh:
+            data = fh.read()
+            return data[-n:].decode("utf-8", "replace")
+        return ""
+
+    def kill9(self) -> None:
+        """SIGKILL the gateway (its workers notice their closed channel and exit)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,83 @@
+"""Config loading/validation and the one error-to-HTTP mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spillover.config import Config, describe_fields, load_config, parse_device
+from spillover.errors import (
+    ConfigError,
+    ContextLengthExceeded,
+    InvalidRequest,
+    QueueFull,
+    to_http,
+)
+
+
+def test_defaults_bind_loopback_and_validate() -> None:
+    """The default config binds 127.0.0.1 and passes validation."""
+    cfg = load_config()
+    assert cfg.server.host == "127.0.0.1" and cfg.server.api_key == ""
+
+
+def test_non_loopback_bind_requires_api_key() -> None:
+    """Binding 0.0.0.0 without an API key is refused; with one it is accepted."""
+    with pytest.raises(ConfigError, match="api_key"):
+        load_config(overrides={"server": {"host": "0.0.0.0"}})
+    assert load_config(overrides={"server": {"host": "0.0.0.0", "api_key": "k"}}).server.api_key == "k"
+
+
+def test_toml_file_then_flags(tmp_path: Path) -> None:
+    """TOML values apply, and flags override them."""
+    f = tmp_path / "c.toml"
+    f.write_text('[server]\nport = 9001\n[gpu_lane]\nslots = 3\n[device]\ngpu = "sim:512"\n')
+    cfg = load_config(str(f), {"server": {"port": 9002}})
+    assert (cfg.server.port, cfg.gpu_lane.slots, cfg.device.gpu) == (9002, 3, "sim:512")
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        "[nope]\nx = 1\n",
+        "[server]\nbogus = 1\n",
+        '[server]\nport = "80"\n',
+        '[device]\ngpu = "tpu:0"\n',
+        "[gpu_lane]\nslots = 0\n",
+        "[admission]\npressure_ratio = 2.0\n",
+    ],
+)
+def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
+    """Unknown sections/keys, wrong types and out-of-range values raise ConfigError."""
+    f = tmp_path / "c.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError):
+        load_config(str(f))
+
+
+def test_every_field_documented_and_in_sample() -> None:
+    """Every setting has a doc line and appears in the sample config shipped in the repo."""
+    sample = (Path(__file__).parents[2] / "spillover.example.toml").read_text()
+    for section, name, _default, doc in describe_fields():
+        assert doc, f"{section}.{name} has no doc"
+        assert f"\n{name} = " in sample, f"{section}.{name} missing from spillover.example.toml"
+    assert isinstance(load_config(str(Path(__file__).parents[2] / "spillover.example.toml")), Config)
+
+
+def test_parse_device() -> None:
+    """Device specs parse; nonsense is a ConfigError."""
+    assert parse_device("sim:2048") == ("sim", 2048)
+    assert parse_device("cuda:1") == ("cuda", 1)
+    with pytest.raises(ConfigError):
+        parse_device("sim:0")
+
+
+def test_to_http_shapes() -> None:
+    """Errors map to OpenAI-shaped bodies; capacity errors carry Retry-After."""
+    e = to_http(InvalidRequest("bad", param="temperature"))
+    assert e.status == 400 and e.body["error"]["param"] == "temperature"
+    assert to_http(ContextLengthExceeded("long")).body["error"]["code"] == "context_length_exceeded"
+    q = to_http(QueueFull("full", retry_after_s=2.5))
+    assert q.status == 503 and q.headers["Retry-After"] == "3" and q.headers["retry-after-ms"] == "2500"
+    assert to_http(RuntimeError("x")).status == 500

@@ -1,0 +1,171 @@
+"""The sim device: one ledger shared by processes, failing exactly at capacity, with faults."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spillover.engine.sim import MIB, SimDevice
+from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec
+
+
+def tenant(state: Path, mib: int, name: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spillover.cli",
+            "tenant",
+            "--state-dir",
+            str(state),
+            "--mib",
+            str(mib),
+            "--name",
+            name,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def end(p: subprocess.Popen[str], kill: bool = False) -> str:
+    """Stop a tenant and collect its stderr (closing the pipe)."""
+    if p.poll() is None:
+        p.kill() if kill else p.terminate()
+    return p.communicate(timeout=30)[1]
+
+
+def wait_used(dev: SimDevice, want: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while dev.snapshot().used_bytes != want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(dev.snapshot())
+        time.sleep(0.02)
+
+
+def test_two_processes_share_one_ledger_and_the_second_fails_at_capacity(tmp_path: Path) -> None:
+    """Tenant A holds 60 of 100 MiB; tenant B asking for 50 MiB is refused; 40 MiB fits."""
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    a = tenant(tmp_path, 60, "a")
+    try:
+        wait_used(dev, 60 * MIB)
+        b = tenant(tmp_path, 50, "b")
+        assert b.wait(30) == 1 and "refused" in end(b)
+        assert dev.snapshot().alloc_failures == 1
+        c = tenant(tmp_path, 40, "c")
+        wait_used(dev, 100 * MIB)
+        end(c)
+    finally:
+        end(a)
+    wait_used(dev, 0)
+
+
+def test_dead_process_memory_is_released(tmp_path: Path) -> None:
+    """A SIGKILLed holder's allocation disappears, as a driver frees a dead process's memory."""
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    a = tenant(tmp_path, 30, "a")
+    wait_used(dev, 30 * MIB)
+    end(a, kill=True)
+    wait_used(dev, 0)
+
+
+def test_faults_in_process(tmp_path: Path) -> None:
+    """fail_next, capacity change and reset act on the very next operations."""
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    dev.fail_next(1)
+    assert not dev.allocate("x", MIB, "t")
+    assert dev.allocate("x", MIB, "t")
+    dev.set_capacity(2 * MIB)
+    assert not dev.allocate("y", 2 * MIB, "t")
+    epoch = dev.snapshot().epoch
+    dev.reset()
+    snap = dev.snapshot()
+    assert snap.used_bytes == 0 and snap.epoch == epoch + 1 and snap.alloc_failures == 2
+
+
+def spec(tmp_path: Path, model_path: str) -> WorkerSpec:
+    return WorkerSpec(
+        worker_id="gpu0",
+        lane="gpu",
+        device="sim:512",
+        model_path=model_path,
+        state_dir=str(tmp_path),
+        slots=1,
+        n_ctx=256,
+        n_threads=1,
+        n_batch=256,
+        weights_bytes=100 * MIB,
+    )
+
+
+async def run_job(w: WorkerClient, rid: str, reserve: int) -> list[dict | WorkerGone]:
+    w.claim_slot(rid)
+    job = {
+        "rid": rid,
+        "tokens": [1, 2, 3],
+        "max_tokens": 4,
+        "temperature": 0,
+        "kv_tokens": 64,
+        "reserve_bytes": reserve,
+    }
+    return [ev async for ev in w.generate(job)]
+
+
+@pytest.mark.timeout(120)
+def test_worker_sees_injected_faults(tmp_path: Path, model_path: str) -> None:
+    """A real worker: charged for weights; fail_next and a capacity cut refuse its request;
+    a driver reset kills it."""
+    dev = SimDevice(tmp_path)
+    dev.create(512 * MIB)
+
+    async def main() -> None:
+        exits: list[WorkerGone] = []
+        w = WorkerClient(spec(tmp_path, model_path), lambda _w, g: exits.append(g))
+        info = await w.start(60)
+        assert dev.snapshot().used_by_pid(info["pid"]) == 100 * MIB
+        ok = await run_job(w, "r1", 10 * MIB)
+        assert ok[0]["ev"] == "started" and ok[-1]["ev"] == "done"
+        dev.fail_next(1)
+        failed = await run_job(w, "r2", 10 * MIB)
+        assert failed == [
+            {"ev": "error", "rid": "r2", "kind": "alloc_failed", "message": failed[0]["message"]}
+        ]
+        dev.set_capacity(105 * MIB)
+        assert (await run_job(w, "r3", 10 * MIB))[-1]["kind"] == "alloc_failed"
+        dev.set_capacity(512 * MIB)
+        assert (await run_job(w, "r4", 10 * MIB))[-1]["ev"] == "done"
+        assert dev.snapshot().used_by_pid(info["pid"]) == 100 * MIB  # request memory returned
+        dev.reset()
+        for _ in range(200):
+            if exits:
+                break
+            await asyncio.sleep(0.05)
+        assert exits and exits[0].kind == "device_lost"
+        await w.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_worker_refused_weights_exits(tmp_path: Path, model_path: str) -> None:
+    """A worker whose weights do not fit the device fails to load with alloc_failed."""
+    dev = SimDevice(tmp_path)
+    dev.create(50 * MIB)
+
+    async def main() -> None:
+        exits: list[WorkerGone] = []
+        w = WorkerClient(spec(tmp_path, model_path), lambda _w, g: exits.append(g))
+        with pytest.raises(RuntimeError, match="alloc_failed"):
+            await w.start(60)
+        assert exits[0].kind == "alloc_failed"
+
+    asyncio.run(main())
