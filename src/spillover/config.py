@@ -126,7 +126,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
-    gpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2))
+    gpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, n_threads=1))
     cpu_lane: LaneConfig = field(default_factory=LaneConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)

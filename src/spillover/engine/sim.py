@@ -136,6 +136,18 @@ class SimDevice:
         for key in [k for k, a in allocs.items() if not _alive(int(a["pid"]))]:
             del allocs[key]
 
+    def version(self) -> tuple[int, int] | None:
+        """A cheap change marker (inode, mtime) of the ledger file; no lock taken.
+
+        Every write replaces the file, so an unchanged marker means an unchanged ledger
+        (dead processes are reaped on the next locked operation).
+        """
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
     # -- operations ----------------------------------------------------------------
     def create(self, capacity_bytes: int, *, keep_allocations: bool = False) -> None:
         """(Re)initialise the device with a capacity; clears faults."""

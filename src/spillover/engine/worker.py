@@ -122,7 +122,13 @@ class Worker:
     # -- sim device watcher ---------------------------------------------------------
     def watch_device(self) -> None:
         assert self.sim is not None
+        seen: tuple[int, int] | None = None
         while True:
+            time.sleep(0.02)
+            version = self.sim.version()
+            if version == seen:
+                continue  # a stat() per tick: cheap enough not to disturb generation
+            seen = version
             snap = self.sim.snapshot()
             if snap.epoch != self.sim_epoch:
                 self.chan.send({"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"})
@@ -131,7 +137,6 @@ class Worker:
                 self.hang.set()
             else:
                 self.hang.clear()
-            time.sleep(0.05)
 
     # -- requests ---------------------------------------------------------------------
     def run_request(self, msg: dict[str, Any]) -> None:

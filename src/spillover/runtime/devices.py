@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 from spillover.engine.sim import MIB, SimDevice
@@ -46,6 +47,9 @@ class GpuDevice:
         self.sim: SimDevice | None = None
         self.index = 0
         self._nvml_handle: object | None = None
+        self._last: DeviceReading | None = None
+        self._last_version: tuple[int, int] | None = None
+        self._last_full_s = 0.0
         if kind == "sim":
             self.sim = SimDevice(state_dir, "sim0")
             self.spec = f"sim:{index_or_mib}"
@@ -72,10 +76,16 @@ class GpuDevice:
     def read(self) -> DeviceReading:
         """A blocking reading; call it in a thread."""
         if self.sim is not None:
+            version = self.sim.version()
+            now = time.monotonic()
+            if self._last is not None and version == self._last_version and now - self._last_full_s < 1.0:
+                return self._last  # unchanged file: same reading (a full read each second reaps)
             snap = self.sim.snapshot()
-            return DeviceReading(
+            self._last_version, self._last_full_s = self.sim.version(), now
+            self._last = DeviceReading(
                 snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang
             )
+            return self._last
         import pynvml
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)

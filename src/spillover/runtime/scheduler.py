@@ -174,12 +174,14 @@ class Scheduler:
 
     # -- the pump ------------------------------------------------------------------
     async def run(self) -> None:
-        """Decide and dispatch until cancelled; wakes on events and every 20 ms."""
+        """Decide and dispatch until cancelled; wakes on events, and every 50 ms while
+        anything is queued (delays and ages), every 500 ms otherwise."""
         while True:
             self._wake.clear()
             self.pump_once()
+            queued = bool(self.cpu.queue) or bool(self.gpu and self.gpu.queue)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.02)
+                await asyncio.wait_for(self._wake.wait(), 0.05 if queued else 0.5)
 
     def lane_view(self) -> LaneView:
         gpu_ready = any(w.state is WorkerState.READY for w in self.gpu_workers)
