@@ -41,7 +41,9 @@ def sse_token_times(client: httpx.Client, url: str, body: dict[str, Any]) -> tup
     with client.stream("POST", url, json={**body, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith('data: {"id"') and ('"text":"' in line[-160:] or '"content":"' in line[-160:]):
-                if '"text":""' not in line and '"content":""' not in line:
-                    times.append(time.perf_counter())
+            tail = line[-160:]
+            has_text = '"text":"' in tail or '"content":"' in tail
+            empty = '"text":""' in line or '"content":""' in line
+            if line.startswith('data: {"id"') and has_text and not empty:
+                times.append(time.perf_counter())
         return t0, times, dict(r.headers)

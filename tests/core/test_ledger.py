@@ -16,12 +16,31 @@ def make(cap: int = 100 * MIB, margin: int = 10 * MIB) -> DeviceLedger:
 
 
 def test_headroom_is_capacity_less_margin_less_max_of_predicted_and_observed() -> None:
-    """headroom = capacity - margin - max(predicted, observed)."""
+    """headroom = capacity - margin - max(predicted, observed + unconfirmed)."""
     led = make()
     led.observe(30 * MIB, 0.0)
     assert led.headroom(0.0) == 60 * MIB
     led.force_reserve("w", 40 * MIB, 0.0, "weights")
-    assert led.headroom(0.0) == 50 * MIB
+    led.confirm("w", 0.5)
+    led.observe(40 * MIB, 1.0)  # a reading taken after the allocation was made
+    assert led.headroom(1.0) == 50 * MIB
+
+
+def test_granted_but_unconfirmed_is_added_to_the_reading() -> None:
+    """A grant whose allocation the reading cannot contain yet is counted on top of it,
+    so a released-but-not-yet-freed block and an in-flight grant are both counted."""
+    led = make()
+    led.observe(0, 0.0)
+    assert led.reserve_nowait("a", 30 * MIB, 0.0) is not None
+    led.confirm("a", 0.1)
+    led.observe(30 * MIB, 0.2)  # reading shows a
+    assert led.reserve_nowait("b", 30 * MIB, 0.3) is not None  # in flight, not in the reading
+    led.release("a", 0.4)  # a done, but the reading (taken at 0.2) still shows its bytes
+    assert led.predicted_bytes == 30 * MIB
+    assert led.headroom(0.5) == 90 * MIB - (30 + 30) * MIB
+    led.confirm("b", 0.6)
+    led.observe(30 * MIB, 0.7)  # a freed, b allocated
+    assert led.headroom(0.8) == 60 * MIB
 
 
 def test_stale_observation_is_not_trusted() -> None:
@@ -94,8 +113,10 @@ def test_property_tenant_pressure_reduces_headroom(tenant_mib: int, ours_mib: in
     led.observe(0, 0.0)
     ours = min(ours_mib, 90) * MIB
     assert led.reserve_nowait("ours", ours, 0.0) is not None
-    before = led.headroom(0.0)
-    led.observe(ours + tenant_mib * MIB, 0.0)
-    after = led.headroom(0.0)
+    led.confirm("ours", 0.0)
+    led.observe(ours, 0.1)
+    before = led.headroom(0.1)
+    led.observe(ours + tenant_mib * MIB, 0.1)
+    after = led.headroom(0.1)
     assert before is not None and after is not None
     assert after == before - tenant_mib * MIB

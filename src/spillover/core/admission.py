@@ -15,7 +15,8 @@ Rules, applied in order (the first that matches wins):
 6. It does not fit. The reason is ``margin`` when it would fit but for the safety margin,
    ``observed_pressure`` when what is observed exceeds what we predicted (someone else
    holds memory), and ``kv_pages_exhausted`` otherwise. Then:
-   a. if our own request reservations, once returned, would make room and the wait is
+   a. if our own request reservations, once returned (live ones, and ones released so
+      recently that a reading may still show them), would make room and the wait is
       within ``delay_max_s``: Delay;
    b. if the client allowed shrinking and a smaller ``max_tokens`` fits: Shrink;
    c. else route to CPU.
@@ -199,13 +200,14 @@ def decide(
         return _to_cpu(req, lanes, "gpu_busy", p)
 
     observed = ledger.observed_fresh(now_s) or 0
+    returning = ledger.reserved_by_kind("request") + ledger.recently_released(now_s)
     if fp.total_bytes <= room + ledger.margin_bytes:
         reason = "margin"
-    elif observed > ledger.predicted_bytes:
+    elif observed > ledger.predicted_bytes + ledger.recently_released(now_s):
         reason = "observed_pressure"
     else:
         reason = "kv_pages_exhausted"
-    if fp.total_bytes <= room + ledger.reserved_by_kind("request"):
+    if fp.total_bytes <= room + returning:
         until = _may_wait(req, now_s, p)
         if until is not None:
             return Delay(until, reason)

@@ -3,9 +3,13 @@
 Rules:
 
 1. ``predicted`` is the sum of live reservations (admitted requests, loads, tenants we know).
-2. ``observed`` is the last reading (sim ledger, NVML or the worker's report) with its time.
-   A reading older than ``freshness_s`` is not trusted: ``headroom`` is then ``None``.
-3. ``headroom = capacity - margin - max(predicted, observed)``.
+2. ``observed`` is the last reading (sim ledger, NVML or the worker's report) with the time
+   it was *taken*. A reading older than ``freshness_s`` is not trusted: ``headroom`` is
+   then ``None``.
+3. A grant is *confirmed* when its holder reports the allocation made. Grants not
+   confirmed before the reading was taken cannot be in it; they are added to it:
+   ``headroom = capacity - margin - max(predicted, observed + unconfirmed)``.
+   (Memory released but not yet freed is still in the reading, so it is counted too.)
 4. ``reserve_nowait`` grants only what fits in headroom (never over-commits) and returns
    ``None`` when it does not fit: running out is a value.
 5. Every reservation is released exactly once; releasing an unknown id raises KeyError.
@@ -13,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 __all__ = ["DeviceLedger", "LedgerStatistics", "Reservation"]
@@ -42,6 +47,7 @@ class LedgerStatistics:
     reservations: int
     granted_total: int
     released_total: int
+    peak_requests: int
 
 
 @dataclass
@@ -57,6 +63,9 @@ class DeviceLedger:
     _observed_at_s: float | None = None
     _granted_total: int = 0
     _released_total: int = 0
+    _peak_requests: int = 0
+    _recent_releases: deque[tuple[float, int]] = field(default_factory=deque)
+    _confirmed: dict[str, float] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (
@@ -74,10 +83,11 @@ class DeviceLedger:
         """Capacity less the safety margin."""
         return max(0, self.capacity_bytes - self.margin_bytes)
 
-    def observe(self, used_bytes: int, now_s: float, capacity_bytes: int | None = None) -> None:
-        """Record a reading of device usage (and capacity, when the device reports it)."""
+    def observe(self, used_bytes: int, taken_s: float, capacity_bytes: int | None = None) -> None:
+        """Record a reading of device usage taken at ``taken_s`` (and the capacity, when
+        the device reports it)."""
         self._observed_bytes = max(0, used_bytes)
-        self._observed_at_s = now_s
+        self._observed_at_s = taken_s
         if capacity_bytes is not None:
             self.capacity_bytes = capacity_bytes
 
@@ -89,12 +99,26 @@ class DeviceLedger:
             return None
         return self._observed_bytes
 
+    def confirm(self, holder: str, now_s: float) -> None:
+        """The holder reports its allocation made on the device at ``now_s``."""
+        if holder in self._reservations:
+            self._confirmed[holder] = now_s
+
+    def unconfirmed_bytes(self) -> int:
+        """Granted bytes that the last reading cannot contain yet."""
+        taken = self._observed_at_s if self._observed_at_s is not None else float("-inf")
+        return sum(
+            r.nbytes
+            for h, r in self._reservations.items()
+            if h not in self._confirmed or self._confirmed[h] >= taken
+        )
+
     def headroom(self, now_s: float) -> int | None:
         """Bytes that may still be reserved, or None when usage cannot be trusted."""
         observed = self.observed_fresh(now_s)
         if observed is None:
             return None
-        return self.usable_bytes - max(self.predicted_bytes, observed)
+        return self.usable_bytes - max(self.predicted_bytes, observed + self.unconfirmed_bytes())
 
     def reserve_nowait(
         self, holder: str, nbytes: int, now_s: float, kind: str = "request"
@@ -108,6 +132,9 @@ class DeviceLedger:
         res = Reservation(holder=holder, nbytes=nbytes, kind=kind, granted_s=now_s)
         self._reservations[holder] = res
         self._granted_total += 1
+        if kind == "request":
+            live = sum(1 for r in self._reservations.values() if r.kind == "request")
+            self._peak_requests = max(self._peak_requests, live)
         return res
 
     def force_reserve(self, holder: str, nbytes: int, now_s: float, kind: str) -> Reservation:
@@ -119,11 +146,25 @@ class DeviceLedger:
         self._granted_total += 1
         return res
 
-    def release(self, holder: str) -> Reservation:
-        """Return a reservation; each one exactly once."""
+    def release(self, holder: str, now_s: float | None = None) -> Reservation:
+        """Return a reservation; each one exactly once.
+
+        With ``now_s``, the release is remembered for ``freshness_s``: a reading taken
+        around then may still show those bytes on the device (see ``recently_released``).
+        """
         res = self._reservations.pop(holder)
+        self._confirmed.pop(holder, None)
         self._released_total += 1
+        if now_s is not None and res.kind == "request":
+            self._recent_releases.append((now_s, res.nbytes))
         return res
+
+    def recently_released(self, now_s: float) -> int:
+        """Request bytes released within ``freshness_s``: memory a reading may still show
+        as used, and that is coming back (not another tenant's pressure)."""
+        while self._recent_releases and now_s - self._recent_releases[0][0] > self.freshness_s:
+            self._recent_releases.popleft()
+        return sum(b for _, b in self._recent_releases)
 
     def holds(self, holder: str) -> bool:
         """Whether ``holder`` has a live reservation."""
@@ -147,4 +188,5 @@ class DeviceLedger:
             reservations=len(self._reservations),
             granted_total=self._granted_total,
             released_total=self._released_total,
+            peak_requests=self._peak_requests,
         )

@@ -4,7 +4,7 @@ A request's footprint on a device (DESIGN.md, "Memory model and admission"):
 
 - KV cache for ``prompt_tokens + max_tokens``, rounded up to whole pages of
   ``page_tokens`` tokens: ``layers x kv_heads x (head_k + head_v) x kv_type_bytes`` per token
-  (sliding-window layers hold at most their window);
+  (sliding-window layers too: llama-cpp-python keeps a full-size SWA cache);
 - its compute/scratch buffer for that context (``compute_bytes``, calibrated against
   llama.cpp's own reported buffer sizes; see benchmarks/estimate_accuracy.py);
 - a fragmentation allowance (``fragmentation_ratio`` of the above).
@@ -42,6 +42,7 @@ class ModelSpec:
     file_bytes: int
     sliding_window: int = 0
     file_type: int = -1
+    repack_bytes: int = 0  # layer weights llama.cpp's CPU backend also keeps repacked
 
     @property
     def weights_bytes(self) -> int:
@@ -79,6 +80,7 @@ class MemoryModel:
     n_ubatch: int = 512
     n_gpu_layers: int = -1  # -1: all layers on the device
     ctx_pad_tokens: int = 256  # llama.cpp pads the KV cache size
+    cpu_repack: bool = False  # CPU backend: count the repacked copy of Q4_0/Q4_K/IQ4_NL weights
 
     # -- model ---------------------------------------------------------------------
     def layers_on_device(self) -> int:
@@ -91,7 +93,8 @@ class MemoryModel:
         s = self.spec
         on = self.layers_on_device()
         layers = s.layer_bytes * on // max(1, s.n_layers)
-        return layers + (s.other_bytes if on == s.n_layers else 0)
+        repack = s.repack_bytes * on // max(1, s.n_layers) if self.cpu_repack else 0
+        return layers + repack + (s.other_bytes if on == s.n_layers else 0)
 
     # -- per context ---------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -100,29 +103,30 @@ class MemoryModel:
         return self.layers_on_device() * s.n_head_kv * (s.head_dim_k + s.head_dim_v) * self.kv_type_bytes
 
     def kv_bytes(self, n_ctx: int) -> int:
-        """KV cache bytes for a context of ``n_ctx`` tokens, as llama.cpp sizes it."""
-        s = self.spec
-        per_layer_token = s.n_head_kv * (s.head_dim_k + s.head_dim_v) * self.kv_type_bytes
-        on = self.layers_on_device()
-        n_ctx = _pad(n_ctx, self.ctx_pad_tokens)
-        if s.sliding_window and s.arch.startswith("gemma3"):
-            # gemma3: 5 of every 6 layers use the sliding window.
-            n_full = sum(1 for i in range(on) if (i + 1) % 6 == 0)
-            n_swa = on - n_full
-            swa_ctx = min(n_ctx, _pad(s.sliding_window + self.n_ubatch, self.ctx_pad_tokens))
-            return per_layer_token * (n_full * n_ctx + n_swa * swa_ctx)
-        return per_layer_token * on * n_ctx
+        """KV cache bytes for a context of ``n_ctx`` tokens, as llama.cpp sizes it.
+
+        The cache is padded to ``ctx_pad_tokens`` cells. Sliding-window layers (gemma3) get a
+        full-size cache too: llama-cpp-python creates contexts with ``swa_full`` on, and
+        llama.cpp then logs "using full-size SWA cache" (measured).
+        """
+        return self.kv_bytes_per_token() * _pad(n_ctx, self.ctx_pad_tokens)
 
     def compute_bytes(self, n_ctx: int) -> int:
         """Compute/scratch buffer plus the output (logits) buffer for one context.
 
-        llama.cpp (flash attention off) reserves, per token of the micro-batch, the
-        logits row (``n_vocab`` f32) and two ``n_embd`` f32 activations; the output buffer
-        holds one logits row. Fit checked by benchmarks/estimate_accuracy.py.
+        llama.cpp (flash attention off) sizes the compute buffer for the worst graph node
+        of a full micro-batch ``ub``: either the logits (``ub x n_vocab`` f32 plus two
+        ``ub x n_embd`` activations) or, at long contexts, the attention scores
+        (``ub x n_kv x n_head`` f32, plus the ``ub x n_kv`` mask and about six
+        ``ub x n_embd`` activations). The output buffer holds one logits row. Fit against
+        llama.cpp's own reports by benchmarks/estimate_accuracy.py.
         """
         s = self.spec
-        ub = min(self.n_ubatch, _pad(n_ctx, self.ctx_pad_tokens))
-        return ub * (s.n_vocab * 4 + s.n_embd * 8) + s.n_vocab * 4
+        n_kv = _pad(n_ctx, self.ctx_pad_tokens)
+        ub = min(self.n_ubatch, n_kv)
+        logits_path = ub * (s.n_vocab + 2 * s.n_embd) * 4
+        attn_path = ub * n_kv * (s.n_head + 1) * 4 + 6 * ub * s.n_embd * 4
+        return max(logits_path, attn_path) + s.n_vocab * 4
 
     def context_bytes(self, n_ctx: int) -> int:
         """KV plus compute for a context, as llama.cpp allocates it."""

@@ -8,7 +8,11 @@ from typing import Any
 
 from spillover.core.memory import ModelSpec
 
-__all__ = ["read_model_spec"]
+__all__ = ["CPU_REPACK_TYPES", "read_model_spec"]
+
+# Weight types llama.cpp's CPU backend repacks into a second, interleaved copy (measured on
+# this build: Q4_K layer matrices are; Q8_0, Q5_0, Q6_K and Q4_1 are not).
+CPU_REPACK_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL"})
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -41,9 +45,12 @@ def read_model_spec(path: str | Path) -> ModelSpec:
     n_vocab = len(tokens.data) if tokens is not None else 0
     layer_bytes = 0
     other_bytes = 0
+    repack_bytes = 0
     for t in reader.tensors:
         if t.name.startswith("blk."):
             layer_bytes += int(t.n_bytes)
+            if t.tensor_type.name in CPU_REPACK_TYPES and len(t.shape) == 2:
+                repack_bytes += int(t.n_bytes)
         else:
             other_bytes += int(t.n_bytes)
     file_type = int(_field(reader, "general.file_type", -1))
@@ -63,4 +70,5 @@ def read_model_spec(path: str | Path) -> ModelSpec:
         other_bytes=other_bytes,
         file_bytes=os.path.getsize(path),
         file_type=file_type,
+        repack_bytes=repack_bytes,
     )

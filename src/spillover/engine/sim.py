@@ -137,10 +137,11 @@ class SimDevice:
             del allocs[key]
 
     def version(self) -> tuple[int, int] | None:
-        """A cheap change marker (inode, mtime) of the ledger file; no lock taken.
+        """A cheap change hint (inode, mtime) of the ledger file; no lock taken.
 
-        Every write replaces the file, so an unchanged marker means an unchanged ledger
-        (dead processes are reaped on the next locked operation).
+        Every write replaces the file, so a changed marker means a changed ledger; an
+        unchanged one is only a hint (two writes within one coarse clock tick can reuse
+        the inode and mtime), so callers still read in full now and then.
         """
         try:
             st = os.stat(self.path)

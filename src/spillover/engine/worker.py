@@ -123,12 +123,15 @@ class Worker:
     def watch_device(self) -> None:
         assert self.sim is not None
         seen: tuple[int, int] | None = None
+        last_full = 0.0
         while True:
             time.sleep(0.02)
             version = self.sim.version()
-            if version == seen:
-                continue  # a stat() per tick: cheap enough not to disturb generation
-            seen = version
+            now = time.monotonic()
+            if version == seen and now - last_full < 0.5:
+                continue  # a stat() per tick; a full read at least every 0.5 s, since the
+                # (inode, mtime) marker can miss writes within one coarse clock tick
+            seen, last_full = version, now
             snap = self.sim.snapshot()
             if snap.epoch != self.sim_epoch:
                 self.chan.send({"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"})
@@ -193,6 +196,9 @@ class Worker:
                 else:
                     finish = item
             t1 = time.monotonic()
+            if charged and self.sim is not None:
+                self.sim.free(tag)  # memory is back before the gateway hears "done"
+                charged = False
             self.chan.send(
                 {
                     "ev": "done",

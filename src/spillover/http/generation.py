@@ -222,6 +222,7 @@ async def start(gw: Gateway, prep: Prepared) -> Run:
         ev = await run.next_event()  # "started": the device granted the memory
         if ev.get("ev") != "started":
             raise WorkerFailed(f"unexpected worker event {ev.get('ev')!r}")
+        sched.confirmed(prep.rid)
     except BaseException as exc:
         run.outcome = "severe" if isinstance(exc, WorkerFailed) else "cancelled"
         await run.close()

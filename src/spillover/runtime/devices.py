@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 from spillover.engine.sim import MIB, SimDevice
@@ -47,9 +46,6 @@ class GpuDevice:
         self.sim: SimDevice | None = None
         self.index = 0
         self._nvml_handle: object | None = None
-        self._last: DeviceReading | None = None
-        self._last_version: tuple[int, int] | None = None
-        self._last_full_s = 0.0
         if kind == "sim":
             self.sim = SimDevice(state_dir, "sim0")
             self.spec = f"sim:{index_or_mib}"
@@ -76,16 +72,13 @@ class GpuDevice:
     def read(self) -> DeviceReading:
         """A blocking reading; call it in a thread."""
         if self.sim is not None:
-            version = self.sim.version()
-            now = time.monotonic()
-            if self._last is not None and version == self._last_version and now - self._last_full_s < 1.0:
-                return self._last  # unchanged file: same reading (a full read each second reaps)
+            # Always a full, locked read: a (inode, mtime) change marker can miss writes that
+            # land in the same coarse kernel-clock tick, and admission must never see an
+            # old reading as fresh.
             snap = self.sim.snapshot()
-            self._last_version, self._last_full_s = self.sim.version(), now
-            self._last = DeviceReading(
+            return DeviceReading(
                 snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang
             )
-            return self._last
         import pynvml
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)

@@ -150,6 +150,8 @@ class Gateway:
             now = time.monotonic()
             if what == "starting" and not self.ledger.holds(holder):
                 self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")
+            elif what.startswith("ready"):
+                self.ledger.confirm(holder, now)
             elif what.startswith(("died", "failed")) and self.ledger.holds(holder):
                 self.ledger.release(holder)
         if self.scheduler is not None:
@@ -159,8 +161,9 @@ class Gateway:
         assert self.device is not None and self.ledger is not None and self.scheduler is not None
         while True:
             try:
+                taken = time.monotonic()
                 r = await asyncio.to_thread(self.device.read)
-                self.ledger.observe(r.used_bytes, time.monotonic(), r.capacity_bytes)
+                self.ledger.observe(r.used_bytes, taken, r.capacity_bytes)
                 self.device_epoch, self.alloc_failures, self.device_hang = r.epoch, r.alloc_failures, r.hang
                 self.scheduler.kick()
             except Exception as exc:  # a failed reading goes stale; admission stops trusting it

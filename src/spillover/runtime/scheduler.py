@@ -157,11 +157,16 @@ class Scheduler:
                 return list(lane.queue).index(job) + 1
         return 0
 
+    def confirmed(self, rid: str) -> None:
+        """The worker reports the request's device memory allocated."""
+        if self.ledger is not None:
+            self.ledger.confirm(rid, self.clock())
+
     # -- completion ----------------------------------------------------------------
     def finished(self, rid: str, d: Dispatch, outcome: str) -> None:
         """Return a job's reservation and feed the breaker (``ok`` | ``failed`` | ``severe``)."""
         if d.route == "gpu" and self.ledger is not None and self.ledger.holds(rid):
-            self.ledger.release(rid)
+            self.ledger.release(rid, self.clock())
         if d.route == "gpu" and self.policy is not None:
             ev = {
                 "ok": BreakerEvent.SUCCESS,

@@ -89,6 +89,7 @@ class WorkerStatistics:
     last_exit: str | None
     last_pong_age_s: float | None
     progress_tokens: int
+    alloc_failures: int
     fingerprint: dict[str, str] | None
     info: dict[str, Any] | None
 
@@ -113,6 +114,7 @@ class WorkerClient:
         self.progress = 0
         self._ping_seq = 0
         self._last_fatal: WorkerGone | None = None
+        self.alloc_failures = 0
 
     def __repr__(self) -> str:
         return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
@@ -205,6 +207,8 @@ class WorkerClient:
         elif ev == "fatal":
             self._last_fatal = WorkerGone(str(msg.get("kind")), str(msg.get("message")))
         else:
+            if ev == "error" and msg.get("kind") == "alloc_failed":
+                self.alloc_failures += 1
             q = self._streams.get(str(msg.get("rid")))
             if q is not None:
                 q.put_nowait(msg)
@@ -282,6 +286,7 @@ class WorkerClient:
             last_exit=self.last_exit,
             last_pong_age_s=None if age is None else round(age, 3),
             progress_tokens=self.progress,
+            alloc_failures=self.alloc_failures,
             fingerprint=(self.info or {}).get("fingerprint"),
             info=self.info,
         )

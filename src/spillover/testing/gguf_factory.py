@@ -1,0 +1,99 @@
+"""Write small, loadable GGUF models with the ``gguf`` package (random weights).
+
+Used to calibrate the memory model on architectures and KV layouts that no small shipped
+model has: the tokenizer is copied from a real GGUF, the tensors are random, and llama.cpp
+loads the result and reports its buffers like for any other model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TinyLlamaSpec", "write_tiny_llama"]
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Shape of a llama-architecture model to write."""
+
+    n_layers: int = 6
+    n_embd: int = 256
+    n_head: int = 8
+    n_head_kv: int = 2
+    n_ff: int = 768
+    n_ctx_train: int = 8192
+    f16: bool = True  # weights in F16 (else F32)
+    name: str = "tiny-llama-gqa4"
+
+
+def write_tiny_llama(out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
+    """Write a llama GGUF of ``spec``'s shape with the tokenizer of ``tokenizer_from``."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    src = GGUFReader(tokenizer_from, "r")
+    tokens = [
+        bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", "replace")
+        for i in src.fields["tokenizer.ggml.tokens"].data
+    ]
+    types = [
+        int(src.fields["tokenizer.ggml.token_type"].parts[i][0])
+        for i in src.fields["tokenizer.ggml.token_type"].data
+    ]
+    merges = [
+        bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode("utf-8", "replace")
+        for i in src.fields["tokenizer.ggml.merges"].data
+    ]
+    pre = src.fields["tokenizer.ggml.pre"].contents()
+    n_vocab = len(tokens)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(str(out), "llama")
+    w.add_name(spec.name)
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(spec.n_embd // spec.n_head)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(1 if spec.f16 else 0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(str(pre))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+    dt = np.float16 if spec.f16 else np.float32
+    hd = spec.n_embd // spec.n_head
+
+    def t(name: str, *shape: int, norm: bool = False) -> None:
+        if norm:
+            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+        else:
+            w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(dt))
+
+    t("token_embd.weight", n_vocab, spec.n_embd)
+    t("output_norm.weight", spec.n_embd, norm=True)
+    t("output.weight", n_vocab, spec.n_embd)
+    for i in range(spec.n_layers):
+        t(f"blk.{i}.attn_norm.weight", spec.n_embd, norm=True)
+        t(f"blk.{i}.attn_q.weight", spec.n_embd, spec.n_embd)
+        t(f"blk.{i}.attn_k.weight", spec.n_head_kv * hd, spec.n_embd)
+        t(f"blk.{i}.attn_v.weight", spec.n_head_kv * hd, spec.n_embd)
+        t(f"blk.{i}.attn_output.weight", spec.n_embd, spec.n_embd)
+        t(f"blk.{i}.ffn_norm.weight", spec.n_embd, norm=True)
+        t(f"blk.{i}.ffn_gate.weight", spec.n_ff, spec.n_embd)
+        t(f"blk.{i}.ffn_up.weight", spec.n_ff, spec.n_embd)
+        t(f"blk.{i}.ffn_down.weight", spec.n_embd, spec.n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
