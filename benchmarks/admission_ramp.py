@@ -75,14 +75,8 @@ def main() -> int:
             got: list[str] = []
 
             def one(got: list[str] = got) -> None:
-                r = c.post(
-                    "/v1/completions", json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
-                )
-                got.append(
-                    r.headers.get("x-spillover-route", "?")
-                    if r.status_code == 200
-                    else f"http{r.status_code}"
-                )
+                r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+                got.append(r.headers.get("x-spillover-route", "?") if r.status_code == 200 else f"http{r.status_code}")
                 reasons[r.headers.get("x-spillover-reason", "?")] += 1
 
             ts = [threading.Thread(target=one) for _ in range(level)]
@@ -92,9 +86,7 @@ def main() -> int:
                 t.join()
             cnt = Counter(got)
             routes.update(cnt)
-            per_level.append(
-                (level, cnt["gpu"], cnt["cpu"], sum(v for k, v in cnt.items() if k not in ("gpu", "cpu")))
-            )
+            per_level.append((level, cnt["gpu"], cnt["cpu"], sum(v for k, v in cnt.items() if k not in ("gpu", "cpu"))))
         st = gw.status()
         peak = st["device"]["ledger"]["peak_requests"]
         dev_failures = st["device"]["alloc_failures"]

@@ -59,15 +59,12 @@ def main() -> int:
                 worst = max(worst, abs(err))
                 rows.append((name, ctx, m, pred, err, oll, oerr))
     hdr = (
-        f"{'model':26}{'ctx':>6}{'measured':>10}{'  (w/kv/comp)':>24}{'spillover':>10}{'err':>8}"
-        f"{'ollama':>9}{'err':>8}"
+        f"{'model':26}{'ctx':>6}{'measured':>10}{'  (w/kv/comp)':>24}{'spillover':>10}{'err':>8}{'ollama':>9}{'err':>8}"
     )
     print(hdr)
     print("-" * len(hdr))
     for name, ctx, m, pred, err, oll, oerr in rows:
-        parts = (
-            f"{m.model_bytes / MIB:.0f}/{m.kv_bytes / MIB:.1f}/{(m.compute_bytes + m.output_bytes) / MIB:.1f}"
-        )
+        parts = f"{m.model_bytes / MIB:.0f}/{m.kv_bytes / MIB:.1f}/{(m.compute_bytes + m.output_bytes) / MIB:.1f}"
         print(
             f"{name:26}{ctx:6d}{m.total_bytes / MIB:10.1f}{parts:>24}{pred / MIB:10.1f}{err:+8.2%}"
             f"{oll / MIB:9.1f}{oerr:+8.2%}"

@@ -61,9 +61,7 @@ def measure(a: argparse.Namespace, threads: int) -> None:
     from llama_cpp import Llama
 
     model = default_model_path()
-    llm = Llama(
-        model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False
-    )
+    llm = Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
     tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
     args = ["--gpu", "sim:2048", "--gpu-slots", "1", "--gpu-threads", str(threads), "--cpu-threads", "1"]
     bare_tps, gw_tps, bare_lat, gw_lat, bare_e2e, gw_e2e = [], [], [], [], [], []

@@ -45,9 +45,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gw = Gateway(cfg)
     app = create_app(gw)
-    uvicorn.run(
-        app, host=cfg.server.host, port=cfg.server.port, log_level="info", timeout_graceful_shutdown=5
-    )
+    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="info", timeout_graceful_shutdown=5)
     return 0
 
 
@@ -67,6 +65,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
         dev.set_capacity(a.value * MIB)
     elif a.action == "reset":
         dev.reset()
+    elif a.action == "oom-running":
+        dev.fail_running(a.value)
     elif a.action == "hang":
         dev.set_hang(True)
     elif a.action == "unhang":
@@ -107,9 +107,7 @@ def cmd_config(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="spillover", description="spillover: GPU gateway with a safe CPU overflow route"
-    )
+    p = argparse.ArgumentParser(prog="spillover", description="spillover: GPU gateway with a safe CPU overflow route")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser(
@@ -147,10 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "sim":
             q.add_argument(
                 "action",
-                choices=["status", "fail-next", "capacity", "reset", "hang", "unhang"],
-                help="status | fail-next N | capacity MIB | reset (driver reset) | hang | unhang",
+                choices=["status", "fail-next", "oom-running", "capacity", "reset", "hang", "unhang"],
+                help="status | fail-next N | oom-running N | capacity MIB | reset (driver reset) | hang | unhang",
             )
-            q.add_argument("value", nargs="?", type=int, default=1, help="N for fail-next, MiB for capacity")
+            q.add_argument(
+                "value", nargs="?", type=int, default=1, help="N for fail-next/oom-running, MiB for capacity"
+            )
             q.set_defaults(func=cmd_sim)
         else:
             q.add_argument("--mib", type=int, required=True, help="MiB to hold")

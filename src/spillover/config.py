@@ -21,8 +21,11 @@ from spillover.errors import ConfigError
 
 __all__ = [
     "AdmissionConfig",
+    "BreakerConfig",
     "Config",
     "DeviceConfig",
+    "FailoverConfig",
+    "JournalConfig",
     "LaneConfig",
     "ModelConfig",
     "ServerConfig",
@@ -120,6 +123,37 @@ class SupervisorConfig:
 
 
 @dataclass(frozen=True)
+class FailoverConfig:
+    """When and how a failed GPU request moves to the CPU replica."""
+
+    max_attempts: int = _doc(3, "attempts per request, the first included")
+    retry_budget_per_min: int = _doc(120, "failover retries allowed per minute, gateway-wide")
+    stall_timeout_s: float = _doc(15.0, "no token progress on the GPU for this long is a stall")
+    continue_mid_stream: bool = _doc(True, "continue a greedy stream on an identical CPU replica")
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Circuit breaker of the GPU worker (see core.breaker)."""
+
+    failure_threshold: int = _doc(3, "failures within window_s that open the breaker")
+    window_s: float = _doc(30.0, "window in which failures are counted")
+    cooldown_s: float = _doc(2.0, "time open before half-open probes")
+    cooldown_max_s: float = _doc(30.0, "cap of the cooldown, which doubles on flapping")
+    half_open_probes: int = _doc(1, "requests let through at once while half-open")
+    close_after_successes: int = _doc(2, "probe successes that close the breaker")
+
+
+@dataclass(frozen=True)
+class JournalConfig:
+    """The SQLite request journal."""
+
+    path: str = _doc("", "journal file; empty means <state_dir>/journal.sqlite3")
+    retention_s: float = _doc(86400.0, "finished requests older than this are deleted")
+    max_requests: int = _doc(100_000, "finished requests kept at most (oldest deleted first)")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything ``spillover serve`` needs."""
 
@@ -130,6 +164,9 @@ class Config:
     cpu_lane: LaneConfig = field(default_factory=LaneConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
 
     def model_path(self) -> str:
         """The GGUF file to load."""
@@ -138,6 +175,10 @@ class Config:
     def state_path(self) -> Path:
         """The state folder as an absolute path."""
         return Path(self.server.state_dir).resolve()
+
+    def journal_path(self) -> Path:
+        """The journal file."""
+        return Path(self.journal.path).resolve() if self.journal.path else self.state_path() / "journal.sqlite3"
 
 
 _SECTIONS: dict[str, str] = {
@@ -148,6 +189,9 @@ _SECTIONS: dict[str, str] = {
     "cpu_lane": "cpu_lane",
     "admission": "admission",
     "supervisor": "supervisor",
+    "failover": "failover",
+    "breaker": "breaker",
+    "journal": "journal",
 }
 
 _SIM_RE = re.compile(r"^sim:(\d+)$")
@@ -210,6 +254,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[admission].pressure_ratio must be in (0, 1]")
     if cfg.device.margin_mib < 0 or cfg.device.host_budget_mib <= 0:
         raise ConfigError("[device] margin_mib >= 0 and host_budget_mib > 0")
+    if cfg.failover.max_attempts < 1 or cfg.failover.stall_timeout_s <= 0:
+        raise ConfigError("[failover] max_attempts >= 1 and stall_timeout_s > 0")
+    if cfg.breaker.failure_threshold < 1 or cfg.breaker.half_open_probes < 1:
+        raise ConfigError("[breaker] failure_threshold and half_open_probes must be >= 1")
+    if cfg.journal.max_requests < 1 or cfg.journal.retention_s <= 0:
+        raise ConfigError("[journal] max_requests >= 1 and retention_s > 0")
     if cfg.model.path and not Path(cfg.model.path).is_file():
         raise ConfigError(f"[model].path does not exist: {cfg.model.path}")
 

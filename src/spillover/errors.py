@@ -13,8 +13,14 @@
     ├── CapacityError                   503 + Retry-After: the gateway is full right now
     │   ├── QueueFull                   code=queue_full
     │   └── NoWorkerReady               code=no_worker_ready
+    │   └── RequestCancelled            409 code=request_cancelled (DELETE or client gone)
+    ├── IdempotencyError                the Idempotency-Key was used differently
+    │   ├── IdempotencyInFlight         409 + Retry-After: the first request is still running
+    │   └── IdempotencyMismatch         422: same key, different body
     └── WorkerFailed                    503 + Retry-After: a worker died or failed mid-request
-        └── AllocationFailed            the device refused memory before generation
+        ├── AllocationFailed            the device refused memory before generation
+        └── FailoverInterrupted         code=failover_interrupted: tokens were delivered and
+                                        no provably identical continuation exists
 
 Expected outcomes inside the core are values (``Decision``); these exceptions cross
 layers. A foreign exception is wrapped once, at its boundary, with ``from exc``.
@@ -32,12 +38,17 @@ __all__ = [
     "ClientError",
     "ConfigError",
     "ContextLengthExceeded",
+    "FailoverInterrupted",
     "HttpError",
+    "IdempotencyError",
+    "IdempotencyInFlight",
+    "IdempotencyMismatch",
     "InvalidRequest",
     "NoWorkerReady",
     "NotFound",
     "PayloadTooLarge",
     "QueueFull",
+    "RequestCancelled",
     "SpilloverError",
     "Unauthorized",
     "WorkerFailed",
@@ -99,6 +110,34 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class RequestCancelled(ClientError):
+    """The request was cancelled (DELETE /v1/requests/{id}, or the client went away)."""
+
+    status = 409
+    code = "request_cancelled"
+
+
+class IdempotencyError(ClientError):
+    """The Idempotency-Key cannot be used this way."""
+
+    code = "idempotency_error"
+
+
+class IdempotencyInFlight(IdempotencyError):
+    """A request with this key is still in flight."""
+
+    status = 409
+    code = "idempotency_key_in_flight"
+    retry_after_s = 1.0
+
+
+class IdempotencyMismatch(IdempotencyError):
+    """The key was first used with a different body."""
+
+    status = 422
+    code = "idempotency_key_reused"
+
+
 class PayloadTooLarge(ClientError):
     """The body exceeds the configured limit; it was not buffered."""
 
@@ -150,6 +189,12 @@ class AllocationFailed(WorkerFailed):
     code = "allocation_failed"
 
 
+class FailoverInterrupted(WorkerFailed):
+    """Tokens were delivered and the continuation could not be proven identical."""
+
+    code = "failover_interrupted"
+
+
 @dataclass(frozen=True)
 class HttpError:
     """What ``to_http`` produces: status, OpenAI-shaped body and extra headers."""
@@ -164,8 +209,9 @@ def to_http(exc: BaseException) -> HttpError:
     if not isinstance(exc, SpilloverError):
         exc = SpilloverError(f"internal error: {type(exc).__name__}")
     headers: dict[str, str] = {}
-    if isinstance(exc, CapacityError):
-        retry_s = max(0.0, exc.retry_after_s)
+    retry = getattr(exc, "retry_after_s", None)
+    if isinstance(exc, CapacityError | IdempotencyInFlight) and retry is not None:
+        retry_s = max(0.0, float(retry))
         headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
         headers["retry-after-ms"] = str(int(retry_s * 1000))
     body = {

@@ -42,9 +42,7 @@ def ledger(cap_mib: int, observed_mib: float, *, ours_mib: float = 0, at: float 
     return led
 
 
-def req(
-    prompt: int = 40, max_tokens: int = 60, *, arrived: float = NOW, shrink: bool = False
-) -> AdmissionRequest:
+def req(prompt: int = 40, max_tokens: int = 60, *, arrived: float = NOW, shrink: bool = False) -> AdmissionRequest:
     return AdmissionRequest("r1", prompt, max_tokens, arrived, allow_shrink=shrink)
 
 
@@ -122,9 +120,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("case", "led", "r", "lanes", "circuit", "kind", "reason"), CASES, ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize(("case", "led", "r", "lanes", "circuit", "kind", "reason"), CASES, ids=[c[0] for c in CASES])
 def test_decide_table(
     policy: AdmissionPolicy,
     case: str,
@@ -147,9 +143,7 @@ def test_decide_table(
         assert NOW < d.until_s <= NOW + policy.delay_max_s
 
 
-def test_margin_reason_when_only_the_margin_is_in_the_way(
-    policy: AdmissionPolicy, memory: MemoryModel
-) -> None:
+def test_margin_reason_when_only_the_margin_is_in_the_way(policy: AdmissionPolicy, memory: MemoryModel) -> None:
     """A request that would fit into the margin but not beside it says 'margin'."""
     need = fp_mib(memory, 40, 60)
     cap = 200

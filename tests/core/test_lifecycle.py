@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from spillover.core.lifecycle import TERMINAL, TRANSITIONS, IllegalTransition, State, advance
+from spillover.core.lifecycle import RESUMABLE, TERMINAL, TRANSITIONS, IllegalTransition, State, advance
 
 
 @pytest.mark.parametrize(("src", "dst"), sorted(TRANSITIONS, key=lambda t: (t[0].value, t[1].value)))
@@ -25,6 +25,7 @@ def test_every_other_move_raises(src: State, dst: State) -> None:
         advance(src, dst)
 
 
-def test_terminal_states_have_no_exit() -> None:
-    """No row leaves a terminal state."""
-    assert not [t for t in TRANSITIONS if t[0] in TERMINAL]
+def test_terminal_states_have_no_exit_but_resume() -> None:
+    """The only rows out of a terminal state resume a resumable one back to QUEUED."""
+    leaving = {t for t in TRANSITIONS if t[0] in TERMINAL}
+    assert leaving == {(s, State.QUEUED) for s in RESUMABLE}

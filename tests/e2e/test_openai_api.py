@@ -22,9 +22,7 @@ def test_models_lists_the_default_model(client: openai.OpenAI) -> None:
 
 def test_non_stream_chat(client: openai.OpenAI) -> None:
     """A non-stream chat completion returns text, usage and the spillover object, on GPU."""
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=MSG, max_tokens=16, temperature=0
-    )
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MSG, max_tokens=16, temperature=0)
     r = raw.parse()
     assert r.choices[0].message.content
     assert r.usage is not None and r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 5
@@ -61,9 +59,7 @@ def test_stream_chat_matches_non_stream_greedy(client: openai.OpenAI) -> None:
 
 def test_text_completion_and_stop(client: openai.OpenAI) -> None:
     """/v1/completions honours stop sequences (never delivered) and max_tokens."""
-    r = client.completions.create(
-        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=40, temperature=0, stop=[" 9"]
-    )
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=40, temperature=0, stop=[" 9"])
     assert " 9" not in r.choices[0].text
     assert r.choices[0].finish_reason in ("stop", "length")
 

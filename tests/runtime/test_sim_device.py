@@ -136,9 +136,7 @@ def test_worker_sees_injected_faults(tmp_path: Path, model_path: str) -> None:
         assert ok[0]["ev"] == "started" and ok[-1]["ev"] == "done"
         dev.fail_next(1)
         failed = await run_job(w, "r2", 10 * MIB)
-        assert failed == [
-            {"ev": "error", "rid": "r2", "kind": "alloc_failed", "message": failed[0]["message"]}
-        ]
+        assert failed == [{"ev": "error", "rid": "r2", "kind": "alloc_failed", "message": failed[0]["message"]}]
         dev.set_capacity(105 * MIB)
         assert (await run_job(w, "r3", 10 * MIB))[-1]["kind"] == "alloc_failed"
         dev.set_capacity(512 * MIB)

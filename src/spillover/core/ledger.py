@@ -108,9 +108,7 @@ class DeviceLedger:
         """Granted bytes that the last reading cannot contain yet."""
         taken = self._observed_at_s if self._observed_at_s is not None else float("-inf")
         return sum(
-            r.nbytes
-            for h, r in self._reservations.items()
-            if h not in self._confirmed or self._confirmed[h] >= taken
+            r.nbytes for h, r in self._reservations.items() if h not in self._confirmed or self._confirmed[h] >= taken
         )
 
     def headroom(self, now_s: float) -> int | None:
@@ -120,9 +118,7 @@ class DeviceLedger:
             return None
         return self.usable_bytes - max(self.predicted_bytes, observed + self.unconfirmed_bytes())
 
-    def reserve_nowait(
-        self, holder: str, nbytes: int, now_s: float, kind: str = "request"
-    ) -> Reservation | None:
+    def reserve_nowait(self, holder: str, nbytes: int, now_s: float, kind: str = "request") -> Reservation | None:
         """Grant ``nbytes`` to ``holder`` if it fits now; ``None`` otherwise."""
         if holder in self._reservations:
             raise KeyError(f"{holder} already holds a reservation")

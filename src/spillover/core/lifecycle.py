@@ -7,13 +7,15 @@ Rules:
    and changes nothing.
 3. COMPLETED, FAILED, CANCELLED, REJECTED and RESUMABLE_ERROR are terminal.
 4. A fault while RUNNING either re-queues (replayable) or ends as RESUMABLE_ERROR.
+5. RESUMABLE_ERROR and REJECTED end a request, but a retry with the same Idempotency-Key
+   resumes it (back to QUEUED, same id, next attempt): ``RESUMABLE``.
 """
 
 from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["TERMINAL", "TRANSITIONS", "IllegalTransition", "State", "advance"]
+__all__ = ["RESUMABLE", "TERMINAL", "TRANSITIONS", "IllegalTransition", "State", "advance"]
 
 
 class State(str, Enum):
@@ -56,10 +58,16 @@ TRANSITIONS: frozenset[tuple[State, State]] = frozenset(
         (S.RUNNING, S.CANCELLED),
         (S.RUNNING, S.QUEUED),  # fault, replayable
         (S.RUNNING, S.RESUMABLE_ERROR),  # fault, not replayable
+        (S.ACCEPTED, S.RESUMABLE_ERROR),  # gateway restart found it unrecoverable
+        (S.QUEUED, S.RESUMABLE_ERROR),  # a failover found no lane to go to
+        (S.ADMITTED, S.RESUMABLE_ERROR),
+        (S.RESUMABLE_ERROR, S.QUEUED),  # resumed with the same Idempotency-Key
+        (S.REJECTED, S.QUEUED),  # retried with the same Idempotency-Key
     }
 )
 
 TERMINAL: frozenset[State] = frozenset({S.COMPLETED, S.FAILED, S.CANCELLED, S.REJECTED, S.RESUMABLE_ERROR})
+RESUMABLE: frozenset[State] = frozenset({S.RESUMABLE_ERROR, S.REJECTED})
 
 
 def advance(current: State, target: State) -> State:

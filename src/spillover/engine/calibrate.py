@@ -42,9 +42,7 @@ def _sum(pattern: re.Pattern[str], text: str) -> int:
     return int(sum(float(x) for x in pattern.findall(text)) * MIB)
 
 
-def measure_buffers(
-    model_path: str, n_ctx: int, n_batch: int = 512, n_gpu_layers: int = 0
-) -> MeasuredBuffers:
+def measure_buffers(model_path: str, n_ctx: int, n_batch: int = 512, n_gpu_layers: int = 0) -> MeasuredBuffers:
     """Load ``model_path`` with a context of ``n_ctx`` and return the buffers it reported."""
     from llama_cpp import Llama
 

@@ -52,9 +52,7 @@ class Tokenizer:
 
         if not self.chat_template:
             return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
-        fmt = Jinja2ChatFormatter(
-            template=self.chat_template, eos_token=self.eos_token, bos_token=self.bos_token
-        )
+        fmt = Jinja2ChatFormatter(template=self.chat_template, eos_token=self.eos_token, bos_token=self.bos_token)
         result = fmt(messages=messages, tools=tools)  # type: ignore[arg-type]
         return str(result.prompt)
 
@@ -93,7 +91,7 @@ def file_digest(path: str, cache_dir: Path | None = None) -> str:
 
 
 def fingerprint_parts(
-    model_path: str, tok: Tokenizer, backend: str, cache_dir: Path | None
+    model_path: str, tok: Tokenizer, backend: str, cache_dir: Path | None, n_batch: int = 512
 ) -> dict[str, str]:
     """The compatibility and numerics parts of a worker's fingerprint."""
     import llama_cpp
@@ -104,7 +102,11 @@ def fingerprint_parts(
         "chat_template_sha256": hashlib.sha256(tok.chat_template.encode()).hexdigest(),
         "quantization": tok.metadata.get("general.file_type", ""),
     }
-    numerics = {"engine": f"llama-cpp-python {llama_cpp.__version__}", "backend": backend}
+    numerics = {
+        "engine": f"llama-cpp-python {llama_cpp.__version__}",
+        "backend": backend,
+        "n_batch": str(n_batch),
+    }
     return {
         "compat": hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16],
         "numerics": hashlib.sha256(json.dumps(numerics, sort_keys=True).encode()).hexdigest()[:16],
@@ -187,14 +189,27 @@ class Engine:
         *,
         kv_tokens: int,
         should_stop: Callable[[], bool],
+        prefix: list[int] | None = None,
     ) -> Iterator[Step | str]:
-        """Yield ``Step`` per token, then the finish reason (``stop`` | ``length`` | ``cancelled``)."""
+        """Yield ``Step`` per new token, then the finish reason.
+
+        Finish reasons: ``stop`` | ``length`` | ``cancelled`` | ``diverged``.
+
+        ``prefix`` continues a generation whose first tokens were already delivered: the
+        prompt is evaluated exactly as in an uninterrupted run (one batched eval), then
+        each prefix token alone, as the original decode did. At each step the greedy
+        choice is checked against the delivered token; any difference ends with
+        ``diverged`` before a single new token is produced. Only greedy requests may be
+        continued (the gateway checks).
+        """
         import llama_cpp
+        import numpy as np
 
         llm = self._slots[slot]
+        prefix = list(prefix or [])
         limit = min(kv_tokens, self.n_ctx)
         budget = min(params.max_tokens, limit - len(prompt_tokens))
-        if budget <= 0:
+        if budget <= len(prefix):
             yield "length"
             return
         grammar = (
@@ -206,26 +221,40 @@ class Engine:
         llm.set_seed(params.seed)
         greedy = params.temperature <= 0
         scanner = StopScanner(stops=params.stop)
-        model = llm.model
-        produced = 0
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        history: list[int] = list(prompt_tokens)
+        start = prompt_tokens
+        if prefix:
+            llm.eval(prompt_tokens)
+            n_vocab = llm.n_vocab()
+            for i, tok in enumerate(prefix):
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+                if int(np.argmax(logits)) != tok:
+                    yield "diverged"
+                    return
+                scanner.feed(bytes(llm.detokenize([tok], prev_tokens=history, special=False)))
+                history.append(tok)
+                if i < len(prefix) - 1:
+                    llm.eval([tok])
+            start = [prefix[-1]]
+        produced = len(prefix)
         gen = llm.generate(
-            prompt_tokens,
+            start,
             top_k=1 if greedy else 0,
             top_p=1.0 if greedy else params.top_p,
             min_p=0.0,
             typical_p=1.0,
             temp=0.0 if greedy else params.temperature,
             repeat_penalty=1.0,
-            reset=True,
+            reset=not prefix,
             grammar=grammar,
         )
-        history: list[int] = list(prompt_tokens)
         try:
             for token in gen:
                 if should_stop():
                     yield "cancelled"
                     return
-                if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(model), token):
+                if llama_cpp.llama_vocab_is_eog(vocab, token):
                     tail = scanner.finish()
                     if tail:
                         yield Step(-1, tail)

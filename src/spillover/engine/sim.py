@@ -7,6 +7,8 @@ one truth. It fails an allocation exactly where a card of that capacity would.
 Faults it supports (from any process):
 
 - ``fail_next(n)``: the next n allocations fail;
+- ``fail_running(n)``: the next n KV page growths of running requests fail (an OOM in
+  the middle of generation);
 - ``set_capacity(bytes)``: shrink or grow the card; live allocations stay;
 - ``reset()``: a driver reset: every allocation is lost and ``epoch`` moves on, so the
   workers on the device notice and die;
@@ -43,6 +45,7 @@ class SimSnapshot:
     hang: bool
     fail_next: int
     alloc_failures: int
+    fail_running: int
     allocations: tuple[tuple[str, int, int, str], ...]  # (tag, pid, bytes, owner)
 
     def used_by_pid(self, pid: int) -> int:
@@ -60,6 +63,7 @@ class SimSnapshot:
             "hang": self.hang,
             "fail_next": self.fail_next,
             "alloc_failures": self.alloc_failures,
+            "fail_running": self.fail_running,
             "allocations": [{"tag": t, "pid": p, "bytes": b, "owner": o} for t, p, b, o in self.allocations],
         }
 
@@ -156,6 +160,7 @@ class SimDevice:
             s["capacity"] = int(capacity_bytes)
             s["hang"] = False
             s["fail_next"] = 0
+            s["fail_running"] = 0
             if not keep_allocations:
                 s["allocs"] = {}
                 s["epoch"] = int(s["epoch"]) + 1
@@ -203,6 +208,20 @@ class SimDevice:
         with self._locked() as s:
             s["fail_next"] = int(n)
 
+    def fail_running(self, n: int) -> None:
+        """Make the next ``n`` KV page growths of running requests fail (OOM mid-generation)."""
+        with self._locked() as s:
+            s["fail_running"] = int(n)
+
+    def take_running_fault(self) -> bool:
+        """Consume one armed running-OOM fault; True when this caller hit it."""
+        with self._locked() as s:
+            if int(s.get("fail_running", 0)) <= 0:
+                return False
+            s["fail_running"] = int(s["fail_running"]) - 1
+            s["alloc_failures"] += 1
+            return True
+
     def set_hang(self, hang: bool) -> None:
         """Stop (or resume) kernel progress on the device."""
         with self._locked() as s:
@@ -232,5 +251,6 @@ class SimDevice:
                 hang=bool(s["hang"]),
                 fail_next=int(s["fail_next"]),
                 alloc_failures=int(s["alloc_failures"]),
+                fail_running=int(s.get("fail_running", 0)),
                 allocations=allocs,
             )

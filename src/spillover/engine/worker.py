@@ -7,7 +7,7 @@ stderr at start-up, so nothing that llama.cpp or a library prints can corrupt th
 Gateway -> worker ops::
 
     {"op": "generate", "rid", "tokens", "max_tokens", "temperature", "top_p", "seed",
-     "stop", "json_schema", "kv_tokens", "reserve_bytes"}
+     "stop", "json_schema", "kv_tokens", "reserve_bytes", "prefix"}
     {"op": "cancel", "rid"}
     {"op": "ping", "seq"}
 
@@ -17,7 +17,7 @@ Worker -> gateway events::
     {"ev": "started", "rid"}                  memory granted, generation begins
     {"ev": "token", "rid", "id", "text"}      one per generated token
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
-    {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | bad_request | engine
+    {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
     {"ev": "pong", "seq", "progress"}         progress: tokens generated so far, in total
     {"ev": "fatal", "kind", "message"}        then the process exits
 
@@ -37,12 +37,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["main"]
 
 EXIT_DEVICE_LOST = 75
 EXIT_LOAD_FAILED = 3
+PAGE_TOKENS = 16
 
 
 class Channel:
@@ -73,6 +75,7 @@ class Worker:
         self.cancelled: set[str] = set()
         self.progress = 0
         self.hang = threading.Event()
+        self.oom_armed = threading.Event()
         self.sim = None
         self.sim_epoch = 0
         kind = args.device.split(":", 1)[0]
@@ -103,7 +106,9 @@ class Worker:
         )
         tok = Tokenizer(args.model)
         backend = "cuda" if kind == "cuda" else "cpu"
-        self.fingerprint = fingerprint_parts(args.model, tok, backend, cache_dir=None)
+        self.fingerprint = fingerprint_parts(
+            args.model, tok, backend, cache_dir=Path(args.state_dir), n_batch=args.n_batch
+        )
         self.load_s = time.monotonic() - t0
         self.pool = ThreadPoolExecutor(max_workers=args.slots, thread_name_prefix="slot")
 
@@ -140,6 +145,16 @@ class Worker:
                 self.hang.set()
             else:
                 self.hang.clear()
+            if snap.fail_running > 0:
+                self.oom_armed.set()
+            else:
+                self.oom_armed.clear()
+
+    def _page_fault(self) -> bool:
+        """At a KV page boundary: does an injected running-OOM fault hit this request?"""
+        if self.sim is None or not self.oom_armed.is_set():
+            return False
+        return self.sim.take_running_fault()
 
     # -- requests ---------------------------------------------------------------------
     def run_request(self, msg: dict[str, Any]) -> None:
@@ -175,6 +190,7 @@ class Worker:
                 json_schema=msg.get("json_schema"),
             )
             tokens = [int(t) for t in msg["tokens"]]
+            prefix = [int(t) for t in msg.get("prefix") or []]
             kv_tokens = int(msg.get("kv_tokens") or self.args.n_ctx)
             self.chan.send({"ev": "started", "rid": rid})
             t0 = time.monotonic()
@@ -182,7 +198,12 @@ class Worker:
             n = 0
             finish = "stop"
             for item in self.engine.generate(
-                slot, tokens, params, kv_tokens=kv_tokens, should_stop=lambda: rid in self.cancelled
+                slot,
+                tokens,
+                params,
+                kv_tokens=kv_tokens,
+                should_stop=lambda: rid in self.cancelled,
+                prefix=prefix,
             ):
                 while self.hang.is_set() and rid not in self.cancelled:
                     time.sleep(0.01)
@@ -192,9 +213,29 @@ class Worker:
                         self.progress += 1
                         if t_first is None:
                             t_first = time.monotonic()
+                        if n % PAGE_TOKENS == 0 and self._page_fault():
+                            self.chan.send(
+                                {
+                                    "ev": "error",
+                                    "rid": rid,
+                                    "kind": "oom",
+                                    "message": "device out of memory growing the KV cache",
+                                }
+                            )
+                            return
                     self.chan.send({"ev": "token", "rid": rid, "id": item.token_id, "text": item.text})
                 else:
                     finish = item
+            if finish == "diverged":
+                self.chan.send(
+                    {
+                        "ev": "error",
+                        "rid": rid,
+                        "kind": "diverged",
+                        "message": "continuation differs from the delivered tokens",
+                    }
+                )
+                return
             t1 = time.monotonic()
             if charged and self.sim is not None:
                 self.sim.free(tag)  # memory is back before the gateway hears "done"
@@ -213,9 +254,7 @@ class Worker:
                 }
             )
         except Exception as exc:  # engine failure: report, keep serving
-            self.chan.send(
-                {"ev": "error", "rid": rid, "kind": "engine", "message": f"{type(exc).__name__}: {exc}"}
-            )
+            self.chan.send({"ev": "error", "rid": rid, "kind": "engine", "message": f"{type(exc).__name__}: {exc}"})
         finally:
             if charged and self.sim is not None:
                 self.sim.free(tag)

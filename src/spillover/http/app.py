@@ -6,10 +6,11 @@ leaves through ``errors.to_http`` in the OpenAI shape.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
-import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -20,7 +21,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from spillover.core.lifecycle import RESUMABLE
 from spillover.errors import (
+    IdempotencyInFlight,
+    IdempotencyMismatch,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -29,8 +33,9 @@ from spillover.errors import (
     to_http,
 )
 from spillover.http import generation as g
-from spillover.http.schemas import GenerationRequest, parse_chat, parse_completion
+from spillover.http.schemas import parse_chat, parse_completion
 from spillover.runtime.gateway import Gateway
+from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
 
 __all__ = ["create_app"]
 
@@ -66,8 +71,17 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
 
 
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+_KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+
+
+def _idempotency_key(request: Request) -> str | None:
+    """The Idempotency-Key header: 1-255 visible ASCII characters, else 400."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not set(key) <= _KEY_CHARS:
+        raise InvalidRequest("Idempotency-Key must be 1-255 visible ASCII characters", param="Idempotency-Key")
+    return key
 
 
 def create_app(gw: Gateway) -> Starlette:
@@ -89,126 +103,75 @@ def create_app(gw: Gateway) -> Starlette:
             authorize(request)
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = (parse_chat if kind == "chat" else parse_completion)(body, cfg.model.name)
+            key = _idempotency_key(request)
+            body_json = dumps({"endpoint": kind, "body": body})
+            body_hash = hashlib.sha256(body_json.encode()).hexdigest()
+            resume: int | None = None
+            if key is not None and gw.journal is not None:
+                rec = await gw.journal.by_key(key)
+                if rec is not None:
+                    if rec.body_hash != body_hash:
+                        raise IdempotencyMismatch(
+                            "this Idempotency-Key was used with a different request body",
+                            param="Idempotency-Key",
+                        )
+                    if not rec.terminal:
+                        raise IdempotencyInFlight(
+                            f"a request with this Idempotency-Key ({rec.id}) is still in flight",
+                            param="Idempotency-Key",
+                        )
+                    if rec.state not in RESUMABLE:
+                        return _replay(rec)
+                    rid, resume = rec.id, rec.attempts
             prep = await g.prepare(gw, req, rid)
-            run = await g.start(gw, prep)
+            try:
+                handler, events = await g.begin(
+                    gw, prep, body_json=body_json, body_hash=body_hash, idem_key=key, resume_attempts=resume
+                )
+            except KeyConflict as exc:
+                raise IdempotencyInFlight(
+                    f"a request with this Idempotency-Key ({exc.existing.id}) is still in flight",
+                    param="Idempotency-Key",
+                ) from exc
         except SpilloverError as exc:
             return _error_response(exc, rid)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handler))
         if req.stream:
+            try:
+                await handler.first_route(events)
+            except SpilloverError as exc:
+                status, payload, headers = await handler.fail(exc)
+                return Response(payload, status_code=status, headers=headers, media_type="application/json")
+            finally:
+                watcher.cancel()
             return StreamingResponse(
-                _stream(run, req),
+                handler.stream(events),
                 media_type="text/event-stream",
-                headers=run.headers() | {"Cache-Control": "no-cache"},
+                headers=handler.headers() | {"Cache-Control": "no-cache"},
             )
+        handler.task = asyncio.current_task()
         try:
-            await g.collect(run)
-            tool_calls = g.tool_calls_from(run) if kind == "chat" else None
-        except SpilloverError as exc:
-            e = to_http(exc)
-            return JSONResponse(e.body, status_code=e.status, headers=run.headers() | e.headers)
-        return JSONResponse(_final_body(run, req, tool_calls), headers=run.headers())
-
-    def _final_body(
-        run: g.Run, req: GenerationRequest, tool_calls: list[dict[str, Any]] | None
-    ) -> dict[str, Any]:
-        created = int(time.time())
-        text = "".join(run.text)
-        if req.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish = run.finish_reason
-            if tool_calls:
-                message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
-                finish = "tool_calls"
-            return {
-                "id": f"chatcmpl-{run.prep.rid}",
-                "object": "chat.completion",
-                "created": created,
-                "model": cfg.model.name,
-                "system_fingerprint": _sys_fp(run),
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-                "usage": run.usage(),
-                "spillover": run.spillover_object(),
-            }
-        return {
-            "id": f"cmpl-{run.prep.rid}",
-            "object": "text_completion",
-            "created": created,
-            "model": cfg.model.name,
-            "system_fingerprint": _sys_fp(run),
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}],
-            "usage": run.usage(),
-            "spillover": run.spillover_object(),
-        }
-
-    def _sys_fp(run: g.Run) -> str | None:
-        fp = run.dispatch.worker.statistics().fingerprint or {}
-        return f"fp_{fp.get('compat', '')}" if fp else None
-
-    async def _stream(run: g.Run, req: GenerationRequest) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        chat = req.kind == "chat"
-        cid = f"chatcmpl-{run.prep.rid}" if chat else f"cmpl-{run.prep.rid}"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        buffer_tools = chat and req.forced_tool is not None
-
-        def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["delta"] = delta
-            else:
-                choice["text"] = delta
-            return {
-                "id": cid,
-                "object": obj,
-                "created": created,
-                "model": cfg.model.name,
-                "choices": [choice],
-                **extra,
-            }
-
-        try:
-            yield _sse(
-                chunk({"role": "assistant", "content": ""} if chat else "", spillover=run.spillover_object())
-            )
-            while True:
-                ev = await run.next_event()
-                if ev["ev"] == "token":
-                    if ev["id"] >= 0:
-                        run.completion_tokens += 1
-                    run.text.append(ev["text"])
-                    if ev["text"] and not buffer_tools:
-                        yield _sse(chunk({"content": ev["text"]} if chat else ev["text"]))
-                elif ev["ev"] == "done":
-                    run.finish_reason = ev["finish_reason"]
-                    break
-            finish = run.finish_reason
-            if buffer_tools:
-                calls = g.tool_calls_from(run) or []
-                yield _sse(chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
-                finish = "tool_calls"
-            run.outcome = "ok"
-            yield _sse(chunk({} if chat else "", finish))
-            if req.include_usage:
-                yield _sse(
-                    {
-                        "id": cid,
-                        "object": obj,
-                        "created": created,
-                        "model": cfg.model.name,
-                        "choices": [],
-                        "usage": run.usage(),
-                    }
-                )
-            yield b"data: [DONE]\n\n"
-        except SpilloverError as exc:
-            run.outcome = "severe"
-            body = to_http(exc).body
-            body["error"]["request_id"] = run.prep.rid
-            body["error"]["tokens_delivered"] = run.completion_tokens
-            yield _sse(body)
-            yield b"data: [DONE]\n\n"
+            status, payload, headers = await handler.run_to_body(events)
         finally:
-            run.outcome = run.outcome if run.outcome == "ok" or run.outcome == "severe" else "cancelled"
-            await run.close()
+            watcher.cancel()
+        return Response(payload, status_code=status, headers=headers, media_type="application/json")
+
+    async def _cancel_on_disconnect(request: Request, handler: g.RequestHandler) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                handler.cancel()
+                return
+
+    def _replay(rec: JournalRecord) -> Response:
+        headers = json.loads(rec.headers or "{}")
+        headers["Idempotent-Replayed"] = "true"
+        return Response(
+            rec.response or b"",
+            status_code=rec.status_code or 200,
+            headers=headers,
+            media_type=rec.content_type or "application/json",
+        )
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
@@ -260,9 +223,58 @@ def create_app(gw: Gateway) -> Starlette:
         except SpilloverError as exc:
             return _error_response(exc)
         page = resources.files("spillover.http").joinpath("static/status.html").read_text("utf-8")
-        return HTMLResponse(
-            page, headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"}
-        )
+        return HTMLResponse(page, headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"})
+
+    async def get_request(request: Request) -> Response:
+        try:
+            authorize(request)
+            return _plain(request, await _request_document(request.path_params["rid"]))
+        except SpilloverError as exc:
+            return _error_response(exc)
+
+    async def delete_request(request: Request) -> Response:
+        try:
+            authorize(request)
+            rid = request.path_params["rid"]
+            handler = gw.live.get(rid)
+            if handler is not None:
+                handler.cancel()
+                for _ in range(200):  # the handler journals CANCELLED as it unwinds
+                    rec = await gw.journal.get(rid) if gw.journal else None
+                    if rec is None or rec.terminal:
+                        break
+                    await asyncio.sleep(0.01)
+            return _plain(request, await _request_document(rid))
+        except SpilloverError as exc:
+            return _error_response(exc)
+
+    async def _request_document(rid: str) -> dict[str, Any]:
+        rec = await gw.journal.get(rid) if gw.journal else None
+        if rec is None or gw.journal is None:
+            raise NotFound(f"no request {rid!r} in the journal", code="request_not_found")
+        response: Any = None
+        if rec.response is not None:
+            text = rec.response.decode("utf-8", "replace")
+            response = json.loads(text) if rec.content_type == "application/json" else text
+        return {
+            "object": "spillover.request",
+            "id": rec.id,
+            "state": rec.state.value,
+            "kind": rec.kind,
+            "stream": rec.stream,
+            "model": rec.model,
+            "route": rec.route,
+            "attempts": rec.attempts,
+            "reason": rec.reason,
+            "tokens_delivered": rec.tokens_delivered,
+            "created": rec.created_s,
+            "finished": rec.finished_s,
+            "status_code": rec.status_code,
+            "live": rid in gw.live,
+            "history": await gw.journal.history(rid),
+            "response": response,
+            "error": json.loads(rec.error) if rec.error else None,
+        }
 
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -281,6 +293,8 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/status", status, methods=["GET"]),
+        Route("/v1/requests/{rid}", get_request, methods=["GET"]),
+        Route("/v1/requests/{rid}", delete_request, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/", index, methods=["GET"]),

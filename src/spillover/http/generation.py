@@ -1,4 +1,11 @@
-"""Running one generation request: prompt -> tokens -> scheduler -> worker -> response."""
+"""One generation request over HTTP: prepare, journal, execute (with failover), answer.
+
+``RequestHandler`` is used by the routes (with a client) and by the start-up recovery
+(without one): the outcome is always stored in the journal, in the request's own format
+(a JSON body, or the SSE transcript of a stream), so a retry with the same
+Idempotency-Key, or ``GET /v1/requests/{id}``, gets exactly what was (or would have been)
+sent.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +17,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from spillover.core.lifecycle import State
 from spillover.errors import (
-    AllocationFailed,
     ContextLengthExceeded,
     NotFound,
+    RequestCancelled,
     SpilloverError,
     WorkerFailed,
+    to_http,
 )
 from spillover.http.schemas import GenerationRequest, tool_schema
-from spillover.runtime.gateway import Gateway
-from spillover.runtime.scheduler import Dispatch, Job
-from spillover.runtime.worker_client import WorkerGone
+from spillover.runtime.executor import Execution, Finished, RouteInfo, TokenOut, classify_error
 
-__all__ = ["Prepared", "Run", "new_request_id", "prepare", "start"]
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["Prepared", "RequestHandler", "new_request_id", "prepare", "tool_call_id"]
 
 
 def new_request_id() -> str:
@@ -35,6 +45,11 @@ def new_request_id() -> str:
 def tool_call_id(rid: str, index: int) -> str:
     """Stable tool-call id: derived from the request id, so a replay keeps it."""
     return "call_" + hashlib.sha256(f"{rid}:{index}".encode()).hexdigest()[:24]
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 @dataclass(frozen=True)
@@ -80,10 +95,7 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             code="model_not_found",
         )
     tokens, schema = await asyncio.to_thread(_render, gw, req)
-    caps = [gw.cfg.cpu_lane.ctx_cap_tokens]
-    if gw.device is not None:
-        caps.append(gw.cfg.gpu_lane.ctx_cap_tokens)
-    cap = min(max(caps), gw.tokenizer.n_ctx_train)
+    cap = gw.context_cap_tokens()
     n = len(tokens)
     if n >= cap or (req.max_tokens is not None and n + req.max_tokens > cap):
         want = n + (req.max_tokens or 1)
@@ -92,87 +104,154 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             f"any lane serves is {cap} tokens",
             param="messages" if req.kind == "chat" else "prompt",
         )
-    max_tokens = (
-        req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
-    )
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
     seed = req.seed if req.seed is not None else gw.cfg.model.seed
     return Prepared(rid, req, tokens, max_tokens, schema, seed)
 
 
 @dataclass
-class Run:
-    """A dispatched request: its events come from the worker."""
+class RequestHandler:
+    """Runs one prepared request through an Execution and stores its outcome."""
 
-    prep: Prepared
     gw: Gateway
-    job: Job
-    dispatch: Dispatch
-    started_s: float
-    events: AsyncIterator[dict[str, Any] | WorkerGone]
+    prep: Prepared
+    exe: Execution
+    info: RouteInfo | None = None
     text: list[str] = field(default_factory=list)
+    transcript: list[bytes] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
-    outcome: str = "failed"
-    _closed: bool = False
+    task: asyncio.Task[Any] | None = None
+    cancelled_by_user: bool = False
+    _first_delivery_noted: bool = False
+    _created: int = 0
 
     @property
+    def rid(self) -> str:
+        return self.prep.rid
+
+    @property
+    def req(self) -> GenerationRequest:
+        return self.prep.req
+
+    # -- signals -------------------------------------------------------------------
     def degraded(self) -> bool:
-        return self.dispatch.route != "gpu"
+        return self.info is not None and self.info.route != "gpu"
 
     def spillover_object(self) -> dict[str, Any]:
-        d = self.dispatch
+        i = self.info
         return {
-            "request_id": self.prep.rid,
-            "route": d.route,
-            "degraded": self.degraded,
-            "reason": d.reason,
+            "request_id": self.rid,
+            "route": i.route if i else "none",
+            "degraded": self.degraded(),
+            "reason": (f"failover:{i.failover}" if i and i.failover else i.reason) if i else None,
             "model": self.gw.cfg.model.name,
-            "limits": {"max_tokens": d.max_tokens, "ctx": d.kv_tokens},
-            "shrunk": d.shrunk,
-            "attempts": 1,
-            "queued_ms": int(d.queued_s * 1000),
+            "limits": {
+                "max_tokens": i.max_tokens if i else self.prep.max_tokens,
+                "ctx": i.kv_tokens if i else None,
+            },
+            "shrunk": bool(i and i.shrunk),
+            "attempts": self.exe.attempt,
+            "queue_position": i.queue_position if i else 0,
+            "estimated_delay_ms": i.estimated_delay_ms if i else 0,
         }
 
     def headers(self) -> dict[str, str]:
-        d = self.dispatch
-        return {
-            "X-Spillover-Request-Id": self.prep.rid,
-            "X-Spillover-Route": d.route,
-            "X-Spillover-Degraded": "1" if self.degraded else "0",
-            "X-Spillover-Reason": d.reason,
+        sp = self.spillover_object()
+        h = {
+            "X-Spillover-Request-Id": self.rid,
+            "X-Spillover-Route": sp["route"],
+            "X-Spillover-Degraded": "1" if sp["degraded"] else "0",
             "X-Spillover-Model": self.gw.cfg.model.name,
-            "X-Spillover-Limits": f"max_tokens={d.max_tokens};ctx={d.kv_tokens}",
-            "X-Spillover-Queue-Position": "0",
-            "X-Spillover-Estimated-Delay-Ms": "0",
+            "X-Spillover-Attempts": str(self.exe.attempt),
+            "X-Spillover-Queue-Position": str(sp["queue_position"]),
+            "X-Spillover-Estimated-Delay-Ms": str(sp["estimated_delay_ms"]),
         }
+        if sp["reason"]:
+            h["X-Spillover-Reason"] = sp["reason"]
+        if self.info is not None:
+            h["X-Spillover-Limits"] = f"max_tokens={self.info.max_tokens};ctx={self.info.kv_tokens}"
+        return h
 
-    async def next_event(self) -> dict[str, Any]:
-        """The next worker event; a dead worker or a worker error raises a typed error."""
-        item = await anext(self.events)
-        if isinstance(item, WorkerGone):
-            raise WorkerFailed(
-                f"the {self.dispatch.route} worker failed mid-request ({item.kind}: "
-                f"{item.message}); request {self.prep.rid} did not complete",
-                retry_after_s=1.0,
-            )
-        if item.get("ev") == "error":
-            if item.get("kind") == "alloc_failed":
-                raise AllocationFailed(
-                    f"device memory allocation failed: {item.get('message')}", retry_after_s=1.0
-                )
-            raise WorkerFailed(f"worker error: {item.get('message')}", retry_after_s=1.0)
-        return item
+    # -- driving -------------------------------------------------------------------
+    async def first_route(self, events: AsyncIterator[Any]) -> None:
+        """Wait until the request runs somewhere (its first RouteInfo)."""
+        ev = await anext(events)
+        assert isinstance(ev, RouteInfo)
+        self.info = ev
 
-    async def close(self) -> None:
-        """Release slot and reservation exactly once, feeding the breaker the outcome."""
-        if self._closed:
+    def cancel(self) -> None:
+        """DELETE /v1/requests/{id} or a disconnected client."""
+        self.cancelled_by_user = True
+        self.exe.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    async def store(
+        self,
+        state: State,
+        status: int,
+        body: bytes,
+        content_type: str,
+        headers: dict[str, str],
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the outcome to the journal (terminal state)."""
+        journal = self.gw.journal
+        if journal is None:
             return
-        self._closed = True
+        i = self.info
         with contextlib.suppress(Exception):
-            await self.events.aclose()  # type: ignore[attr-defined]
-        self.dispatch.worker.release_slot(self.prep.rid)
-        assert self.gw.scheduler is not None
-        self.gw.scheduler.finished(self.prep.rid, self.dispatch, self.outcome)
+            await journal.move(
+                self.rid,
+                state,
+                status_code=status,
+                response=body,
+                content_type=content_type,
+                headers=json.dumps(headers),
+                error=json.dumps(error) if error else None,
+                route=i.route if i else None,
+                attempts=self.exe.attempt,
+                reason=self.spillover_object()["reason"],
+                tokens_delivered=len(self.exe.delivered) if self.req.stream else self.completion_tokens,
+            )
+
+    async def fail(self, exc: SpilloverError) -> tuple[int, bytes, dict[str, str]]:
+        """Store an error outcome; return (status, body, headers) for the client."""
+        if self.cancelled_by_user and not isinstance(exc, RequestCancelled):
+            exc = RequestCancelled(f"request {self.rid} was cancelled")
+        e = to_http(exc)
+        e.body["error"]["request_id"] = self.rid
+        body = json.dumps(e.body).encode()
+        headers = self.headers() | e.headers
+        await self.store(classify_error(exc), e.status, body, "application/json", headers, e.body)
+        return e.status, body, headers
+
+    # -- non-stream ----------------------------------------------------------------
+    async def run_to_body(self, events: AsyncIterator[Any]) -> tuple[int, bytes, dict[str, str]]:
+        """Drive to the end and build the final JSON body (also stored)."""
+        try:
+            async for ev in events:
+                if isinstance(ev, RouteInfo):
+                    self.info = ev
+                    if ev.restart:
+                        self.text.clear()
+                elif isinstance(ev, TokenOut):
+                    self.text.append(ev.text)
+                elif isinstance(ev, Finished):
+                    self.finish_reason = ev.finish_reason
+                    self.completion_tokens = ev.completion_tokens
+            body = json.dumps(self.final_body()).encode()
+        except SpilloverError as exc:
+            return await self.fail(exc)
+        except asyncio.CancelledError:
+            if not self.cancelled_by_user:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return await self.fail(RequestCancelled(f"request {self.rid} was cancelled"))
+        headers = self.headers()
+        await self.store(State.COMPLETED, 200, body, "application/json", headers)
+        return 200, body, headers
 
     def usage(self) -> dict[str, int]:
         n = len(self.prep.tokens)
@@ -182,90 +261,215 @@ class Run:
             "total_tokens": n + self.completion_tokens,
         }
 
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """OpenAI ``tool_calls`` from the constrained output of a forced tool call."""
+        if self.req.forced_tool is None:
+            return None
+        raw = "".join(self.text)
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise WorkerFailed(
+                f"the tool call was cut off before it was complete (finish_reason={self.finish_reason}); "
+                "raise max_tokens"
+            ) from exc
+        return [
+            {
+                "id": tool_call_id(self.rid, 0),
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
+            }
+        ]
 
-async def start(gw: Gateway, prep: Prepared) -> Run:
-    """Queue the request, wait for a slot, and wait until the worker has its memory."""
-    assert gw.scheduler is not None
-    sched = gw.scheduler
-    now = time.monotonic()
-    job = Job(
-        rid=prep.rid,
-        prompt_tokens=len(prep.tokens),
-        max_tokens=prep.max_tokens,
-        arrived_s=now,
-        allow_shrink=prep.req.allow_shrink,
-    )
-    sched.submit_nowait(job)
-    try:
-        dispatch = await job.future
-    except asyncio.CancelledError:
-        sched.withdraw(job)
-        if job.future.done() and not job.future.cancelled() and job.future.exception() is None:
-            d = job.future.result()
-            d.worker.release_slot(prep.rid)
-            sched.finished(prep.rid, d, "cancelled")
-        raise
-    msg = {
-        "rid": prep.rid,
-        "tokens": prep.tokens,
-        "max_tokens": dispatch.max_tokens,
-        "temperature": prep.req.temperature,
-        "top_p": prep.req.top_p,
-        "seed": prep.seed,
-        "stop": list(prep.req.stop),
-        "json_schema": prep.json_schema,
-        "kv_tokens": dispatch.kv_tokens,
-        "reserve_bytes": dispatch.reserve_bytes,
-    }
-    run = Run(prep, gw, job, dispatch, now, dispatch.worker.generate(msg))
-    try:
-        ev = await run.next_event()  # "started": the device granted the memory
-        if ev.get("ev") != "started":
-            raise WorkerFailed(f"unexpected worker event {ev.get('ev')!r}")
-        sched.confirmed(prep.rid)
-    except BaseException as exc:
-        run.outcome = "severe" if isinstance(exc, WorkerFailed) else "cancelled"
-        await run.close()
-        raise
-    return run
+    def _system_fingerprint(self) -> str | None:
+        fp = (self.gw.worker_info(self.info.worker_id) if self.info else {}).get("fingerprint") or {}
+        return f"fp_{fp['compat']}" if fp.get("compat") else None
 
-
-async def collect(run: Run) -> None:
-    """Drive a run to its end (non-stream)."""
-    try:
-        while True:
-            ev = await run.next_event()
-            if ev["ev"] == "token":
-                run.text.append(ev["text"])
-                if ev["id"] >= 0:
-                    run.completion_tokens += 1
-            elif ev["ev"] == "done":
-                run.finish_reason = ev["finish_reason"]
-                run.outcome = "ok"
-                return
-    except SpilloverError:
-        run.outcome = "severe"
-        raise
-    finally:
-        await run.close()
-
-
-def tool_calls_from(run: Run) -> list[dict[str, Any]] | None:
-    """OpenAI ``tool_calls`` from the constrained output of a forced tool call."""
-    if run.prep.req.forced_tool is None:
-        return None
-    raw = "".join(run.text)
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise WorkerFailed(
-            f"the tool call was cut off before it was complete "
-            f"(finish_reason={run.finish_reason}); raise max_tokens"
-        ) from exc
-    return [
-        {
-            "id": tool_call_id(run.prep.rid, 0),
-            "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
+    def final_body(self) -> dict[str, Any]:
+        created = int(time.time())
+        text = "".join(self.text)
+        common = {
+            "created": created,
+            "model": self.gw.cfg.model.name,
+            "system_fingerprint": self._system_fingerprint(),
         }
-    ]
+        if self.req.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = self.finish_reason
+            calls = self.tool_calls()
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish = "tool_calls"
+            return {
+                "id": f"chatcmpl-{self.rid}",
+                "object": "chat.completion",
+                **common,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": self.usage(),
+                "spillover": self.spillover_object(),
+            }
+        return {
+            "id": f"cmpl-{self.rid}",
+            "object": "text_completion",
+            **common,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}],
+            "usage": self.usage(),
+            "spillover": self.spillover_object(),
+        }
+
+    # -- stream --------------------------------------------------------------------
+    def _chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        chat = self.req.kind == "chat"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {
+            "id": f"chatcmpl-{self.rid}" if chat else f"cmpl-{self.rid}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self._created,
+            "model": self.gw.cfg.model.name,
+            "choices": [choice],
+            **extra,
+        }
+
+    def _emit(self, obj: Any) -> bytes:
+        data = sse(obj)
+        self.transcript.append(data)
+        return data
+
+    async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+        """SSE bytes: a first chunk with the spillover object, tokens, a route-change chunk
+        whenever the route changes, the end (or a typed error event), ``[DONE]``."""
+        self.task = asyncio.current_task()
+        self._created = int(time.time())
+        chat = self.req.kind == "chat"
+        buffer_tools = chat and self.req.forced_tool is not None
+        state, status = State.COMPLETED, 200
+        error: dict[str, Any] | None = None
+        try:
+            yield self._emit(
+                self._chunk({"role": "assistant", "content": ""} if chat else "", spillover=self.spillover_object())
+            )
+            async for ev in events:
+                if isinstance(ev, RouteInfo):
+                    self.info = ev
+                    if ev.restart:
+                        self.text.clear()
+                    yield self._emit(self._chunk({} if chat else "", spillover=self.spillover_object()))
+                elif isinstance(ev, TokenOut):
+                    self.text.append(ev.text)
+                    if ev.text and not buffer_tools:
+                        if not self._first_delivery_noted and self.gw.journal is not None:
+                            self._first_delivery_noted = True
+                            await self.gw.journal.update(self.rid, tokens_delivered=1)
+                        yield self._emit(self._chunk({"content": ev.text} if chat else ev.text))
+                elif isinstance(ev, Finished):
+                    self.finish_reason = ev.finish_reason
+                    self.completion_tokens = ev.completion_tokens
+            finish = self.finish_reason
+            if buffer_tools:
+                calls = self.tool_calls() or []
+                yield self._emit(self._chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
+                finish = "tool_calls"
+            yield self._emit(self._chunk({} if chat else "", finish))
+            if self.req.include_usage:
+                usage_chunk = self._chunk({} if chat else "", None, usage=self.usage())
+                usage_chunk["choices"] = []
+                yield self._emit(usage_chunk)
+        except SpilloverError:
+            if self.cancelled_by_user:
+                exc = RequestCancelled(f"request {self.rid} was cancelled")
+            state = classify_error(exc)
+            body = to_http(exc).body
+            body["error"]["request_id"] = self.rid
+            body["error"]["tokens_delivered"] = len(self.exe.delivered)
+            error = body
+            yield self._emit(body)
+        except (asyncio.CancelledError, GeneratorExit):
+            state, error = State.CANCELLED, {"error": {"code": "request_cancelled", "request_id": self.rid}}
+            if self.cancelled_by_user and not isinstance(asyncio.current_task(), type(None)):
+                with contextlib.suppress(Exception):
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            await asyncio.shield(self._store_stream(state, status, error))
+            raise
+        yield self._emit_done()
+        await self._store_stream(state, status, error)
+
+    def _emit_done(self) -> bytes:
+        data = b"data: [DONE]\n\n"
+        self.transcript.append(data)
+        return data
+
+    async def _store_stream(self, state: State, status: int, error: dict[str, Any] | None) -> None:
+        await self.store(
+            state,
+            status,
+            b"".join(self.transcript),
+            "text/event-stream",
+            self.headers() | {"Cache-Control": "no-cache"},
+            error,
+        )
+
+
+async def begin(
+    gw: Gateway,
+    prep: Prepared,
+    *,
+    body_json: str,
+    body_hash: str,
+    idem_key: str | None,
+    resume_attempts: int | None,
+) -> tuple[RequestHandler, AsyncIterator[Any]]:
+    """Queue the request (503 at once when full: nothing journaled), then make it durable
+    (ACCEPTED, or resumed from its record) before anything is sent to the client."""
+    from spillover.runtime.journal import KeyConflict
+
+    assert gw.scheduler is not None
+    exe = gw.new_execution(
+        prep.rid,
+        prep.tokens,
+        prep.max_tokens,
+        {
+            "temperature": prep.req.temperature,
+            "top_p": prep.req.top_p,
+            "seed": prep.seed,
+            "stop": list(prep.req.stop),
+            "json_schema": prep.json_schema,
+        },
+        incremental=prep.req.stream and prep.req.forced_tool is None,
+        allow_shrink=prep.req.allow_shrink,
+        attempt=resume_attempts or 0,
+    )
+    job = exe.submit_nowait()
+    handler = RequestHandler(gw, prep, exe)
+    try:
+        if gw.journal is not None:
+            if resume_attempts is None:
+                await gw.journal.accept(
+                    rid=prep.rid,
+                    idem_key=idem_key,
+                    body_hash=body_hash,
+                    kind=prep.req.kind,
+                    stream=prep.req.stream,
+                    body=body_json,
+                    model=prep.req.model,
+                )
+            await gw.journal.move(prep.rid, State.QUEUED, route=job.lane, attempts=exe.attempt)
+    except KeyConflict:
+        exe.cancel()
+        raise
+    except BaseException:
+        exe.cancel()
+        raise
+    gw.live[prep.rid] = handler
+    return handler, _unregister_when_done(gw, prep.rid, exe.events())
+
+
+async def _unregister_when_done(gw: Gateway, rid: str, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    try:
+        async for ev in events:
+            yield ev
+    finally:
+        gw.live.pop(rid, None)

@@ -180,16 +180,12 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise InvalidRequest(
-                "each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]"
-            )
+            raise InvalidRequest("each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest("a function needs a 'name'", param=f"tools[{i}].function.name")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise InvalidRequest(
-                "'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters"
-            )
+            raise InvalidRequest("'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters")
         names.add(fn["name"])
     forced: str | None = None
     if choice in (None, "auto", "none"):
@@ -202,9 +198,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
             raise InvalidRequest(f"tool_choice names unknown function {name!r}", param="tool_choice")
         forced = name
     else:
-        raise InvalidRequest(
-            "'tool_choice' must be none, auto, required or a named function", param="tool_choice"
-        )
+        raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
     return tuple(tools), forced
 
 

@@ -76,9 +76,7 @@ class GpuDevice:
             # land in the same coarse kernel-clock tick, and admission must never see an
             # old reading as fresh.
             snap = self.sim.snapshot()
-            return DeviceReading(
-                snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang
-            )
+            return DeviceReading(snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang)
         import pynvml
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)

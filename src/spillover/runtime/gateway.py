@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import asdict
@@ -15,9 +16,11 @@ from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.runtime.devices import GpuDevice, cuda_available
+from spillover.runtime.executor import Execution, RetryBudget
+from spillover.runtime.journal import Journal
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
-from spillover.runtime.worker_client import WorkerSpec, WorkerState
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
 __all__ = ["Gateway", "resolve_gpu"]
 
@@ -54,6 +57,10 @@ class Gateway:
         self.alloc_failures = 0
         self.device_hang = False
         self.events: list[dict[str, Any]] = []
+        self.journal: Journal | None = None
+        self.live: dict[str, Any] = {}  # request id -> RequestHandler, while it runs
+        self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
+        self.recovered: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"<Gateway model={self.cfg.model.name} device={self.device}>"
@@ -65,6 +72,12 @@ class Gateway:
 
         state = self.cfg.state_path()
         state.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(
+            self.cfg.journal_path(),
+            retention_s=self.cfg.journal.retention_s,
+            max_requests=self.cfg.journal.max_requests,
+        )
+        await self.journal.open()
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
         self.spec = await asyncio.to_thread(read_model_spec, self.model_path)
         a = self.cfg.admission
@@ -89,7 +102,7 @@ class Gateway:
                 memory=self.memory,
                 delay_max_s=a.delay_max_s,
                 allow_cpu_route=a.allow_cpu_route,
-                breaker=BreakerPolicy(),
+                breaker=BreakerPolicy(**dataclasses.asdict(self.cfg.breaker)),
             )
             log.info(
                 "GPU lane on %s%s",
@@ -118,6 +131,8 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         if self.device is not None:
             self._tasks.append(asyncio.create_task(self._observe_loop(), name="observe"))
+        self._tasks.append(asyncio.create_task(self._journal_loop(), name="journal-retention"))
+        self._tasks.append(asyncio.create_task(self._recover(), name="recover"))
 
     def _worker_spec(self, wid: str, lane: str, device: str) -> WorkerSpec:
         lc = self.cfg.gpu_lane if lane == "gpu" else self.cfg.cpu_lane
@@ -170,7 +185,75 @@ class Gateway:
                 log.warning("device reading failed: %s", exc)
             await asyncio.sleep(OBSERVE_INTERVAL_S)
 
+    async def _journal_loop(self) -> None:
+        assert self.journal is not None
+        while True:
+            try:
+                await self.journal.prune()
+            except Exception as exc:
+                log.warning("journal retention failed: %s", exc)
+            await asyncio.sleep(60.0)
+
+    async def _recover(self) -> None:
+        """After a restart the journal is the truth: once the workers are up (bounded wait),
+        replay what can be and end the rest."""
+        from spillover.http.recovery import recover
+
+        deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
+        while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
+            await asyncio.sleep(0.1)
+        self.recovered = await recover(self)
+
+    # -- helpers for the request path -------------------------------------------------
+    def new_execution(
+        self,
+        rid: str,
+        tokens: list[int],
+        max_tokens: int,
+        params: dict[str, Any],
+        *,
+        incremental: bool,
+        allow_shrink: bool,
+        attempt: int = 0,
+    ) -> Execution:
+        assert self.scheduler is not None
+        return Execution(
+            rid=rid,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            params=params,
+            incremental=incremental,
+            allow_shrink=allow_shrink,
+            scheduler=self.scheduler,
+            journal=self.journal,
+            failover=self.cfg.failover,
+            budget=self.budget,
+            kill_worker=self._kill_worker,
+            attempt=attempt,
+        )
+
+    async def _kill_worker(self, worker: WorkerClient) -> None:
+        self._worker_event(worker, "stalled: killing it")
+        await worker.kill()
+
+    def worker_info(self, worker_id: str) -> dict[str, Any]:
+        """The ready-info a worker reported (pid, fingerprint, ...)."""
+        for s in self.supervisors:
+            if s.worker.spec.worker_id == worker_id:
+                return s.worker.info or {}
+        return {}
+
+    def context_cap_tokens(self) -> int:
+        """The longest prompt + max_tokens any lane serves."""
+        caps = [self.cfg.cpu_lane.ctx_cap_tokens]
+        if self.device is not None:
+            caps.append(self.cfg.gpu_lane.ctx_cap_tokens)
+        n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps)
+        return min(max(caps), n_train)
+
     async def stop(self) -> None:
+        for h in list(self.live.values()):
+            h.exe.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -180,6 +263,8 @@ class Gateway:
             await s.stop()
         if self.device is not None:
             self.device.close()
+        if self.journal is not None:
+            await self.journal.close()
 
     # -- readiness and status --------------------------------------------------------
     def ready(self) -> bool:
@@ -236,5 +321,8 @@ class Gateway:
             "recent_decisions": list(sched.decisions)[-20:] if sched else [],
             "decision_counts": dict(sched.decision_counts) if sched else {},
             "events": self.events[-20:],
+            "live_requests": len(self.live),
+            "retry_budget_denied": self.budget.denied,
+            "recovered": self.recovered,
             "uptime_s": round(now - self.started_s, 3),
         }

@@ -47,10 +47,10 @@ class Job:
     allow_shrink: bool = False
     lane: str = "gpu"
     enqueued_s: float = 0.0
-    future: asyncio.Future[Dispatch] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    future: asyncio.Future[Dispatch] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_reason: str = ""
+    position: int = 0  # 1-based position when queued
+    estimated_delay_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class Dispatch:
     reserve_bytes: int
     shrunk: bool
     queued_s: float
+    queue_position: int = 0
+    estimated_delay_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class LaneStatistics:
     admitted_total: int
     shed_total: int
     expired_total: int
+    prefill_tps: float
+    decode_tps: float
+    estimated_delay_ms: int
 
 
 class _Lane:
@@ -91,9 +96,31 @@ class _Lane:
         self.admitted_total = 0
         self.shed_total = 0
         self.expired_total = 0
+        # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
+        self.prefill_tps = 400.0
+        self.decode_tps = 40.0
+        self.samples = 0
 
     def free(self) -> int:
         return self.cfg.queue_depth - len(self.queue)
+
+    def record(self, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float) -> None:
+        alpha = 0.3 if self.samples else 1.0
+        if prefill_s > 0 and prompt_tokens > 0:
+            self.prefill_tps += alpha * (prompt_tokens / prefill_s - self.prefill_tps)
+        decode_s = total_s - prefill_s
+        if decode_s > 0 and completion_tokens > 1:
+            self.decode_tps += alpha * ((completion_tokens - 1) / decode_s - self.decode_tps)
+        self.samples += 1
+
+    def job_seconds(self, prompt_tokens: int, max_tokens: int) -> float:
+        """Estimated service time of one job on one slot of this lane."""
+        return prompt_tokens / max(self.prefill_tps, 1e-3) + max_tokens / max(self.decode_tps, 1e-3)
+
+    def estimated_delay_s(self, ahead: list[Job], running_s: float) -> float:
+        """Wait before a new job starts: the work ahead spread over the lane's slots."""
+        work = running_s + sum(self.job_seconds(j.prompt_tokens, j.max_tokens) for j in ahead)
+        return work / max(1, self.cfg.slots)
 
 
 class Scheduler:
@@ -125,9 +152,12 @@ class Scheduler:
         return f"<Scheduler gpu_q={g} cpu_q={len(self.cpu.queue)} breaker={self.breaker.circuit.value}>"
 
     # -- entry ---------------------------------------------------------------------
-    def submit_nowait(self, job: Job) -> None:
-        """Queue a job, or raise QueueFull at once."""
-        lane = self.gpu if self.gpu is not None else self.cpu
+    def submit_nowait(self, job: Job, lane: str | None = None) -> None:
+        """Queue a job (on ``lane`` when given, else the GPU lane if any), or raise QueueFull at once."""
+        target = self.cpu if lane == "cpu" or self.gpu is None else self.gpu
+        self._enqueue_nowait(job, target)
+
+    def _enqueue_nowait(self, job: Job, lane: _Lane) -> None:
         if lane.free() <= 0:
             lane.shed_total += 1
             raise QueueFull(
@@ -136,6 +166,8 @@ class Scheduler:
             )
         job.lane = lane.name
         job.enqueued_s = self.clock()
+        job.position = len(lane.queue) + 1
+        job.estimated_delay_ms = int(lane.estimated_delay_s(list(lane.queue), 0.0) * 1000)
         lane.queue.append(job)
         self.kick()
 
@@ -156,6 +188,14 @@ class Scheduler:
             if lane is not None and job in lane.queue:
                 return list(lane.queue).index(job) + 1
         return 0
+
+    def record_timing(
+        self, lane: str, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float
+    ) -> None:
+        """Feed a finished request's measured speed into its lane's running estimate."""
+        target = self.gpu if lane == "gpu" else self.cpu
+        if target is not None:
+            target.record(prompt_tokens, completion_tokens, prefill_s, total_s)
 
     def confirmed(self, rid: str) -> None:
         """The worker reports the request's device memory allocated."""
@@ -268,12 +308,16 @@ class Scheduler:
                     d.nbytes,
                     isinstance(d, Shrink),
                     now - job.enqueued_s,
+                    job.position,
+                    job.estimated_delay_ms,
                 )
             )
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
             job.lane = "cpu"
             job.last_reason = d.reason
+            job.position = len(self.cpu.queue) + 1
+            job.estimated_delay_ms = int(self.cpu.estimated_delay_s(list(self.cpu.queue), 0.0) * 1000)
             self.cpu.queue.append(job)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
@@ -307,6 +351,8 @@ class Scheduler:
                     0,
                     False,
                     now - job.enqueued_s,
+                    job.position,
+                    job.estimated_delay_ms,
                 )
             )
 
@@ -336,6 +382,9 @@ class Scheduler:
                     admitted_total=lane.admitted_total,
                     shed_total=lane.shed_total,
                     expired_total=lane.expired_total,
+                    prefill_tps=round(lane.prefill_tps, 1),
+                    decode_tps=round(lane.decode_tps, 1),
+                    estimated_delay_ms=int(lane.estimated_delay_s(list(lane.queue), 0.0) * 1000),
                 )
             )
         return out

@@ -38,8 +38,7 @@ def write_tiny_llama(out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec =
         for i in src.fields["tokenizer.ggml.tokens"].data
     ]
     types = [
-        int(src.fields["tokenizer.ggml.token_type"].parts[i][0])
-        for i in src.fields["tokenizer.ggml.token_type"].data
+        int(src.fields["tokenizer.ggml.token_type"].parts[i][0]) for i in src.fields["tokenizer.ggml.token_type"].data
     ]
     merges = [
         bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode("utf-8", "replace")

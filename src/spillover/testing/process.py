@@ -131,7 +131,5 @@ class GatewayProcess:
     def __enter__(self) -> GatewayProcess:
         return self.start()
 
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
