@@ -378,20 +378,21 @@ class RequestHandler:
                 usage_chunk = self._chunk({} if chat else "", None, usage=self.usage())
                 usage_chunk["choices"] = []
                 yield self._emit(usage_chunk)
-        except SpilloverError:
+        except SpilloverError as caught:
+            err: SpilloverError = caught
             if self.cancelled_by_user:
-                exc = RequestCancelled(f"request {self.rid} was cancelled")
-            state = classify_error(exc)
-            body = to_http(exc).body
+                err = RequestCancelled(f"request {self.rid} was cancelled")
+            state = classify_error(err)
+            body = to_http(err).body
             body["error"]["request_id"] = self.rid
             body["error"]["tokens_delivered"] = len(self.exe.delivered)
             error = body
             yield self._emit(body)
         except (asyncio.CancelledError, GeneratorExit):
             state, error = State.CANCELLED, {"error": {"code": "request_cancelled", "request_id": self.rid}}
-            if self.cancelled_by_user and not isinstance(asyncio.current_task(), type(None)):
-                with contextlib.suppress(Exception):
-                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            task = asyncio.current_task()
+            if self.cancelled_by_user and task is not None:
+                task.uncancel()
             await asyncio.shield(self._store_stream(state, status, error))
             raise
         yield self._emit_done()

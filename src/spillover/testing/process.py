@@ -20,6 +20,15 @@ from typing import Any
 __all__ = ["GatewayProcess", "free_port"]
 
 
+def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
+    """Sections of scalar settings as TOML (all spillover's config needs)."""
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as s:
@@ -37,11 +46,14 @@ class GatewayProcess:
         state_dir: str | None = None,
         ready_timeout_s: float = 120.0,
         log_path: str | None = None,
+        config: dict[str, dict[str, Any]] | None = None,
+        port: int | None = None,
     ) -> None:
         self.args = list(args or [])
+        self.config = config
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="spillover-")
         self.state_dir = state_dir or (self._tmp.name if self._tmp else "")
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout_s = ready_timeout_s
         self.log_path = log_path or os.path.join(self.state_dir, "gateway.log")
@@ -52,6 +64,11 @@ class GatewayProcess:
 
     def start(self) -> GatewayProcess:
         Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+        extra: list[str] = []
+        if self.config:
+            path = Path(self.state_dir) / "config.toml"
+            path.write_text(to_toml(self.config))
+            extra = ["--config", str(path)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             [
@@ -63,6 +80,7 @@ class GatewayProcess:
                 str(self.port),
                 "--state-dir",
                 self.state_dir,
+                *extra,
                 *self.args,
             ],
             stdout=log,
@@ -97,6 +115,10 @@ class GatewayProcess:
     def status(self) -> dict[str, Any]:
         result: dict[str, Any] = self.get("/v1/status")
         return result
+
+    def restart(self) -> GatewayProcess:
+        """Start again on the same state folder and port (after ``kill9``)."""
+        return self.start()
 
     def worker(self, lane: str) -> dict[str, Any]:
         """The status entry of the first worker of a lane."""

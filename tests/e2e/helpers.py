@@ -1,0 +1,89 @@
+"""Small helpers for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from spillover.engine.sim import SimDevice
+from spillover.testing import GatewayProcess
+
+COUNT_PROMPT = "Count from 1 to 500, separated by commas: 1, 2, 3,"
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def ready_worker(gw: GatewayProcess, lane: str, not_pid: int | None = None) -> dict[str, Any]:
+    """Wait until the lane's worker is ready (and, optionally, a new process)."""
+    return wait_for(
+        lambda: (w := gw.worker(lane))["state"] == "ready" and w["pid"] != not_pid and w,
+        90,
+        f"{lane} worker ready",
+    )
+
+
+def kill_worker(gw: GatewayProcess, lane: str) -> int:
+    """SIGKILL a lane's worker; returns its pid."""
+    pid = int(gw.worker(lane)["pid"])
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def sim(gw: GatewayProcess) -> SimDevice:
+    return SimDevice(gw.state_dir)
+
+
+def stream(
+    client: httpx.Client,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Run a streaming request; collect text, spillover objects, errors and headers."""
+    out: dict[str, Any] = {"text": "", "spillover": [], "error": None, "done": False, "finish": None}
+    n = 0
+    with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as r:
+        out["status"] = r.status_code
+        out["headers"] = dict(r.headers)
+        if r.status_code != 200:
+            r.read()
+            out["body"] = r.json()
+            return out
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out["done"] = True
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                out["error"] = ev["error"]
+                continue
+            if "spillover" in ev:
+                out["spillover"].append(ev["spillover"])
+            for ch in ev.get("choices", []):
+                piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                if piece:
+                    out["text"] += piece
+                    n += 1
+                    if on_token is not None:
+                        on_token(n)
+                if ch.get("finish_reason"):
+                    out["finish"] = ch["finish_reason"]
+    return out
