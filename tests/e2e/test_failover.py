@@ -160,37 +160,31 @@ def test_g_breaker_opens_routes_to_cpu_half_opens_and_closes(gw: GatewayProcess,
 def test_h_cpu_work_undisturbed_while_gpu_worker_restarts_five_times() -> None:
     """A long CPU request streams on, token after token, while the GPU worker is killed and
     restarted five times."""
-    with GatewayProcess(["--gpu", "sim:1024", "--gpu-ctx", "64", "--cpu-ctx", "2048"]) as g:
-        with httpx.Client(base_url=g.url, timeout=300) as c:
-            kills: list[int] = []
-            done = threading.Event()
+    args = ["--gpu", "sim:1024", "--gpu-ctx", "64", "--cpu-ctx", "2048"]
+    with GatewayProcess(args) as g, httpx.Client(base_url=g.url, timeout=300) as c:
+        kills: list[int] = []
+        done = threading.Event()
 
-            def killer() -> None:
-                pid = None
-                while len(kills) < 5 and not done.is_set():
-                    w = ready_worker(g, "gpu", not_pid=pid)
-                    pid = w["pid"]
-                    kill_worker(g, "gpu")
-                    kills.append(pid)
-                done.set()
+        def killer() -> None:
+            pid = None
+            while len(kills) < 5 and not done.is_set():
+                pid = ready_worker(g, "gpu", not_pid=pid)["pid"]
+                kill_worker(g, "gpu")
+                kills.append(pid)
 
-            body = {"prompt": COUNT_PROMPT, "max_tokens": 900, "temperature": 0}
-            th = threading.Thread(target=killer)
-            started = threading.Event()
-            th_started = False
+        th = threading.Thread(target=killer)
 
-            def on_token(n: int) -> None:
-                nonlocal th_started
-                if not th_started:
-                    th_started = True
-                    started.set()
-                    th.start()
+        def on_token(n: int) -> None:
+            if n == 1:
+                th.start()
 
-            got = stream(c, "/v1/completions", body, on_token=on_token)
-            done.set()
-            th.join(120)
-            assert got["error"] is None and got["done"], got
-            assert [s["route"] for s in got["spillover"]] == ["cpu"]
-            assert got["spillover"][0]["reason"] == "too_long_for_gpu"
-            assert len(kills) == 5, f"only {len(kills)} GPU restarts happened during the CPU stream"
-            assert g.worker("cpu")["starts"] == 1
+        got = stream(
+            c, "/v1/completions", {"prompt": COUNT_PROMPT, "max_tokens": 900, "temperature": 0}, on_token=on_token
+        )
+        done.set()
+        th.join(120)
+        assert got["error"] is None and got["done"], got
+        assert [s["route"] for s in got["spillover"]] == ["cpu"]
+        assert got["spillover"][0]["reason"] == "too_long_for_gpu"
+        assert len(kills) == 5, f"only {len(kills)} GPU restarts happened during the CPU stream"
+        assert g.worker("cpu")["starts"] == 1
