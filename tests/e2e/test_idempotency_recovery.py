@@ -1,0 +1,243 @@
+"""Idempotency-Key semantics, gateway SIGKILL recovery, and an agent that never runs a
+tool twice."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from spillover.testing import GatewayProcess
+from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, stream, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    with GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1"]) as g:
+        yield g
+
+
+def test_f_idempotency_replay_conflict_and_mismatch(gw: GatewayProcess) -> None:
+    """Same key + body: byte-identical replay; different body: 422; in flight: 409 +
+    Retry-After; malformed key: 400."""
+    with httpx.Client(base_url=gw.url, timeout=120) as c:
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+        first = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "k-1"})
+        assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+        again = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "k-1"})
+        assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+        assert again.content == first.content
+        assert again.headers["x-spillover-request-id"] == first.headers["x-spillover-request-id"]
+        other = c.post("/v1/completions", json={**body, "max_tokens": 13}, headers={"Idempotency-Key": "k-1"})
+        assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+        bad = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "x" * 300})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
+
+        long_body = {"prompt": COUNT_PROMPT, "max_tokens": 300, "temperature": 0}
+        result: dict[str, Any] = {}
+        t = threading.Thread(
+            target=lambda: result.setdefault(
+                "r", c.post("/v1/completions", json=long_body, headers={"Idempotency-Key": "k-2"})
+            )
+        )
+        t.start()
+        wait_for(lambda: gw.status()["live_requests"] >= 1, 30, "in flight")
+        busy = c.post("/v1/completions", json=long_body, headers={"Idempotency-Key": "k-2"})
+        assert busy.status_code == 409 and int(busy.headers["retry-after"]) >= 1
+        assert busy.json()["error"]["code"] == "idempotency_key_in_flight"
+        t.join(120)
+        assert result["r"].status_code == 200
+
+
+def test_stream_replay_is_the_same_transcript(gw: GatewayProcess) -> None:
+    """A streamed request replayed by key returns the very same SSE bytes."""
+    with httpx.Client(base_url=gw.url, timeout=120) as c:
+        body = {"prompt": "Roses are red", "max_tokens": 10, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body, headers={"Idempotency-Key": "s-1"}) as r:
+            original = r.read()
+        replay = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "s-1"})
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.headers["content-type"].startswith("text/event-stream")
+        assert replay.content == original and original.endswith(b"data: [DONE]\n\n")
+
+
+def journal_rows(state_dir: str) -> list[dict[str, Any]]:
+    db = sqlite3.connect(Path(state_dir) / "journal.sqlite3")
+    try:
+        rows = db.execute("SELECT id, idem_key, state, attempts, stream, tokens_delivered FROM requests").fetchall()
+        completed = Counter(r[0] for r in db.execute("SELECT rid FROM transitions WHERE to_state='completed'"))
+    finally:
+        db.close()
+    keys = ("id", "key", "state", "attempts", "stream", "delivered")
+    return [dict(zip(keys, r, strict=True)) | {"completions": completed[r[0]]} for r in rows]
+
+
+def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -> None:
+    """Requests queued and running when the gateway is SIGKILLed all end, after restart,
+    completed (replayed) or with an explicit resumable error; each completes at most once."""
+    state = str(tmp_path / "state")
+    g = GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1", "--cpu-slots", "1"], state_dir=state)
+    g.start()
+    try:
+        body = {"prompt": COUNT_PROMPT, "max_tokens": 250, "temperature": 0}
+        outcomes: dict[str, Any] = {}
+        tokens_seen = threading.Event()
+
+        def send(key: str) -> None:
+            try:
+                with httpx.Client(base_url=g.url, timeout=120) as c:
+                    outcomes[key] = c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
+            except httpx.HTTPError as exc:
+                outcomes[key] = exc
+
+        def send_stream() -> None:
+            try:
+                with httpx.Client(base_url=g.url, timeout=120) as c:
+                    outcomes["s"] = stream(
+                        c,
+                        "/v1/completions",
+                        body,
+                        headers={"Idempotency-Key": "s"},
+                        on_token=lambda n: n >= 5 and tokens_seen.set(),
+                    )
+            except httpx.HTTPError as exc:
+                outcomes["s"] = exc
+
+        threads = [threading.Thread(target=send_stream)]
+        threads += [threading.Thread(target=send, args=(f"n{i}",)) for i in range(4)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        assert tokens_seen.wait(60)
+        wait_for(lambda: len(journal_rows(state)) == 5, 30, "all five accepted")
+        old_workers = [w["pid"] for w in g.status()["workers"]]
+        g.kill9()
+        for t in threads:
+            t.join(60)
+        assert all(isinstance(v, httpx.HTTPError) or isinstance(v, dict) for v in outcomes.values())
+
+        g.restart()
+        rows = wait_for(
+            lambda: (r := journal_rows(state)) and all(x["state"] in ("completed", "resumable_error") for x in r) and r,
+            240,
+            "every request ended",
+        )
+        assert len(rows) == 5  # none lost
+        by_key = {r["key"]: r for r in rows}
+        assert by_key["s"]["state"] == "resumable_error" and by_key["s"]["delivered"] >= 1
+        for i in range(4):
+            r = by_key[f"n{i}"]
+            assert r["state"] == "completed" and r["completions"] == 1, r  # none run twice
+        for pid in old_workers:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+        with httpx.Client(base_url=g.url, timeout=60) as c:
+            replay = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "n0"})
+            assert replay.status_code == 200 and replay.headers["idempotent-replayed"] == "true"
+            doc = c.get(f"/v1/requests/{by_key['s']['id']}").json()
+            assert doc["error"]["error"]["code"] == "failover_interrupted"
+    finally:
+        g.stop()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "transfer",
+            "parameters": {
+                "type": "object",
+                "properties": {"amount": {"type": "integer"}, "to": {"type": "string"}},
+                "required": ["amount", "to"],
+            },
+        },
+    }
+]
+
+
+def agent_step(c: httpx.Client, messages: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One agent call, retried with the same key until it has an answer."""
+    body = {
+        "messages": messages,
+        "tools": TOOLS,
+        "max_tokens": 60,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "transfer"}},
+    }
+    for _ in range(40):
+        r = c.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key})
+        if r.status_code == 200:
+            return dict(r.json())
+        assert r.status_code in (409, 503), r.text
+        time.sleep(float(r.headers.get("retry-after", "1")) / 2)
+    raise AssertionError("no answer")
+
+
+def kill_when_busy(gw: GatewayProcess, killed: list[int]) -> None:
+    """SIGKILL the GPU worker as soon as it holds a request."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if gw.worker("gpu")["busy"] >= 1:
+            killed.append(kill_worker(gw, "gpu"))
+            return
+        time.sleep(0.002)
+
+
+def test_agent_never_executes_a_tool_twice(gw: GatewayProcess) -> None:
+    """A scripted agent whose GPU worker is killed at different points, and which itself
+    re-sends a step after 'crashing' post-execution, applies each side effect once."""
+    ledger: dict[str, int] = {}
+    effects: Counter[int] = Counter()
+    killed: list[int] = []
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Pay Bob 5, then Carol 7, then Dan 9."}]
+    with httpx.Client(base_url=gw.url, timeout=120) as c:
+        for step in (1, 2, 3):
+            key = f"agent-run-1-step-{step}"
+            if step == 1:
+                kill_worker(gw, "gpu")  # the GPU is down when the step starts
+            killer = None
+            if step == 2:
+                ready_worker(gw, "gpu")
+                # Step 1 may have tripped the breaker (its request can reach the dying worker).
+                wait_for(lambda: gw.status()["breaker"]["circuit"] != "open", 40, "breaker not open")
+                killer = threading.Thread(target=kill_when_busy, args=(gw, killed))
+                killer.start()
+            resp = agent_step(c, messages, key)
+            if killer is not None:
+                killer.join(30)
+                assert killed, f"the GPU worker was killed while step 2 ran on it: {resp['spillover']}"
+                assert resp["spillover"]["attempts"] == 2 and resp["spillover"]["route"] == "cpu"
+            calls = resp["choices"][0]["message"]["tool_calls"]
+            for call in calls:
+                if call["id"] not in ledger:  # the side-effect ledger, keyed by tool_call_id
+                    ledger[call["id"]] = step
+                    effects[step] += 1
+            if step == 3:
+                # The agent crashes after executing, before saving its progress, and re-sends
+                # the step: the replay carries the same tool_call ids, so nothing runs again.
+                again = agent_step(c, messages, key)
+                assert [x["id"] for x in again["choices"][0]["message"]["tool_calls"]] == [x["id"] for x in calls]
+                for call in again["choices"][0]["message"]["tool_calls"]:
+                    if call["id"] not in ledger:
+                        ledger[call["id"]] = step
+                        effects[step] += 1
+            messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+            for call in calls:
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call["id"],
+                        "content": json.dumps({"ok": True, "args": json.loads(call["function"]["arguments"])}),
+                    }
+                )
+    assert effects == Counter({1: 1, 2: 1, 3: 1})
+    assert len(ledger) == 3
