@@ -443,6 +443,8 @@ async def begin(
         allow_shrink=prep.req.allow_shrink,
         attempt=resume_attempts or 0,
     )
+    if prep.req.prefer_cpu:
+        exe.prefer_cpu()
     job = exe.submit_nowait()
     handler = RequestHandler(gw, prep, exe)
     try:

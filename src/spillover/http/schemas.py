@@ -32,6 +32,7 @@ class GenerationRequest:
     stop: tuple[str, ...]
     include_usage: bool
     allow_shrink: bool
+    prefer_cpu: bool = False
     messages: tuple[dict[str, Any], ...] = ()
     prompt: str = ""
     tools: tuple[dict[str, Any], ...] = ()
@@ -93,6 +94,9 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     allow_shrink = ext.get("allow_shrink", False)
     if not isinstance(allow_shrink, bool):
         raise InvalidRequest("'spillover.allow_shrink' must be a boolean", param="spillover.allow_shrink")
+    prefer = ext.get("prefer", "auto")
+    if prefer not in ("auto", "cpu"):
+        raise InvalidRequest("'spillover.prefer' must be 'auto' or 'cpu'", param="spillover.prefer")
     max_tokens = _int_opt(body, "max_completion_tokens", 1, 1 << 20)
     if max_tokens is None:
         max_tokens = _int_opt(body, "max_tokens", 1, 1 << 20)
@@ -107,6 +111,7 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
         "stop": _stops(body),
         "include_usage": bool(so.get("include_usage", False)),
         "allow_shrink": allow_shrink,
+        "prefer_cpu": prefer == "cpu",
         "user": user if isinstance(user, str) else None,
     }
 

@@ -150,9 +150,15 @@ class Execution:
             arrived_s=time.monotonic(),
             allow_shrink=self.allow_shrink and not self.delivered,
         )
+        if self._next_lane == "cpu":
+            job.last_reason = f"failover:{self._cause}" if self._cause else "client_prefers_cpu"
         self.scheduler.submit_nowait(job, lane=self._next_lane)
         self._job = job
         return job
+
+    def prefer_cpu(self) -> None:
+        """The client asked for the CPU lane (``"spillover": {"prefer": "cpu"}``)."""
+        self._next_lane = "cpu"
 
     def cancel(self) -> None:
         """Cancel: withdraw from the queue or stop the worker (the consumer sees RequestCancelled)."""
