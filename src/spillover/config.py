@@ -83,7 +83,9 @@ class DeviceConfig:
     gpu: str = _doc("auto", "auto | none | cuda:N | sim:<capacity_mib>; auto = cuda if found, else sim")
     sim_capacity_mib: int = _doc(1024, "capacity of the sim device when gpu=auto falls back to sim")
     margin_mib: int = _doc(32, "device memory never handed out (safety margin)")
-    host_budget_mib: int = _doc(4096, "host RAM the CPU lane may use for model and requests")
+    host_budget_mib: int = _doc(4096, "host RAM the gateway and its workers may use (CPU lane guard)")
+    host_guard: bool = _doc(True, "enforce host_budget_mib when starting CPU requests (off: negative control)")
+    host_min_free_mib: int = _doc(256, "host RAM the machine must keep available")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class LaneConfig:
     queue_depth: int = _doc(16, "requests that may wait for a slot; more are shed with 503")
     queue_max_age_s: float = _doc(60.0, "longest a request may wait in the queue")
     n_batch_tokens: int = _doc(512, "llama.cpp batch size for prompt processing")
+    canary_ratio: float = _doc(0.0, "share of normal traffic served here to keep the path exercised (CPU lane)")
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     gpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, n_threads=1))
-    cpu_lane: LaneConfig = field(default_factory=LaneConfig)
+    cpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, ctx_cap_tokens=1024, canary_ratio=0.01))
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     failover: FailoverConfig = field(default_factory=FailoverConfig)
@@ -247,6 +250,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"[{name}].ctx_cap_tokens must be >= 64")
         if lane.queue_depth < 0 or lane.queue_max_age_s <= 0:
             raise ConfigError(f"[{name}] queue_depth must be >= 0 and queue_max_age_s > 0")
+        if not 0 <= lane.canary_ratio <= 1:
+            raise ConfigError(f"[{name}].canary_ratio must be in [0, 1]")
     a = cfg.admission
     if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:
         raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")

@@ -136,7 +136,12 @@ class Step:
 
 
 class Engine:
-    """A loaded model with ``slots`` independent llama contexts."""
+    """A loaded model with up to ``slots`` independent llama contexts.
+
+    With ``lazy`` a slot's context is created on its first use and then kept, so host
+    memory grows with the concurrency actually reached (the CPU lane's host-RAM guard
+    decides how far); free slots that already have a context are handed out first.
+    """
 
     def __init__(
         self,
@@ -147,34 +152,47 @@ class Engine:
         n_threads: int,
         n_batch: int,
         n_gpu_layers: int = 0,
+        lazy: bool = False,
     ) -> None:
-        llama = _llama_cls()
         self.model_path = model_path
         self.n_ctx = n_ctx
-        self._slots = [
-            llama(
-                model_path=model_path,
-                n_ctx=n_ctx,
-                n_threads=n_threads,
-                n_threads_batch=n_threads,
-                n_batch=n_batch,
-                n_gpu_layers=n_gpu_layers,
-                verbose=False,
-            )
-            for _ in range(slots)
-        ]
+        self._params = {
+            "model_path": model_path,
+            "n_ctx": n_ctx,
+            "n_threads": n_threads,
+            "n_threads_batch": n_threads,
+            "n_batch": n_batch,
+            "n_gpu_layers": n_gpu_layers,
+            "verbose": False,
+        }
+        self._slots: list[Any] = [None] * slots
+        if not lazy:
+            self._slots = [self._create() for _ in range(slots)]
         self._free = list(range(slots))
         self._lock = threading.Lock()
 
+    def _create(self) -> Any:
+        return _llama_cls()(**self._params)
+
     @property
     def slots(self) -> int:
-        """Number of contexts."""
+        """Number of slots."""
         return len(self._slots)
 
+    @property
+    def contexts(self) -> int:
+        """Slots whose llama context exists."""
+        return sum(1 for s in self._slots if s is not None)
+
     def acquire_slot(self) -> int | None:
-        """Take a free slot index, or None."""
+        """Take a free slot index (one with a context first), or None."""
         with self._lock:
-            return self._free.pop() if self._free else None
+            if not self._free:
+                return None
+            ready = [i for i in self._free if self._slots[i] is not None]
+            pick = ready[0] if ready else self._free[0]
+            self._free.remove(pick)
+            return pick
 
     def release_slot(self, slot: int) -> None:
         """Give a slot back."""
@@ -205,6 +223,8 @@ class Engine:
         import llama_cpp
         import numpy as np
 
+        if self._slots[slot] is None:
+            self._slots[slot] = self._create()
         llm = self._slots[slot]
         prefix = list(prefix or [])
         limit = min(kv_tokens, self.n_ctx)

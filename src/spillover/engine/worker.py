@@ -103,6 +103,7 @@ class Worker:
             n_threads=args.n_threads,
             n_batch=args.n_batch,
             n_gpu_layers=n_gpu_layers,
+            lazy=args.lazy_slots,
         )
         tok = Tokenizer(args.model)
         backend = "cuda" if kind == "cuda" else "cpu"
@@ -276,7 +277,14 @@ class Worker:
             elif op == "cancel":
                 self.cancelled.add(str(msg["rid"]))
             elif op == "ping":
-                self.chan.send({"ev": "pong", "seq": msg.get("seq"), "progress": self.progress})
+                self.chan.send(
+                    {
+                        "ev": "pong",
+                        "seq": msg.get("seq"),
+                        "progress": self.progress,
+                        "contexts": self.engine.contexts,
+                    }
+                )
         # stdin closed: the gateway is gone; leave without waiting for work.
         os._exit(0)
 
@@ -293,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-threads", type=int, default=1)
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--weights-bytes", type=int, default=0)
+    p.add_argument("--lazy-slots", action="store_true", help="create each slot's context on first use")
     return p.parse_args(argv)
 
 

@@ -74,6 +74,16 @@ async def _read_json(request: Request, limit: int) -> Any:
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
 
 
+def _deadline_header(request: Request) -> int | None:
+    """``X-Spillover-Deadline-Ms``: the client's completion deadline, in ms from now."""
+    raw = request.headers.get("x-spillover-deadline-ms")
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidRequest("X-Spillover-Deadline-Ms must be a positive integer", param="X-Spillover-Deadline-Ms")
+    return int(raw)
+
+
 def _idempotency_key(request: Request) -> str | None:
     """The Idempotency-Key header: 1-255 visible ASCII characters, else 400."""
     key = request.headers.get("idempotency-key")
@@ -126,7 +136,13 @@ def create_app(gw: Gateway) -> Starlette:
             prep = await g.prepare(gw, req, rid)
             try:
                 handler, events = await g.begin(
-                    gw, prep, body_json=body_json, body_hash=body_hash, idem_key=key, resume_attempts=resume
+                    gw,
+                    prep,
+                    body_json=body_json,
+                    body_hash=body_hash,
+                    idem_key=key,
+                    resume_attempts=resume,
+                    deadline_ms=req.deadline_ms or _deadline_header(request),
                 )
             except KeyConflict as exc:
                 raise IdempotencyInFlight(

@@ -418,6 +418,7 @@ async def begin(
     gw: Gateway,
     prep: Prepared,
     *,
+    deadline_ms: int | None = None,
     body_json: str,
     body_hash: str,
     idem_key: str | None,
@@ -445,6 +446,10 @@ async def begin(
     )
     if prep.req.prefer_cpu:
         exe.prefer_cpu()
+    elif gw.canary_due():
+        exe.prefer_cpu("canary")
+    if deadline_ms is not None:
+        exe.deadline_s = time.monotonic() + deadline_ms / 1000
     job = exe.submit_nowait()
     handler = RequestHandler(gw, prep, exe)
     try:

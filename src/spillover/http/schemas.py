@@ -33,6 +33,7 @@ class GenerationRequest:
     include_usage: bool
     allow_shrink: bool
     prefer_cpu: bool = False
+    deadline_ms: int | None = None
     messages: tuple[dict[str, Any], ...] = ()
     prompt: str = ""
     tools: tuple[dict[str, Any], ...] = ()
@@ -97,6 +98,11 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     prefer = ext.get("prefer", "auto")
     if prefer not in ("auto", "cpu"):
         raise InvalidRequest("'spillover.prefer' must be 'auto' or 'cpu'", param="spillover.prefer")
+    deadline_ms = ext.get("deadline_ms")
+    if deadline_ms is not None and (
+        isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int) or deadline_ms < 1
+    ):
+        raise InvalidRequest("'spillover.deadline_ms' must be a positive integer", param="spillover.deadline_ms")
     max_tokens = _int_opt(body, "max_completion_tokens", 1, 1 << 20)
     if max_tokens is None:
         max_tokens = _int_opt(body, "max_tokens", 1, 1 << 20)
@@ -112,6 +118,7 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
         "include_usage": bool(so.get("include_usage", False)),
         "allow_shrink": allow_shrink,
         "prefer_cpu": prefer == "cpu",
+        "deadline_ms": deadline_ms,
         "user": user if isinstance(user, str) else None,
     }
 

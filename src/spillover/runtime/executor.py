@@ -135,6 +135,8 @@ class Execution:
     _cause: str | None = None
     _cancelled: bool = False
     _started_once: bool = False
+    _cpu_reason: str = "client_prefers_cpu"
+    deadline_s: float | None = None
 
     def __repr__(self) -> str:
         return f"<Execution {self.rid} attempt={self.attempt} delivered={len(self.delivered)}>"
@@ -149,16 +151,19 @@ class Execution:
             max_tokens=self.max_tokens,
             arrived_s=time.monotonic(),
             allow_shrink=self.allow_shrink and not self.delivered,
+            deadline_s=self.deadline_s,
         )
         if self._next_lane == "cpu":
-            job.last_reason = f"failover:{self._cause}" if self._cause else "client_prefers_cpu"
+            job.last_reason = f"failover:{self._cause}" if self._cause else self._cpu_reason
         self.scheduler.submit_nowait(job, lane=self._next_lane)
         self._job = job
         return job
 
-    def prefer_cpu(self) -> None:
-        """The client asked for the CPU lane (``"spillover": {"prefer": "cpu"}``)."""
+    def prefer_cpu(self, reason: str = "client_prefers_cpu") -> None:
+        """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``),
+        or this request is the CPU canary."""
         self._next_lane = "cpu"
+        self._cpu_reason = reason
 
     def cancel(self) -> None:
         """Cancel: withdraw from the queue or stop the worker (the consumer sees RequestCancelled)."""

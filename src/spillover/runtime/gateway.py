@@ -13,6 +13,7 @@ from typing import Any
 from spillover.config import Config, parse_device
 from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
+from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.runtime.devices import GpuDevice, cuda_available
@@ -61,6 +62,12 @@ class Gateway:
         self.live: dict[str, Any] = {}  # request id -> RequestHandler, while it runs
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
         self.recovered: dict[str, int] = {}
+        self.cpu_slot_bytes = 0
+        self.host_observed_bytes = 0
+        self.host_peak_bytes = 0
+        self.host_base_bytes = 0
+        self._cpu_worker_starts = 0
+        self._canary_n = 0
 
     def __repr__(self) -> str:
         return f"<Gateway model={self.cfg.model.name} device={self.device}>"
@@ -111,18 +118,22 @@ class Gateway:
             )
         else:
             log.info("no GPU lane (device.gpu=%s): CPU only", self.cfg.device.gpu)
+        cpu_mm = MemoryModel(self.spec, n_ubatch=self.cfg.cpu_lane.n_batch_tokens, cpu_repack=True)
+        self.cpu_slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cfg.cpu_lane.ctx_cap_tokens)
         self.scheduler = Scheduler(
             gpu_lane=self.cfg.gpu_lane if gpu else None,
             cpu_lane=self.cfg.cpu_lane,
             ledger=self.ledger,
             policy=policy,
+            host_view=self._host_view,
+            host_guard=self.cfg.device.host_guard,
         )
         if gpu is not None and self.device is not None:
             spec = self._worker_spec("gpu0", "gpu", self.device.spec)
             sup = Supervisor(spec, self.cfg.supervisor, device=self.device, on_change=self._worker_event)
             self.supervisors.append(sup)
             self.scheduler.gpu_workers.append(sup.worker)
-        spec = self._worker_spec("cpu0", "cpu", "cpu")
+        spec = dataclasses.replace(self._worker_spec("cpu0", "cpu", "cpu"), lazy_slots=True)
         sup = Supervisor(spec, self.cfg.supervisor, on_change=self._worker_event)
         self.supervisors.append(sup)
         self.scheduler.cpu_workers.append(sup.worker)
@@ -131,6 +142,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         if self.device is not None:
             self._tasks.append(asyncio.create_task(self._observe_loop(), name="observe"))
+        self._tasks.append(asyncio.create_task(self._host_loop(), name="host-observe"))
         self._tasks.append(asyncio.create_task(self._journal_loop(), name="journal-retention"))
         self._tasks.append(asyncio.create_task(self._recover(), name="recover"))
 
@@ -251,6 +263,72 @@ class Gateway:
         n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps)
         return min(max(caps), n_train)
 
+    # -- host memory (CPU lane guard) ------------------------------------------------------
+    def _pids(self) -> list[int]:
+        import os
+
+        return [os.getpid()] + [s.worker.pid for s in self.supervisors if s.worker.pid is not None]
+
+    def _read_host(self) -> int:
+        import psutil
+
+        total = 0
+        for pid in self._pids():
+            with contextlib.suppress(psutil.Error):
+                total += int(psutil.Process(pid).memory_info().rss)
+        return total
+
+    async def _host_loop(self) -> None:
+        while True:
+            rss = await asyncio.to_thread(self._read_host)
+            self.host_observed_bytes = rss
+            self.host_peak_bytes = max(self.host_peak_bytes, rss)
+            cpu = next((s.worker for s in self.supervisors if s.worker.spec.lane == "cpu"), None)
+            if cpu is not None and cpu.state is WorkerState.READY:
+                if cpu.starts != self._cpu_worker_starts:  # a fresh CPU worker: no contexts yet
+                    self._cpu_worker_starts = cpu.starts
+                    self.host_base_bytes = 0
+                if (
+                    self.host_base_bytes == 0
+                    and self._cpu_contexts(cpu) == 0
+                    and all(s.worker.state is WorkerState.READY for s in self.supervisors)
+                ):
+                    self.host_base_bytes = rss  # everything loaded, no CPU context yet
+            await asyncio.sleep(0.25)
+
+    def _cpu_contexts(self, worker: WorkerClient) -> int:
+        """Contexts the CPU worker holds: its own report, or (sooner) the peak concurrency
+        the scheduler gave it since it started, since each concurrent request opens one."""
+        assert self.scheduler is not None
+        return max(worker.contexts, self.scheduler.peak_running(worker))
+
+    def _host_view(self, running: int) -> HostView:
+        import psutil
+
+        cpu = next(s.worker for s in self.supervisors if s.worker.spec.lane == "cpu")
+        contexts = self._cpu_contexts(cpu)
+        base = self.host_base_bytes or self.host_observed_bytes
+        view = HostView(
+            running=running,
+            contexts=contexts,
+            slots=cpu.spec.slots,
+            predicted_bytes=base + contexts * self.cpu_slot_bytes,
+            observed_bytes=self.host_observed_bytes,
+            slot_bytes=self.cpu_slot_bytes,
+            budget_bytes=self.cfg.device.host_budget_mib * 1024 * 1024,
+            available_bytes=int(psutil.virtual_memory().available),
+            min_free_bytes=self.cfg.device.host_min_free_mib * 1024 * 1024,
+        )
+        return view
+
+    def canary_due(self) -> bool:
+        """Whether this request is the CPU canary (a fixed share of normal traffic)."""
+        ratio = self.cfg.cpu_lane.canary_ratio
+        if ratio <= 0 or self.device is None:
+            return False
+        self._canary_n += 1
+        return int(self._canary_n * ratio) > int((self._canary_n - 1) * ratio)
+
     async def stop(self) -> None:
         for h in list(self.live.values()):
             h.exe.cancel()
@@ -324,5 +402,13 @@ class Gateway:
             "live_requests": len(self.live),
             "retry_budget_denied": self.budget.denied,
             "recovered": self.recovered,
+            "host": {
+                "budget_bytes": self.cfg.device.host_budget_mib * 1024 * 1024,
+                "guard": self.cfg.device.host_guard,
+                "observed_rss_bytes": self.host_observed_bytes,
+                "peak_rss_bytes": self.host_peak_bytes,
+                "cpu_slot_bytes": self.cpu_slot_bytes,
+                "cpu_blocked": sched.cpu_blocked if sched else "",
+            },
             "uptime_s": round(now - self.started_s, 3),
         }

@@ -29,6 +29,7 @@ from spillover.core.admission import (
     decide,
 )
 from spillover.core.breaker import BreakerEvent, BreakerState, advance
+from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.errors import CapacityError, QueueFull
 from spillover.runtime.worker_client import WorkerClient, WorkerState
@@ -51,6 +52,7 @@ class Job:
     last_reason: str = ""
     position: int = 0  # 1-based position when queued
     estimated_delay_ms: int = 0
+    deadline_s: float | None = None  # monotonic; the client's deadline for completion
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,14 @@ class Scheduler:
         ledger: DeviceLedger | None,
         policy: AdmissionPolicy | None,
         clock: Callable[[], float] = time.monotonic,
+        host_view: Callable[[int], HostView] | None = None,
+        host_guard: bool = True,
     ) -> None:
         self.clock = clock
+        self.host_view = host_view
+        self.host_guard = host_guard
+        self.cpu_blocked: str = ""
+        self._peak: dict[str, tuple[int, int]] = {}  # worker id -> (starts, peak busy)
         self.gpu = _Lane("gpu", gpu_lane) if gpu_lane else None
         self.cpu = _Lane("cpu", cpu_lane)
         self.ledger = ledger
@@ -158,6 +166,8 @@ class Scheduler:
         self._enqueue_nowait(job, target)
 
     def _enqueue_nowait(self, job: Job, lane: _Lane) -> None:
+        if lane is self.cpu:
+            self._check_deadline(job)
         if lane.free() <= 0:
             lane.shed_total += 1
             raise QueueFull(
@@ -169,7 +179,21 @@ class Scheduler:
         job.position = len(lane.queue) + 1
         job.estimated_delay_ms = int(lane.estimated_delay_s(list(lane.queue), 0.0) * 1000)
         lane.queue.append(job)
-        self.kick()
+        self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
+
+    def _check_deadline(self, job: Job) -> None:
+        """Refuse at once a CPU job that cannot finish before the client's deadline."""
+        if job.deadline_s is None:
+            return
+        est = self.cpu.estimated_delay_s(list(self.cpu.queue), 0.0) + self.cpu.job_seconds(
+            job.prompt_tokens, job.max_tokens
+        )
+        if self.clock() + est > job.deadline_s:
+            raise CapacityError(
+                f"the CPU lane would finish this request in about {est:.1f}s, after its deadline",
+                retry_after_s=max(1.0, est),
+                code="deadline_exceeded",
+            )
 
     def withdraw(self, job: Job) -> None:
         """Remove a job that is still queued (its client went away)."""
@@ -314,6 +338,12 @@ class Scheduler:
             )
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
+            try:
+                self._check_deadline(job)
+            except CapacityError as exc:
+                self.gpu.shed_total += 1
+                self._fail(job, exc)
+                return
             job.lane = "cpu"
             job.last_reason = d.reason
             job.position = len(self.cpu.queue) + 1
@@ -333,13 +363,21 @@ class Scheduler:
         # Delay: leave it queued; the pump asks again.
 
     def _dispatch_cpu(self, now: float) -> None:
+        self.cpu_blocked = ""
         while self.cpu.queue:
             worker = next((w for w in self.cpu_workers if w.free_slots > 0), None)
             if worker is None:
+                self.cpu_blocked = "cpu_slots_busy" if self.cpu_workers else "no_cpu_worker"
                 return
+            if self.host_view is not None:
+                ok, why = may_start_cpu(self.host_view(worker.busy), self.host_guard)
+                if not ok:
+                    self.cpu_blocked = why
+                    return
             job = self.cpu.queue.popleft()
             self.cpu.admitted_total += 1
             worker.claim_slot(job.rid)
+            self._note_busy(worker)
             reason = job.last_reason or "cpu_lane"
             job.future.set_result(
                 Dispatch(
@@ -355,6 +393,14 @@ class Scheduler:
                     job.estimated_delay_ms,
                 )
             )
+
+    def peak_running(self, worker: WorkerClient) -> int:
+        """Most requests this worker process has run at once (reset when it restarts)."""
+        starts, peak = self._peak.get(worker.spec.worker_id, (worker.starts, 0))
+        return peak if starts == worker.starts else 0
+
+    def _note_busy(self, worker: WorkerClient) -> None:
+        self._peak[worker.spec.worker_id] = (worker.starts, max(self.peak_running(worker), worker.busy))
 
     def _fail(self, job: Job, exc: Exception) -> None:
         if not job.future.done():

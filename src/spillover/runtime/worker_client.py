@@ -45,6 +45,7 @@ class WorkerSpec:
     n_batch: int
     weights_bytes: int = 0
     sim_name: str = "sim0"
+    lazy_slots: bool = False
 
     def argv(self) -> list[str]:
         """Command line of the worker process."""
@@ -62,6 +63,7 @@ class WorkerSpec:
             "--n-threads", str(self.n_threads),
             "--n-batch", str(self.n_batch),
             "--weights-bytes", str(self.weights_bytes),
+            *(["--lazy-slots"] if self.lazy_slots else []),
         ]  # fmt: skip
 
 
@@ -115,6 +117,7 @@ class WorkerClient:
         self._ping_seq = 0
         self._last_fatal: WorkerGone | None = None
         self.alloc_failures = 0
+        self.contexts = 0
 
     def __repr__(self) -> str:
         return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
@@ -204,6 +207,7 @@ class WorkerClient:
         elif ev == "pong":
             self.last_pong_s = time.monotonic()
             self.progress = int(msg.get("progress") or 0)
+            self.contexts = int(msg.get("contexts") or 0)
         elif ev == "fatal":
             self._last_fatal = WorkerGone(str(msg.get("kind")), str(msg.get("message")))
         else:

@@ -1,0 +1,51 @@
+"""The CPU lane's host-RAM guard: a CPU slot may start only within the host budget.
+
+Rules:
+
+1. A CPU request runs in a slot with its own llama context; a slot that already has one
+   costs nothing more, a new one costs ``slot_bytes`` (its weights mapping, KV cache and
+   compute buffers: the same memory model as the GPU, CPU side).
+2. Host usage is ``max(predicted, observed)``: predicted from the memory model, observed
+   from the processes' RSS.
+3. A new context is opened only when ``used + slot_bytes <= budget`` and the machine would
+   keep ``min_free_bytes`` available; otherwise the request waits in the queue (or is
+   shed by the queue's own bounds). Whatever the GPU is doing, this never lets the CPU
+   lane go past its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["HostView", "may_start_cpu"]
+
+
+@dataclass(frozen=True)
+class HostView:
+    """What the guard needs to know right now."""
+
+    running: int  # CPU requests running
+    contexts: int  # CPU slots that already hold a context
+    slots: int  # the CPU lane's slot limit
+    predicted_bytes: int
+    observed_bytes: int
+    slot_bytes: int
+    budget_bytes: int
+    available_bytes: int
+    min_free_bytes: int
+
+
+def may_start_cpu(v: HostView, enabled: bool = True) -> tuple[bool, str]:
+    """Whether one more CPU request may start now, and why (machine-readable)."""
+    if v.running >= v.slots:
+        return False, "cpu_slots_busy"
+    if not enabled:
+        return True, "host_guard_disabled"
+    if v.running < v.contexts:
+        return True, "context_free"
+    used = max(v.predicted_bytes, v.observed_bytes)
+    if used + v.slot_bytes > v.budget_bytes:
+        return False, "host_budget"
+    if v.available_bytes - v.slot_bytes < v.min_free_bytes:
+        return False, "host_available"
+    return True, "fits"
