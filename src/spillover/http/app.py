@@ -292,6 +292,13 @@ def create_app(gw: Gateway) -> Starlette:
             "error": json.loads(rec.error) if rec.error else None,
         }
 
+    async def metrics(request: Request) -> Response:
+        try:
+            authorize(request)
+        except SpilloverError as exc:
+            return _error_response(exc)
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
@@ -312,6 +319,7 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/v1/requests/{rid}", get_request, methods=["GET"]),
         Route("/v1/requests/{rid}", delete_request, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/", index, methods=["GET"]),
     ]

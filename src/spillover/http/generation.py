@@ -125,6 +125,8 @@ class RequestHandler:
     cancelled_by_user: bool = False
     _first_delivery_noted: bool = False
     _created: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
 
     @property
     def rid(self) -> str:
@@ -180,6 +182,12 @@ class RequestHandler:
         assert isinstance(ev, RouteInfo)
         self.info = ev
 
+    def _note_token(self) -> None:
+        if self.first_token_s is None and self.info is not None:
+            self.first_token_s = time.monotonic()
+            self.gw.metrics.ttft.labels(self.info.route).observe(self.first_token_s - self.started_s)
+            self.gw.metrics.queue_wait.labels(self.info.route).observe(self.info.queued_s)
+
     def cancel(self) -> None:
         """DELETE /v1/requests/{id} or a disconnected client."""
         self.cancelled_by_user = True
@@ -197,10 +205,17 @@ class RequestHandler:
         error: dict[str, Any] | None = None,
     ) -> None:
         """Write the outcome to the journal (terminal state)."""
+        i = self.info
+        self.gw.metrics.request_done(
+            i.route if i else "none",
+            state.value,
+            self.spillover_object()["reason"] or "none",
+            time.monotonic() - self.started_s,
+            self.completion_tokens,
+        )
         journal = self.gw.journal
         if journal is None:
             return
-        i = self.info
         with contextlib.suppress(Exception):
             await journal.move(
                 self.rid,
@@ -237,6 +252,7 @@ class RequestHandler:
                     if ev.restart:
                         self.text.clear()
                 elif isinstance(ev, TokenOut):
+                    self._note_token()
                     self.text.append(ev.text)
                 elif isinstance(ev, Finished):
                     self.finish_reason = ev.finish_reason
@@ -359,6 +375,7 @@ class RequestHandler:
                         self.text.clear()
                     yield self._emit(self._chunk({} if chat else "", spillover=self.spillover_object()))
                 elif isinstance(ev, TokenOut):
+                    self._note_token()
                     self.text.append(ev.text)
                     if ev.text and not buffer_tools:
                         if not self._first_delivery_noted and self.gw.journal is not None:

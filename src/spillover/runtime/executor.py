@@ -127,6 +127,7 @@ class Execution:
     failover: FailoverConfig
     budget: RetryBudget
     kill_worker: Callable[[WorkerClient], Any]
+    on_failover: Callable[[str], None] = lambda kind: None
     attempt: int = 0
     delivered: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
@@ -310,6 +311,7 @@ class Execution:
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
         self._cause = f.kind
         self._next_lane = "cpu"
+        self.on_failover(f.kind)
         await self._move(State.QUEUED, route="cpu", attempts=self.attempt, reason=f"failover:{f.kind}")
         try:
             self.submit_nowait()

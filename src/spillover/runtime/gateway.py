@@ -68,6 +68,9 @@ class Gateway:
         self.host_base_bytes = 0
         self._cpu_worker_starts = 0
         self._canary_n = 0
+        from spillover.metrics import Metrics
+
+        self.metrics = Metrics(self.status)
 
     def __repr__(self) -> str:
         return f"<Gateway model={self.cfg.model.name} device={self.device}>"
@@ -241,6 +244,7 @@ class Gateway:
             failover=self.cfg.failover,
             budget=self.budget,
             kill_worker=self._kill_worker,
+            on_failover=lambda kind: self.metrics.failovers.labels(kind).inc(),
             attempt=attempt,
         )
 

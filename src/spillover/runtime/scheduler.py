@@ -88,6 +88,7 @@ class LaneStatistics:
     prefill_tps: float
     decode_tps: float
     estimated_delay_ms: int
+    queued: tuple[dict[str, Any], ...] = ()
 
 
 class _Lane:
@@ -431,6 +432,16 @@ class Scheduler:
                     prefill_tps=round(lane.prefill_tps, 1),
                     decode_tps=round(lane.decode_tps, 1),
                     estimated_delay_ms=int(lane.estimated_delay_s(list(lane.queue), 0.0) * 1000),
+                    queued=tuple(
+                        {
+                            "rid": j.rid,
+                            "position": i + 1,
+                            "age_s": round(now - j.enqueued_s, 3),
+                            "prompt_tokens": j.prompt_tokens,
+                            "max_tokens": j.max_tokens,
+                        }
+                        for i, j in enumerate(lane.queue)
+                    ),
                 )
             )
         return out
