@@ -87,3 +87,20 @@ def stream(
                 if ch.get("finish_reason"):
                     out["finish"] = ch["finish_reason"]
     return out
+
+
+def post_then_hang_up(url: str, path: str, body: dict[str, Any], after_s: float) -> None:
+    """Send a POST over a raw socket and close the connection after ``after_s`` seconds
+    without reading the answer: a client that goes away."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=10) as s:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        ).encode()
+        s.sendall(head + data)
+        time.sleep(after_s)

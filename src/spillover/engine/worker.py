@@ -159,109 +159,95 @@ class Worker:
 
     # -- requests ---------------------------------------------------------------------
     def run_request(self, msg: dict[str, Any]) -> None:
-        from spillover.engine.llama_engine import GenerateParams, Step
-
+        """Run one request; its last event (done or error) is sent only after its slot and
+        device memory are back, so the gateway never counts them free too early."""
         rid = str(msg["rid"])
+        final: dict[str, Any] = {"ev": "error", "rid": rid, "kind": "engine", "message": "worker interrupted"}
+        slot = self.engine.acquire_slot()
         tag = f"req:{rid}"
         charged = False
-        slot = self.engine.acquire_slot()
         try:
             if slot is None:
-                self.chan.send({"ev": "error", "rid": rid, "kind": "engine", "message": "no free slot"})
+                final = {"ev": "error", "rid": rid, "kind": "engine", "message": "no free slot"}
                 return
             reserve = int(msg.get("reserve_bytes") or 0)
             if self.sim is not None and reserve > 0:
                 if not self.sim.allocate(tag, reserve, owner=self.args.worker_id):
-                    self.chan.send(
-                        {
-                            "ev": "error",
-                            "rid": rid,
-                            "kind": "alloc_failed",
-                            "message": f"device refused {reserve} bytes",
-                        }
-                    )
-                    return
-                charged = True
-            params = GenerateParams(
-                max_tokens=int(msg["max_tokens"]),
-                temperature=float(msg.get("temperature", 1.0)),
-                top_p=float(msg.get("top_p", 1.0)),
-                seed=int(msg.get("seed", 0)),
-                stop=tuple(msg.get("stop") or ()),
-                json_schema=msg.get("json_schema"),
-            )
-            tokens = [int(t) for t in msg["tokens"]]
-            prefix = [int(t) for t in msg.get("prefix") or []]
-            kv_tokens = int(msg.get("kv_tokens") or self.args.n_ctx)
-            self.chan.send({"ev": "started", "rid": rid})
-            t0 = time.monotonic()
-            t_first: float | None = None
-            n = 0
-            finish = "stop"
-            for item in self.engine.generate(
-                slot,
-                tokens,
-                params,
-                kv_tokens=kv_tokens,
-                should_stop=lambda: rid in self.cancelled,
-                prefix=prefix,
-            ):
-                while self.hang.is_set() and rid not in self.cancelled:
-                    time.sleep(0.01)
-                if isinstance(item, Step):
-                    if item.token_id >= 0:
-                        n += 1
-                        self.progress += 1
-                        if t_first is None:
-                            t_first = time.monotonic()
-                        if n % PAGE_TOKENS == 0 and self._page_fault():
-                            self.chan.send(
-                                {
-                                    "ev": "error",
-                                    "rid": rid,
-                                    "kind": "oom",
-                                    "message": "device out of memory growing the KV cache",
-                                }
-                            )
-                            return
-                    self.chan.send({"ev": "token", "rid": rid, "id": item.token_id, "text": item.text})
-                else:
-                    finish = item
-            if finish == "diverged":
-                self.chan.send(
-                    {
+                    final = {
                         "ev": "error",
                         "rid": rid,
-                        "kind": "diverged",
-                        "message": "continuation differs from the delivered tokens",
+                        "kind": "alloc_failed",
+                        "message": f"device refused {reserve} bytes",
                     }
-                )
-                return
-            t1 = time.monotonic()
-            if charged and self.sim is not None:
-                self.sim.free(tag)  # memory is back before the gateway hears "done"
-                charged = False
-            self.chan.send(
-                {
-                    "ev": "done",
-                    "rid": rid,
-                    "finish_reason": finish,
-                    "prompt_tokens": len(tokens),
-                    "completion_tokens": n,
-                    "timings": {
-                        "prefill_s": round((t_first or t1) - t0, 6),
-                        "total_s": round(t1 - t0, 6),
-                    },
-                }
-            )
+                    return
+                charged = True
+            final = self._generate(rid, slot, msg)
         except Exception as exc:  # engine failure: report, keep serving
-            self.chan.send({"ev": "error", "rid": rid, "kind": "engine", "message": f"{type(exc).__name__}: {exc}"})
+            final = {"ev": "error", "rid": rid, "kind": "engine", "message": f"{type(exc).__name__}: {exc}"}
         finally:
             if charged and self.sim is not None:
                 self.sim.free(tag)
             if slot is not None:
                 self.engine.release_slot(slot)
             self.cancelled.discard(rid)
+            self.chan.send(final)
+
+    def _generate(self, rid: str, slot: int, msg: dict[str, Any]) -> dict[str, Any]:
+        from spillover.engine.llama_engine import GenerateParams, Step
+
+        params = GenerateParams(
+            max_tokens=int(msg["max_tokens"]),
+            temperature=float(msg.get("temperature", 1.0)),
+            top_p=float(msg.get("top_p", 1.0)),
+            seed=int(msg.get("seed", 0)),
+            stop=tuple(msg.get("stop") or ()),
+            json_schema=msg.get("json_schema"),
+        )
+        tokens = [int(t) for t in msg["tokens"]]
+        prefix = [int(t) for t in msg.get("prefix") or []]
+        kv_tokens = int(msg.get("kv_tokens") or self.args.n_ctx)
+        self.chan.send({"ev": "started", "rid": rid})
+        t0 = time.monotonic()
+        t_first: float | None = None
+        n = 0
+        finish = "stop"
+        for item in self.engine.generate(
+            slot, tokens, params, kv_tokens=kv_tokens, should_stop=lambda: rid in self.cancelled, prefix=prefix
+        ):
+            while self.hang.is_set() and rid not in self.cancelled:
+                time.sleep(0.01)
+            if isinstance(item, Step):
+                if item.token_id >= 0:
+                    n += 1
+                    self.progress += 1
+                    if t_first is None:
+                        t_first = time.monotonic()
+                    if n % PAGE_TOKENS == 0 and self._page_fault():
+                        return {
+                            "ev": "error",
+                            "rid": rid,
+                            "kind": "oom",
+                            "message": "device out of memory growing the KV cache",
+                        }
+                self.chan.send({"ev": "token", "rid": rid, "id": item.token_id, "text": item.text})
+            else:
+                finish = item
+        if finish == "diverged":
+            return {
+                "ev": "error",
+                "rid": rid,
+                "kind": "diverged",
+                "message": "continuation differs from the delivered tokens",
+            }
+        t1 = time.monotonic()
+        return {
+            "ev": "done",
+            "rid": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(tokens) + len(prefix),
+            "completion_tokens": n,
+            "timings": {"prefill_s": round((t_first or t1) - t0, 6), "total_s": round(t1 - t0, 6)},
+        }
 
     def serve(self, inp: IO[str]) -> None:
         if self.sim is not None:

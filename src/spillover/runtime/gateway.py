@@ -404,6 +404,10 @@ class Gateway:
             "decision_counts": dict(sched.decision_counts) if sched else {},
             "events": self.events[-20:],
             "live_requests": len(self.live),
+            "running": [
+                {"rid": rid, "route": h.info.route if h.info else None, "attempt": h.exe.attempt}
+                for rid, h in list(self.live.items())[:100]
+            ],
             "retry_budget_denied": self.budget.denied,
             "recovered": self.recovered,
             "host": {

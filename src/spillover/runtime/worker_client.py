@@ -92,6 +92,7 @@ class WorkerStatistics:
     last_pong_age_s: float | None
     progress_tokens: int
     alloc_failures: int
+    contexts: int
     fingerprint: dict[str, str] | None
     info: dict[str, Any] | None
 
@@ -291,6 +292,7 @@ class WorkerClient:
             last_pong_age_s=None if age is None else round(age, 3),
             progress_tokens=self.progress,
             alloc_failures=self.alloc_failures,
+            contexts=self.contexts,
             fingerprint=(self.info or {}).get("fingerprint"),
             info=self.info,
         )

@@ -1,0 +1,112 @@
+"""The live status page in a real headless Chromium (Debian's chromium, driven by Playwright)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spillover.testing import GatewayProcess
+from tests.e2e.helpers import COUNT_PROMPT, ready_worker, sim, wait_for
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    cfg = {"breaker": {"cooldown_s": 30.0}}
+    with GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1", "--cpu-slots", "1"], config=cfg) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def page(gw: GatewayProcess) -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        raise RuntimeError("Debian's chromium is required (apt-get install chromium); scripts/test-all installs it")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        pg = browser.new_page(viewport={"width": 1100, "height": 1300})
+        pg.goto(gw.url + "/")
+        yield pg
+        browser.close()
+
+
+def test_page_shows_normal_mode_ledger_and_workers(gw: GatewayProcess, page: object) -> None:
+    """The page renders the mode, the sim GPU ledger bar, lanes and both workers."""
+    from playwright.sync_api import Page, expect
+
+    assert isinstance(page, Page)
+    expect(page.locator("#mode")).to_have_text("normal", timeout=10_000)
+    expect(page.locator("#device")).to_contain_text("sim:1024 (simulated)")
+    expect(page.locator("#ledger-bar")).to_be_visible()
+    expect(page.locator("#workers tbody tr")).to_have_count(2)
+    expect(page.locator("#lanes tbody tr")).to_have_count(2)
+
+
+def test_page_shows_degraded_within_2s_of_breaker_opening(gw: GatewayProcess, page: object) -> None:
+    """After an injected allocation failure opens the breaker, the page says degraded within 2 s;
+    a screenshot is saved as a test artifact."""
+    from playwright.sync_api import Page, expect
+
+    assert isinstance(page, Page)
+    ready_worker(gw, "gpu")
+    sim(gw).fail_next(1)
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+    assert r.headers["x-spillover-route"] == "cpu"
+    opened = time.monotonic()
+    assert gw.status()["breaker"]["circuit"] == "open"
+    expect(page.locator("#mode")).to_have_text("degraded", timeout=2_000)
+    assert time.monotonic() - opened < 2.0
+    expect(page.locator("#breaker")).to_have_text("open")
+    expect(page.locator("#reasons")).to_contain_text("gpu breaker open")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "status-page-degraded.png"), full_page=True)
+    assert (ARTIFACTS / "status-page-degraded.png").stat().st_size > 10_000
+
+
+def test_cancel_a_queued_request_from_the_page(gw: GatewayProcess, page: object) -> None:
+    """Clicking 'cancel' on a queued CPU request removes it and the journal says CANCELLED."""
+    from playwright.sync_api import Page, expect
+
+    assert isinstance(page, Page)
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 300, "spillover": {"prefer": "cpu"}}
+    results: list[httpx.Response] = []
+    ts = [
+        threading.Thread(target=lambda: results.append(httpx.post(gw.url + "/v1/completions", json=body, timeout=120)))
+        for _ in range(2)
+    ]
+    for t in ts:
+        t.start()
+        time.sleep(0.3)
+    queued = wait_for(
+        lambda: next((lane["queued"] for lane in gw.status()["lanes"] if lane["queued"]), None), 10, "a queued request"
+    )
+    rid = queued[0]["rid"]
+    button = page.locator(f"button.cancel[data-rid='{rid}']")
+    expect(button).to_be_visible(timeout=3_000)
+    button.click()
+    expect(page.locator(f"button.cancel[data-rid='{rid}']")).to_have_count(0, timeout=3_000)
+    doc = httpx.get(f"{gw.url}/v1/requests/{rid}").json()
+    assert doc["state"] == "cancelled"
+    for t in ts:
+        t.join(120)
+    assert sorted(r.status_code for r in results) == [200, 409]
