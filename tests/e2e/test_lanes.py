@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
-from spillover.testing import GatewayProcess
+from spillover.testing import GatewayProcess, tree_rss
 from tests.e2e.helpers import COUNT_PROMPT, post_then_hang_up, ready_worker, stream, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -46,17 +45,6 @@ def test_exact_count_queue_sheds_k_immediately() -> None:
         assert all(x[1] < 0.050 for x in shed), [round(x[1], 4) for x in shed]
         assert all(int(x[2]["retry-after"]) >= 1 and "retry-after-ms" in x[2] for x in shed)
         assert sum(1 for x in results if x[0] == 200) == q + c
-
-
-def tree_rss(pid: int) -> int:
-    p = psutil.Process(pid)
-    total = p.memory_info().rss
-    for child in p.children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
 
 
 def overload_peak_rss(guard: bool, budget_mib: int) -> tuple[int, dict[str, Any]]:
