@@ -95,6 +95,30 @@ def cmd_tenant(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drill(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from spillover.drill.report import summary_table
+    from spillover.drill.runner import DrillOptions, run_drill
+    from spillover.drill.scenarios import NEGATIVE_CONTROLS
+
+    opts = DrillOptions(
+        out=Path(a.out),
+        profile=a.profile,
+        scenarios=tuple(a.scenario or ()),
+        url=a.url,
+        state_dir=a.state_dir,
+        gpu=a.gpu,
+    )
+    rc, figures = run_drill(opts, progress=not a.no_progress)
+    overall = figures.pop("overall")
+    caught = {n: not f.passed for n, f in figures.items() if n in NEGATIVE_CONTROLS}
+    print(summary_table(figures, overall, caught))
+    print(f"\nreport: {Path(a.out) / 'report.md'} and report.html; history: {Path(a.out) / 'history.jsonl'}")
+    print("drill: PASS" if rc == 0 else "drill: FAIL")
+    return rc
+
+
 def cmd_config(a: argparse.Namespace) -> int:
     section = None
     for sec, name, default, doc in describe_fields():
@@ -157,6 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--name", default="tenant", help="label shown in the ledger")
             q.add_argument("--hold-s", type=float, default=0, help="seconds to hold (0 = until killed)")
             q.set_defaults(func=cmd_tenant)
+
+    from spillover.drill.scenarios import SCENARIOS
+
+    d = sub.add_parser(
+        "drill",
+        help="prove failover under memory pressure and write a report",
+        description="Run the memory-pressure drill against its own gateway (sim GPU by default) or "
+        "a running one (--url with --state-dir for fault injection). Writes history.jsonl, "
+        "report.md and report.html; exits non-zero when a pass criterion fails.",
+    )
+    d.add_argument("--profile", choices=["ci", "full"], default="ci", help="ci: minutes; full: ~15x the traffic")
+    d.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="run only this one (repeatable)")
+    d.add_argument("--url", help="target a running gateway instead of starting one")
+    d.add_argument("--state-dir", help="the running gateway's state folder (for sim fault injection)")
+    d.add_argument(
+        "--gpu", default="sim:1024", help="GPU device of the drill's own gateway (auto uses cuda if present)"
+    )
+    d.add_argument("--out", default="drill-report", help="output folder (default drill-report)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_drill)
 
     c = sub.add_parser("config", help="print every setting with its default and doc, as TOML")
     c.set_defaults(func=cmd_config)

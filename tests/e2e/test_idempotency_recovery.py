@@ -106,7 +106,7 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
                     outcomes["s"] = stream(
                         c,
                         "/v1/completions",
-                        body,
+                        {**body, "max_tokens": 900},  # still streaming when the gateway dies
                         headers={"Idempotency-Key": "s"},
                         on_token=lambda n: n >= 5 and tokens_seen.set(),
                     )
