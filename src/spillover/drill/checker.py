@@ -117,10 +117,13 @@ def check(history: list[dict[str, Any]], scenario: str | None = None) -> Figures
             if (res.get("attempts") or 1) > 1:
                 fig.retries += 1
             served_degraded = res.get("route") not in ("gpu", None) or res.get("model_fallback", False)
-            flagged = res.get("degraded_header") == "1" and res.get("degraded_body") is True
+            # Headers go out once; a stream that moved from GPU to CPU mid-way says so in-band
+            # (a spillover chunk), so for it the body flag is the signal.
+            header_ok = res.get("degraded_header") == "1" or (res.get("stream") and res.get("header_route") == "gpu")
+            flagged = header_ok and res.get("degraded_body") is True
             if served_degraded:
                 fig.degraded_served += 1
-                fig.degraded_flagged += int(flagged)
+                fig.degraded_flagged += int(bool(flagged))
                 if not flagged:
                     fig.failures.append(f"op {inv['op']} served by {res.get('route')} but not flagged degraded")
             elif res.get("degraded_header") == "1" or res.get("degraded_body") is True:

@@ -89,6 +89,7 @@ class DrillClient:
             self.seen_ids.add(res["request_id"])
         if reference is not None:
             res["reference_text"] = reference
+        res["stream"] = stream
         kind = "ok" if res.get("status") == 200 and not res.get("error") else "fail"
         return self.rec.write(kind, **res)
 
@@ -99,6 +100,7 @@ class DrillClient:
             "headers": got,
             "request_id": h.get("x-spillover-request-id") or None,
             "route": h.get("x-spillover-route"),
+            "header_route": h.get("x-spillover-route"),
             "degraded_header": h.get("x-spillover-degraded"),
         }
 

@@ -120,6 +120,7 @@ def create_app(gw: Gateway) -> Starlette:
             if key is not None and gw.journal is not None:
                 rec = await gw.journal.by_key(key)
                 if rec is not None:
+                    rid = rec.id  # errors about this key name the request it is bound to
                     if rec.body_hash != body_hash:
                         raise IdempotencyMismatch(
                             "this Idempotency-Key was used with a different request body",

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut"]
 
 SEVERE = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
+PREFILL_FLOOR_TPS = 50.0  # slowest prompt evaluation still counted as progress (tokens/s)
 
 
 @dataclass(frozen=True)
@@ -221,14 +222,21 @@ class Execution:
         d.worker.release_slot(self.rid)
         self.scheduler.finished(self.rid, d, outcome)
 
-    async def _next(self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch) -> dict[str, Any]:
+    async def _next(
+        self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch, *, prefill: bool = False
+    ) -> dict[str, Any]:
+        """The next worker event. On the GPU, waiting longer than the stall bound is a stall;
+        before the first token the bound also covers the prefill (at a floor speed)."""
+        bound = self.failover.stall_timeout_s
+        if prefill:
+            bound += (len(self.tokens) + len(self.delivered)) / PREFILL_FLOOR_TPS
         try:
             if d.route == "gpu":
-                item = await asyncio.wait_for(anext(it), self.failover.stall_timeout_s)
+                item = await asyncio.wait_for(anext(it), bound)
             else:
                 item = await anext(it)
         except TimeoutError as exc:
-            raise _Failure("stall", f"no token progress for {self.failover.stall_timeout_s:.1f}s") from exc
+            raise _Failure("stall", f"no token progress for {bound:.1f}s") from exc
         if isinstance(item, WorkerGone):
             kind = "driver_reset" if item.kind == "device_lost" else "crash"
             raise _Failure(kind, f"{item.kind}: {item.message}")
@@ -259,9 +267,11 @@ class Execution:
                 restart=not self.incremental,
                 failover=self._cause,
             )
+            first_token = True
             while True:
-                ev = await self._next(it, d)
+                ev = await self._next(it, d, prefill=first_token)
                 if ev["ev"] == "token":
+                    first_token = False
                     if self.incremental and ev["id"] >= 0:
                         self.delivered.append(int(ev["id"]))
                     yield TokenOut(int(ev["id"]), str(ev["text"]))
