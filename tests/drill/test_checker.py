@@ -100,3 +100,12 @@ def test_failed_assertion_is_a_failure() -> None:
     """A scenario's own expectation that did not hold fails the scenario."""
     h = op(1) + [final("r1", "completed"), {"type": "assert", "t": 1.0, "scenario": "s", "name": "x", "ok": False}]
     assert not check(h, "s").passed
+
+
+def test_stream_that_moved_to_cpu_is_flagged_in_band() -> None:
+    """A stream whose headers said GPU and which moved to CPU counts as flagged when its
+    spillover chunk says degraded, and as unflagged when it does not."""
+    moved = op(1, stream=True, header_route="gpu", route="cpu", degraded_header="0", degraded_body=True)
+    silent = op(2, stream=True, header_route="gpu", route="cpu", degraded_header="0", degraded_body=False)
+    f = check(moved + silent + [final("r1", "completed"), final("r2", "completed")], "s")
+    assert (f.degraded_served, f.degraded_flagged) == (2, 1) and len(f.failures) == 1
