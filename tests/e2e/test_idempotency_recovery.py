@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from spillover.drill.scenarios import TOOLS
 from spillover.testing import GatewayProcess
 from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, stream, wait_for
 
@@ -148,21 +149,6 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
             assert doc["error"]["error"]["code"] == "failover_interrupted"
     finally:
         g.stop()
-
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "transfer",
-            "parameters": {
-                "type": "object",
-                "properties": {"amount": {"type": "integer"}, "to": {"type": "string"}},
-                "required": ["amount", "to"],
-            },
-        },
-    }
-]
 
 
 def agent_step(c: httpx.Client, messages: list[dict[str, Any]], key: str) -> dict[str, Any]:

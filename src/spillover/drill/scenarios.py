@@ -177,6 +177,14 @@ def _agent(d: Drill, scenario: str, agent: str, n: int, *, keys: bool) -> None:
     agent re-sends a step after 'crashing' between executing and saving its progress."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Pay Bob 5, then Carol 7, then Dan 9."}]
     applied: set[str] = set()
+
+    def execute(calls: list[dict[str, Any]], step: int) -> None:
+        """Apply each tool call once: the side-effect ledger is keyed by tool_call_id."""
+        for call in calls:
+            if call["id"] not in applied:
+                applied.add(call["id"])
+                d.rec.write("tool", scenario=scenario, agent=agent, step=step, tool_call_id=call["id"])
+
     for step in range(1, 3 * n + 1):
         body = {
             "messages": messages,
@@ -202,12 +210,8 @@ def _agent(d: Drill, scenario: str, agent: str, n: int, *, keys: bool) -> None:
                 break
             time.sleep(0.5)
         calls = res.get("tool_calls") or []
-        resend = step % 3 == 0
-        for call in calls:
-            if call["id"] not in applied:  # the ledger: keyed by tool_call_id
-                applied.add(call["id"])
-                d.rec.write("tool", scenario=scenario, agent=agent, step=step, tool_call_id=call["id"])
-        if resend:  # crashed after executing, before saving progress: the step is sent again
+        execute(calls, step)
+        if step % 3 == 0:  # crashed after executing, before saving progress: the step is sent again
             again = d.client.op(
                 scenario,
                 f"{agent}-{step}-resend",
@@ -215,10 +219,7 @@ def _agent(d: Drill, scenario: str, agent: str, n: int, *, keys: bool) -> None:
                 path="/v1/chat/completions",
                 key=key or f"{agent}-step-{step}-resend",
             )
-            for call in again.get("tool_calls") or []:
-                if call["id"] not in applied:
-                    applied.add(call["id"])
-                    d.rec.write("tool", scenario=scenario, agent=agent, step=step, tool_call_id=call["id"])
+            execute(again.get("tool_calls") or [], step)
         messages.append({"role": "assistant", "content": None, "tool_calls": calls})
         messages += [{"role": "tool", "tool_call_id": c["id"], "content": '{"ok": true}'} for c in calls]
 
