@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from spillover.config import default_model_path
 from spillover.core.memory import MemoryModel, ModelSpec
-from spillover.testing import FakeClock
+from spillover.testing import FakeClock, GatewayProcess
+
+# Keep every test gateway's log, to read after a failure.
+GatewayProcess.log_archive = Path(__file__).resolve().parents[1] / "artifacts" / "gateway-logs"
 
 
 @pytest.fixture(scope="session")

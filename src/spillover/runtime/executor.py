@@ -47,6 +47,7 @@ __all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut"]
 
 SEVERE = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
 PREFILL_FLOOR_TPS = 50.0  # slowest prompt evaluation still counted as progress (tokens/s)
+CPU_STALL_FACTOR = 4.0  # the CPU lane is slower and shared: its stall bound is this much longer
 
 
 @dataclass(frozen=True)
@@ -230,11 +231,10 @@ class Execution:
         bound = self.failover.stall_timeout_s
         if prefill:
             bound += (len(self.tokens) + len(self.delivered)) / PREFILL_FLOOR_TPS
+        if d.route != "gpu":
+            bound *= CPU_STALL_FACTOR  # a hung CPU worker is killed too (no replica: a resumable error)
         try:
-            if d.route == "gpu":
-                item = await asyncio.wait_for(anext(it), bound)
-            else:
-                item = await anext(it)
+            item = await asyncio.wait_for(anext(it), bound)
         except TimeoutError as exc:
             raise _Failure("stall", f"no token progress for {bound:.1f}s") from exc
         if isinstance(item, WorkerGone):
@@ -291,7 +291,7 @@ class Execution:
         except _Failure as f:
             outcome = "severe" if f.kind in SEVERE else "failed"
             if f.kind == "stall":
-                await self.kill_worker(d.worker)
+                await self.kill_worker(d.worker)  # hung: the supervisor restarts it
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from spillover.errors import CapacityError, QueueFull
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
+
+log = logging.getLogger("spillover.scheduler")
 
 
 @dataclass
@@ -248,7 +251,10 @@ class Scheduler:
         anything is queued (delays and ages), every 500 ms otherwise."""
         while True:
             self._wake.clear()
-            self.pump_once()
+            try:
+                self.pump_once()
+            except Exception:  # a bug must not stop every later dispatch: log it, go on
+                log.exception("scheduler pass failed")
             queued = bool(self.cpu.queue) or bool(self.gpu and self.gpu.queue)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 0.05 if queued else 0.5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,7 +50,12 @@ def free_port() -> int:
 
 
 class GatewayProcess:
-    """``with GatewayProcess(["--gpu", "sim:512"]) as gw: gw.url ...``"""
+    """``with GatewayProcess(["--gpu", "sim:512"]) as gw: gw.url ...``
+
+    Set ``GatewayProcess.log_archive`` to a folder to keep every gateway's log there.
+    """
+
+    log_archive: Path | None = None
 
     def __init__(
         self,
@@ -159,6 +165,9 @@ class GatewayProcess:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.log_archive is not None and os.path.exists(self.log_path):
+            self.log_archive.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.log_path, self.log_archive / f"gateway-{self.port}.log")
         if self._tmp is not None:
             self._tmp.cleanup()
 
