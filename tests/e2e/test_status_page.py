@@ -88,7 +88,8 @@ def test_cancel_a_queued_request_from_the_page(gw: GatewayProcess, page: object)
     from playwright.sync_api import Page, expect
 
     assert isinstance(page, Page)
-    body = {"prompt": COUNT_PROMPT, "max_tokens": 300, "spillover": {"prefer": "cpu"}}
+    # Long enough that the second request is still queued while the page is driven.
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 900, "spillover": {"prefer": "cpu"}}
     results: list[httpx.Response] = []
     ts = [
         threading.Thread(target=lambda: results.append(httpx.post(gw.url + "/v1/completions", json=body, timeout=120)))
