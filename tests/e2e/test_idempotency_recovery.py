@@ -129,12 +129,20 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
         assert isinstance(s_out, httpx.HTTPError) or not s_out["done"]  # the stream was cut by the kill
 
         g.restart()
+        with httpx.Client(base_url=g.url, timeout=120) as c:
+            # A request that arrives while recovery is pending is not mistaken for an orphan.
+            fresh = c.post(
+                "/v1/completions", json={"prompt": "Hello", "max_tokens": 8}, headers={"Idempotency-Key": "f"}
+            )
+            assert fresh.status_code == 200 and fresh.json()["spillover"]["attempts"] == 1
+            history = c.get(f"/v1/requests/{fresh.headers['x-spillover-request-id']}").json()["history"]
+            assert not [h for h in history if "recovered" in (h["reason"] or "")]
         rows = wait_for(
             lambda: (r := journal_rows(state)) and all(x["state"] in ("completed", "resumable_error") for x in r) and r,
             240,
             "every request ended",
         )
-        assert len(rows) == 5  # none lost
+        assert len(rows) == 6  # the five from before the kill, none lost, and the fresh one
         by_key = {r["key"]: r for r in rows}
         assert by_key["s"]["state"] == "resumable_error" and by_key["s"]["delivered"] >= 1
         for i in range(4):

@@ -252,9 +252,18 @@ def gateway_restart(d: Drill, n: int) -> None:
         results = [f.result() for f in futs]
     d.gateway.restart()
     d.await_gpu()
-    for r in results:  # resolve: the same key gives the stored outcome (or resumes it)
-        if r["type"] == "info" or r.get("request_id") is None:
-            d.client.op("gateway_restart", f"resolve-{r['name']}", _greedy(COUNT, 150), key=r["key"], stream=False)
+    streams = {name: s for name, _, s in ops}
+    for r in results:  # resolve: the same key and body give the stored outcome (or resume it)
+        if r["type"] != "info" and r.get("request_id") is not None:
+            continue
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            got = d.client.op(
+                "gateway_restart", f"resolve-{r['name']}", _greedy(COUNT, 150), key=r["key"], stream=streams[r["name"]]
+            )
+            if got.get("status") != 409:  # 409: the recovered request is still running
+                break
+            time.sleep(0.5)
     d.wait(lambda: d.client.status()["live_requests"] == 0, 120)
 
 

@@ -443,8 +443,6 @@ async def begin(
 ) -> tuple[RequestHandler, AsyncIterator[Any]]:
     """Queue the request (503 at once when full: nothing journaled), then make it durable
     (ACCEPTED, or resumed from its record) before anything is sent to the client."""
-    from spillover.runtime.journal import KeyConflict
-
     assert gw.scheduler is not None
     exe = gw.new_execution(
         prep.rid,
@@ -469,6 +467,7 @@ async def begin(
         exe.deadline_s = time.monotonic() + deadline_ms / 1000
     job = exe.submit_nowait()
     handler = RequestHandler(gw, prep, exe)
+    gw.live[prep.rid] = handler  # visible to DELETE as soon as it is queued
     try:
         if gw.journal is not None:
             if resume_attempts is None:
@@ -482,13 +481,10 @@ async def begin(
                     model=prep.req.model,
                 )
             await gw.journal.move(prep.rid, State.QUEUED, route=job.lane, attempts=exe.attempt)
-    except KeyConflict:
-        exe.cancel()
-        raise
     except BaseException:
+        gw.live.pop(prep.rid, None)
         exe.cancel()
         raise
-    gw.live[prep.rid] = handler
     return handler, _unregister_when_done(gw, prep.rid, exe.events())
 
 

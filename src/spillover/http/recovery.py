@@ -76,11 +76,14 @@ async def _replay(gw: Gateway, rec: JournalRecord) -> None:
             await _end(gw, current, exc)
 
 
-async def recover(gw: Gateway) -> dict[str, int]:
-    """Re-queue the replayable unfinished requests; end the others as resumable errors."""
+async def recover(gw: Gateway, orphans: list[JournalRecord]) -> dict[str, int]:
+    """Re-queue the replayable requests among ``orphans`` (unfinished when this gateway
+    started, read before it served anything); end the others as resumable errors."""
     assert gw.journal is not None
     counts = {"replayed": 0, "ended": 0}
-    for rec in await gw.journal.unfinished():
+    for rec in orphans:
+        if rec.id in gw.live:  # resumed by its client (same Idempotency-Key) meanwhile
+            continue
         if _replayable(rec):
             # Back to QUEUED through the table (RUNNING/ADMITTED/ACCEPTED -> QUEUED are legal).
             await gw.journal.move(rec.id, State.QUEUED, reason="recovered after gateway restart", attempts=rec.attempts)

@@ -18,7 +18,7 @@ from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.runtime.devices import GpuDevice, cuda_available
 from spillover.runtime.executor import Execution, RetryBudget
-from spillover.runtime.journal import Journal
+from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
@@ -147,7 +147,9 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._observe_loop(), name="observe"))
         self._tasks.append(asyncio.create_task(self._host_loop(), name="host-observe"))
         self._tasks.append(asyncio.create_task(self._journal_loop(), name="journal-retention"))
-        self._tasks.append(asyncio.create_task(self._recover(), name="recover"))
+        # What was unfinished *before* this gateway serves anything: only those are orphans.
+        orphans = await self.journal.unfinished()
+        self._tasks.append(asyncio.create_task(self._recover(orphans), name="recover"))
 
     def _worker_spec(self, wid: str, lane: str, device: str) -> WorkerSpec:
         lc = self.cfg.gpu_lane if lane == "gpu" else self.cfg.cpu_lane
@@ -209,7 +211,7 @@ class Gateway:
                 log.warning("journal retention failed: %s", exc)
             await asyncio.sleep(60.0)
 
-    async def _recover(self) -> None:
+    async def _recover(self, orphans: list[JournalRecord]) -> None:
         """After a restart the journal is the truth: once the workers are up (bounded wait),
         replay what can be and end the rest."""
         from spillover.http.recovery import recover
@@ -217,7 +219,7 @@ class Gateway:
         deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
         while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
             await asyncio.sleep(0.1)
-        self.recovered = await recover(self)
+        self.recovered = await recover(self, orphans)
 
     # -- helpers for the request path -------------------------------------------------
     def new_execution(
