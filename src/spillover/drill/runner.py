@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +17,7 @@ from typing import Any
 from spillover.drill.checker import Figures, check
 from spillover.drill.client import DrillClient
 from spillover.drill.recorder import Recorder
-from spillover.drill.scenarios import NEGATIVE_CONTROLS, SCENARIOS, kill_pid
+from spillover.drill.scenarios import NEGATIVE_CONTROLS, SCENARIOS
 from spillover.engine.sim import MIB, SimDevice
 from spillover.testing import GatewayProcess, tree_rss
 
@@ -108,7 +110,7 @@ class Drill:
         if reset:
             self.sim().reset()
         else:
-            kill_pid(pid)
+            os.kill(pid, signal.SIGKILL)
         return pid
 
     def kill_gpu_when_busy(self, scenario: str) -> None:

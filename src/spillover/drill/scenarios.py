@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -301,7 +299,3 @@ SCENARIOS: dict[str, Callable[[Drill, int], None]] = {
     "idempotency": idempotency,
 }
 NEGATIVE_CONTROLS = frozenset({"agent_negative_control"})
-
-
-def kill_pid(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)

@@ -137,7 +137,6 @@ class Execution:
     _next_lane: str | None = None
     _cause: str | None = None
     _cancelled: bool = False
-    _started_once: bool = False
     _cpu_reason: str = "client_prefers_cpu"
     deadline_s: float | None = None
 

@@ -210,13 +210,6 @@ class Scheduler:
         """Wake the pump."""
         self._wake.set()
 
-    def queue_position(self, job: Job) -> int:
-        """1-based position of a job in its lane (0 when not queued)."""
-        for lane in (self.gpu, self.cpu):
-            if lane is not None and job in lane.queue:
-                return list(lane.queue).index(job) + 1
-        return 0
-
     def record_timing(
         self, lane: str, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float
     ) -> None:
