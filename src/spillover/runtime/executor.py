@@ -316,6 +316,12 @@ class Execution:
                 "identical fingerprints); retrieve it with GET /v1/requests/{id} or retry",
                 retry_after_s=1.0,
             )
+        if not self._has_replica(d):
+            raise WorkerFailed(
+                f"request {self.rid}: {where}; no CPU worker has the same compatibility fingerprint "
+                "(model, tokenizer, template, quantization), so it is not a replica",
+                retry_after_s=1.0,
+            )
         if not self.budget.take():
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
         self._cause = f.kind
@@ -335,12 +341,14 @@ class Execution:
             return False
         if float(self.params.get("temperature", 1.0)) > 0 or self.params.get("json_schema"):
             return False
+        return self._has_replica(d, parts=("compat", "numerics"))
+
+    def _has_replica(self, d: Dispatch, parts: tuple[str, ...] = ("compat",)) -> bool:
+        """Whether a CPU worker's fingerprint matches the failed worker's in ``parts``."""
         gpu_fp = (d.worker.info or {}).get("fingerprint") or {}
-        cpus = [w for w in self.scheduler.cpu_workers if (w.info or {}).get("fingerprint")]
         return any(
-            (w.info or {})["fingerprint"].get("compat") == gpu_fp.get("compat")
-            and (w.info or {})["fingerprint"].get("numerics") == gpu_fp.get("numerics")
-            for w in cpus
+            all(((w.info or {}).get("fingerprint") or {}).get(p) == gpu_fp.get(p) is not None for p in parts)
+            for w in self.scheduler.cpu_workers
         )
 
 
