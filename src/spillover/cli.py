@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"spillover: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `spillover config | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return rc
 
 
