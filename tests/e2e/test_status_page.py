@@ -88,8 +88,9 @@ def test_cancel_a_queued_request_from_the_page(gw: GatewayProcess, page: object)
     from playwright.sync_api import Page, expect
 
     assert isinstance(page, Page)
-    # Long enough that the second request is still queued while the page is driven.
-    body = {"prompt": COUNT_PROMPT, "max_tokens": 900, "spillover": {"prefer": "cpu"}}
+    # Greedy, so the model really counts for 900 tokens (~12 s here) and the second request is
+    # still queued while the page is driven; a sampled run may stop after a few dozen tokens.
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 900, "temperature": 0, "spillover": {"prefer": "cpu"}}
     results: list[httpx.Response] = []
     ts = [
         threading.Thread(target=lambda: results.append(httpx.post(gw.url + "/v1/completions", json=body, timeout=120)))
