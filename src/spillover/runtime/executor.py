@@ -15,6 +15,10 @@ Rules (DESIGN.md, "Failover rules"):
    re-checks every delivered token before producing a new one). Otherwise the request
    ends with ``FailoverInterrupted`` (resumable, carries the request id).
 5. A failed CPU attempt has no replica to go to: ``WorkerFailed`` (resumable).
+6. A configured fallback model on the CPU lane (``[model].fallback_path``) is not a replica:
+   a request may be replayed on it (rule 3; the answer is labelled degraded and names the
+   fallback model) but a stream is never continued on it (rule 4 needs identical
+   fingerprints). It gets the prompt in its own tokens (``cpu_tokens``).
 """
 
 from __future__ import annotations
@@ -139,6 +143,8 @@ class Execution:
     _cancelled: bool = False
     _cpu_reason: str = "client_prefers_cpu"
     deadline_s: float | None = None
+    cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
+    cpu_fallback: bool = False  # the CPU lane serves a configured fallback model, not a replica
 
     def __repr__(self) -> str:
         return f"<Execution {self.rid} attempt={self.attempt} delivered={len(self.delivered)}>"
@@ -149,7 +155,7 @@ class Execution:
         self.attempt += 1
         job = Job(
             rid=self.rid,
-            prompt_tokens=len(self.tokens),
+            prompt_tokens=len(self._prompt(self._next_lane or "gpu")),
             max_tokens=self.max_tokens,
             arrived_s=time.monotonic(),
             allow_shrink=self.allow_shrink and not self.delivered,
@@ -207,10 +213,14 @@ class Execution:
                 self.failures.append(f.kind)
                 await self._failover(d, f)
 
+    def _prompt(self, route: str) -> list[int]:
+        """The prompt in the tokens of the model that serves ``route``."""
+        return self.cpu_tokens if route == "cpu" and self.cpu_tokens is not None else self.tokens
+
     def _msg(self, d: Dispatch) -> dict[str, Any]:
         return {
             "rid": self.rid,
-            "tokens": self.tokens,
+            "tokens": self._prompt(d.route),
             "prefix": list(self.delivered),
             "max_tokens": d.max_tokens,
             "kv_tokens": d.kv_tokens,
@@ -229,7 +239,7 @@ class Execution:
         before the first token the bound also covers the prefill (at a floor speed)."""
         bound = self.failover.stall_timeout_s
         if prefill:
-            bound += (len(self.tokens) + len(self.delivered)) / PREFILL_FLOOR_TPS
+            bound += (len(self._prompt(d.route)) + len(self.delivered)) / PREFILL_FLOOR_TPS
         if d.route != "gpu":
             bound *= CPU_STALL_FACTOR  # a hung CPU worker is killed too (no replica: a resumable error)
         try:
@@ -279,7 +289,7 @@ class Execution:
                     timings = ev.get("timings") or {}
                     self.scheduler.record_timing(
                         d.route,
-                        len(self.tokens) + len(self.delivered),
+                        len(self._prompt(d.route)) + len(self.delivered),
                         int(ev["completion_tokens"]),
                         float(timings.get("prefill_s", 0.0)),
                         float(timings.get("total_s", 0.0)),
@@ -316,10 +326,11 @@ class Execution:
                 "identical fingerprints); retrieve it with GET /v1/requests/{id} or retry",
                 retry_after_s=1.0,
             )
-        if not self._has_replica(d):
+        if not (self._has_replica(d) or self.cpu_fallback):
             raise WorkerFailed(
                 f"request {self.rid}: {where}; no CPU worker has the same compatibility fingerprint "
-                "(model, tokenizer, template, quantization), so it is not a replica",
+                "(model, tokenizer, template, quantization), so it is not a replica, and no fallback "
+                "model is configured",
                 retry_after_s=1.0,
             )
         if not self.budget.take():

@@ -45,8 +45,12 @@ class Gateway:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.model_path = cfg.model_path()
+        # The CPU lane serves the fallback model when one is configured, else a replica.
+        self.fallback_name = cfg.fallback_model_name()
+        self.cpu_model_path = cfg.model.fallback_path or self.model_path
         self.started_s = time.monotonic()
         self.tokenizer: Any = None
+        self.cpu_tokenizer: Any = None  # the fallback model's, or None (the CPU lane uses ``tokenizer``)
         self.spec: ModelSpec | None = None
         self.memory: MemoryModel | None = None
         self.device: GpuDevice | None = None
@@ -90,6 +94,11 @@ class Gateway:
         await self.journal.open()
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
         self.spec = await asyncio.to_thread(read_model_spec, self.model_path)
+        cpu_spec = self.spec
+        if self.fallback_name is not None:
+            self.cpu_tokenizer = await asyncio.to_thread(Tokenizer, self.cpu_model_path)
+            cpu_spec = await asyncio.to_thread(read_model_spec, self.cpu_model_path)
+            log.info("CPU lane serves the fallback model %s (%s), labelled degraded", self.fallback_name, cpu_spec)
         a = self.cfg.admission
         self.memory = MemoryModel(
             self.spec,
@@ -121,7 +130,7 @@ class Gateway:
             )
         else:
             log.info("no GPU lane (device.gpu=%s): CPU only", self.cfg.device.gpu)
-        cpu_mm = MemoryModel(self.spec, n_ubatch=self.cfg.cpu_lane.n_batch_tokens, cpu_repack=True)
+        cpu_mm = MemoryModel(cpu_spec, n_ubatch=self.cfg.cpu_lane.n_batch_tokens, cpu_repack=True)
         self.cpu_slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cfg.cpu_lane.ctx_cap_tokens)
         self.scheduler = Scheduler(
             gpu_lane=self.cfg.gpu_lane if gpu else None,
@@ -159,7 +168,7 @@ class Gateway:
             worker_id=wid,
             lane=lane,
             device=device,
-            model_path=self.model_path,
+            model_path=self.model_path if lane == "gpu" else self.cpu_model_path,
             state_dir=str(self.cfg.state_path()),
             slots=lc.slots,
             n_ctx=lc.ctx_cap_tokens,
@@ -232,6 +241,7 @@ class Gateway:
         incremental: bool,
         allow_shrink: bool,
         attempt: int = 0,
+        cpu_tokens: list[int] | None = None,
     ) -> Execution:
         assert self.scheduler is not None
         return Execution(
@@ -248,6 +258,8 @@ class Gateway:
             kill_worker=self._kill_worker,
             on_failover=lambda kind: self.metrics.failovers.labels(kind).inc(),
             attempt=attempt,
+            cpu_tokens=cpu_tokens,
+            cpu_fallback=self.fallback_name is not None,
         )
 
     async def _kill_worker(self, worker: WorkerClient) -> None:
@@ -267,6 +279,8 @@ class Gateway:
         if self.device is not None:
             caps.append(self.cfg.gpu_lane.ctx_cap_tokens)
         n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps)
+        if self.cpu_tokenizer is not None:
+            caps[0] = min(caps[0], self.cpu_tokenizer.n_ctx_train)
         return min(max(caps), n_train)
 
     # -- host memory (CPU lane guard) ------------------------------------------------------
@@ -393,6 +407,9 @@ class Gateway:
             "reasons": reasons,
             "model": self.cfg.model.name,
             "model_path": self.model_path,
+            "fallback_model": (
+                {"name": self.fallback_name, "path": self.cpu_model_path, "lane": "cpu"} if self.fallback_name else None
+            ),
             "device": device,
             "note": (
                 "GPU lane runs on a simulated accelerator (sim): no GPU was found"

@@ -27,8 +27,11 @@ class TinyLlamaSpec:
     name: str = "tiny-llama-gqa4"
 
 
-def write_tiny_llama(out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
-    """Write a llama GGUF of ``spec``'s shape with the tokenizer of ``tokenizer_from``."""
+def write_tiny_llama(
+    out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec = TinyLlamaSpec(), *, chat_template: bool = True
+) -> Path:
+    """Write a llama GGUF of ``spec``'s shape with the tokenizer (and, unless told not to,
+    the chat template) of ``tokenizer_from``."""
     import numpy as np
     from gguf import GGUFReader, GGUFWriter
 
@@ -45,6 +48,7 @@ def write_tiny_llama(out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec =
         for i in src.fields["tokenizer.ggml.merges"].data
     ]
     pre = src.fields["tokenizer.ggml.pre"].contents()
+    template = src.fields.get("tokenizer.chat_template") if chat_template else None
     n_vocab = len(tokens)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +72,8 @@ def write_tiny_llama(out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec =
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if template is not None:
+        w.add_chat_template(str(template.contents()))
     rng = np.random.default_rng(0)
     dt = np.float16 if spec.f16 else np.float32
     hd = spec.n_embd // spec.n_head

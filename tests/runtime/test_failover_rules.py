@@ -1,0 +1,97 @@
+"""The executor's failover gate: which failed GPU attempts may go to the CPU lane, decided
+from the workers' fingerprints, the fallback setting and what was already delivered."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from spillover.config import FailoverConfig
+from spillover.errors import FailoverInterrupted, WorkerFailed
+from spillover.runtime.executor import Execution, RetryBudget, _Failure
+
+GPU_FP = {"compat": "c1", "numerics": "n1"}
+
+
+@dataclass
+class FakeScheduler:
+    """Just what ``Execution._failover`` touches: the CPU workers and the queue."""
+
+    cpu_workers: list[Any]
+    submitted: list[tuple[Any, str | None]] = field(default_factory=list)
+
+    def submit_nowait(self, job: Any, lane: str | None = None) -> None:
+        self.submitted.append((job, lane))
+
+
+def worker(fp: dict[str, str]) -> Any:
+    return SimpleNamespace(info={"fingerprint": fp}, spec=SimpleNamespace(worker_id="w"))
+
+
+def failover(
+    cpu_fp: dict[str, str], *, fallback: bool = False, delivered: int = 0, temperature: float = 0.0
+) -> tuple[FakeScheduler, Execution]:
+    """Fail a first GPU attempt (an allocation failure) and run the failover decision."""
+    sched = FakeScheduler([worker(cpu_fp)])
+    exe = Execution(
+        rid="r1",
+        tokens=[1, 2, 3],
+        max_tokens=8,
+        params={"temperature": temperature},
+        incremental=delivered > 0,
+        allow_shrink=False,
+        scheduler=sched,  # type: ignore[arg-type]
+        journal=None,
+        failover=FailoverConfig(),
+        budget=RetryBudget(10),
+        kill_worker=lambda w: None,
+        attempt=1,
+        delivered=list(range(delivered)),
+        cpu_tokens=[9, 9] if fallback else None,
+        cpu_fallback=fallback,
+    )
+    d = SimpleNamespace(route="gpu", worker=worker(GPU_FP))
+
+    async def go() -> None:
+        await exe._failover(d, _Failure("alloc_failed", "injected"))  # type: ignore[arg-type]
+
+    asyncio.run(go())
+    return sched, exe
+
+
+def test_a_replica_with_the_same_fingerprint_takes_the_replay() -> None:
+    """Same compatibility fingerprint: the request is queued on the CPU lane, attempt 2."""
+    sched, exe = failover(GPU_FP)
+    assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.attempt == 2
+
+
+def test_a_cpu_worker_with_another_fingerprint_is_not_a_replica() -> None:
+    """A different model on the CPU lane without a configured fallback: a resumable error, no replay."""
+    with pytest.raises(WorkerFailed, match="not a replica"):
+        failover({"compat": "other", "numerics": "n1"})
+
+
+def test_a_configured_fallback_takes_the_replay_in_its_own_tokens() -> None:
+    """With a fallback configured the replay goes to the CPU lane, sized by the fallback's tokens."""
+    sched, _ = failover({"compat": "other", "numerics": "n1"}, fallback=True)
+    assert len(sched.submitted) == 1
+    job, lane = sched.submitted[0]
+    assert lane == "cpu" and job.prompt_tokens == 2
+
+
+def test_a_stream_is_continued_only_on_an_identical_replica() -> None:
+    """Tokens delivered, greedy: continued on an identical replica, never on a fallback or
+    across numerics, and never when sampling."""
+    sched, _ = failover(GPU_FP, delivered=5)
+    assert len(sched.submitted) == 1
+    for fp, fb, temp in (
+        ({"compat": "other", "numerics": "n1"}, True, 0.0),
+        ({"compat": "c1", "numerics": "other"}, False, 0.0),
+        (GPU_FP, False, 0.7),
+    ):
+        with pytest.raises(FailoverInterrupted):
+            failover(fp, fallback=fb, delivered=5, temperature=temp)
