@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
 from spillover.testing import GatewayProcess
+from tests.e2e.helpers import healthy_client
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +23,11 @@ def gateway() -> Iterator[GatewayProcess]:
 def client(gateway: GatewayProcess) -> openai.OpenAI:
     """The official OpenAI client pointed at the gateway."""
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def http(gw: GatewayProcess) -> Iterator[httpx.Client]:
+    """An httpx client to the module's own ``gw`` once both its workers are ready and its GPU
+    breaker is closed again."""
+    with healthy_client(gw) as c:
+        yield c

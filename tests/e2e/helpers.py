@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -89,6 +90,22 @@ def stream(
     return out
 
 
+def stream_killing_gpu(gw: GatewayProcess, client: httpx.Client, body: dict[str, Any], at: int) -> dict[str, Any]:
+    """Stream ``body`` from a ready GPU worker and SIGKILL that worker when the ``at``-th
+    token arrives; the stream must still end (``[DONE]``)."""
+    ready_worker(gw, "gpu")
+    killed: list[int] = []
+
+    def on_token(n: int) -> None:
+        if n == at and not killed:
+            killed.append(kill_worker(gw, "gpu"))
+
+    got = stream(client, "/v1/completions", body, on_token=on_token)
+    assert killed, "the kill happened"
+    assert got["done"], got
+    return got
+
+
 def post_then_hang_up(url: str, path: str, body: dict[str, Any], after_s: float) -> None:
     """Send a POST over a raw socket and close the connection after ``after_s`` seconds
     without reading the answer: a client that goes away."""
@@ -106,13 +123,18 @@ def post_then_hang_up(url: str, path: str, body: dict[str, Any], after_s: float)
         time.sleep(after_s)
 
 
-def breaker_closed(gw: GatewayProcess, c: httpx.Client) -> None:
-    """Wait until the GPU breaker is closed again, sending probes while it is half-open
-    (an earlier test may have opened it)."""
+@contextlib.contextmanager
+def healthy_client(gw: GatewayProcess) -> Iterator[httpx.Client]:
+    """A client once both workers are ready and the GPU breaker is closed again (an earlier
+    test may have opened it: probes are sent while it is half-open)."""
+    ready_worker(gw, "gpu")
+    ready_worker(gw, "cpu")
+    with httpx.Client(base_url=gw.url, timeout=120) as c:
 
-    def closed() -> bool:
-        if gw.status()["breaker"]["circuit"] == "half_open":
-            c.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
-        return bool(gw.status()["breaker"]["circuit"] == "closed")
+        def closed() -> bool:
+            if gw.status()["breaker"]["circuit"] == "half_open":
+                c.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
+            return bool(gw.status()["breaker"]["circuit"] == "closed")
 
-    wait_for(closed, 60, "breaker closed")
+        wait_for(closed, 60, "breaker closed")
+        yield c

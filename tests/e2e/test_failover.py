@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from spillover.testing import GatewayProcess
-from tests.e2e.helpers import COUNT_PROMPT, breaker_closed, kill_worker, ready_worker, sim, stream, wait_for
+from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, sim, stream, stream_killing_gpu, wait_for
 
 pytestmark = pytest.mark.e2e
 CONFIG = {
@@ -27,38 +27,29 @@ def gw() -> Iterator[GatewayProcess]:
         yield g
 
 
-@pytest.fixture()
-def client(gw: GatewayProcess) -> Iterator[httpx.Client]:
-    ready_worker(gw, "gpu")
-    ready_worker(gw, "cpu")
-    with httpx.Client(base_url=gw.url, timeout=120) as c:
-        breaker_closed(gw, c)
-        yield c
-
-
-def test_a_allocation_failure_before_generation_replays_on_cpu(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_a_allocation_failure_before_generation_replays_on_cpu(gw: GatewayProcess, http: httpx.Client) -> None:
     """An injected allocation failure: completed on CPU, same id, attempt 2, flagged degraded."""
     sim(gw).fail_next(1)
-    r = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0})
+    r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
     sp = r.json()["spillover"]
     assert sp["route"] == "cpu" and sp["attempts"] == 2 and sp["degraded"] is True
     assert r.headers["x-spillover-degraded"] == "1" and r.headers["x-spillover-reason"] == "failover:alloc_failed"
     rid = r.headers["x-spillover-request-id"]
     assert r.json()["id"] == f"cmpl-{rid}"
-    doc = client.get(f"/v1/requests/{rid}").json()
+    doc = http.get(f"/v1/requests/{rid}").json()
     assert doc["state"] == "completed" and doc["attempts"] == 2
     assert [h["route"] for h in doc["history"] if h["to"] == "admitted"] == ["gpu", "cpu"]
 
 
-def test_b_gpu_worker_killed_mid_non_stream_request_completes_on_cpu(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_b_gpu_worker_killed_mid_non_stream_request_completes_on_cpu(gw: GatewayProcess, http: httpx.Client) -> None:
     """SIGKILL of the GPU worker during a non-stream request: the answer comes from CPU."""
-    ref = client.post("/v1/completions", json={"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0})
+    ref = http.post("/v1/completions", json={"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0})
     assert ref.headers["x-spillover-route"] == "gpu"
     result: dict = {}
     t = threading.Thread(
         target=lambda: result.setdefault(
-            "r", client.post("/v1/completions", json={"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0})
+            "r", http.post("/v1/completions", json={"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0})
         )
     )
     before = gw.worker("gpu")["progress_tokens"]
@@ -73,21 +64,13 @@ def test_b_gpu_worker_killed_mid_non_stream_request_completes_on_cpu(gw: Gateway
     assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]  # greedy, same model
 
 
-def test_c_mid_stream_kill_greedy_continues_identically(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_c_mid_stream_kill_greedy_continues_identically(gw: GatewayProcess, http: httpx.Client) -> None:
     """Killing the GPU worker mid-stream (greedy): one stream, equal to an uninterrupted run,
     with a spillover chunk announcing the route change."""
     body = {"prompt": COUNT_PROMPT, "max_tokens": 150, "temperature": 0}
-    ref = stream(client, "/v1/completions", body)
+    ref = stream(http, "/v1/completions", body)
     assert ref["done"] and ref["spillover"][0]["route"] == "gpu"
-    ready_worker(gw, "gpu")
-    killed: list[int] = []
-
-    def on_token(n: int) -> None:
-        if n == 40 and not killed:
-            killed.append(kill_worker(gw, "gpu"))
-
-    got = stream(client, "/v1/completions", body, on_token=on_token)
-    assert killed, "the kill happened"
+    got = stream_killing_gpu(gw, http, body, at=40)
     assert got["error"] is None and got["done"]
     assert got["text"] == ref["text"]
     routes = [s["route"] for s in got["spillover"]]
@@ -95,28 +78,20 @@ def test_c_mid_stream_kill_greedy_continues_identically(gw: GatewayProcess, clie
     assert got["spillover"][-1]["reason"] == "failover:crash" and got["spillover"][-1]["attempts"] == 2
 
 
-def test_d_mid_stream_kill_with_sampling_ends_in_resumable_error(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_d_mid_stream_kill_with_sampling_ends_in_resumable_error(gw: GatewayProcess, http: httpx.Client) -> None:
     """With temperature > 0 the continuation cannot be proven identical: a typed resumable
     error event that carries the request id, which stays retrievable."""
-    ready_worker(gw, "gpu")
     body = {"prompt": COUNT_PROMPT, "max_tokens": 200, "temperature": 0.8, "seed": 7}
-    killed: list[int] = []
-
-    def on_token(n: int) -> None:
-        if n == 20 and not killed:
-            killed.append(kill_worker(gw, "gpu"))
-
-    got = stream(client, "/v1/completions", body, on_token=on_token)
-    assert killed and got["done"]
+    got = stream_killing_gpu(gw, http, body, at=20)
     err = got["error"]
     assert err is not None and err["code"] == "failover_interrupted"
     assert err["request_id"] == got["headers"]["x-spillover-request-id"]
     assert err["tokens_delivered"] >= 20
-    doc = client.get(f"/v1/requests/{err['request_id']}").json()
+    doc = http.get(f"/v1/requests/{err['request_id']}").json()
     assert doc["state"] == "resumable_error" and "failover_interrupted" in doc["response"]
 
 
-def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, http: httpx.Client) -> None:
     """A hung device (no token progress) is a stall: the request completes on CPU and the
     hung worker is restarted."""
     pid = ready_worker(gw, "gpu")["pid"]
@@ -124,7 +99,7 @@ def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, client: httpx
     dev.set_hang(True)
     try:
         t0 = time.monotonic()
-        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": 0})
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-reason"] == "failover:stall"
         assert time.monotonic() - t0 >= 3.0
@@ -133,18 +108,18 @@ def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, client: httpx
     ready_worker(gw, "gpu", not_pid=pid)
 
 
-def test_g_breaker_opens_routes_to_cpu_half_opens_and_closes(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_g_breaker_opens_routes_to_cpu_half_opens_and_closes(gw: GatewayProcess, http: httpx.Client) -> None:
     """A classified allocation failure opens the breaker; new work goes to CPU; after the
     cooldown it half-opens, probes succeed on the GPU, and it closes."""
     sim(gw).fail_next(1)
-    first = client.post("/v1/completions", json={"prompt": "One", "max_tokens": 4})
+    first = http.post("/v1/completions", json={"prompt": "One", "max_tokens": 4})
     assert first.headers["x-spillover-route"] == "cpu"
     assert gw.status()["breaker"]["circuit"] == "open"
-    second = client.post("/v1/completions", json={"prompt": "Two", "max_tokens": 4})
+    second = http.post("/v1/completions", json={"prompt": "Two", "max_tokens": 4})
     assert second.headers["x-spillover-route"] == "cpu" and second.headers["x-spillover-reason"] == "breaker_open"
     wait_for(lambda: gw.status()["breaker"]["circuit"] == "half_open", 10, "half-open")
     routes = [
-        client.post("/v1/completions", json={"prompt": "Three", "max_tokens": 4}).headers["x-spillover-route"]
+        http.post("/v1/completions", json={"prompt": "Three", "max_tokens": 4}).headers["x-spillover-route"]
         for _ in range(2)
     ]
     assert routes == ["gpu", "gpu"]

@@ -12,7 +12,7 @@ import pytest
 from spillover.config import default_model_path
 from spillover.testing import GatewayProcess
 from spillover.testing.gguf_factory import TinyLlamaSpec, write_tiny_llama
-from tests.e2e.helpers import COUNT_PROMPT, breaker_closed, kill_worker, ready_worker, sim, stream
+from tests.e2e.helpers import COUNT_PROMPT, sim, stream, stream_killing_gpu
 
 pytestmark = pytest.mark.e2e
 MAIN = "smollm2-135m-instruct"
@@ -38,23 +38,14 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
         yield g
 
 
-@pytest.fixture()
-def client(gw: GatewayProcess) -> Iterator[httpx.Client]:
-    ready_worker(gw, "gpu")
-    ready_worker(gw, "cpu")
-    with httpx.Client(base_url=gw.url, timeout=120) as c:
-        breaker_closed(gw, c)
-        yield c
-
-
-def test_status_names_the_fallback_and_answers_say_which_model_served(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_status_names_the_fallback_and_answers_say_which_model_served(gw: GatewayProcess, http: httpx.Client) -> None:
     """GPU answers name the main model and are not degraded; CPU-lane answers name the
     fallback model (header, body, spillover object), are flagged degraded and count the
     prompt in the fallback model's own tokens."""
     fb = gw.status()["fallback_model"]
     assert fb["name"] == FALLBACK and fb["lane"] == "cpu"
-    gpu = client.post("/v1/chat/completions", json=CHAT)
-    cpu = client.post("/v1/chat/completions", json={**CHAT, "spillover": {"prefer": "cpu"}})
+    gpu = http.post("/v1/chat/completions", json=CHAT)
+    cpu = http.post("/v1/chat/completions", json={**CHAT, "spillover": {"prefer": "cpu"}})
     assert gpu.status_code == cpu.status_code == 200, (gpu.text, cpu.text)
     assert gpu.headers["x-spillover-route"] == "gpu" and gpu.headers["x-spillover-degraded"] == "0"
     assert gpu.headers["x-spillover-model"] == MAIN and gpu.json()["model"] == MAIN
@@ -65,17 +56,17 @@ def test_status_names_the_fallback_and_answers_say_which_model_served(gw: Gatewa
     assert sp["model"] == FALLBACK and sp["fallback"] is True and sp["degraded"] is True
     # No chat template in the fallback file: a different prompt, in its own tokens.
     assert cpu.json()["usage"]["prompt_tokens"] != gpu.json()["usage"]["prompt_tokens"]
-    got = stream(client, "/v1/chat/completions", {**CHAT, "spillover": {"prefer": "cpu"}})
+    got = stream(http, "/v1/chat/completions", {**CHAT, "spillover": {"prefer": "cpu"}})
     assert got["done"] and got["error"] is None
     assert got["headers"]["x-spillover-model"] == FALLBACK
     assert got["spillover"][0]["model"] == FALLBACK and got["spillover"][0]["degraded"] is True
 
 
-def test_allocation_failure_replays_on_the_fallback(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_allocation_failure_replays_on_the_fallback(gw: GatewayProcess, http: httpx.Client) -> None:
     """Nothing delivered yet: the request is replayed on the fallback model (attempt 2),
     labelled degraded and named."""
     sim(gw).fail_next(1)
-    r = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 6, "temperature": 0})
+    r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.headers["x-spillover-reason"] == "failover:alloc_failed"
     assert r.headers["x-spillover-model"] == FALLBACK and r.headers["x-spillover-degraded"] == "1"
@@ -83,21 +74,12 @@ def test_allocation_failure_replays_on_the_fallback(gw: GatewayProcess, client: 
     assert sp["attempts"] == 2 and sp["route"] == "cpu" and sp["fallback"] is True
 
 
-def test_greedy_stream_is_never_continued_on_the_fallback(gw: GatewayProcess, client: httpx.Client) -> None:
+def test_greedy_stream_is_never_continued_on_the_fallback(gw: GatewayProcess, http: httpx.Client) -> None:
     """Even a greedy stream killed mid-way is not continued on a different model: it ends
     with the typed resumable error, and no token after the kill comes from the fallback."""
-    ready_worker(gw, "gpu")
-    body = {"prompt": COUNT_PROMPT, "max_tokens": 200, "temperature": 0}
-    killed: list[int] = []
-
-    def on_token(n: int) -> None:
-        if n == 20 and not killed:
-            killed.append(kill_worker(gw, "gpu"))
-
-    got = stream(client, "/v1/completions", body, on_token=on_token)
-    assert killed and got["done"]
+    got = stream_killing_gpu(gw, http, {"prompt": COUNT_PROMPT, "max_tokens": 200, "temperature": 0}, at=20)
     err = got["error"]
     assert err is not None and err["code"] == "failover_interrupted", got
     assert all(sp["route"] == "gpu" for sp in got["spillover"])
-    doc = client.get(f"/v1/requests/{err['request_id']}").json()
+    doc = http.get(f"/v1/requests/{err['request_id']}").json()
     assert doc["state"] == "resumable_error"

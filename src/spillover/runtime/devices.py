@@ -1,4 +1,5 @@
-"""Device discovery and observation: sim ledger file or NVML, read off the event loop."""
+"""Device discovery and observation: sim ledger file or NVML, read off the event loop;
+and the host memory of a process tree (the CPU lane's guard, the drill, the tests)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ from dataclasses import dataclass
 
 from spillover.engine.sim import MIB, SimDevice
 
-__all__ = ["DeviceReading", "GpuDevice", "cuda_available"]
+__all__ = ["DeviceReading", "GpuDevice", "cuda_available", "tree_rss"]
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of a process and all its descendants, in bytes."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = int(proc.memory_info().rss)
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += int(child.memory_info().rss)
+    return total
 
 
 @dataclass(frozen=True)

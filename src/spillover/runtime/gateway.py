@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -16,7 +17,7 @@ from spillover.core.breaker import BreakerPolicy
 from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
-from spillover.runtime.devices import GpuDevice, cuda_available
+from spillover.runtime.devices import GpuDevice, cuda_available, tree_rss
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.scheduler import Scheduler
@@ -284,23 +285,9 @@ class Gateway:
         return min(max(caps), n_train)
 
     # -- host memory (CPU lane guard) ------------------------------------------------------
-    def _pids(self) -> list[int]:
-        import os
-
-        return [os.getpid()] + [s.worker.pid for s in self.supervisors if s.worker.pid is not None]
-
-    def _read_host(self) -> int:
-        import psutil
-
-        total = 0
-        for pid in self._pids():
-            with contextlib.suppress(psutil.Error):
-                total += int(psutil.Process(pid).memory_info().rss)
-        return total
-
     async def _host_loop(self) -> None:
         while True:
-            rss = await asyncio.to_thread(self._read_host)
+            rss = await asyncio.to_thread(tree_rss, os.getpid())  # the gateway and its workers
             self.host_observed_bytes = rss
             self.host_peak_bytes = max(self.host_peak_bytes, rss)
             cpu = next((s.worker for s in self.supervisors if s.worker.spec.lane == "cpu"), None)

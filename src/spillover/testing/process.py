@@ -18,6 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from spillover.runtime.devices import tree_rss
+
 __all__ = ["GatewayProcess", "free_port", "tree_rss"]
 
 
@@ -28,18 +30,6 @@ def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
         lines.append(f"[{section}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
-
-
-def tree_rss(pid: int) -> int:
-    """Resident memory of a process and all its descendants, in bytes."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    total = int(proc.memory_info().rss)
-    for child in proc.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            total += int(child.memory_info().rss)
-    return total
 
 
 def free_port() -> int:
