@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from spillover.drill.scenarios import TOOLS
+from spillover.drill.scenarios import agent_body
 from spillover.testing import GatewayProcess
 from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, stream, wait_for
 
@@ -161,13 +161,7 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
 
 def agent_step(c: httpx.Client, messages: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """One agent call, retried with the same key until it has an answer."""
-    body = {
-        "messages": messages,
-        "tools": TOOLS,
-        "max_tokens": 60,
-        "temperature": 0,
-        "tool_choice": {"type": "function", "function": {"name": "transfer"}},
-    }
+    body = agent_body(messages)
     for _ in range(40):
         r = c.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key})
         if r.status_code == 200:

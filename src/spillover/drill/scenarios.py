@@ -170,6 +170,17 @@ TOOLS = [
 ]
 
 
+def agent_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step of the agent: a greedy chat that must call ``transfer``."""
+    return {
+        "messages": messages,
+        "tools": TOOLS,
+        "max_tokens": 60,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "transfer"}},
+    }
+
+
 def _agent(d: Drill, scenario: str, agent: str, n: int, *, keys: bool) -> None:
     """An agent loop with a side-effecting tool; the GPU worker dies mid-step, and the
     agent re-sends a step after 'crashing' between executing and saving its progress."""
@@ -184,13 +195,7 @@ def _agent(d: Drill, scenario: str, agent: str, n: int, *, keys: bool) -> None:
                 d.rec.write("tool", scenario=scenario, agent=agent, step=step, tool_call_id=call["id"])
 
     for step in range(1, 3 * n + 1):
-        body = {
-            "messages": messages,
-            "tools": TOOLS,
-            "max_tokens": 60,
-            "temperature": 0,
-            "tool_choice": {"type": "function", "function": {"name": "transfer"}},
-        }
+        body = agent_body(messages)
         key = f"{agent}-step-{step}" if keys else None
         if step % 3 == 2:
             d.await_gpu()
