@@ -8,19 +8,27 @@ from dataclasses import dataclass
 
 from spillover.engine.sim import MIB, SimDevice
 
-__all__ = ["DeviceReading", "GpuDevice", "cuda_available", "tree_rss"]
+__all__ = ["DeviceReading", "GpuDevice", "cuda_available", "processes_rss", "tree_rss"]
+
+
+def processes_rss(pids: list[int]) -> int:
+    """Resident memory of these processes, in bytes (one that is gone counts 0)."""
+    import psutil
+
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += int(psutil.Process(pid).memory_info().rss)
+    return total
 
 
 def tree_rss(pid: int) -> int:
-    """Resident memory of a process and all its descendants, in bytes."""
+    """Resident memory of a process and all its descendants, in bytes. Finding the
+    descendants scans every process on the machine: the gateway, which knows its
+    workers, uses ``processes_rss`` on a clock; this is for outside observers."""
     import psutil
 
-    proc = psutil.Process(pid)
-    total = int(proc.memory_info().rss)
-    for child in proc.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            total += int(child.memory_info().rss)
-    return total
+    return processes_rss([pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)])
 
 
 @dataclass(frozen=True)

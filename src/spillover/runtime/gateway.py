@@ -17,7 +17,7 @@ from spillover.core.breaker import BreakerPolicy
 from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
-from spillover.runtime.devices import GpuDevice, cuda_available, tree_rss
+from spillover.runtime.devices import GpuDevice, cuda_available, processes_rss
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.scheduler import Scheduler
@@ -287,7 +287,8 @@ class Gateway:
     # -- host memory (CPU lane guard) ------------------------------------------------------
     async def _host_loop(self) -> None:
         while True:
-            rss = await asyncio.to_thread(tree_rss, os.getpid())  # the gateway and its workers
+            pids = [os.getpid()] + [s.worker.pid for s in self.supervisors if s.worker.pid is not None]
+            rss = await asyncio.to_thread(processes_rss, pids)  # the gateway and its workers
             self.host_observed_bytes = rss
             self.host_peak_bytes = max(self.host_peak_bytes, rss)
             cpu = next((s.worker for s in self.supervisors if s.worker.spec.lane == "cpu"), None)
