@@ -151,7 +151,7 @@ class RequestHandler:
         return self.gw.fallback_name is not None and self.info is not None and self.info.route == "cpu"
 
     def served_model(self) -> str:
-        """The model that actually serves (served) the request."""
+        """The model that serves the request: the fallback's name when the CPU lane's fallback does."""
         return self.gw.fallback_name if self.on_fallback() and self.gw.fallback_name else self.gw.cfg.model.name
 
     def spillover_object(self) -> dict[str, Any]:
