@@ -109,6 +109,7 @@ def cmd_drill(a: argparse.Namespace) -> int:
         url=a.url,
         state_dir=a.state_dir,
         gpu=a.gpu,
+        fallback_model=a.fallback_model,
     )
     rc, figures = run_drill(opts, progress=not a.no_progress)
     overall = figures.pop("overall")
@@ -201,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--state-dir", help="the running gateway's state folder (for sim fault injection)")
     d.add_argument(
         "--gpu", default="sim:1024", help="GPU device of the drill's own gateway (auto uses cuda if present)"
+    )
+    d.add_argument(
+        "--fallback-model",
+        help="GGUF the drill's own gateway serves on the CPU lane instead of a replica (its answers must "
+        "be flagged; token equivalence is not claimed for them)",
     )
     d.add_argument("--out", default="drill-report", help="output folder (default drill-report)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -86,6 +86,15 @@ def test_non_equivalent_tokens_are_caught() -> None:
     assert f.equivalence_failed == ["r1"] and not f.passed
 
 
+def test_fallback_answers_are_not_held_to_equivalence_but_must_be_flagged() -> None:
+    """A fallback model's different text is no equivalence failure; an unflagged one still fails."""
+    fb = {"route": "cpu", "model_fallback": True, "text": "other", "reference_text": "ref"}
+    ok = check(op(1, degraded_header="1", degraded_body=True, **fb) + [final("r1", "completed")], "s")
+    assert ok.passed and ok.equivalence_checked == 0 and ok.degraded_flagged == 1
+    bad = check(op(1, **fb) + [final("r1", "completed")], "s")
+    assert not bad.passed and bad.degraded_flagged == 0
+
+
 def test_host_budget_overrun_is_caught() -> None:
     """A sample with RSS above the budget fails the host criterion."""
     h = op(1) + [

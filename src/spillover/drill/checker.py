@@ -8,7 +8,7 @@ Pass criteria (DESIGN.md, "The drill"):
 3. no tool effect is executed twice;
 4. every degraded response is flagged (header and body), and no GPU response is;
 5. token equivalence holds wherever it is claimed (greedy runs vs an uninterrupted
-   reference).
+   reference; not claimed for answers of a configured fallback model).
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ def check(history: list[dict[str, Any]], scenario: str | None = None) -> Figures
             elif res.get("degraded_header") == "1" or res.get("degraded_body") is True:
                 fig.false_flags += 1
                 fig.failures.append(f"op {inv['op']} served by GPU but flagged degraded")
-            if res.get("reference_text") is not None:
+            # Equivalence is claimed for the GPU and an exact replica, not for a fallback model
+            # (a different model by design, which criterion 4 requires to be flagged instead).
+            if res.get("reference_text") is not None and not res.get("model_fallback"):
                 fig.equivalence_checked += 1
                 if res.get("text") != res["reference_text"]:
                     fig.equivalence_failed.append(rid or str(inv["op"]))

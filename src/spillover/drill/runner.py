@@ -42,6 +42,7 @@ class DrillOptions:
     url: str | None = None
     state_dir: str | None = None
     gpu: str = "sim:1024"
+    fallback_model: str | None = None  # a GGUF the own gateway's CPU lane serves instead of a replica
 
 
 class Drill:
@@ -197,8 +198,9 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
     gateway: GatewayProcess | None = None
     state_dir = opts.state_dir
     if opts.url is None:
+        fallback = ["--fallback-model", opts.fallback_model] if opts.fallback_model else []
         gateway = GatewayProcess(
-            ["--gpu", opts.gpu, "--gpu-slots", "2", "--cpu-slots", "2", "--cpu-ctx", "2048"],
+            ["--gpu", opts.gpu, "--gpu-slots", "2", "--cpu-slots", "2", "--cpu-ctx", "2048", *fallback],
             config=DRILL_CONFIG,
             state_dir=str(opts.out / "gateway-state"),
         )
