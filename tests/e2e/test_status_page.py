@@ -51,7 +51,7 @@ def page(gw: GatewayProcess) -> Iterator[object]:
 
 
 def test_page_shows_normal_mode_ledger_and_workers(gw: GatewayProcess, page: object) -> None:
-    """The page renders the mode, the sim GPU ledger bar, lanes and both workers."""
+    """The page renders the mode, the sim GPU ledger bar, lanes, both workers and what the CPU lane serves."""
     from playwright.sync_api import Page, expect
 
     assert isinstance(page, Page)
@@ -60,6 +60,7 @@ def test_page_shows_normal_mode_ledger_and_workers(gw: GatewayProcess, page: obj
     expect(page.locator("#ledger-bar")).to_be_visible()
     expect(page.locator("#workers tbody tr")).to_have_count(2)
     expect(page.locator("#lanes tbody tr")).to_have_count(2)
+    expect(page.locator("#models")).to_contain_text("CPU lane is an exact replica")
 
 
 def test_page_shows_degraded_within_2s_of_breaker_opening(gw: GatewayProcess, page: object) -> None:
