@@ -32,23 +32,32 @@ def worker(fp: dict[str, str]) -> Any:
     return SimpleNamespace(info={"fingerprint": fp}, spec=SimpleNamespace(worker_id="w"))
 
 
-def failover(
-    cpu_fp: dict[str, str], *, fallback: bool = False, delivered: int = 0, temperature: float = 0.0
-) -> tuple[FakeScheduler, Execution]:
-    """Fail a first GPU attempt (an allocation failure) and run the failover decision."""
-    sched = FakeScheduler([worker(cpu_fp)])
-    exe = Execution(
+def execution(sched: FakeScheduler, **kw: Any) -> Execution:
+    """An Execution of a 3-token prompt on ``sched`` (no journal)."""
+    base: dict[str, Any] = {"params": {}, "incremental": False}
+    return Execution(
         rid="r1",
         tokens=[1, 2, 3],
         max_tokens=8,
-        params={"temperature": temperature},
-        incremental=delivered > 0,
         allow_shrink=False,
         scheduler=sched,  # type: ignore[arg-type]
         journal=None,
         failover=FailoverConfig(),
         budget=RetryBudget(10),
         kill_worker=lambda w: None,
+        **(base | kw),
+    )
+
+
+def failover(
+    cpu_fp: dict[str, str], *, fallback: bool = False, delivered: int = 0, temperature: float = 0.0
+) -> tuple[FakeScheduler, Execution]:
+    """Fail a first GPU attempt (an allocation failure) and run the failover decision."""
+    sched = FakeScheduler([worker(cpu_fp)])
+    exe = execution(
+        sched,
+        params={"temperature": temperature},
+        incremental=delivered > 0,
         attempt=1,
         delivered=list(range(delivered)),
         cpu_tokens=[9, 9] if fallback else None,
@@ -81,6 +90,18 @@ def test_a_configured_fallback_takes_the_replay_in_its_own_tokens() -> None:
     assert len(sched.submitted) == 1
     job, lane = sched.submitted[0]
     assert lane == "cpu" and job.prompt_tokens == 2
+
+
+def test_a_gpu_job_is_sized_for_either_lane_with_a_fallback() -> None:
+    """Admission may still route a GPU job to the fallback: it is sized by the longer prompt."""
+    sched = FakeScheduler([])
+    exe = execution(sched, cpu_tokens=[7, 7, 7, 7, 7], cpu_fallback=True)
+
+    async def go() -> None:
+        exe.submit_nowait()
+
+    asyncio.run(go())
+    assert sched.submitted[0][0].prompt_tokens == 5 and sched.submitted[0][1] is None
 
 
 def test_a_stream_is_continued_only_on_an_identical_replica() -> None:

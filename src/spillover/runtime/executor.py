@@ -155,7 +155,7 @@ class Execution:
         self.attempt += 1
         job = Job(
             rid=self.rid,
-            prompt_tokens=len(self._prompt(self._next_lane or "gpu")),
+            prompt_tokens=self._job_prompt_tokens(),
             max_tokens=self.max_tokens,
             arrived_s=time.monotonic(),
             allow_shrink=self.allow_shrink and not self.delivered,
@@ -212,6 +212,15 @@ class Execution:
             except _Failure as f:
                 self.failures.append(f.kind)
                 await self._failover(d, f)
+
+    def _job_prompt_tokens(self) -> int:
+        """The prompt length the scheduler sizes the next job by. A CPU job: the CPU lane's
+        model's prompt. A GPU job may still be routed to the CPU lane by admission, so with a
+        fallback model it is sized by the longer of the two prompts (a GPU reservation a few
+        tokens too large, never a CPU context too small)."""
+        if self._next_lane == "cpu":
+            return len(self._prompt("cpu"))
+        return max(len(self.tokens), len(self.cpu_tokens or ()))
 
     def _prompt(self, route: str) -> list[int]:
         """The prompt in the tokens of the model that serves ``route``."""
