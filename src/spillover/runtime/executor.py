@@ -252,7 +252,8 @@ class Execution:
         if d.route != "gpu":
             bound *= CPU_STALL_FACTOR  # a hung CPU worker is killed too (no replica: a resumable error)
         try:
-            item = await asyncio.wait_for(anext(it), bound)
+            async with asyncio.timeout(bound):  # no task per token, unlike wait_for
+                item = await anext(it)
         except TimeoutError as exc:
             raise _Failure("stall", f"no token progress for {bound:.1f}s") from exc
         if isinstance(item, WorkerGone):
