@@ -204,8 +204,9 @@ class HttpError:
     headers: dict[str, str]
 
 
-def to_http(exc: BaseException) -> HttpError:
-    """Map any exception to an OpenAI-shaped HTTP error. The only such mapping."""
+def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
+    """Map any exception to an OpenAI-shaped HTTP error. The only such mapping. An error of
+    an accepted request names it (``request_id`` in the error object)."""
     if not isinstance(exc, SpilloverError):
         exc = SpilloverError(f"internal error: {type(exc).__name__}")
     headers: dict[str, str] = {}
@@ -222,4 +223,6 @@ def to_http(exc: BaseException) -> HttpError:
             "code": exc.code,
         }
     }
+    if request_id is not None:
+        body["error"]["request_id"] = request_id
     return HttpError(status=exc.status, body=body, headers=headers)

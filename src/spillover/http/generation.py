@@ -250,8 +250,7 @@ class RequestHandler:
         """Store an error outcome; return (status, body, headers) for the client."""
         if self.cancelled_by_user and not isinstance(exc, RequestCancelled):
             exc = RequestCancelled(f"request {self.rid} was cancelled")
-        e = to_http(exc)
-        e.body["error"]["request_id"] = self.rid
+        e = to_http(exc, self.rid)
         body = json.dumps(e.body).encode()
         headers = self.headers() | e.headers
         await self.store(classify_error(exc), e.status, body, "application/json", headers, e.body)
@@ -415,8 +414,7 @@ class RequestHandler:
             if self.cancelled_by_user:
                 err = RequestCancelled(f"request {self.rid} was cancelled")
             state = classify_error(err)
-            body = to_http(err).body
-            body["error"]["request_id"] = self.rid
+            body = to_http(err, self.rid).body
             body["error"]["tokens_delivered"] = len(self.exe.delivered)
             error = body
             yield self._emit(body)

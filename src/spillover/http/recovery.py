@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
-from spillover.errors import SpilloverError, to_http
+from spillover.errors import FailoverInterrupted, SpilloverError, to_http
 from spillover.http import generation as g
 from spillover.http.schemas import parse_chat, parse_completion
 
@@ -36,8 +36,7 @@ def _replayable(rec: JournalRecord) -> bool:
 
 async def _end(gw: Gateway, rec: JournalRecord, exc: SpilloverError) -> None:
     assert gw.journal is not None
-    e = to_http(exc)
-    e.body["error"]["request_id"] = rec.id
+    e = to_http(exc, rec.id)
     await gw.journal.move(
         rec.id,
         State.RESUMABLE_ERROR,
@@ -94,8 +93,6 @@ async def recover(gw: Gateway, orphans: list[JournalRecord]) -> dict[str, int]:
             task.add_done_callback(_background.discard)
             counts["replayed"] += 1
         else:
-            from spillover.errors import FailoverInterrupted
-
             await _end(
                 gw,
                 rec,
