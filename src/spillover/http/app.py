@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -106,6 +106,18 @@ def create_app(gw: Gateway) -> Starlette:
         scheme, _, token = got.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
             raise Unauthorized("a valid 'Authorization: Bearer <key>' header is required")
+
+    def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """A route that needs the API key (when one is set) and answers its errors OpenAI-shaped."""
+
+        async def run(request: Request) -> Response:
+            try:
+                authorize(request)
+                return await route(request)
+            except SpilloverError as exc:
+                return _error_response(exc)
+
+        return run
 
     async def generate(request: Request, kind: str) -> Response:
         rid = g.new_request_id()
@@ -203,11 +215,8 @@ def create_app(gw: Gateway) -> Starlette:
             headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"},
         )
 
+    @guarded
     async def models(request: Request) -> Response:
-        try:
-            authorize(request)
-        except SpilloverError as exc:
-            return _error_response(exc)
         return _plain(
             request,
             {
@@ -219,51 +228,36 @@ def create_app(gw: Gateway) -> Starlette:
     async def health(request: Request) -> Response:
         return _plain(request, {"status": "ok"})
 
+    @guarded
     async def ready(request: Request) -> Response:
-        try:
-            authorize(request)
-        except SpilloverError as exc:
-            return _error_response(exc)
         ok = gw.ready()
         return _plain(request, {"ready": ok}, 200 if ok else 503)
 
+    @guarded
     async def status(request: Request) -> Response:
-        try:
-            authorize(request)
-        except SpilloverError as exc:
-            return _error_response(exc)
         return _plain(request, gw.status())
 
+    @guarded
     async def index(request: Request) -> Response:
-        try:
-            authorize(request)
-        except SpilloverError as exc:
-            return _error_response(exc)
         page = resources.files("spillover.http").joinpath("static/status.html").read_text("utf-8")
         return HTMLResponse(page, headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"})
 
+    @guarded
     async def get_request(request: Request) -> Response:
-        try:
-            authorize(request)
-            return _plain(request, await _request_document(request.path_params["rid"]))
-        except SpilloverError as exc:
-            return _error_response(exc)
+        return _plain(request, await _request_document(request.path_params["rid"]))
 
+    @guarded
     async def delete_request(request: Request) -> Response:
-        try:
-            authorize(request)
-            rid = request.path_params["rid"]
-            handler = gw.live.get(rid)
-            if handler is not None:
-                handler.cancel()
-                for _ in range(200):  # the handler journals CANCELLED as it unwinds
-                    rec = await gw.journal.get(rid) if gw.journal else None
-                    if rec is None or rec.terminal:
-                        break
-                    await asyncio.sleep(0.01)
-            return _plain(request, await _request_document(rid))
-        except SpilloverError as exc:
-            return _error_response(exc)
+        rid = request.path_params["rid"]
+        handler = gw.live.get(rid)
+        if handler is not None:
+            handler.cancel()
+            for _ in range(200):  # the handler journals CANCELLED as it unwinds
+                rec = await gw.journal.get(rid) if gw.journal else None
+                if rec is None or rec.terminal:
+                    break
+                await asyncio.sleep(0.01)
+        return _plain(request, await _request_document(rid))
 
     async def _request_document(rid: str) -> dict[str, Any]:
         rec = await gw.journal.get(rid) if gw.journal else None
@@ -293,11 +287,8 @@ def create_app(gw: Gateway) -> Starlette:
             "error": json.loads(rec.error) if rec.error else None,
         }
 
+    @guarded
     async def metrics(request: Request) -> Response:
-        try:
-            authorize(request)
-        except SpilloverError as exc:
-            return _error_response(exc)
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def on_http_exception(request: Request, exc: Exception) -> Response:

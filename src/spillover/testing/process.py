@@ -56,8 +56,10 @@ class GatewayProcess:
         log_path: str | None = None,
         config: dict[str, dict[str, Any]] | None = None,
         port: int | None = None,
+        api_key: str | None = None,
     ) -> None:
-        self.args = list(args or [])
+        self.args = list(args or []) + (["--api-key", api_key] if api_key else [])
+        self.api_key = api_key  # sent by get()/status() when the gateway requires one
         self.config = config
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="spillover-")
         self.state_dir = state_dir or (self._tmp.name if self._tmp else "")
@@ -117,7 +119,8 @@ class GatewayProcess:
         raise TimeoutError(f"gateway not ready: {last} {self.tail()}")
 
     def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=headers), timeout=10) as r:
             return json.loads(r.read())
 
     def status(self) -> dict[str, Any]:
