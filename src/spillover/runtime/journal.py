@@ -109,6 +109,9 @@ _COLS = (
     "tokens_delivered, created_s, updated_s, finished_s, status_code, response, content_type, headers, error"
 )
 
+_TERMINAL = tuple(s.value for s in TERMINAL)  # terminal states as stored
+_TERMINAL_MARKS = ",".join("?" * len(_TERMINAL))
+
 
 def _record(row: tuple[Any, ...]) -> JournalRecord:
     vals = list(row)
@@ -153,11 +156,9 @@ class Journal:
         db.execute("PRAGMA synchronous=FULL")  # ACCEPTED is durable before the first byte
         db.execute("BEGIN IMMEDIATE")
         try:
-            if rec["idem_key"] is not None:
-                row = db.execute(f"SELECT {_COLS} FROM requests WHERE idem_key=?", (rec["idem_key"],)).fetchone()
-                if row is not None:
-                    db.execute("ROLLBACK")
-                    raise KeyConflict(_record(row))
+            if rec["idem_key"] is not None and (existing := self._by_key(rec["idem_key"])) is not None:
+                db.execute("ROLLBACK")
+                raise KeyConflict(existing)
             db.execute(
                 "INSERT INTO requests (id, idem_key, body_hash, kind, stream, body, model, state, attempts,"
                 " created_s, updated_s) VALUES (?,?,?,?,?,?,?,?,0,?,?)",
@@ -229,13 +230,15 @@ class Journal:
         self._db_().execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
         self.writes += 1
 
-    def _by_key(self, key: str) -> JournalRecord | None:
-        row = self._db_().execute(f"SELECT {_COLS} FROM requests WHERE idem_key=?", (key,)).fetchone()
+    def _one(self, column: str, value: str) -> JournalRecord | None:
+        row = self._db_().execute(f"SELECT {_COLS} FROM requests WHERE {column}=?", (value,)).fetchone()
         return _record(row) if row else None
 
+    def _by_key(self, key: str) -> JournalRecord | None:
+        return self._one("idem_key", key)
+
     def _get(self, rid: str) -> JournalRecord | None:
-        row = self._db_().execute(f"SELECT {_COLS} FROM requests WHERE id=?", (rid,)).fetchone()
-        return _record(row) if row else None
+        return self._one("id", rid)
 
     def _history(self, rid: str) -> list[dict[str, Any]]:
         rows = (
@@ -250,33 +253,31 @@ class Journal:
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
     def _unfinished(self) -> list[JournalRecord]:
-        terminal = tuple(s.value for s in TERMINAL)
-        marks = ",".join("?" * len(terminal))
         rows = (
             self._db_()
-            .execute(f"SELECT {_COLS} FROM requests WHERE state NOT IN ({marks}) ORDER BY created_s", terminal)
+            .execute(
+                f"SELECT {_COLS} FROM requests WHERE state NOT IN ({_TERMINAL_MARKS}) ORDER BY created_s", _TERMINAL
+            )
             .fetchall()
         )
         return [_record(r) for r in rows]
 
     def _prune(self, now: float) -> int:
         db = self._db_()
-        terminal = tuple(s.value for s in TERMINAL)
-        marks = ",".join("?" * len(terminal))
         old = [
             r[0]
             for r in db.execute(
-                f"SELECT id FROM requests WHERE state IN ({marks}) AND finished_s < ?",
-                (*terminal, now - self.retention_s),
+                f"SELECT id FROM requests WHERE state IN ({_TERMINAL_MARKS}) AND finished_s < ?",
+                (*_TERMINAL, now - self.retention_s),
             ).fetchall()
         ]
-        extra = db.execute(f"SELECT COUNT(*) FROM requests WHERE state IN ({marks})", terminal).fetchone()[0]
+        extra = db.execute(f"SELECT COUNT(*) FROM requests WHERE state IN ({_TERMINAL_MARKS})", _TERMINAL).fetchone()[0]
         over = max(0, extra - len(old) - self.max_requests)
         if over:
             doomed = set(old)
             oldest = db.execute(
-                f"SELECT id FROM requests WHERE state IN ({marks}) ORDER BY finished_s LIMIT ?",
-                (*terminal, over + len(old)),
+                f"SELECT id FROM requests WHERE state IN ({_TERMINAL_MARKS}) ORDER BY finished_s LIMIT ?",
+                (*_TERMINAL, over + len(old)),
             ).fetchall()
             old += [r[0] for r in oldest if r[0] not in doomed][:over]
         if old:
@@ -343,8 +344,10 @@ class Journal:
         result: list[JournalRecord] = await self._run(self._unfinished)
         return result
 
-    async def prune(self) -> int:
-        result: int = await self._run(self._prune, time.time())
+    async def prune(self, now_s: float | None = None) -> int:
+        """Delete terminal requests past the retention age or beyond ``max_requests``
+        (oldest first); unfinished ones are never deleted. Returns how many went."""
+        result: int = await self._run(self._prune, time.time() if now_s is None else now_s)
         return result
 
     async def count(self) -> int:
