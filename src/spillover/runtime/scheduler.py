@@ -123,9 +123,10 @@ class _Lane:
         """Estimated service time of one job on one slot of this lane."""
         return prompt_tokens / max(self.prefill_tps, 1e-3) + max_tokens / max(self.decode_tps, 1e-3)
 
-    def estimated_delay_s(self, ahead: list[Job], running_s: float) -> float:
-        """Wait before a new job starts: the work ahead spread over the lane's slots."""
-        work = running_s + sum(self.job_seconds(j.prompt_tokens, j.max_tokens) for j in ahead)
+    def estimated_delay_s(self) -> float:
+        """Wait before a new job starts: the queued work ahead of it spread over the lane's
+        slots (the running requests' remaining work is not counted)."""
+        work = sum(self.job_seconds(j.prompt_tokens, j.max_tokens) for j in self.queue)
         return work / max(1, self.cfg.slots)
 
 
@@ -178,20 +179,23 @@ class Scheduler:
                 f"the {lane.name} queue is full ({lane.cfg.queue_depth} waiting)",
                 retry_after_s=self._retry_after_s(),
             )
-        job.lane = lane.name
         job.enqueued_s = self.clock()
-        job.position = len(lane.queue) + 1
-        job.estimated_delay_ms = int(lane.estimated_delay_s(list(lane.queue), 0.0) * 1000)
-        lane.queue.append(job)
+        self._append(job, lane)
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
+
+    @staticmethod
+    def _append(job: Job, lane: _Lane) -> None:
+        """Put a job at the end of a lane, with its position and the estimated wait there."""
+        job.lane = lane.name
+        job.position = len(lane.queue) + 1
+        job.estimated_delay_ms = int(lane.estimated_delay_s() * 1000)
+        lane.queue.append(job)
 
     def _check_deadline(self, job: Job) -> None:
         """Refuse at once a CPU job that cannot finish before the client's deadline."""
         if job.deadline_s is None:
             return
-        est = self.cpu.estimated_delay_s(list(self.cpu.queue), 0.0) + self.cpu.job_seconds(
-            job.prompt_tokens, job.max_tokens
-        )
+        est = self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, job.max_tokens)
         if self.clock() + est > job.deadline_s:
             raise CapacityError(
                 f"the CPU lane would finish this request in about {est:.1f}s, after its deadline",
@@ -344,11 +348,8 @@ class Scheduler:
                 self.gpu.shed_total += 1
                 self._fail(job, exc)
                 return
-            job.lane = "cpu"
             job.last_reason = d.reason
-            job.position = len(self.cpu.queue) + 1
-            job.estimated_delay_ms = int(self.cpu.estimated_delay_s(list(self.cpu.queue), 0.0) * 1000)
-            self.cpu.queue.append(job)
+            self._append(job, self.cpu)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
             self.gpu.shed_total += 1
@@ -430,7 +431,7 @@ class Scheduler:
                     expired_total=lane.expired_total,
                     prefill_tps=round(lane.prefill_tps, 1),
                     decode_tps=round(lane.decode_tps, 1),
-                    estimated_delay_ms=int(lane.estimated_delay_s(list(lane.queue), 0.0) * 1000),
+                    estimated_delay_ms=int(lane.estimated_delay_s() * 1000),
                     queued=tuple(
                         {
                             "rid": j.rid,
