@@ -47,6 +47,11 @@ EXIT_LOAD_FAILED = 3
 PAGE_TOKENS = 16
 
 
+def _error(rid: str, kind: str, message: str) -> dict[str, Any]:
+    """The ``error`` event that ends a request."""
+    return {"ev": "error", "rid": rid, "kind": kind, "message": message}
+
+
 class Channel:
     """Thread-safe writer of JSON lines to the gateway."""
 
@@ -162,28 +167,23 @@ class Worker:
         """Run one request; its last event (done or error) is sent only after its slot and
         device memory are back, so the gateway never counts them free too early."""
         rid = str(msg["rid"])
-        final: dict[str, Any] = {"ev": "error", "rid": rid, "kind": "engine", "message": "worker interrupted"}
+        final = _error(rid, "engine", "worker interrupted")
         slot = self.engine.acquire_slot()
         tag = f"req:{rid}"
         charged = False
         try:
             if slot is None:
-                final = {"ev": "error", "rid": rid, "kind": "engine", "message": "no free slot"}
+                final = _error(rid, "engine", "no free slot")
                 return
             reserve = int(msg.get("reserve_bytes") or 0)
             if self.sim is not None and reserve > 0:
                 if not self.sim.allocate(tag, reserve, owner=self.args.worker_id):
-                    final = {
-                        "ev": "error",
-                        "rid": rid,
-                        "kind": "alloc_failed",
-                        "message": f"device refused {reserve} bytes",
-                    }
+                    final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
                     return
                 charged = True
             final = self._generate(rid, slot, msg)
         except Exception as exc:  # engine failure: report, keep serving
-            final = {"ev": "error", "rid": rid, "kind": "engine", "message": f"{type(exc).__name__}: {exc}"}
+            final = _error(rid, "engine", f"{type(exc).__name__}: {exc}")
         finally:
             if charged and self.sim is not None:
                 self.sim.free(tag)
@@ -223,22 +223,12 @@ class Worker:
                     if t_first is None:
                         t_first = time.monotonic()
                     if n % PAGE_TOKENS == 0 and self._page_fault():
-                        return {
-                            "ev": "error",
-                            "rid": rid,
-                            "kind": "oom",
-                            "message": "device out of memory growing the KV cache",
-                        }
+                        return _error(rid, "oom", "device out of memory growing the KV cache")
                 self.chan.send({"ev": "token", "rid": rid, "id": item.token_id, "text": item.text})
             else:
                 finish = item
         if finish == "diverged":
-            return {
-                "ev": "error",
-                "rid": rid,
-                "kind": "diverged",
-                "message": "continuation differs from the delivered tokens",
-            }
+            return _error(rid, "diverged", "continuation differs from the delivered tokens")
         t1 = time.monotonic()
         return {
             "ev": "done",
