@@ -7,24 +7,61 @@ lose the last of them. Every lifecycle move is a row in ``transitions``. On star
 journal is the truth (see ``Journal.unfinished``). All SQLite work runs on one dedicated
 thread, so writes keep their order and the event loop never blocks on disk.
 
-Retention is bounded: terminal requests older than ``retention_s`` are deleted, and the
-oldest terminal ones beyond ``max_requests``.
+Rules:
+
+1. Every write is one transaction; on any error it is rolled back, so the next write
+   starts clean. A failed write raises ``JournalUnavailable`` (503); ``KeyConflict``,
+   ``KeyError`` and ``IllegalTransition`` pass through unchanged.
+2. Retention is bounded by age (``retention_s``), by count (``max_requests`` finished
+   ones) and by bytes: once the used bytes pass ``HIGH_WATER_RATIO`` of ``max_bytes``,
+   the oldest finished requests go until ``LOW_WATER_RATIO``. Unfinished ones never do.
+3. ``max_bytes`` is enforced by SQLite itself: ``max_page_count`` caps the database file
+   at the bound minus a WAL allowance, so a write past it fails with SQLITE_FULL. The WAL
+   is checkpointed every ``_wal_pages`` and cut back to the allowance; one transaction
+   larger than that (a big row, or a move, which rewrites its row) outgrows it until the
+   next checkpoint. ``prune`` gives free pages back (``auto_vacuum=INCREMENTAL``) and
+   empties the WAL, so after it the files together are within ``max_bytes``.
+4. ``accept`` and ``move`` make room first when what they write would pass the high-water
+   mark. ``accept`` refuses while the journal stays above it (full of unfinished requests),
+   and refuses a body larger than the headroom above it: a move rewrites its row, and the
+   headroom must hold one rewrite, so requests already accepted can always finish.
+5. The files hold every prompt and answer: they are created, and kept, mode 0600.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from spillover.core.lifecycle import TERMINAL, State, advance
+from spillover.errors import JournalUnavailable
 
-__all__ = ["Journal", "JournalRecord", "KeyConflict"]
+__all__ = ["Journal", "JournalRecord", "JournalStatistics", "KeyConflict"]
+
+log = logging.getLogger("spillover.journal")
+
+T = TypeVar("T")
+
+HIGH_WATER_RATIO = 0.8  # past this share of max_bytes, pruning sheds the oldest finished
+LOW_WATER_RATIO = 0.6  # ...until this share
+MIN_MAX_BYTES = 256 * 1024  # the schema alone takes ~12 pages
+RETRY_AFTER_S = 2.0  # what a client is told after a failed journal write
+FILE_MODE = 0o600
+_SHED_BATCH = 256  # finished rows looked at per byte-shedding round
+_ROW_BYTES = (  # a finished row's payload, estimated (+ page overhead)
+    "length(CAST(body AS BLOB)) + coalesce(length(CAST(response AS BLOB)), 0)"
+    " + coalesce(length(CAST(headers AS BLOB)), 0) + coalesce(length(CAST(error AS BLOB)), 0) + 256"
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -113,6 +150,17 @@ _TERMINAL = tuple(s.value for s in TERMINAL)  # terminal states as stored
 _TERMINAL_MARKS = ",".join("?" * len(_TERMINAL))
 
 
+@dataclass(frozen=True)
+class JournalStatistics:
+    """A snapshot of the journal's size and write counters."""
+
+    bytes_used: int  # pages in use (not free) x page size, WAL excluded
+    max_bytes: int
+    rows: int  # requests stored, finished or not
+    writes: int  # accepts, moves and updates committed
+    write_errors: int  # writes that failed or were refused (journal full)
+
+
 def _record(row: tuple[Any, ...]) -> JournalRecord:
     vals = list(row)
     vals[4] = bool(vals[4])
@@ -123,86 +171,215 @@ def _record(row: tuple[Any, ...]) -> JournalRecord:
 class Journal:
     """Durable request log. Create, then ``await open()``; all methods are coroutines."""
 
-    def __init__(self, path: Path, *, retention_s: float, max_requests: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        retention_s: float,
+        max_requests: int,
+        max_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        if max_bytes < MIN_MAX_BYTES:
+            raise ValueError(f"journal max_bytes must be >= {MIN_MAX_BYTES}, got {max_bytes}")
         self.path = path
         self.retention_s = retention_s
         self.max_requests = max_requests
+        self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
         self._db: sqlite3.Connection | None = None
+        self._page_size = 4096
+        self._bytes_used = 0
+        self._rows = 0
         self.writes = 0
+        self.write_errors = 0
 
     def __repr__(self) -> str:
-        return f"<Journal {self.path} writes={self.writes}>"
+        mib = 1024 * 1024
+        return (
+            f"<Journal {self.path} used={self._bytes_used / mib:.1f}/{self.max_bytes / mib:.1f}MiB"
+            f" rows={self._rows} writes={self.writes} write_errors={self.write_errors}>"
+        )
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
+    def statistics(self) -> JournalStatistics:
+        """A frozen snapshot (as of the last write; no disk access)."""
+        return JournalStatistics(
+            bytes_used=self._bytes_used,
+            max_bytes=self.max_bytes,
+            rows=self._rows,
+            writes=self.writes,
+            write_errors=self.write_errors,
+        )
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a write on the journal thread; a SQLite or OS error becomes JournalUnavailable."""
+        try:
+            return await self._run(self._counted, fn, *args)
+        except (sqlite3.Error, OSError) as exc:
+            raise JournalUnavailable(
+                f"the request journal cannot be written: {exc}", retry_after_s=RETRY_AFTER_S
+            ) from exc
+
     # -- thread side -----------------------------------------------------------------
+    @property
+    def _high_water(self) -> int:
+        return int(self.max_bytes * HIGH_WATER_RATIO)
+
+    @property
+    def _wal_pages(self) -> int:
+        """WAL pages between checkpoints: 1/32 of the bound, 8 to 1000 (SQLite's default)."""
+        return min(1000, max(8, self.max_bytes // self._page_size // 32))
+
+    def _counted(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except (sqlite3.Error, OSError):
+            self.write_errors += 1
+            raise
+        finally:
+            with suppress(sqlite3.Error):  # else the next write refreshes it
+                self._bytes_used = self._used_bytes()
+
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE))  # before SQLite creates it
+        self._restrict_files()
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(SCHEMA)
-        self._db = db
+        try:
+            fresh = db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0
+            if fresh:  # only possible before the first table exists
+                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:  # a file from before: convert once
+                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                db.execute("VACUUM")
+            self._page_size = int(db.execute("PRAGMA page_size").fetchone()[0])
+            db.execute(f"PRAGMA wal_autocheckpoint={self._wal_pages}")
+            db.execute(f"PRAGMA journal_size_limit={2 * self._wal_pages * self._page_size}")
+            self._db = db
+            self._cap_pages()
+            db.executescript(SCHEMA)
+            self._rows = self._count()
+            self._bytes_used = self._used_bytes()
+        except BaseException:
+            self._db = None
+            db.close()
+            raise
+        self._restrict_files()
+
+    def _restrict_files(self) -> None:
+        for suffix in ("", "-wal", "-shm"):
+            f = self.path.with_name(self.path.name + suffix)
+            if f.exists():
+                os.chmod(f, FILE_MODE)
+
+    @property
+    def _file_pages(self) -> int:
+        """The database file's cap: the bound minus the WAL allowance."""
+        return self.max_bytes // self._page_size - 2 * self._wal_pages
+
+    @property
+    def _headroom(self) -> int:
+        """Bytes between the high-water mark and the file's cap: room for one row's rewrite."""
+        return self._file_pages * self._page_size - self._high_water
+
+    def _cap_pages(self) -> None:
+        """Cap the database file (SQLite never caps it below its current size)."""
+        self._db_().execute(f"PRAGMA max_page_count={self._file_pages}").fetchall()
 
     def _db_(self) -> sqlite3.Connection:
         assert self._db is not None, "journal not open"
         return self._db
 
+    def _used_bytes(self) -> int:
+        db = self._db_()
+        pages = db.execute("PRAGMA page_count").fetchone()[0] - db.execute("PRAGMA freelist_count").fetchone()[0]
+        return int(pages) * self._page_size
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT; any exception (or a failed COMMIT) rolls back."""
+        db = self._db_()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:  # SQLite may have rolled back already (SQLITE_FULL, IOERR)
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error as exc:  # keep the original error
+                    log.warning("journal rollback failed: %s", exc)
+            raise
+
+    def _make_room(self, keep: str | None, need: int = 0) -> None:
+        """Prune first when ``need`` more bytes would pass the high-water mark; a failed prune
+        is logged, not fatal."""
+        if self._used_bytes() + need <= self._high_water:
+            return
+        try:
+            self._prune(time.time(), keep, need)
+        except (sqlite3.Error, OSError) as exc:
+            self.write_errors += 1
+            log.warning("journal: pruning to make room failed: %s", exc)
+
     def _accept(self, rec: dict[str, Any]) -> None:
+        if (need := len(rec["body"].encode())) > self._headroom:  # its moves could not rewrite it
+            self.write_errors += 1
+            raise JournalUnavailable(f"the request ({need} bytes) does not fit the journal ({self.max_bytes} bytes)")
+        self._make_room(keep=None, need=need)
+        if (used := self._used_bytes()) + need > self._high_water:
+            self.write_errors += 1
+            raise JournalUnavailable(
+                f"the request journal is full of unfinished requests ({used} of {self.max_bytes} bytes)",
+                retry_after_s=RETRY_AFTER_S,
+            )
         db = self._db_()
         now = time.time()
         db.execute("PRAGMA synchronous=FULL")  # ACCEPTED is durable before the first byte
-        db.execute("BEGIN IMMEDIATE")
         try:
-            if rec["idem_key"] is not None and (existing := self._by_key(rec["idem_key"])) is not None:
-                db.execute("ROLLBACK")
-                raise KeyConflict(existing)
-            db.execute(
-                "INSERT INTO requests (id, idem_key, body_hash, kind, stream, body, model, state, attempts,"
-                " created_s, updated_s) VALUES (?,?,?,?,?,?,?,?,0,?,?)",
-                (
-                    rec["id"],
-                    rec["idem_key"],
-                    rec["body_hash"],
-                    rec["kind"],
-                    int(rec["stream"]),
-                    rec["body"],
-                    rec["model"],
-                    State.ACCEPTED.value,
-                    now,
-                    now,
-                ),
-            )
-            db.execute(
-                "INSERT INTO transitions (rid, t_s, from_state, to_state, attempt) VALUES (?,?,?,?,0)",
-                (rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value),
-            )
-            db.execute("COMMIT")
-        except sqlite3.Error:
-            db.execute("ROLLBACK")
-            raise
+            with self._transaction():
+                if rec["idem_key"] is not None and (existing := self._by_key(rec["idem_key"])) is not None:
+                    raise KeyConflict(existing)
+                db.execute(
+                    "INSERT INTO requests (id, idem_key, body_hash, kind, stream, body, model, state, attempts,"
+                    " created_s, updated_s) VALUES (?,?,?,?,?,?,?,?,0,?,?)",
+                    (
+                        rec["id"],
+                        rec["idem_key"],
+                        rec["body_hash"],
+                        rec["kind"],
+                        int(rec["stream"]),
+                        rec["body"],
+                        rec["model"],
+                        State.ACCEPTED.value,
+                        now,
+                        now,
+                    ),
+                )
+                db.execute(
+                    "INSERT INTO transitions (rid, t_s, from_state, to_state, attempt) VALUES (?,?,?,?,0)",
+                    (rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value),
+                )
         finally:
             db.execute("PRAGMA synchronous=NORMAL")
         self.writes += 1
+        self._rows += 1
 
     def _move(self, rid: str, target: State, fields: dict[str, Any]) -> None:
-        db = self._db_()
+        self._make_room(keep=rid, need=sum(len(v) for v in fields.values() if isinstance(v, str | bytes)))
         now = time.time()
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             row = db.execute("SELECT state FROM requests WHERE id=?", (rid,)).fetchone()
             if row is None:
-                db.execute("ROLLBACK")
                 raise KeyError(rid)
             current = State(row[0])
             advance(current, target)  # raises IllegalTransition, nothing written
             sets = {"state": target.value, "updated_s": now, **fields}
-            if target in TERMINAL:
-                sets["finished_s"] = now
-            else:
-                sets["finished_s"] = None
+            sets["finished_s"] = now if target in TERMINAL else None
             cols = ", ".join(f"{k}=?" for k in sets)
             db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*sets.values(), rid))
             db.execute(
@@ -218,16 +395,12 @@ class Journal:
                     fields.get("reason"),
                 ),
             )
-            db.execute("COMMIT")
-        except Exception:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
         self.writes += 1
 
     def _update(self, rid: str, fields: dict[str, Any]) -> None:
         cols = ", ".join(f"{k}=?" for k in fields)
-        self._db_().execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
+        with self._transaction() as db:
+            db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
         self.writes += 1
 
     def _one(self, column: str, value: str) -> JournalRecord | None:
@@ -262,33 +435,75 @@ class Journal:
         )
         return [_record(r) for r in rows]
 
-    def _prune(self, now: float) -> int:
+    def _prune(self, now: float, keep: str | None = None, need: int = 0) -> int:
+        """Delete expired finished requests, then shed the oldest finished ones while above
+        the high-water mark, all in one transaction; then give free pages back, empty the WAL."""
+        with self._transaction() as db:
+            doomed = self._expired(now, keep)
+            self._delete(doomed)
+            gone = len(doomed)
+            if self._used_bytes() + need > self._high_water:
+                gone += self._shed_bytes(keep, need)
+        self._rows -= gone
+        # Free pages (deleted rows, rewritten ones) go back to the file system and the WAL is
+        # emptied. executescript steps each pragma to its end (execute frees one page only).
+        db.executescript("PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
+        self._cap_pages()  # a file opened above the bound may be capped lower now
+        return gone
+
+    def _expired(self, now: float, keep: str | None) -> list[str]:
+        """Finished requests past the retention age, then the oldest beyond ``max_requests``."""
         db = self._db_()
+        finished = f"state IN ({_TERMINAL_MARKS}) AND id IS NOT ?"
         old = [
             r[0]
             for r in db.execute(
-                f"SELECT id FROM requests WHERE state IN ({_TERMINAL_MARKS}) AND finished_s < ?",
-                (*_TERMINAL, now - self.retention_s),
+                f"SELECT id FROM requests WHERE {finished} AND finished_s < ?",
+                (*_TERMINAL, keep, now - self.retention_s),
             ).fetchall()
         ]
-        extra = db.execute(f"SELECT COUNT(*) FROM requests WHERE state IN ({_TERMINAL_MARKS})", _TERMINAL).fetchone()[0]
-        over = max(0, extra - len(old) - self.max_requests)
+        total = db.execute(f"SELECT COUNT(*) FROM requests WHERE {finished}", (*_TERMINAL, keep)).fetchone()[0]
+        over = max(0, total - len(old) - self.max_requests)
         if over:
             doomed = set(old)
             oldest = db.execute(
-                f"SELECT id FROM requests WHERE state IN ({_TERMINAL_MARKS}) ORDER BY finished_s LIMIT ?",
-                (*_TERMINAL, over + len(old)),
+                f"SELECT id FROM requests WHERE {finished} ORDER BY finished_s LIMIT ?",
+                (*_TERMINAL, keep, over + len(old)),
             ).fetchall()
             old += [r[0] for r in oldest if r[0] not in doomed][:over]
-        if old:
-            db.execute("BEGIN IMMEDIATE")
-            for i in range(0, len(old), 500):
-                chunk = old[i : i + 500]
-                q = ",".join("?" * len(chunk))
-                db.execute(f"DELETE FROM transitions WHERE rid IN ({q})", chunk)
-                db.execute(f"DELETE FROM requests WHERE id IN ({q})", chunk)
-            db.execute("COMMIT")
-        return len(old)
+        return old
+
+    def _shed_bytes(self, keep: str | None, need: int) -> int:
+        """Delete the oldest finished requests until the used bytes plus ``need`` reach the
+        low-water mark (or none is left). Returns how many went."""
+        db = self._db_()
+        gone = 0
+        while (excess := self._used_bytes() + need - int(self.max_bytes * LOW_WATER_RATIO)) > 0:
+            rows = db.execute(
+                f"SELECT id, {_ROW_BYTES} FROM requests WHERE state IN ({_TERMINAL_MARKS}) AND id IS NOT ?"
+                " ORDER BY finished_s LIMIT ?",
+                (*_TERMINAL, keep, _SHED_BATCH),
+            ).fetchall()
+            if not rows:
+                break  # only unfinished requests are left: they stay
+            batch: list[str] = []
+            freed = 0
+            for rid, size in rows:
+                batch.append(rid)
+                freed += int(size)
+                if freed >= excess:
+                    break
+            self._delete(batch)
+            gone += len(batch)
+        return gone
+
+    def _delete(self, rids: list[str]) -> None:
+        db = self._db_()
+        for i in range(0, len(rids), 500):
+            chunk = rids[i : i + 500]
+            q = ",".join("?" * len(chunk))
+            db.execute(f"DELETE FROM transitions WHERE rid IN ({q})", chunk)
+            db.execute(f"DELETE FROM requests WHERE id IN ({q})", chunk)
 
     def _count(self) -> int:
         return int(self._db_().execute("SELECT COUNT(*) FROM requests").fetchone()[0])
@@ -308,7 +523,8 @@ class Journal:
         body: str,
         model: str,
     ) -> None:
-        """Durably record a new request as ACCEPTED; raises KeyConflict for a used key."""
+        """Durably record a new request as ACCEPTED; raises KeyConflict for a used key and
+        JournalUnavailable when it cannot be written (nothing is then recorded)."""
         rec = {
             "id": rid,
             "idem_key": idem_key,
@@ -318,41 +534,38 @@ class Journal:
             "body": body,
             "model": model,
         }
-        await self._run(self._accept, rec)
+        await self._write(self._accept, rec)
 
     async def move(self, rid: str, target: State, **fields: Any) -> None:
-        """Advance a request (checked against the lifecycle table) and update columns."""
-        await self._run(self._move, rid, target, fields)
+        """Advance a request (checked against the lifecycle table) and update columns. Raises
+        KeyError (unknown id), IllegalTransition or JournalUnavailable; each writes nothing."""
+        await self._write(self._move, rid, target, fields)
 
     async def update(self, rid: str, **fields: Any) -> None:
-        """Update columns without a transition (e.g. the first token delivered)."""
-        await self._run(self._update, rid, fields)
+        """Update columns without a transition (e.g. the first token delivered); raises
+        JournalUnavailable when it cannot be written."""
+        await self._write(self._update, rid, fields)
 
     async def by_key(self, key: str) -> JournalRecord | None:
-        result: JournalRecord | None = await self._run(self._by_key, key)
-        return result
+        return await self._run(self._by_key, key)
 
     async def get(self, rid: str) -> JournalRecord | None:
-        result: JournalRecord | None = await self._run(self._get, rid)
-        return result
+        return await self._run(self._get, rid)
 
     async def history(self, rid: str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = await self._run(self._history, rid)
-        return result
+        return await self._run(self._history, rid)
 
     async def unfinished(self) -> list[JournalRecord]:
-        result: list[JournalRecord] = await self._run(self._unfinished)
-        return result
+        return await self._run(self._unfinished)
 
     async def prune(self, now_s: float | None = None) -> int:
-        """Delete terminal requests past the retention age or beyond ``max_requests``
-        (oldest first); unfinished ones are never deleted. Returns how many went."""
-        result: int = await self._run(self._prune, time.time() if now_s is None else now_s)
-        return result
+        """Delete finished requests past the retention age, beyond ``max_requests``, or (oldest
+        first) while above the high-water mark; unfinished ones are never deleted. Returns how
+        many went; raises JournalUnavailable when it cannot be written (a failed delete rolls back)."""
+        return await self._write(self._prune, time.time() if now_s is None else now_s)
 
     async def count(self) -> int:
-        result: int = await self._run(self._count)
-        return result
+        return await self._run(self._count)
 
     async def close(self) -> None:
         def _close() -> None:
