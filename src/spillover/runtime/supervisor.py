@@ -8,6 +8,10 @@ Rules:
    shows the dead process's memory released.
 3. A worker whose pings go unanswered for ``health_timeout_s`` is killed (then restarted).
 4. Nothing here touches another worker or lane.
+5. The loop never ends by accident: an exception in one round (a device that cannot be
+   read, a spawn that raises) is logged with its traceback and the round is retried after
+   the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
+   fails while waiting for release counts as "not released yet" (rule 2's bound holds).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Supervisor:
         self.restarts = 0
         self.backoff_s = cfg.restart_backoff_initial_s
         self.events: list[tuple[float, str]] = []
+        self.errors = 0  # supervisor rounds that raised (rule 5)
         self._stopping = False
 
     def __repr__(self) -> str:
@@ -56,7 +61,10 @@ class Supervisor:
         self.events.append((time.monotonic(), what))
         del self.events[:-50]
         log.info("worker %s: %s", self.worker.spec.worker_id, what)
-        self._on_change(self.worker, what)
+        try:
+            self._on_change(self.worker, what)
+        except Exception:  # the listener's bug must not end supervision (rule 5)
+            log.exception("worker %s: listener failed on %r", self.worker.spec.worker_id, what)
 
     def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:
         self._exited.set()
@@ -64,33 +72,55 @@ class Supervisor:
             self._event(f"died ({gone.kind}: {gone.message})")
 
     async def run(self) -> None:
-        """Start, watch and restart the worker until cancelled."""
+        """Start, watch and restart the worker until stopped or cancelled (rule 5)."""
         while not self._stopping:
-            self._exited.clear()
-            pid_before = self.worker.pid
-            if pid_before is not None and self.device is not None:
-                await self._wait_released(pid_before)
             try:
-                self._event("starting")
-                info = await self.worker.start(self.cfg.load_timeout_s)
-                self._event(f"ready pid={info.get('pid')}")
-            except Exception as exc:
-                self._event(f"failed to start: {exc}")
-                await self._exited.wait()
+                await self._run_once()
+            except Exception as exc:  # a bug or a broken device: log it, keep supervising
+                self.errors += 1
+                log.exception("worker %s: supervisor round failed", self.worker.spec.worker_id)
+                self._event(f"supervisor error ({type(exc).__name__}: {exc})")
+                if self._stopping:
+                    return
+                await self._end_worker()  # the round's state is unknown: start from a dead worker
                 await self._sleep_backoff(0.0)
-                continue
-            up_since = time.monotonic()
-            health = asyncio.create_task(self._health_loop(), name="health")
-            try:
-                await self._exited.wait()
-            finally:
-                health.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await health
-            if self._stopping:
-                return
-            self.restarts += 1
-            await self._sleep_backoff(time.monotonic() - up_since)
+
+    async def _end_worker(self) -> None:
+        """Kill the worker if it runs and wait (bounded) for its exit event."""
+        if self.worker.state in (WorkerState.READY, WorkerState.STARTING) and self.worker.pid is not None:
+            await self.worker.kill()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), self.cfg.health_timeout_s)
+
+    async def _run_once(self) -> None:
+        """One life of the worker: wait for the device, start, watch until it exits, back off."""
+        self._exited.clear()
+        pid_before = self.worker.pid
+        if pid_before is not None and self.device is not None:
+            await self._wait_released(pid_before)
+        try:
+            self._event("starting")
+            info = await self.worker.start(self.cfg.load_timeout_s)
+            self._event(f"ready pid={info.get('pid')}")
+        except Exception as exc:
+            self._event(f"failed to start: {exc}")
+            await self.worker.kill()  # a no-op when no process was spawned (or it is gone)
+            with contextlib.suppress(TimeoutError):  # bounded: nothing may have been spawned
+                await asyncio.wait_for(self._exited.wait(), self.cfg.health_timeout_s)
+            await self._sleep_backoff(0.0)
+            return
+        up_since = time.monotonic()
+        health = asyncio.create_task(self._health_loop(), name="health")
+        try:
+            await self._exited.wait()
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+        if self._stopping:
+            return
+        self.restarts += 1
+        await self._sleep_backoff(time.monotonic() - up_since)
 
     async def _sleep_backoff(self, up_for_s: float) -> None:
         if up_for_s >= HEALTHY_RESET_S:
@@ -103,17 +133,28 @@ class Supervisor:
     async def _wait_released(self, pid: int) -> None:
         assert self.device is not None
         deadline = time.monotonic() + self.cfg.release_wait_s
+        failure: Exception | None = None
         while time.monotonic() < deadline:
-            held = await asyncio.to_thread(self.device.held_by, pid)
-            if held == 0:
-                return
+            try:
+                held = await asyncio.to_thread(self.device.held_by, pid)
+            except Exception as exc:  # unknown counts as not released (rule 5)
+                if failure is None:
+                    log.warning("worker %s: cannot read the device: %r", self.worker.spec.worker_id, exc)
+                failure = exc
+            else:
+                if held == 0:
+                    return
             await asyncio.sleep(0.05)
-        self._event(f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s")
+        why = f" (device unreadable: {failure!r})" if failure is not None else ""
+        self._event(f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s{why}")
 
     async def _health_loop(self) -> None:
         w = self.worker
         while w.state is WorkerState.READY:
-            await w.ping()
+            try:
+                await w.ping()
+            except Exception:  # an unanswered ping is what the pong age below detects
+                log.exception("worker %s: ping failed", w.spec.worker_id)
             await asyncio.sleep(self.cfg.health_interval_s)
             age = time.monotonic() - (w.last_pong_s or 0.0)
             if age > self.cfg.health_timeout_s:

@@ -1,0 +1,164 @@
+"""Idle and slow connections cannot exhaust the gateway: at most ``max_connections`` are
+open (one more gets a 503 and is closed at once), a request head must be complete within
+``header_timeout_s`` (trickled bytes do not restart the clock; idle keep-alive is bounded
+too), the log stays small, and the workers never notice."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from spillover.testing import GatewayProcess
+
+pytestmark = pytest.mark.e2e
+
+MAX_CONNECTIONS = 8
+HEADER_TIMEOUT_S = 4.0
+EXTRA = 300  # the issue's count of slow connections, on top of the ones the gateway holds
+PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    """A gateway (sim GPU) that holds at most 8 connections and gives each 4 s for its head."""
+    cfg = {"server": {"max_connections": MAX_CONNECTIONS, "header_timeout_s": HEADER_TIMEOUT_S}}
+    with GatewayProcess(["--gpu", "sim:1024"], config=cfg) as g:
+        yield g
+
+
+def connect(gw: GatewayProcess) -> socket.socket:
+    u = urlparse(gw.url)
+    return socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=10)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def close_times(socks: list[socket.socket], t0: float, deadline_s: float) -> dict[int, float]:
+    """Seconds after ``t0`` at which the server closed each socket (EOF or reset); sockets
+    still open at ``deadline_s`` are missing."""
+    closed: dict[int, float] = {}
+    pending = {s.fileno(): s for s in socks}
+    while pending and time.monotonic() - t0 < deadline_s:
+        ready, _, _ = select.select(list(pending.values()), [], [], 0.2)
+        for s in ready:
+            try:
+                data = s.recv(4096)
+            except (ConnectionResetError, TimeoutError):
+                data = b""
+            if not data:
+                closed[s.fileno()] = time.monotonic() - t0
+                del pending[s.fileno()]
+    return closed
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One HTTP/1.1 response with a Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+def test_connections_past_the_limit_are_refused_and_slow_heads_closed(gw: GatewayProcess) -> None:
+    """With the limit held by idle and half-sent requests, 300 more connections each get a 503
+    at once and cost the gateway no descriptor; the holders are closed once header_timeout_s
+    passes; then /health answers, the GPU worker is the same ready process, and the log grew
+    by a few lines only."""
+    assert gw.proc is not None
+    gpu = gw.worker("gpu")
+    assert gpu["state"] == "ready"
+    log_before = os.path.getsize(gw.log_path)
+    fds_before = open_fds(gw.proc.pid)
+    holders: list[socket.socket] = []
+    extras: list[socket.socket] = []
+    try:
+        t0 = time.monotonic()
+        for i in range(MAX_CONNECTIONS):
+            s = connect(gw)
+            if i % 2:
+                s.sendall(PARTIAL_HEAD)
+            holders.append(s)
+        refused = []
+        for _ in range(EXTRA):  # each is answered before the next connects: no SYN is dropped
+            extras.append(connect(gw))
+            refused.append(read_response(extras[-1]))
+        extras_took_s = time.monotonic() - t0
+        assert extras_took_s < HEADER_TIMEOUT_S, f"connecting took {extras_took_s:.1f}s: the holders timed out"
+        fds_held = open_fds(gw.proc.pid)
+        assert all(r.startswith(b"HTTP/1.1 503 ") for r in refused), refused[0]
+        assert all(b"too_many_connections" in r and b"retry-after: 1" in r.lower() for r in refused), refused[0]
+        assert all(s.recv(1) == b"" for s in extras[:20]), "refused connections are closed"
+        assert fds_held <= fds_before + MAX_CONNECTIONS + 12, (fds_before, fds_held)
+
+        closed = close_times(holders, t0, HEADER_TIMEOUT_S + 6)
+        assert len(closed) == MAX_CONNECTIONS, f"still open after {HEADER_TIMEOUT_S + 6}s: {closed}"
+        assert min(closed.values()) >= HEADER_TIMEOUT_S - 0.5, closed
+    finally:
+        for s in holders + extras:
+            s.close()
+
+    assert httpx.get(gw.url + "/health", timeout=10).status_code == 200
+    after = gw.worker("gpu")
+    assert after["state"] == "ready" and after["pid"] == gpu["pid"], after
+    assert open_fds(gw.proc.pid) <= fds_before + 4
+    grown = os.path.getsize(gw.log_path) - log_before
+    assert grown < 8 * 1024, gw.tail(grown)
+
+
+def test_trickled_head_and_idle_keep_alive_are_closed_after_header_timeout(gw: GatewayProcess) -> None:
+    """A head sent one byte every 0.3 s is closed header_timeout_s after connecting (its
+    bytes do not restart the clock), and an idle keep-alive connection header_timeout_s
+    after its response; a complete request on a fresh connection is still served."""
+    keep = connect(gw)
+    keep.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert read_response(keep).startswith(b"HTTP/1.1 200 ")
+    t_keep = time.monotonic()
+    trickle = connect(gw)
+    t_trickle = time.monotonic()
+    head = PARTIAL_HEAD + b"x" * 200
+    closed_at: dict[str, float] = {}
+    try:
+        sent = 0
+        while len(closed_at) < 2 and time.monotonic() - t_keep < HEADER_TIMEOUT_S + 6:
+            if "trickle" not in closed_at and sent < len(head):
+                try:
+                    trickle.sendall(head[sent : sent + 1])
+                    sent += 1
+                except (BrokenPipeError, ConnectionResetError):
+                    closed_at["trickle"] = time.monotonic() - t_trickle
+            for name, s, t in (("keep", keep, t_keep), ("trickle", trickle, t_trickle)):
+                if name in closed_at:
+                    continue
+                ready, _, _ = select.select([s], [], [], 0.15)
+                if ready:
+                    try:
+                        gone = s.recv(4096) == b""
+                    except ConnectionResetError:
+                        gone = True
+                    if gone:
+                        closed_at[name] = time.monotonic() - t
+    finally:
+        keep.close()
+        trickle.close()
+    assert set(closed_at) == {"keep", "trickle"}, closed_at
+    assert HEADER_TIMEOUT_S - 0.5 <= closed_at["trickle"] <= HEADER_TIMEOUT_S + 3, closed_at
+    assert closed_at["keep"] <= HEADER_TIMEOUT_S + 3, closed_at
+    assert sent < len(head), "the head never completed"
+    with connect(gw) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")

@@ -1,0 +1,156 @@
+"""The supervisor survives faults in its own loop: an unreadable device, a listener that
+raises, a round that raises. Each would have ended the supervisor task silently (the GPU
+worker then stays dead for good). Fast tier: a tiny fake worker process, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from spillover.config import SupervisorConfig
+from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec
+
+# Says it is ready, then lives ``argv[1]`` seconds: every start is followed by a death.
+FAKE_WORKER = (
+    "import json, os, sys, time\n"
+    "print(json.dumps({'ev': 'ready', 'info': {'pid': os.getpid()}}), flush=True)\n"
+    "time.sleep(float(sys.argv[1]))\n"
+)
+FAST = SupervisorConfig(
+    restart_backoff_initial_s=0.01,
+    restart_backoff_max_s=0.05,
+    health_timeout_s=30.0,
+    load_timeout_s=20.0,
+    release_wait_s=0.2,
+)
+
+
+@dataclass(frozen=True)
+class FakeWorkerSpec(WorkerSpec):
+    """A worker that is a few lines of Python instead of a model server."""
+
+    life_s: float = 0.05
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", FAKE_WORKER, str(self.life_s)]
+
+
+def spec() -> FakeWorkerSpec:
+    return FakeWorkerSpec(
+        worker_id="gpu0", lane="gpu", device="sim:64", model_path="", state_dir="", slots=1, n_ctx=64, n_threads=1,
+        n_batch=8,
+    )  # fmt: skip
+
+
+class UnreadableDevice:
+    """A device whose every reading fails, as a vanished sim ledger or a lost NVML would."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def held_by(self, pid: int) -> int:
+        self.reads += 1
+        raise OSError(f"device ledger unreadable (asked about pid {pid})")
+
+
+class ReleasedDevice:
+    """A device that always shows the dead worker's memory released."""
+
+    def held_by(self, pid: int) -> int:
+        return 0
+
+
+def supervise_until_ready(
+    n: int,
+    *,
+    device: Any,
+    listener: Callable[[str], None] = lambda e: None,
+    patch: Callable[[Supervisor], None] = lambda s: None,
+) -> Supervisor:
+    """Run a supervisor until its worker has become ready ``n`` times; fail at once if its
+    task ends first."""
+
+    async def go() -> Supervisor:
+        readies = asyncio.Event()
+        seen: list[str] = []
+
+        def on_change(w: WorkerClient, what: str) -> None:
+            if what.startswith("ready"):
+                seen.append(what)
+                if len(seen) >= n:
+                    readies.set()
+            listener(what)
+
+        sup = Supervisor(spec(), FAST, device=device, on_change=on_change)
+        patch(sup)
+        task = asyncio.create_task(sup.run())
+        waiter = asyncio.create_task(readies.wait())
+        try:
+            await asyncio.wait({task, waiter}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            assert not task.done(), f"the supervisor task ended: {task.exception() if task.done() else None}"
+            assert readies.is_set(), f"only {len(seen)} starts: {sup.events}"
+        finally:
+            waiter.cancel()
+            await sup.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return sup
+
+    return asyncio.run(go())
+
+
+def test_unreadable_device_while_waiting_for_release_does_not_end_supervision(caplog: pytest.LogCaptureFixture) -> None:
+    """A device whose ``held_by`` raises is logged and treated as not released yet: after the
+    bounded release wait the dead worker is restarted, again and again."""
+    dev = UnreadableDevice()
+    with caplog.at_level(logging.WARNING, logger="spillover.supervisor"):
+        sup = supervise_until_ready(3, device=dev)
+    assert dev.reads >= 2
+    assert sup.restarts >= 2
+    assert "cannot read the device" in caplog.text
+    assert any("not released after 0.2s (device unreadable" in what for _, what in sup.events), sup.events
+
+
+def test_listener_that_raises_does_not_end_supervision(caplog: pytest.LogCaptureFixture) -> None:
+    """A listener (the gateway's event hook) that raises on every event is logged, and the
+    worker is still started and restarted."""
+
+    def broken(what: str) -> None:
+        raise RuntimeError(f"listener bug on {what!r}")
+
+    with caplog.at_level(logging.ERROR, logger="spillover.supervisor"):
+        sup = supervise_until_ready(2, device=ReleasedDevice(), listener=broken)
+    assert sup.restarts >= 1
+    assert "listener failed on 'starting'" in caplog.text and "listener bug" in caplog.text
+
+
+def test_round_that_raises_is_logged_and_retried(caplog: pytest.LogCaptureFixture) -> None:
+    """An exception escaping a supervisor round (here: the release wait) is logged with its
+    traceback, counted, and the loop goes on after a back-off."""
+    failed: list[int] = []
+
+    def patch(sup: Supervisor) -> None:
+        original = sup._wait_released
+
+        async def broken_once(pid: int) -> None:
+            if not failed:
+                failed.append(pid)
+                raise RuntimeError("a bug in one round")
+            await original(pid)
+
+        sup._wait_released = broken_once  # type: ignore[method-assign]
+
+    with caplog.at_level(logging.ERROR, logger="spillover.supervisor"):
+        sup = supervise_until_ready(3, device=ReleasedDevice(), patch=patch)
+    assert failed and sup.errors == 1
+    assert "supervisor round failed" in caplog.text and "a bug in one round" in caplog.text
+    assert any(what.startswith("supervisor error (RuntimeError") for _, what in sup.events), sup.events
