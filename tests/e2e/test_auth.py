@@ -17,7 +17,6 @@ GUARDED = [
     ("GET", "/v1/status"),
     ("GET", "/ready"),
     ("GET", "/metrics"),
-    ("GET", "/"),
     ("GET", "/v1/requests/nope"),
     ("DELETE", "/v1/requests/nope"),
     ("POST", "/v1/completions"),
@@ -44,9 +43,12 @@ def test_guarded_routes_refuse_a_missing_or_wrong_key(gw: GatewayProcess, method
 
 
 def test_the_right_key_opens_every_route_and_health_is_open(gw: GatewayProcess) -> None:
-    """With the key the routes answer as usual (404 for an unknown request); /health needs none."""
+    """With the key the routes answer as usual (404 for an unknown request); /health and the static
+    status page / (its script asks for the key) need none."""
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(gw.url + "/health", timeout=30).status_code == 200
+    page = httpx.get(gw.url + "/", timeout=30)
+    assert page.status_code == 200 and "sessionStorage" in page.text and KEY not in page.text
     for method, path in GUARDED:
         body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0} if method == "POST" else None
         if path == "/v1/chat/completions":

@@ -133,10 +133,17 @@ def test_bad_input_is_rejected_openai_shaped(
 
 def test_bad_json_and_oversized_body(gateway: GatewayProcess) -> None:
     """Malformed JSON is 400; a body over the limit is 413 (refused from Content-Length)."""
-    r = httpx.post(gateway.url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     big = b'{"messages": "' + b"x" * (2 * 1024 * 1024) + b'"}'
-    r = httpx.post(gateway.url + "/v1/chat/completions", content=big, timeout=30)
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions", content=big, headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
 
 
@@ -147,7 +154,9 @@ def test_oversized_chunked_body_is_cut_off(gateway: GatewayProcess) -> None:
         for _ in range(64):
             yield b"x" * 65536
 
-    r = httpx.post(gateway.url + "/v1/chat/completions", content=gen(), timeout=30)
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions", content=gen(), headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert r.status_code == 413
 
 

@@ -1,0 +1,251 @@
+"""Host, Origin and Content-Type checks (item 13): a page in the user's browser, through DNS
+rebinding or a cross-site form, can neither read the gateway nor start or cancel work."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from spillover.config import ServerConfig, load_config
+from spillover.errors import ConfigError
+from spillover.http.origin import HostPolicy
+from spillover.testing import GatewayProcess
+
+e2e = pytest.mark.e2e
+MODEL = "smollm2-135m-instruct"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def _refusal(server: ServerConfig, host: str, origin: str | None = None, **kw: str) -> str | None:
+    """The error code the policy of ``server`` answers, or None when it lets the request through."""
+    headers = [(b"host", host.encode())]
+    if origin is not None:
+        headers.append((b"origin", origin.encode()))
+    method = kw.pop("method", "GET")
+    headers += [(k.replace("_", "-").encode(), v.encode()) for k, v in kw.items()]
+    err = HostPolicy.from_config(server).refusal(method, headers)
+    return None if err is None else err.code
+
+
+LOOPBACK = ServerConfig()
+PROXIED = ServerConfig(allowed_hosts=("gw.example", "*"), allowed_origins=("https://ui.example",))
+
+
+@pytest.mark.parametrize(
+    ("server", "host", "origin", "expected"),
+    [
+        (LOOPBACK, "127.0.0.1:8000", None, None),
+        (LOOPBACK, "localhost:8000", None, None),
+        (LOOPBACK, "LOCALHOST.:8000", None, None),
+        (LOOPBACK, "[::1]:8000", None, None),
+        (LOOPBACK, "127.0.0.1:2222", None, None),  # a forwarded port: the port is not compared
+        (LOOPBACK, "evil.example:8000", None, "forbidden_host"),
+        (LOOPBACK, "127.0.0.1.evil.example", None, "forbidden_host"),
+        (LOOPBACK, "localhost@evil.example", None, "forbidden_host"),
+        (LOOPBACK, "192.168.1.5:8000", None, "forbidden_host"),
+        (LOOPBACK, "::1", None, "forbidden_host"),  # IPv6 without brackets is malformed
+        (LOOPBACK, "127.0.0.1:99999", None, "forbidden_host"),
+        (LOOPBACK, "", None, "forbidden_host"),
+        (LOOPBACK, "127.0.0.1:8000", "http://127.0.0.1:8000", None),
+        (LOOPBACK, "localhost", "http://localhost", None),
+        (LOOPBACK, "[::1]:8000", "http://[::1]:8000", None),
+        (LOOPBACK, "127.0.0.1:8000", "http://evil.example", "forbidden_origin"),
+        (LOOPBACK, "127.0.0.1:8000", "http://localhost:8000", "forbidden_origin"),
+        (LOOPBACK, "127.0.0.1:8000", "http://127.0.0.1:3000", "forbidden_origin"),
+        (LOOPBACK, "127.0.0.1:8000", "null", "forbidden_origin"),
+        (LOOPBACK, "127.0.0.1:8000", "file://", "forbidden_origin"),
+        (LOOPBACK, "127.0.0.1:8000", "ftp://127.0.0.1:8000", "forbidden_origin"),
+        (LOOPBACK, "127.0.0.1:8000", "http://127.0.0.1:8000/x", "forbidden_origin"),
+        (ServerConfig(allowed_hosts=("gw.example",)), "gw.example:443", None, None),
+        (ServerConfig(allowed_hosts=("gw.example",)), "gw.example", "https://gw.example", None),
+        (ServerConfig(allowed_hosts=("gw.example",)), "gw.example", "https://gw.example:8443", "forbidden_origin"),
+        (ServerConfig(allowed_hosts=("gw.example",)), "evil.example", None, "forbidden_host"),
+        (PROXIED, "anything.example", None, None),
+        (PROXIED, "anything.example", "https://evil.example", "forbidden_origin"),
+        (PROXIED, "127.0.0.1:8000", "https://ui.example", None),
+        (PROXIED, "127.0.0.1:8000", "https://ui.example:443", None),
+        (PROXIED, "127.0.0.1:8000", "http://ui.example", "forbidden_origin"),
+        (ServerConfig(host="192.168.1.5", api_key="k"), "192.168.1.5:8000", None, None),
+        (ServerConfig(host="192.168.1.5", api_key="k"), "192.168.1.6:8000", None, "forbidden_host"),
+        (ServerConfig(host="0.0.0.0", api_key="k"), "10.1.2.3:8000", None, None),
+        (ServerConfig(host="0.0.0.0", api_key="k"), "[fe80::1]:8000", None, None),
+        (ServerConfig(host="0.0.0.0", api_key="k"), "evil.example:8000", None, "forbidden_host"),
+    ],
+)
+def test_host_and_origin_rules(server: ServerConfig, host: str, origin: str | None, expected: str | None) -> None:
+    """Each row: a Host (and Origin) and whether the policy of that [server] config refuses it, and how."""
+    assert _refusal(server, host, origin) == expected
+
+
+def test_duplicate_host_or_origin_headers_are_refused() -> None:
+    """Two Host headers, or two Origin headers, are refused rather than guessed between."""
+    policy = HostPolicy.from_config(LOOPBACK)
+    two_hosts = policy.refusal("GET", [(b"host", b"127.0.0.1"), (b"host", b"evil.example")])
+    assert two_hosts is not None and two_hosts.code == "forbidden_host"
+    origin = (b"origin", b"http://127.0.0.1")
+    two_origins = policy.refusal("GET", [(b"host", b"127.0.0.1"), origin, (b"origin", b"http://evil.example")])
+    assert two_origins is not None and two_origins.code == "forbidden_origin"
+
+
+@pytest.mark.parametrize(
+    ("method", "headers", "expected"),
+    [
+        ("POST", {"content_type": "application/json", "content_length": "10"}, None),
+        ("POST", {"content_type": "Application/JSON; charset=utf-8", "content_length": "10"}, None),
+        ("POST", {"content_type": "text/plain", "content_length": "10"}, "unsupported_media_type"),
+        (
+            "POST",
+            {"content_type": "text/plain;charset=UTF-8", "transfer_encoding": "chunked"},
+            "unsupported_media_type",
+        ),
+        (
+            "POST",
+            {"content_type": "application/x-www-form-urlencoded", "content_length": "3"},
+            "unsupported_media_type",
+        ),
+        ("POST", {"content_type": "multipart/form-data; boundary=x", "content_length": "3"}, "unsupported_media_type"),
+        ("POST", {"content_length": "10"}, "unsupported_media_type"),  # a Blob body: no type at all
+        ("POST", {"content_type": "application/jsonx", "content_length": "10"}, "unsupported_media_type"),
+        ("DELETE", {"content_type": "text/plain", "content_length": "2"}, "unsupported_media_type"),
+        ("DELETE", {}, None),  # no body, no type needed
+        ("POST", {"content_length": "0"}, None),
+        ("GET", {"content_type": "text/plain", "content_length": "10"}, None),
+    ],
+)
+def test_content_type_rule(method: str, headers: dict[str, str], expected: str | None) -> None:
+    """Each row: a request with or without a body, and whether its Content-Type is refused (415)."""
+    assert _refusal(LOOPBACK, "127.0.0.1:8000", None, method=method, **headers) == expected
+
+
+def test_allow_lists_load_from_toml_and_are_validated(tmp_path: Path) -> None:
+    """allowed_hosts/allowed_origins read as TOML lists; a port, a path, '*' origins or non-strings are refused."""
+    f = tmp_path / "c.toml"
+    f.write_text('[server]\nallowed_hosts = ["gw.example", "[::1]", "*"]\nallowed_origins = ["https://ui.example"]\n')
+    server = load_config(str(f)).server
+    assert server.allowed_hosts == ("gw.example", "[::1]", "*")
+    assert server.allowed_origins == ("https://ui.example",)
+    for bad in (
+        'allowed_hosts = ["gw.example:8000"]',
+        'allowed_hosts = ["http://gw.example"]',
+        "allowed_hosts = [1]",
+        'allowed_hosts = "gw.example"',
+        'allowed_origins = ["*"]',
+        'allowed_origins = ["null"]',
+        'allowed_origins = ["https://ui.example/"]',
+        'allowed_origins = ["ui.example"]',
+    ):
+        f.write_text(f"[server]\n{bad}\n")
+        with pytest.raises(ConfigError):
+            load_config(str(f))
+
+
+# ---- a real gateway ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    with GatewayProcess(["--gpu", "none", "--cpu-slots", "1"]) as g:
+        yield g
+
+
+def _host(gw: GatewayProcess) -> str:
+    return f"127.0.0.1:{gw.port}"
+
+
+def _call(gw: GatewayProcess, method: str, path: str, headers: dict[str, str], body: Any = None) -> httpx.Response:
+    content = None if body is None else json.dumps(body).encode()
+    return httpx.request(method, gw.url + path, content=content, headers=headers, timeout=120)
+
+
+def _assert_refused(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["code"] == code
+    assert err["type"] == ("permission_error" if status == 403 else "invalid_request_error")
+    assert r.headers["x-spillover-request-id"] and r.headers["x-spillover-route"] == "none"
+
+
+ROUTES = [
+    ("GET", "/v1/status", None),
+    ("GET", "/v1/requests/x", None),
+    ("GET", "/health", None),
+    ("GET", "/", None),
+    ("GET", "/metrics", None),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("DELETE", "/v1/requests/x", None),
+]
+JSON = {"Content-Type": "application/json"}
+
+
+@e2e
+def test_a_foreign_host_is_refused_on_every_route(gw: GatewayProcess) -> None:
+    """A DNS-rebound page (Host: evil.example:PORT) gets 403 forbidden_host everywhere, /health included."""
+    for method, path, body in ROUTES:
+        r = _call(gw, method, path, {"Host": f"evil.example:{gw.port}", **JSON}, body)
+        _assert_refused(r, 403, "forbidden_host")
+
+
+@e2e
+def test_loopback_names_on_any_port_are_served(gw: GatewayProcess) -> None:
+    """localhost, 127.0.0.1 and [::1] are served, also under a forwarded port."""
+    for host in (f"localhost:{gw.port}", _host(gw), f"[::1]:{gw.port}", "127.0.0.1:2222", "localhost"):
+        r = _call(gw, "GET", "/v1/status", {"Host": host})
+        assert r.status_code == 200, (host, r.text)
+
+
+@e2e
+def test_a_foreign_origin_is_refused(gw: GatewayProcess) -> None:
+    """Origin: http://evil.example (or null, or another local origin) gets 403 forbidden_origin, DELETE included."""
+    for origin in ("http://evil.example", "null", f"http://localhost:{gw.port}", "http://127.0.0.1:1"):
+        for method, path, body in ROUTES:
+            r = _call(gw, method, path, {"Host": _host(gw), "Origin": origin, **JSON}, body)
+            _assert_refused(r, 403, "forbidden_origin")
+
+
+@e2e
+def test_the_same_origin_is_served(gw: GatewayProcess) -> None:
+    """Origin http://127.0.0.1:PORT (the status page's own) reads status, generates, and may DELETE."""
+    same = {"Host": _host(gw), "Origin": f"http://127.0.0.1:{gw.port}"}
+    assert _call(gw, "GET", "/v1/status", same).status_code == 200
+    r = _call(gw, "POST", "/v1/chat/completions", {**same, **JSON}, CHAT)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-spillover-request-id"]
+    gone = _call(gw, "DELETE", f"/v1/requests/{rid}", same)  # no body, so no Content-Type needed
+    assert gone.status_code == 200 and gone.json()["state"] == "completed"
+
+
+def _finished_requests(gw: GatewayProcess) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("spillover_requests_total")
+    )
+
+
+@e2e
+def test_a_simple_cross_site_post_runs_nothing(gw: GatewayProcess) -> None:
+    """A JSON body sent as text/plain, a form type or no type (no CORS preflight) is 415, and nothing
+    is journaled or run: the same Idempotency-Key then runs afresh instead of replaying."""
+    before = _finished_requests(gw)
+    for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None):
+        headers = {"Host": _host(gw), "Idempotency-Key": "item13"} | ({"Content-Type": ctype} if ctype else {})
+        _assert_refused(_call(gw, "POST", "/v1/chat/completions", headers, CHAT), 415, "unsupported_media_type")
+    assert _finished_requests(gw) == before
+    r = _call(gw, "POST", "/v1/chat/completions", {"Host": _host(gw), "Idempotency-Key": "item13", **JSON}, CHAT)
+    assert r.status_code == 200, r.text
+    assert "idempotent-replayed" not in r.headers
+    assert _finished_requests(gw) == before + 1
+
+
+@e2e
+def test_the_official_openai_client_still_works(gw: GatewayProcess) -> None:
+    """The openai package (Host 127.0.0.1:PORT, application/json, no Origin) passes all three checks."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert out.choices[0].message is not None
+    assert [m.id for m in client.models.list()] == [MODEL]
