@@ -31,6 +31,7 @@ __all__ = [
     "ServerConfig",
     "SupervisorConfig",
     "default_model_path",
+    "default_state_dir",
     "load_config",
     "parse_device",
 ]
@@ -54,6 +55,14 @@ def default_model_path() -> str:
     return str(path)
 
 
+def default_state_dir() -> str:
+    """``$XDG_DATA_HOME/spillover``, else ``~/.local/share/spillover``: never the working directory."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative (or empty) value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "spillover")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP listener and request limits."""
@@ -62,8 +71,24 @@ class ServerConfig:
     port: int = _doc(8000, "TCP port to bind (0 picks a free one)")
     api_key: str = _doc("", "Bearer key clients must send; required off loopback")
     max_body_bytes: int = _doc(1_048_576, "largest request body accepted (413 above)")
-    state_dir: str = _doc("var/spillover", "folder for the sim ledger, journal and logs")
+    state_dir: str = _doc(
+        "",
+        "folder for the sim ledger, journal and logs, locked by one gateway at a time; empty = "
+        "$XDG_DATA_HOME/spillover, else ~/.local/share/spillover",
+    )
     request_timeout_s: float = _doc(600.0, "longest a single request may run end to end")
+    max_connections: int = _doc(256, "client connections open at once; one more is answered 503 and closed at once")
+    header_timeout_s: float = _doc(
+        10.0,
+        "longest a client may take to send a complete request head, from connect or from the end of "
+        "its previous response (bounds idle keep-alive too); slower connections are closed",
+    )
+    allowed_hosts: tuple[str, ...] = _doc(
+        (), "Host names served besides localhost, loopback IPs and the bind address; '*' = any (reverse proxy)"
+    )
+    allowed_origins: tuple[str, ...] = _doc(
+        (), "browser origins (scheme://host[:port]) allowed besides the gateway's own, e.g. a web UI"
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,12 @@ class ModelConfig:
     fallback_name: str = _doc("", "model id reported for fallback answers (empty: the fallback file's name)")
     seed: int = _doc(0, "default sampling seed when the request gives none")
     default_max_tokens: int = _doc(256, "max_tokens when the request gives none")
+    max_grammar_bytes: int = _doc(
+        65536, "largest output grammar (GBNF) a tool schema may compile to; bigger schemas get a 400"
+    )
+    max_grammar_repeat: int = _doc(
+        512, "largest repetition a tool schema may ask for (maxLength, maxItems, ...) and deepest grammar nesting"
+    )
 
 
 @dataclass(frozen=True)
@@ -152,6 +183,7 @@ class BreakerConfig:
     cooldown_max_s: float = _doc(30.0, "cap of the cooldown, which doubles on flapping")
     half_open_probes: int = _doc(1, "requests let through at once while half-open")
     close_after_successes: int = _doc(2, "probe successes that close the breaker")
+    probe_timeout_s: float = _doc(120.0, "a half-open probe that has not ended after this re-opens the breaker")
 
 
 @dataclass(frozen=True)
@@ -161,6 +193,7 @@ class JournalConfig:
     path: str = _doc("", "journal file; empty means <state_dir>/journal.sqlite3")
     retention_s: float = _doc(86400.0, "finished requests older than this are deleted")
     max_requests: int = _doc(100_000, "finished requests kept at most (oldest deleted first)")
+    max_mib: int = _doc(256, "journal size bound on disk; past 80 % the oldest finished requests go")
 
 
 @dataclass(frozen=True)
@@ -189,8 +222,8 @@ class Config:
         return self.model.fallback_name or Path(self.model.fallback_path).name.removesuffix(".gguf")
 
     def state_path(self) -> Path:
-        """The state folder as an absolute path."""
-        return Path(self.server.state_dir).resolve()
+        """The state folder as an absolute path (the user's data folder when unset)."""
+        return Path(self.server.state_dir or default_state_dir()).expanduser().resolve()
 
     def journal_path(self) -> Path:
         """The journal file."""
@@ -238,6 +271,10 @@ def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
         expected = type(default) if default is not dataclasses.MISSING else str
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if expected is tuple and isinstance(value, list):
+            if not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"[{section}].{key} must be a list of strings")
+            value = tuple(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ConfigError(f"[{section}].{key} must be {expected.__name__}, got {type(value).__name__}")
         kwargs[key] = value
@@ -250,11 +287,14 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[server].port must be 0..65535")
     if s.max_body_bytes < 1024:
         raise ConfigError("[server].max_body_bytes must be at least 1024")
+    if s.max_connections < 1 or s.header_timeout_s <= 0:
+        raise ConfigError("[server] max_connections must be >= 1 and header_timeout_s > 0")
     if not _is_loopback(s.host) and not s.api_key:
         raise ConfigError(
             f"binding {s.host} exposes the server beyond this machine: set [server].api_key "
             "(or --api-key) so clients must authenticate"
         )
+    _validate_allow_lists(s)
     parse_device(cfg.device.gpu)
     for name, lane in (("gpu_lane", cfg.gpu_lane), ("cpu_lane", cfg.cpu_lane)):
         if lane.slots < 1 or lane.n_threads < 1:
@@ -276,8 +316,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[failover] max_attempts >= 1 and stall_timeout_s > 0")
     if cfg.breaker.failure_threshold < 1 or cfg.breaker.half_open_probes < 1:
         raise ConfigError("[breaker] failure_threshold and half_open_probes must be >= 1")
-    if cfg.journal.max_requests < 1 or cfg.journal.retention_s <= 0:
-        raise ConfigError("[journal] max_requests >= 1 and retention_s > 0")
+    if cfg.journal.max_requests < 1 or cfg.journal.retention_s <= 0 or cfg.journal.max_mib <= 0:
+        raise ConfigError("[journal] max_requests >= 1, retention_s > 0 and max_mib > 0")
     if cfg.model.path and not Path(cfg.model.path).is_file():
         raise ConfigError(f"[model].path does not exist: {cfg.model.path}")
     if cfg.model.fallback_path and not Path(cfg.model.fallback_path).is_file():
@@ -286,6 +326,31 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[model].fallback_name needs [model].fallback_path")
     if cfg.model.fallback_path and cfg.fallback_model_name() == cfg.model.name:
         raise ConfigError("[model].fallback_name must differ from [model].name (clients must see which answered)")
+
+
+_HOST_NAME_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
+_ORIGIN_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?$")
+
+
+def _validate_allow_lists(s: ServerConfig) -> None:
+    """``allowed_hosts``: names or IPs without a port, or ``*``; ``allowed_origins``: exact
+    ``http(s)://host[:port]`` origins (no path, no ``*``)."""
+    for h in s.allowed_hosts:
+        bare = h[1:-1] if h.startswith("[") and h.endswith("]") else h
+        if h == "*" or _HOST_NAME_RE.match(h):
+            continue
+        try:
+            ipaddress.IPv6Address(bare)
+        except ValueError:
+            raise ConfigError(
+                f"[server].allowed_hosts entry {h!r} must be a host name or IP without a port, or '*'"
+            ) from None
+    for o in s.allowed_origins:
+        if not _ORIGIN_RE.match(o):
+            raise ConfigError(
+                f"[server].allowed_origins entry {o!r} must be an origin like 'https://ui.example:8443' "
+                "(scheme, host and optional port; no path, no '*')"
+            )
 
 
 def _is_loopback(host: str) -> bool:

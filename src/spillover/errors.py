@@ -8,15 +8,19 @@
     │   ├── InvalidRequest              400 invalid_request_error (param set)
     │   ├── ContextLengthExceeded       400 code=context_length_exceeded
     │   ├── Unauthorized                401 authentication_error
+    │   ├── Forbidden                   403 permission_error (forbidden_host, forbidden_origin)
+    │   ├── UnsupportedMediaType        415 code=unsupported_media_type (body not JSON-typed)
     │   ├── NotFound                    404 (model_not_found, request_not_found, ...)
     │   └── PayloadTooLarge             413 code=payload_too_large
     ├── CapacityError                   503 + Retry-After: the gateway is full right now
     │   ├── QueueFull                   code=queue_full
+    │   ├── JournalUnavailable          type=server_error code=journal_unavailable: a journal write failed
     │   └── NoWorkerReady               code=no_worker_ready
     │   └── RequestCancelled            409 code=request_cancelled (DELETE or client gone)
     ├── IdempotencyError                the Idempotency-Key was used differently
     │   ├── IdempotencyInFlight         409 + Retry-After: the first request is still running
     │   └── IdempotencyMismatch         422: same key, different body
+    ├── RequestTimedOut                 504 code=request_timeout: ran past request_timeout_s
     └── WorkerFailed                    503 + Retry-After: a worker died or failed mid-request
         ├── AllocationFailed            the device refused memory before generation
         └── FailoverInterrupted         code=failover_interrupted: tokens were delivered and
@@ -39,18 +43,22 @@ __all__ = [
     "ConfigError",
     "ContextLengthExceeded",
     "FailoverInterrupted",
+    "Forbidden",
     "HttpError",
     "IdempotencyError",
     "IdempotencyInFlight",
     "IdempotencyMismatch",
     "InvalidRequest",
+    "JournalUnavailable",
     "NoWorkerReady",
     "NotFound",
     "PayloadTooLarge",
     "QueueFull",
     "RequestCancelled",
+    "RequestTimedOut",
     "SpilloverError",
     "Unauthorized",
+    "UnsupportedMediaType",
     "WorkerFailed",
     "to_http",
 ]
@@ -101,6 +109,21 @@ class Unauthorized(ClientError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(ClientError):
+    """The request's Host or Origin is not allowed (DNS rebinding or cross-site guard)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class UnsupportedMediaType(ClientError):
+    """A request body without ``Content-Type: application/json``."""
+
+    status = 415
+    code = "unsupported_media_type"
 
 
 class NotFound(ClientError):
@@ -170,6 +193,13 @@ class QueueFull(CapacityError):
     code = "queue_full"
 
 
+class JournalUnavailable(CapacityError):
+    """The request journal cannot be written (disk full, byte bound reached, I/O error)."""
+
+    type = "server_error"
+    code = "journal_unavailable"
+
+
 class NoWorkerReady(CapacityError):
     """No worker that can serve this model is ready."""
 
@@ -193,6 +223,14 @@ class FailoverInterrupted(WorkerFailed):
     """Tokens were delivered and the continuation could not be proven identical."""
 
     code = "failover_interrupted"
+
+
+class RequestTimedOut(SpilloverError):
+    """The request ran longer than the gateway's ``request_timeout_s``; it was stopped."""
+
+    status = 504
+    type = "server_error"
+    code = "request_timeout"
 
 
 @dataclass(frozen=True)

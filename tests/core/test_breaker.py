@@ -94,3 +94,47 @@ def test_table_is_total_or_raises(circuit: Circuit, event: BreakerEvent) -> None
     else:
         with pytest.raises(ValueError):
             advance(b, event, 0.0, P)
+
+
+def test_released_probe_frees_its_place_without_counting() -> None:
+    """A cancelled probe (PROBE_RELEASED) lets the next probe in and neither closes nor opens."""
+    b = advance(advance(BreakerState(), E.SEVERE_FAILURE, 0, P), E.TICK, 2.0, P)
+    b = advance(b, E.PROBE, 2.0, P)
+    assert not allows(b, P)
+    b = advance(b, E.PROBE_RELEASED, 2.5, P)
+    assert b.circuit is Circuit.HALF_OPEN
+    assert b.probes_in_flight == 0 and b.probe_successes == 0
+    assert allows(b, P)
+
+
+def test_lost_probe_reopens_after_probe_timeout() -> None:
+    """HALF_OPEN is bounded: a probe in flight past probe_timeout_s re-opens on tick, not before."""
+    p = BreakerPolicy(cooldown_s=2, probe_timeout_s=30)
+    b = advance(advance(BreakerState(), E.SEVERE_FAILURE, 10, p), E.TICK, 12, p)
+    b = advance(b, E.PROBE, 13, p)
+    assert advance(b, E.TICK, 43, p).circuit is Circuit.HALF_OPEN  # exactly the bound: still waiting
+    reopened = advance(b, E.TICK, 43.01, p)
+    assert reopened.circuit is Circuit.OPEN and reopened.opened_at_s == 43.01
+
+
+def test_half_open_tick_without_probe_waits() -> None:
+    """HALF_OPEN with no probe in flight does not time out, whatever the clock says."""
+    p = BreakerPolicy(cooldown_s=2, probe_timeout_s=30)
+    b = advance(advance(BreakerState(), E.SEVERE_FAILURE, 0, p), E.TICK, 2, p)
+    assert advance(b, E.TICK, 1000, p).circuit is Circuit.HALF_OPEN
+
+
+def test_probe_timeout_counts_from_the_oldest_probe() -> None:
+    """A second probe does not extend the first one's deadline."""
+    p = BreakerPolicy(cooldown_s=2, probe_timeout_s=30, half_open_probes=2)
+    b = advance(advance(BreakerState(), E.SEVERE_FAILURE, 0, p), E.TICK, 2, p)
+    b = advance(advance(b, E.PROBE, 5, p), E.PROBE, 20, p)
+    assert b.probe_started_s == 5
+    assert advance(b, E.TICK, 36, p).circuit is Circuit.OPEN
+
+
+@pytest.mark.parametrize("circuit", [Circuit.CLOSED, Circuit.OPEN])
+def test_probe_released_outside_half_open_changes_nothing(circuit: Circuit) -> None:
+    """A cancelled request admitted while closed (or finishing after a trip) leaves the breaker as it was."""
+    b = BreakerState(circuit=circuit, failures=2, first_failure_s=1.0, opened_at_s=3.0, cooldown_s=2.0)
+    assert advance(b, E.PROBE_RELEASED, 4.0, P) == b

@@ -19,13 +19,16 @@ GPU_FP = {"compat": "c1", "numerics": "n1"}
 
 @dataclass
 class FakeScheduler:
-    """Just what ``Execution._failover`` touches: the CPU workers and the queue."""
+    """Just what ``Execution._failover`` touches: the CPU workers, the queue and the CPU lane's cap."""
 
     cpu_workers: list[Any]
     submitted: list[tuple[Any, str | None]] = field(default_factory=list)
 
     def submit_nowait(self, job: Any, lane: str | None = None) -> None:
         self.submitted.append((job, lane))
+
+    def cpu_ctx_cap_tokens(self) -> int:
+        return 1024
 
 
 def worker(fp: dict[str, str]) -> Any:

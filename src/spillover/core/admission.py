@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from spillover.core.breaker import BreakerPolicy, BreakerState, allows
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
+from spillover.core.routing import fits_lane
 
 __all__ = [
     "AdmissionPolicy",
@@ -136,7 +137,7 @@ Decision = Admit | Shrink | Delay | Route | Reject
 def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: str, p: AdmissionPolicy) -> Decision:
     if not p.allow_cpu_route or not lanes.cpu_ready:
         return Reject(lanes.cpu_retry_after_s, f"{reason}+cpu_unavailable")
-    if req.prompt_tokens + req.max_tokens > lanes.cpu_ctx_cap_tokens:
+    if not fits_lane(req.prompt_tokens, req.max_tokens, lanes.cpu_ctx_cap_tokens):
         return Reject(lanes.cpu_retry_after_s, f"{reason}+too_long_for_cpu")
     if lanes.cpu_queue_free <= 0:
         return Reject(lanes.cpu_retry_after_s, f"{reason}+cpu_queue_full")

@@ -10,6 +10,11 @@ Rules:
 3. HALF_OPEN lets at most ``half_open_probes`` requests through; ``close_after_successes``
    successes close it, any failure re-opens it.
 4. Success in CLOSED clears the failure count.
+5. Every probe ends in an event: success, failure, or ``PROBE_RELEASED`` (the probe was
+   cancelled, or ended for a reason that says nothing about the device, such as a client's
+   bad schema); a released probe frees its place and counts neither way.
+6. HALF_OPEN is bounded: a probe still in flight ``probe_timeout_s`` after it started
+   re-opens the breaker (``tick``), so no lost probe pins it half-open.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class BreakerEvent(str, Enum):
     SEVERE_FAILURE = "severe_failure"
     TICK = "tick"
     PROBE = "probe"
+    PROBE_RELEASED = "probe_released"
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class BreakerPolicy:
     flap_window_s: float = 60.0
     half_open_probes: int = 1
     close_after_successes: int = 2
+    probe_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class BreakerState:
     probes_in_flight: int = 0
     probe_successes: int = 0
     opens: int = 0
+    probe_started_s: float = 0.0  # when the oldest probe in flight started
 
     def retry_after_s(self, now_s: float) -> float:
         """Seconds until an OPEN breaker will try HALF_OPEN (0 otherwise)."""
@@ -106,7 +114,18 @@ def _tick_open(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
 
 
 def _probe(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
-    return replace(b, probes_in_flight=b.probes_in_flight + 1)
+    started = b.probe_started_s if b.probes_in_flight else now_s
+    return replace(b, probes_in_flight=b.probes_in_flight + 1, probe_started_s=started)
+
+
+def _probe_released(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    return replace(b, probes_in_flight=max(0, b.probes_in_flight - 1))
+
+
+def _tick_half_open(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    if b.probes_in_flight and now_s - b.probe_started_s > p.probe_timeout_s:
+        return _open(b, now_s, p)  # a probe that never reported: treat it as a failure
+    return b
 
 
 def _same(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
@@ -124,15 +143,18 @@ TABLE = {
     (_C, _E.FAILURE): _closed_failure,
     (_C, _E.SEVERE_FAILURE): _open,
     (_C, _E.TICK): _same,
+    (_C, _E.PROBE_RELEASED): _same,  # a cancelled request admitted while closed
     (_O, _E.SUCCESS): _same,  # a request admitted before the trip finished fine
     (_O, _E.FAILURE): _same,
     (_O, _E.SEVERE_FAILURE): _same,
     (_O, _E.TICK): _tick_open,
+    (_O, _E.PROBE_RELEASED): _same,
     (_H, _E.SUCCESS): _half_open_success,
     (_H, _E.FAILURE): _open,
     (_H, _E.SEVERE_FAILURE): _open,
-    (_H, _E.TICK): _same,
+    (_H, _E.TICK): _tick_half_open,
     (_H, _E.PROBE): _probe,
+    (_H, _E.PROBE_RELEASED): _probe_released,
 }
 
 

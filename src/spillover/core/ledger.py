@@ -45,6 +45,7 @@ class LedgerStatistics:
     observed_age_s: float | None
     headroom_bytes: int | None
     reservations: int
+    request_reservations: int  # held by requests (the rest: weights and tenants)
     granted_total: int
     released_total: int
     peak_requests: int
@@ -182,6 +183,7 @@ class DeviceLedger:
             observed_age_s=age,
             headroom_bytes=self.headroom(now_s),
             reservations=len(self._reservations),
+            request_reservations=sum(1 for r in self._reservations.values() if r.kind == "request"),
             granted_total=self._granted_total,
             released_total=self._released_total,
             peak_requests=self._peak_requests,

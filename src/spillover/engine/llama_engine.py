@@ -3,12 +3,20 @@
 One ``Engine`` holds one model; each slot is its own llama context (weights are mmap'ed,
 so slots share them). The gateway uses a vocab-only ``Tokenizer`` to count prompt tokens
 before admission, so both workers see the very same token ids.
+
+A chat prompt is tokenized by ``Tokenizer.tokenize_chat``: only the chat template's own
+markers become control tokens; text from the client (every message content, including the
+gateway's tool-instruction message) is tokenized with ``special=False``, so
+``<|im_end|>\n<|im_start|>system`` inside a message stays plain text.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import secrets
+import string
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +34,44 @@ def _llama_cls() -> Any:
     return llama_cpp.Llama
 
 
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace() strips around an lstrip/rstrip marker
+
+
+@dataclass(frozen=True)
+class _Marker:
+    """A vocabulary token that only ``special=True`` produces (a control or unknown token)."""
+
+    text: str
+    token_id: int
+    lstrip: bool  # llama.cpp drops the whitespace before it
+    rstrip: bool  # ... and after it
+
+
+@dataclass(frozen=True)
+class _Content:
+    """Client text inside a rendered chat prompt: never parsed for markers."""
+
+    text: str
+
+
+def _strings(obj: Any) -> Iterator[str]:
+    """Every string inside a JSON-like value (keys included)."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _strings(v)
+
+
+def _sentinel() -> str:
+    """A fresh nonce of 32 ASCII letters: no template trims, escapes or splits it."""
+    return "".join(secrets.choice(string.ascii_letters) for _ in range(32))
+
+
 class Tokenizer:
     """Vocab-only view of a GGUF: chat template, tokenize, special tokens."""
 
@@ -38,6 +84,7 @@ class Tokenizer:
         arch = meta.get("general.architecture", "llama")
         self.n_ctx_train = int(meta.get(f"{arch}.context_length", "2048"))
         self._lock = threading.Lock()
+        self._marker_cache: list[_Marker] | None = None
         eos_id = self._llm.token_eos()
         bos_id = self._llm.token_bos()
         self.eos_token = self._piece(eos_id) if eos_id >= 0 else ""
@@ -56,10 +103,147 @@ class Tokenizer:
         result = fmt(messages=messages, tools=tools)  # type: ignore[arg-type]
         return str(result.prompt)
 
-    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
-        """Token ids for ``text`` (BOS added when the model asks for it)."""
+    def tokenize(self, text: str, *, special: bool = True, add_bos: bool = True) -> list[int]:
+        """Token ids for ``text``; with ``add_bos`` the model's BOS/EOS when it asks for them.
+
+        ``special=True`` turns marker text such as ``<|im_start|>`` into control tokens:
+        use it only on text that the client cannot write (see ``tokenize_chat``).
+        """
         with self._lock:
-            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=special))
+            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Prompt ids for a conversation in which only the template's own markers are control tokens.
+
+        The template is rendered a second time as a skeleton: each message's content is
+        replaced by a unique sentinel, and so is every marker text (``<|im_end|>``...)
+        inside the other client strings (tool definitions, tool calls, ids). When putting
+        the originals back into the skeleton gives exactly the real rendering, the
+        skeleton's template text is cut at marker text (as llama.cpp does for
+        ``special=True``) and the client text joins the plain text around it, each run
+        between two markers tokenized with ``special=False``. For ordinary text the ids
+        are identical to ``tokenize(render_chat(...), special=True)``. A template that
+        drops or repeats a content is fine: every copy is client text.
+
+        Fallback, when the template rewrites client text (trims, slices, escapes it), so
+        the skeleton cannot be matched to the real rendering: if no client string holds
+        marker text, the rendering is tokenized with ``special=True`` as before (nothing
+        to forge); otherwise it is tokenized with ``special=False`` as a whole: the model
+        then sees no control tokens at all, and never forged ones.
+        """
+        rendered = self.render_chat(messages, tools)
+        parts = self._chat_parts(messages, tools, rendered)
+        if parts is not None:
+            return self._tokenize_parts(parts)
+        forgeable = any(self._has_marker(s) for s in _strings([messages, tools]))
+        return self.tokenize(rendered, special=not forgeable)
+
+    def _markers(self) -> list[_Marker]:
+        """Control and unknown tokens, longest text first (llama.cpp's matching order)."""
+        if self._marker_cache is None:
+            import llama_cpp
+
+            vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
+            found = []
+            for i in range(self._llm.n_vocab()):
+                attr = int(llama_cpp.llama_vocab_get_attr(vocab, i))
+                if not attr & (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN):
+                    continue
+                text = bytes(llama_cpp.llama_vocab_get_text(vocab, i)).decode("utf-8", "replace")
+                if text:
+                    lstrip = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP)
+                    found.append(_Marker(text, i, lstrip, bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)))
+            self._marker_cache = sorted(found, key=lambda m: -len(m.text.encode()))
+        return self._marker_cache
+
+    def _has_marker(self, text: str) -> bool:
+        return any(m.text in text for m in self._markers())
+
+    def _escape(self, obj: Any, originals: dict[str, str]) -> Any:
+        """``obj`` with each marker text in its strings replaced by a fresh sentinel (noted in ``originals``)."""
+        if isinstance(obj, dict):
+            return {self._escape(k, originals): self._escape(v, originals) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [self._escape(v, originals) for v in obj]
+        if not isinstance(obj, str) or not self._has_marker(obj):
+            return obj
+        out: list[str] = []
+        for piece in self._split_markers(obj):
+            if isinstance(piece, _Marker):
+                originals[key := _sentinel()] = piece.text
+                piece = key
+            out.append(piece)
+        return "".join(out)
+
+    def _chat_parts(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, rendered: str
+    ) -> list[str | _Content] | None:
+        """The rendering as template text and client text, or None when the two cannot be told apart."""
+        originals: dict[str, str] = {}  # sentinel -> the client text it stands for
+        skeleton_messages = []
+        for m in messages:
+            content = m.get("content")
+            m = {k: v if k == "content" else self._escape(v, originals) for k, v in m.items()}
+            if isinstance(content, str):
+                originals[key := _sentinel()] = content
+                m["content"] = key
+            else:
+                m["content"] = self._escape(content, originals)
+            skeleton_messages.append(m)
+        skeleton = self.render_chat(skeleton_messages, self._escape(tools, originals))
+        pieces = re.split("(" + "|".join(map(re.escape, originals)) + ")", skeleton) if originals else [skeleton]
+        parts: list[str | _Content] = [_Content(originals[p]) if i % 2 else p for i, p in enumerate(pieces)]
+        if "".join(p.text if isinstance(p, _Content) else p for p in parts) != rendered:
+            return None
+        return parts
+
+    def _split_markers(self, text: str) -> list[str | _Marker]:
+        """Cut template text at marker text, each marker in turn (as llama.cpp partitions)."""
+        out: list[str | _Marker] = [text]
+        for marker in self._markers():
+            if marker.text not in text:
+                continue
+            cut: list[str | _Marker] = []
+            for piece in out:
+                if isinstance(piece, _Marker):
+                    cut.append(piece)
+                    continue
+                for j, chunk in enumerate(piece.split(marker.text)):
+                    if j:
+                        cut.append(marker)
+                    cut.append(chunk)
+            out = cut
+        return out
+
+    def _tokenize_parts(self, parts: list[str | _Content]) -> list[int]:
+        """Markers become their ids; the plain text between two markers is one special=False run."""
+        edges = self.tokenize("", special=False, add_bos=True)  # BOS (and EOS) when the model adds them
+        bos = edges[:1] if edges and edges[0] == self._llm.token_bos() else []
+        out: list[int] = list(bos)
+        run: list[str] = []
+        after_rstrip = False
+
+        def flush(before: _Marker | None) -> None:
+            text = "".join(run)
+            run.clear()
+            if after_rstrip:
+                text = text.lstrip(_C_SPACE)
+            if before is not None and before.lstrip:
+                text = text.rstrip(_C_SPACE)
+            if text:
+                out.extend(self.tokenize(text, special=False, add_bos=False))
+
+        for part in parts:
+            pieces = [part.text] if isinstance(part, _Content) else self._split_markers(part)
+            for piece in pieces:
+                if isinstance(piece, str):
+                    run.append(piece)
+                    continue
+                flush(piece)
+                out.append(piece.token_id)
+                after_rstrip = piece.rstrip
+        flush(None)
+        return out + edges[len(bos) :]
 
     def vocab_digest(self) -> str:
         """A hash of the whole vocabulary (token pieces in id order)."""
@@ -115,6 +299,15 @@ def fingerprint_parts(
     }
 
 
+class RequestRefused(Exception):
+    """The engine cannot run this request as asked (the client's fault, not the device's)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # context_overflow | bad_grammar
+        self.message = message
+
+
 @dataclass(frozen=True)
 class GenerateParams:
     """Sampling parameters of one request."""
@@ -124,7 +317,7 @@ class GenerateParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
-    json_schema: str | None = None
+    grammar: str | None = None  # GBNF, already bounded by the gateway (engine.grammar)
 
 
 @dataclass(frozen=True)
@@ -184,6 +377,19 @@ class Engine:
         """Slots whose llama context exists."""
         return sum(1 for s in self._slots if s is not None)
 
+    @staticmethod
+    def _grammar(llm: Any, text: str) -> Any:
+        """The output grammar, parsed once by llama.cpp here so that a grammar it refuses is
+        the request's error (``bad_grammar``), not an engine failure."""
+        import llama_cpp
+
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        probe = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
+        if not probe:
+            raise RequestRefused("bad_grammar", "llama.cpp could not parse the output grammar")
+        llama_cpp.llama_sampler_free(probe)
+        return llama_cpp.LlamaGrammar.from_string(text, verbose=False)  # type: ignore[attr-defined]
+
     def acquire_slot(self) -> int | None:
         """Take a free slot index (one with a context first), or None."""
         with self._lock:
@@ -230,13 +436,12 @@ class Engine:
         limit = min(kv_tokens, self.n_ctx)
         budget = min(params.max_tokens, limit - len(prompt_tokens))
         if budget <= len(prefix):
-            yield "length"
-            return
-        grammar = (
-            llama_cpp.LlamaGrammar.from_json_schema(params.json_schema, verbose=False)  # type: ignore[attr-defined]
-            if params.json_schema
-            else None
-        )
+            raise RequestRefused(
+                "context_overflow",
+                f"the prompt ({len(prompt_tokens) + len(prefix)} tokens) leaves no room to generate in this "
+                f"worker's {limit}-token context",
+            )
+        grammar = self._grammar(llm, params.grammar) if params.grammar else None
         llm.reset()  # no KV prefix reuse: it made seeded sampling irreproducible
         llm.set_seed(params.seed)
         greedy = params.temperature <= 0

@@ -7,7 +7,7 @@ stderr at start-up, so nothing that llama.cpp or a library prints can corrupt th
 Gateway -> worker ops::
 
     {"op": "generate", "rid", "tokens", "max_tokens", "temperature", "top_p", "seed",
-     "stop", "json_schema", "kv_tokens", "reserve_bytes", "prefix"}
+     "stop", "grammar", "kv_tokens", "reserve_bytes", "prefix"}
     {"op": "cancel", "rid"}
     {"op": "ping", "seq"}
 
@@ -18,6 +18,7 @@ Worker -> gateway events::
     {"ev": "token", "rid", "id", "text"}      one per generated token
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
+                                              | context_overflow | bad_grammar (the request's fault)
     {"ev": "pong", "seq", "progress"}         progress: tokens generated so far, in total
     {"ev": "fatal", "kind", "message"}        then the process exits
 
@@ -166,6 +167,8 @@ class Worker:
     def run_request(self, msg: dict[str, Any]) -> None:
         """Run one request; its last event (done or error) is sent only after its slot and
         device memory are back, so the gateway never counts them free too early."""
+        from spillover.engine.llama_engine import RequestRefused
+
         rid = str(msg["rid"])
         final = _error(rid, "engine", "worker interrupted")
         slot = self.engine.acquire_slot()
@@ -182,6 +185,8 @@ class Worker:
                     return
                 charged = True
             final = self._generate(rid, slot, msg)
+        except RequestRefused as exc:  # the request's own fault: never counted against the device
+            final = _error(rid, exc.kind, exc.message)
         except Exception as exc:  # engine failure: report, keep serving
             final = _error(rid, "engine", f"{type(exc).__name__}: {exc}")
         finally:
@@ -201,7 +206,7 @@ class Worker:
             top_p=float(msg.get("top_p", 1.0)),
             seed=int(msg.get("seed", 0)),
             stop=tuple(msg.get("stop") or ()),
-            json_schema=msg.get("json_schema"),
+            grammar=msg.get("grammar"),
         )
         tokens = [int(t) for t in msg["tokens"]]
         prefix = [int(t) for t in msg.get("prefix") or []]
@@ -249,6 +254,7 @@ class Worker:
             msg = json.loads(line)
             op = msg.get("op")
             if op == "generate":
+                self.cancelled.discard(str(msg["rid"]))  # a late cancel of an earlier attempt
                 self.pool.submit(self.run_request, msg)
             elif op == "cancel":
                 self.cancelled.add(str(msg["rid"]))

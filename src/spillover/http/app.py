@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,7 +34,8 @@ from spillover.errors import (
     to_http,
 )
 from spillover.http import generation as g
-from spillover.http.schemas import parse_chat, parse_completion
+from spillover.http.origin import HostPolicy, OriginGuard
+from spillover.http.schemas import parse_chat, parse_completion, positive_ms, stored_body
 from spillover.runtime.gateway import Gateway
 from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
 
@@ -67,8 +69,9 @@ async def _read_json(request: Request, limit: int) -> Any:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too many digits, too deep
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise InvalidRequest(f"the body is not valid JSON: {detail}") from exc
 
 
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
@@ -79,9 +82,8 @@ def _deadline_header(request: Request) -> int | None:
     raw = request.headers.get("x-spillover-deadline-ms")
     if raw is None:
         return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise InvalidRequest("X-Spillover-Deadline-Ms must be a positive integer", param="X-Spillover-Deadline-Ms")
-    return int(raw)
+    value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 12 else -1
+    return positive_ms(value, "X-Spillover-Deadline-Ms")
 
 
 def _idempotency_key(request: Request) -> str | None:
@@ -126,42 +128,45 @@ def create_app(gw: Gateway) -> Starlette:
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = (parse_chat if kind == "chat" else parse_completion)(body, cfg.model.name)
             key = _idempotency_key(request)
-            body_json = dumps({"endpoint": kind, "body": body})
-            body_hash = hashlib.sha256(body_json.encode()).hexdigest()
-            resume: int | None = None
-            if key is not None and gw.journal is not None:
-                rec = await gw.journal.by_key(key)
-                if rec is not None:
-                    rid = rec.id  # errors about this key name the request it is bound to
-                    if rec.body_hash != body_hash:
-                        raise IdempotencyMismatch(
-                            "this Idempotency-Key was used with a different request body",
-                            param="Idempotency-Key",
-                        )
-                    if not rec.terminal:
-                        raise IdempotencyInFlight(
-                            f"a request with this Idempotency-Key ({rec.id}) is still in flight",
-                            param="Idempotency-Key",
-                        )
-                    if rec.state not in RESUMABLE:
-                        return _replay(rec)
-                    rid, resume = rec.id, rec.attempts
-            prep = await g.prepare(gw, req, rid)
-            try:
-                handler, events = await g.begin(
-                    gw,
-                    prep,
-                    body_json=body_json,
-                    body_hash=body_hash,
-                    idem_key=key,
-                    resume_attempts=resume,
-                    deadline_ms=req.deadline_ms or _deadline_header(request),
-                )
-            except KeyConflict as exc:
-                raise IdempotencyInFlight(
-                    f"a request with this Idempotency-Key ({exc.existing.id}) is still in flight",
-                    param="Idempotency-Key",
-                ) from exc
+            deadline_ms = req.deadline_ms or _deadline_header(request)
+            body_hash = hashlib.sha256(dumps({"endpoint": kind, "body": body}).encode()).hexdigest()
+            body_json = dumps({"endpoint": kind, "body": stored_body(body, kind)})
+            # One Idempotency-Key, one execution at a time: the check and the start are atomic.
+            async with gw.keys.hold(key):
+                resume: int | None = None
+                if key is not None and gw.journal is not None:
+                    rec = await gw.journal.by_key(key)
+                    if rec is not None:
+                        rid = rec.id  # errors about this key name the request it is bound to
+                        if rec.body_hash != body_hash:
+                            raise IdempotencyMismatch(
+                                "this Idempotency-Key was used with a different request body",
+                                param="Idempotency-Key",
+                            )
+                        if not rec.terminal or rid in gw.live:
+                            raise IdempotencyInFlight(
+                                f"a request with this Idempotency-Key ({rec.id}) is still in flight",
+                                param="Idempotency-Key",
+                            )
+                        if rec.state not in RESUMABLE:
+                            return _replay(rec)
+                        rid, resume = rec.id, rec.attempts
+                prep = await g.prepare(gw, req, rid)
+                try:
+                    handler, events = await g.begin(
+                        gw,
+                        prep,
+                        body_json=body_json,
+                        body_hash=body_hash,
+                        idem_key=key,
+                        resume_attempts=resume,
+                        deadline_ms=deadline_ms,
+                    )
+                except KeyConflict as exc:
+                    raise IdempotencyInFlight(
+                        f"a request with this Idempotency-Key ({exc.existing.id}) is still in flight",
+                        param="Idempotency-Key",
+                    ) from exc
         except SpilloverError as exc:
             return _error_response(exc, rid)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handler))
@@ -178,7 +183,6 @@ def create_app(gw: Gateway) -> Starlette:
                 media_type="text/event-stream",
                 headers=handler.headers() | {"Cache-Control": "no-cache"},
             )
-        handler.task = asyncio.current_task()
         try:
             status, payload, headers = await handler.run_to_body(events)
         finally:
@@ -237,8 +241,7 @@ def create_app(gw: Gateway) -> Starlette:
     async def status(request: Request) -> Response:
         return _plain(request, gw.status())
 
-    @guarded
-    async def index(request: Request) -> Response:
+    async def index(request: Request) -> Response:  # keyless: static, no data; its JS sends the key
         page = resources.files("spillover.http").joinpath("static/status.html").read_text("utf-8")
         return HTMLResponse(page, headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"})
 
@@ -326,6 +329,13 @@ def create_app(gw: Gateway) -> Starlette:
 
     return Starlette(
         routes=routes,
+        middleware=[
+            Middleware(
+                OriginGuard,
+                policy=HostPolicy.from_config(cfg.server),
+                refuse=lambda exc: _error_response(exc, g.new_request_id()),
+            )
+        ],
         lifespan=lifespan,
         exception_handlers={HTTPException: on_http_exception, Exception: on_error},
     )

@@ -10,7 +10,6 @@ sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import time
@@ -20,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
+from spillover.engine.grammar import GrammarRefused, schema_to_grammar
 from spillover.errors import (
     ContextLengthExceeded,
+    InvalidRequest,
     NotFound,
     RequestCancelled,
     SpilloverError,
@@ -60,7 +61,7 @@ class Prepared:
     req: GenerationRequest
     tokens: list[int]
     max_tokens: int
-    json_schema: str | None
+    grammar: str | None  # GBNF that constrains the output (a forced tool call), bounded
     seed: int
     cpu_tokens: list[int] | None = None  # the prompt in the CPU lane's fallback model's tokens (if it differs)
 
@@ -74,17 +75,32 @@ def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
     }
 
 
-def _render(tok: Any, req: GenerationRequest) -> tuple[list[int], str | None]:
-    """The prompt in ``tok``'s tokens (with that model's chat template), and the tool grammar."""
+def _render(tok: Any, req: GenerationRequest) -> list[int]:
+    """The prompt in ``tok``'s tokens (with that model's chat template)."""
     if req.kind == "text":
-        return tok.tokenize(req.prompt, special=False), None
+        return list(tok.tokenize(req.prompt, special=False))
     messages = [dict(m) for m in req.messages]
-    schema: str | None = None
     if req.forced_tool is not None:
         messages.insert(0, _tool_system_prompt(req))
-        schema = json.dumps(tool_schema(req.tools, req.forced_tool))
-    prompt = tok.render_chat(messages, [dict(t) for t in req.tools] or None)
-    return tok.tokenize(prompt, special=True), schema
+    return list(tok.tokenize_chat(messages, [dict(t) for t in req.tools] or None))
+
+
+def _tool_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> str | None:
+    """The bounded output grammar of a forced tool call (400 naming the schema otherwise).
+    Each chosen tool's parameters are checked alone first, so the error names its tool."""
+    if req.forced_tool is None:
+        return None
+    for i, t in enumerate(req.tools):
+        if req.forced_tool in ("*", t["function"]["name"]):
+            param = f"tools[{i}].function.parameters"
+            try:
+                schema_to_grammar(tool_schema((t,), t["function"]["name"]), max_bytes=max_bytes, max_repeat=max_repeat)
+            except GrammarRefused as exc:
+                raise InvalidRequest(exc.message, param=f"{param}.{exc.path}" if exc.path else param) from exc
+    try:
+        return schema_to_grammar(tool_schema(req.tools, req.forced_tool), max_bytes=max_bytes, max_repeat=max_repeat)
+    except GrammarRefused as exc:
+        raise InvalidRequest(f"the tools together: {exc.message}", param="tools") from exc
 
 
 async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
@@ -95,10 +111,12 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             param="model",
             code="model_not_found",
         )
-    tokens, schema = await asyncio.to_thread(_render, gw.tokenizer, req)
+    m = gw.cfg.model
+    grammar = await asyncio.to_thread(_tool_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
+    tokens = await asyncio.to_thread(_render, gw.tokenizer, req)
     cpu_tokens = None
     if gw.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
-        cpu_tokens = (await asyncio.to_thread(_render, gw.cpu_tokenizer, req))[0]
+        cpu_tokens = await asyncio.to_thread(_render, gw.cpu_tokenizer, req)
         if cpu_tokens == tokens:
             cpu_tokens = None
     cap = gw.context_cap_tokens()
@@ -112,7 +130,7 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         )
     max_tokens = req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
     seed = req.seed if req.seed is not None else gw.cfg.model.seed
-    return Prepared(rid, req, tokens, max_tokens, schema, seed, cpu_tokens)
+    return Prepared(rid, req, tokens, max_tokens, grammar, seed, cpu_tokens)
 
 
 @dataclass
@@ -127,7 +145,6 @@ class RequestHandler:
     transcript: list[bytes] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
-    task: asyncio.Task[Any] | None = None
     cancelled_by_user: bool = False
     _first_delivery_noted: bool = False
     _created: int = 0
@@ -204,11 +221,11 @@ class RequestHandler:
             self.gw.metrics.queue_wait.labels(self.info.route).observe(self.info.queued_s)
 
     def cancel(self) -> None:
-        """DELETE /v1/requests/{id} or a disconnected client."""
+        """DELETE /v1/requests/{id} or a disconnected client: the Execution stops the attempt
+        (queued, dispatched or running) and its events end with RequestCancelled, which the
+        consumer turns into the stored (and, for a stream, sent) terminal error."""
         self.cancelled_by_user = True
         self.exe.cancel()
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
 
     async def store(
         self,
@@ -228,23 +245,19 @@ class RequestHandler:
             time.monotonic() - self.started_s,
             self.completion_tokens,
         )
-        journal = self.gw.journal
-        if journal is None:
-            return
-        with contextlib.suppress(Exception):
-            await journal.move(
-                self.rid,
-                state,
-                status_code=status,
-                response=body,
-                content_type=content_type,
-                headers=json.dumps(headers),
-                error=json.dumps(error) if error else None,
-                route=i.route if i else None,
-                attempts=self.exe.attempt,
-                reason=self.spillover_object()["reason"],
-                tokens_delivered=len(self.exe.delivered) if self.req.stream else self.completion_tokens,
-            )
+        await self.gw.store_outcome(
+            self.rid,
+            state,
+            status_code=status,
+            response=body,
+            content_type=content_type,
+            headers=json.dumps(headers),
+            error=json.dumps(error) if error else None,
+            route=i.route if i else None,
+            attempts=self.exe.attempt,
+            reason=self.spillover_object()["reason"],
+            tokens_delivered=len(self.exe.delivered) if self.req.stream else self.completion_tokens,
+        )
 
     async def fail(self, exc: SpilloverError) -> tuple[int, bytes, dict[str, str]]:
         """Store an error outcome; return (status, body, headers) for the client."""
@@ -274,11 +287,9 @@ class RequestHandler:
             body = json.dumps(self.final_body()).encode()
         except SpilloverError as exc:
             return await self.fail(exc)
-        except asyncio.CancelledError:
-            if not self.cancelled_by_user:
-                raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            return await self.fail(RequestCancelled(f"request {self.rid} was cancelled"))
+        except asyncio.CancelledError:  # the server is stopping: end the request, then go on unwinding
+            await asyncio.shield(self.fail(RequestCancelled(f"request {self.rid} was cancelled")))
+            raise
         headers = self.headers()
         await self.store(State.COMPLETED, 200, body, "application/json", headers)
         return 200, body, headers
@@ -372,7 +383,6 @@ class RequestHandler:
     async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         """SSE bytes: a first chunk with the spillover object, tokens, a route-change chunk
         whenever the route changes, the end (or a typed error event), ``[DONE]``."""
-        self.task = asyncio.current_task()
         self._created = int(time.time())
         chat = self.req.kind == "chat"
         buffer_tools = chat and self.req.forced_tool is not None
@@ -418,12 +428,12 @@ class RequestHandler:
             body["error"]["tokens_delivered"] = len(self.exe.delivered)
             error = body
             yield self._emit(body)
-        except (asyncio.CancelledError, GeneratorExit):
-            state, error = State.CANCELLED, {"error": {"code": "request_cancelled", "request_id": self.rid}}
-            task = asyncio.current_task()
-            if self.cancelled_by_user and task is not None:
-                task.uncancel()
-            await asyncio.shield(self._store_stream(state, status, error))
+        except (asyncio.CancelledError, GeneratorExit):  # the connection went away: nobody reads on
+            self.exe.cancel()
+            error = to_http(RequestCancelled(f"request {self.rid} was cancelled"), self.rid).body
+            self.transcript.append(sse(error))
+            self.transcript.append(b"data: [DONE]\n\n")
+            await asyncio.shield(self._store_stream(State.CANCELLED, status, error))
             raise
         yield self._emit_done()
         await self._store_stream(state, status, error)
@@ -454,8 +464,10 @@ async def begin(
     idem_key: str | None,
     resume_attempts: int | None,
 ) -> tuple[RequestHandler, AsyncIterator[Any]]:
-    """Queue the request (503 at once when full: nothing journaled), then make it durable
-    (ACCEPTED, or resumed from its record) before anything is sent to the client."""
+    """Make the request durable (ACCEPTED, or resumed from its record) and only then queue
+    it. From here the Execution owns its lease and the handler its terminal state: a request
+    the queue cannot take now is journaled REJECTED (resumable with its key) and the caller
+    gets the CapacityError."""
     assert gw.scheduler is not None
     exe = gw.new_execution(
         prep.rid,
@@ -466,7 +478,7 @@ async def begin(
             "top_p": prep.req.top_p,
             "seed": prep.seed,
             "stop": list(prep.req.stop),
-            "json_schema": prep.json_schema,
+            "grammar": prep.grammar,
         },
         incremental=prep.req.stream and prep.req.forced_tool is None,
         allow_shrink=prep.req.allow_shrink,
@@ -474,30 +486,33 @@ async def begin(
         cpu_tokens=prep.cpu_tokens,
     )
     if prep.req.prefer_cpu:
-        exe.prefer_cpu()
+        exe.prefer_cpu()  # 400 (before anything is journaled) when the CPU lane cannot take it
     elif gw.canary_due():
         exe.prefer_cpu("canary")
     if deadline_ms is not None:
         exe.deadline_s = time.monotonic() + deadline_ms / 1000
-    job = exe.submit_nowait()
     handler = RequestHandler(gw, prep, exe)
-    gw.live[prep.rid] = handler  # visible to DELETE as soon as it is queued
+    if gw.journal is not None and resume_attempts is None:
+        await gw.journal.accept(
+            rid=prep.rid,
+            idem_key=idem_key,
+            body_hash=body_hash,
+            kind=prep.req.kind,
+            stream=prep.req.stream,
+            body=body_json,
+            model=prep.req.model,
+        )
+    gw.live[prep.rid] = handler  # visible to DELETE as soon as it is accepted
     try:
         if gw.journal is not None:
-            if resume_attempts is None:
-                await gw.journal.accept(
-                    rid=prep.rid,
-                    idem_key=idem_key,
-                    body_hash=body_hash,
-                    kind=prep.req.kind,
-                    stream=prep.req.stream,
-                    body=body_json,
-                    model=prep.req.model,
-                )
-            await gw.journal.move(prep.rid, State.QUEUED, route=job.lane, attempts=exe.attempt)
-    except BaseException:
+            lane = gw.scheduler.entry_lane(exe.next_lane)
+            await gw.journal.move(prep.rid, State.QUEUED, route=lane, attempts=exe.attempt + 1)
+        exe.submit_nowait()
+    except BaseException as exc:
         gw.live.pop(prep.rid, None)
         exe.cancel()
+        err = exc if isinstance(exc, SpilloverError) else SpilloverError(f"internal error: {type(exc).__name__}")
+        await asyncio.shield(handler.fail(err))
         raise
     return handler, _unregister_when_done(gw, prep.rid, exe.events())
 

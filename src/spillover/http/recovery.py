@@ -49,30 +49,41 @@ async def _end(gw: Gateway, rec: JournalRecord, exc: SpilloverError) -> None:
 
 
 async def _replay(gw: Gateway, rec: JournalRecord) -> None:
+    """Run an orphan again under its Idempotency-Key's lock: if its client resumed it
+    meanwhile (it is live, or no longer in the state recovery left it in), nothing runs."""
     assert gw.journal is not None
     doc = json.loads(rec.body)
-    try:
-        parse = parse_chat if doc["endpoint"] == "chat" else parse_completion
-        req = parse(doc["body"], gw.cfg.model.name)
-        prep = await g.prepare(gw, req, rec.id)
-        handler, events = await g.begin(
-            gw,
-            prep,
-            body_json=rec.body,
-            body_hash=rec.body_hash,
-            idem_key=rec.idem_key,
-            resume_attempts=rec.attempts,
-        )
-        if req.stream:
-            await handler.first_route(events)
-            async for _ in handler.stream(events):
-                pass
-        else:
-            await handler.run_to_body(events)
-    except SpilloverError as exc:
+    async with gw.keys.hold(rec.idem_key):
         current = await gw.journal.get(rec.id)
-        if current is not None and not current.terminal:
-            await _end(gw, current, exc)
+        if rec.id in gw.live or current is None or current.state is not State.QUEUED:
+            return
+        try:
+            parse = parse_chat if doc["endpoint"] == "chat" else parse_completion
+            req = parse(doc["body"], gw.cfg.model.name)
+            prep = await g.prepare(gw, req, rec.id)
+            handler, events = await g.begin(
+                gw,
+                prep,
+                body_json=rec.body,
+                body_hash=rec.body_hash,
+                idem_key=rec.idem_key,
+                resume_attempts=rec.attempts,
+            )
+        except SpilloverError as exc:
+            current = await gw.journal.get(rec.id)
+            if current is not None and not current.terminal:
+                await _end(gw, current, exc)
+            return
+    if req.stream:
+        try:
+            await handler.first_route(events)
+        except SpilloverError as exc:
+            await handler.fail(exc)
+            return
+        async for _ in handler.stream(events):
+            pass
+    else:
+        await handler.run_to_body(events)
 
 
 async def recover(gw: Gateway, orphans: list[JournalRecord]) -> dict[str, int]:

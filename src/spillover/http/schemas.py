@@ -12,10 +12,23 @@ from typing import Any
 
 from spillover.errors import InvalidRequest
 
-__all__ = ["GenerationRequest", "parse_chat", "parse_completion"]
+__all__ = ["GenerationRequest", "parse_chat", "parse_completion", "positive_ms", "stored_body"]
 
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
+MAX_DEADLINE_MS = 86_400_000  # a day: longer "deadlines" are not deadlines
+
+# The body fields this gateway reads; only these are journaled (``stored_body``), so junk in a
+# request cannot grow the journal. The body hash still covers the whole body.
+COMMON_FIELDS = frozenset(
+    {
+        "model", "stream", "n", "stream_options", "spillover", "max_tokens", "max_completion_tokens",
+        "temperature", "top_p", "seed", "stop", "user",
+    }
+)  # fmt: skip
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
 @dataclass(frozen=True)
@@ -41,13 +54,28 @@ class GenerationRequest:
     user: str | None = None
 
 
+def stored_body(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The part of a validated body that is journaled: the fields this gateway reads."""
+    known = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
+    return {k: v for k, v in body.items() if k in known}
+
+
+def positive_ms(v: Any, name: str) -> int | None:
+    """A positive whole number of milliseconds (at most a day), or None when absent."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DEADLINE_MS:
+        raise InvalidRequest(f"'{name}' must be a whole number of milliseconds from 1 to {MAX_DEADLINE_MS}", param=name)
+    return v
+
+
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise InvalidRequest(f"'{name}' must be a number", param=name)
-    if not lo <= float(v) <= hi:
+    if not lo <= v <= hi:  # int vs float compares exactly: no float() of a huge int
         raise InvalidRequest(f"'{name}' must be between {lo} and {hi}", param=name)
     return float(v)
 
@@ -69,8 +97,11 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(v, str):
         v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-        raise InvalidRequest("'stop' must be a non-empty string or a list of them", param="stop")
+    if not isinstance(v, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v):
+        raise InvalidRequest(
+            f"'stop' must be a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of them",
+            param="stop",
+        )
     if len(v) > MAX_STOPS:
         raise InvalidRequest(f"'stop' takes at most {MAX_STOPS} sequences", param="stop")
     return tuple(v)
@@ -89,6 +120,8 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     so = body.get("stream_options") or {}
     if not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    if not isinstance(so.get("include_usage", False), bool):
+        raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
     ext = body.get("spillover") or {}
     if not isinstance(ext, dict):
         raise InvalidRequest("'spillover' must be an object", param="spillover")
@@ -98,11 +131,7 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     prefer = ext.get("prefer", "auto")
     if prefer not in ("auto", "cpu"):
         raise InvalidRequest("'spillover.prefer' must be 'auto' or 'cpu'", param="spillover.prefer")
-    deadline_ms = ext.get("deadline_ms")
-    if deadline_ms is not None and (
-        isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int) or deadline_ms < 1
-    ):
-        raise InvalidRequest("'spillover.deadline_ms' must be a positive integer", param="spillover.deadline_ms")
+    deadline_ms = positive_ms(ext.get("deadline_ms"), "spillover.deadline_ms")
     max_tokens = _int_opt(body, "max_completion_tokens", 1, 1 << 20)
     if max_tokens is None:
         max_tokens = _int_opt(body, "max_tokens", 1, 1 << 20)
@@ -115,7 +144,7 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
         "top_p": _num(body, "top_p", 1.0, 0.0, 1.0),
         "seed": _int_opt(body, "seed", -(1 << 63), (1 << 63) - 1),
         "stop": _stops(body),
-        "include_usage": bool(so.get("include_usage", False)),
+        "include_usage": so.get("include_usage", False),
         "allow_shrink": allow_shrink,
         "prefer_cpu": prefer == "cpu",
         "deadline_ms": deadline_ms,
@@ -137,6 +166,20 @@ def _content(m: dict[str, Any], i: int) -> str | None:
     raise InvalidRequest("'content' must be a string or a list of text parts", param=f"messages[{i}].content")
 
 
+def _assistant_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: each ``{"function": {"name": str, "arguments": str}}``."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidRequest("'tool_calls' must be an array", param=where)
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest("each tool call needs a 'function' object with a 'name'", param=f"{where}[{j}]")
+        if not isinstance(fn.get("arguments", ""), str):
+            raise InvalidRequest("'arguments' must be a JSON string", param=f"{where}[{j}].function.arguments")
+    return calls
+
+
 def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -152,20 +195,11 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
             raise InvalidRequest(f"unknown role {role!r}", param=f"messages[{i}].role")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
         if role == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
-            if not isinstance(calls, list):
-                raise InvalidRequest("'tool_calls' must be an array", param=f"messages[{i}].tool_calls")
+            calls = _assistant_tool_calls(m["tool_calls"], i)
             msg["tool_calls"] = calls
             if msg["content"] is None:
                 msg["content"] = "".join(
-                    json.dumps(
-                        {
-                            "name": c.get("function", {}).get("name"),
-                            "arguments": c.get("function", {}).get("arguments"),
-                        }
-                    )
-                    for c in calls
-                    if isinstance(c, dict)
+                    json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in calls
                 )
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
@@ -205,8 +239,9 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
     elif choice == "required":
         forced = "*"
     elif isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
-        if name not in names:
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in names:
             raise InvalidRequest(f"tool_choice names unknown function {name!r}", param="tool_choice")
         forced = name
     else:

@@ -33,23 +33,35 @@ from typing import TYPE_CHECKING, Any
 
 from spillover.config import FailoverConfig
 from spillover.core.lifecycle import State
+from spillover.core.routing import (
+    CLIENT_FAULTS,
+    SEVERE_FAULTS,
+    Fail,
+    FailKind,
+    FailoverFacts,
+    fits_lane,
+    plan_failover,
+)
 from spillover.errors import (
     AllocationFailed,
     CapacityError,
+    ContextLengthExceeded,
     FailoverInterrupted,
+    InvalidRequest,
+    JournalUnavailable,
     RequestCancelled,
+    RequestTimedOut,
     SpilloverError,
     WorkerFailed,
 )
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
-from spillover.runtime.worker_client import WorkerClient, WorkerGone
+from spillover.runtime.worker_client import INTERRUPTED, WorkerClient, WorkerGone
 
 if TYPE_CHECKING:
     from spillover.runtime.journal import Journal
 
 __all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut"]
 
-SEVERE = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
 PREFILL_FLOOR_TPS = 50.0  # slowest prompt evaluation still counted as progress (tokens/s)
 CPU_STALL_FACTOR = 4.0  # the CPU lane is slower and shared: its stall bound is this much longer
 
@@ -118,9 +130,18 @@ class _Failure(Exception):
         self.message = message
 
 
+class _Stopped(Exception):
+    """The attempt was interrupted on purpose (cancel or the request's time limit)."""
+
+
 @dataclass
 class Execution:
-    """Drives one request; ``events()`` yields RouteInfo / TokenOut / Finished."""
+    """Drives one request; ``events()`` yields RouteInfo / TokenOut / Finished.
+
+    The Execution is the owner of the request's lease (a worker slot plus, on the GPU, its
+    device reservation): whatever ends an attempt (done, error, cancel, a journal failure,
+    the client going away), the lease is released exactly once (``_release``), and only
+    after the worker has stopped working on the request."""
 
     rid: str
     tokens: list[int]
@@ -141,8 +162,10 @@ class Execution:
     _next_lane: str | None = None
     _cause: str | None = None
     _cancelled: bool = False
+    _timed_out: bool = False
     _cpu_reason: str = "client_prefers_cpu"
-    deadline_s: float | None = None
+    deadline_s: float | None = None  # the client's deadline (monotonic), for the CPU lane's ETA check
+    timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
     cpu_fallback: bool = False  # the CPU lane serves a configured fallback model, not a replica
 
@@ -163,55 +186,105 @@ class Execution:
         )
         if self._next_lane == "cpu":
             job.last_reason = f"failover:{self._cause}" if self._cause else self._cpu_reason
-        self.scheduler.submit_nowait(job, lane=self._next_lane)
         self._job = job
+        self.scheduler.submit_nowait(job, lane=self._next_lane)
         return job
+
+    @property
+    def next_lane(self) -> str | None:
+        """The lane the next attempt asks for (None: the scheduler's entry lane)."""
+        return self._next_lane
+
+    def fits_cpu(self) -> bool:
+        """Whether the CPU lane's context cap takes this request (routing rule 1)."""
+        prompt = len(self._prompt("cpu")) + len(self.delivered)
+        return fits_lane(prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens())
 
     def prefer_cpu(self, reason: str = "client_prefers_cpu") -> None:
         """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``),
-        or this request is the CPU canary."""
+        or this request is the CPU canary. The client's request must fit the CPU lane
+        (400 otherwise); the canary is only taken by a request that fits."""
+        if not self.fits_cpu():
+            if reason == "canary":
+                return
+            cap = self.scheduler.cpu_ctx_cap_tokens()
+            raise ContextLengthExceeded(
+                f"this request needs {len(self._prompt('cpu')) + self.max_tokens} tokens, but the CPU lane "
+                f"it asked for ('spillover': {{'prefer': 'cpu'}}) serves at most {cap}",
+                param="max_tokens",
+            )
         self._next_lane = "cpu"
         self._cpu_reason = reason
 
     def cancel(self) -> None:
-        """Cancel: withdraw from the queue or stop the worker (the consumer sees RequestCancelled)."""
+        """Cancel (DELETE, the client went away, shutdown). A queued attempt is withdrawn; a
+        dispatched one that has not started gives its lease back now; a running one is told
+        to stop, and its lease comes back when the worker has stopped. The consumer of
+        ``events()`` sees RequestCancelled."""
         self._cancelled = True
-        if self._job is not None:
-            self.scheduler.withdraw(self._job)
-            if not self._job.future.done():
-                self._job.future.set_exception(RequestCancelled(f"request {self.rid} was cancelled"))
-                self._job.future.exception()
+        self._stop_job()
+
+    def _stop_job(self) -> None:
+        job = self._job
+        if job is None:
+            return
+        self.scheduler.withdraw(job)
+        if not job.future.done():
+            job.future.set_exception(RequestCancelled(f"request {self.rid} was cancelled"))
+            job.future.exception()
+        elif job.running and job.dispatch is not None:
+            job.dispatch.worker.interrupt(self.rid)
+        else:
+            self._release(job, "cancelled")
 
     async def _move(self, target: State, **fields: Any) -> None:
         if self.journal is not None:
             await self.journal.move(self.rid, target, **fields)
 
+    def _stopped_error(self) -> SpilloverError:
+        if self._timed_out and not self._cancelled:
+            return RequestTimedOut(f"request {self.rid} ran longer than the gateway's request_timeout_s")
+        return RequestCancelled(f"request {self.rid} was cancelled")
+
     # -- the attempt loop ----------------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
-        """Run attempts until the request finishes or cannot go on (raises SpilloverError)."""
-        if self._job is None:
-            self.submit_nowait()
-        while True:
-            assert self._job is not None
-            job = self._job
-            try:
-                d = await job.future
-            except asyncio.CancelledError:
-                self.cancel()
-                if job.future.done() and not job.future.cancelled() and job.future.exception() is None:
-                    self._release(job.future.result(), "cancelled")
-                raise
-            if self._cancelled:
-                self._release(d, "cancelled")
-                raise RequestCancelled(f"request {self.rid} was cancelled")
-            await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=d.reason)
-            try:
-                async for ev in self._run_attempt(d):
-                    yield ev
-                return
-            except _Failure as f:
-                self.failures.append(f.kind)
-                await self._failover(d, f)
+        """Run attempts until the request finishes or cannot go on (raises SpilloverError).
+        Whatever happens, the lease of the current attempt is released on the way out."""
+        try:
+            if self._job is None:
+                self.submit_nowait()
+            while True:
+                assert self._job is not None
+                job = self._job
+                try:
+                    d = await self._await_dispatch(job)
+                except asyncio.CancelledError:
+                    self.cancel()
+                    raise
+                if self._cancelled or self._timed_out:
+                    raise self._stopped_error()
+                await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=d.reason)
+                try:
+                    async for ev in self._run_attempt(job, d):
+                        yield ev
+                    return
+                except _Failure as f:
+                    self.failures.append(f.kind)
+                    await self._failover(d, f)
+        finally:
+            if self._job is not None:
+                self._release(self._job, "cancelled")  # a no-op when the attempt released it
+
+    async def _await_dispatch(self, job: Job) -> Dispatch:
+        """The job's dispatch, waiting at most until the request's time limit."""
+        left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
+        try:
+            async with asyncio.timeout(left):
+                return await job.future
+        except TimeoutError:
+            self._timed_out = True
+            self._stop_job()
+            raise self._stopped_error() from None
 
     def _job_prompt_tokens(self) -> int:
         """The prompt length the scheduler sizes the next job by. A CPU job: the CPU lane's
@@ -237,33 +310,66 @@ class Execution:
             **self.params,
         }
 
-    def _release(self, d: Dispatch, outcome: str) -> None:
+    def _release(self, job: Job, outcome: str) -> None:
+        """Give the job's lease back: exactly once, and only if it was dispatched."""
+        d = job.dispatch
+        if job.released or d is None:
+            return
+        job.released = True
         d.worker.release_slot(self.rid)
         self.scheduler.finished(self.rid, d, outcome)
 
-    async def _next(
-        self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch, *, prefill: bool = False
-    ) -> dict[str, Any]:
-        """The next worker event. On the GPU, waiting longer than the stall bound is a stall;
-        before the first token the bound also covers the prefill (at a floor speed)."""
+    def _bound(self, d: Dispatch, prefill: bool) -> float:
+        """How long the next worker event may take before the attempt counts as stalled:
+        on the GPU the stall bound; before the first token it also covers the prefill (at
+        a floor speed); the CPU lane is slower and shared."""
         bound = self.failover.stall_timeout_s
         if prefill:
             bound += (len(self._prompt(d.route)) + len(self.delivered)) / PREFILL_FLOOR_TPS
         if d.route != "gpu":
             bound *= CPU_STALL_FACTOR  # a hung CPU worker is killed too (no replica: a resumable error)
+        return bound
+
+    async def _next(
+        self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch, *, prefill: bool = False
+    ) -> dict[str, Any]:
+        """The next worker event; a stall, a worker's death or error raise ``_Failure``, an
+        interruption (cancel, time limit) raises ``_Stopped``."""
+        if self._cancelled or self._timed_out:
+            raise _Stopped
+        bound = self._bound(d, prefill)
+        left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
-            async with asyncio.timeout(bound):  # no task per token, unlike wait_for
+            async with asyncio.timeout(bound if left is None else max(0.0, min(bound, left))):
                 item = await anext(it)
         except TimeoutError as exc:
+            if left is not None and left <= bound:
+                self._timed_out = True
+                d.worker.interrupt(self.rid)
+                raise _Stopped from exc
             raise _Failure("stall", f"no token progress for {bound:.1f}s") from exc
         if isinstance(item, WorkerGone):
             kind = "driver_reset" if item.kind == "device_lost" else "crash"
             raise _Failure(kind, f"{item.kind}: {item.message}")
+        if item.get("ev") == INTERRUPTED:
+            raise _Stopped
         if item.get("ev") == "error":
             raise _Failure(str(item.get("kind") or "engine"), str(item.get("message")))
         return item
 
-    async def _run_attempt(self, d: Dispatch) -> AsyncIterator[Event]:
+    async def _drain(self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch) -> None:
+        """After an interruption: wait (bounded) until the worker has really stopped the
+        request (its last event comes after its slot and memory are free), so the lease is
+        not given back while the worker still computes."""
+        with contextlib.suppress(TimeoutError, StopAsyncIteration):
+            async with asyncio.timeout(self._bound(d, prefill=True)):
+                while True:
+                    item = await anext(it)
+                    if isinstance(item, WorkerGone) or item.get("ev") in ("done", "error"):
+                        return
+
+    async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncIterator[Event]:
+        job.running = True
         it = d.worker.generate(self._msg(d))
         outcome = "failed"
         try:
@@ -307,42 +413,50 @@ class Execution:
                     total = len(self.delivered) if self.incremental else int(ev["completion_tokens"])
                     yield Finished(str(ev["finish_reason"]), total)
                     return
+        except _Stopped:
+            outcome = "cancelled"
+            await self._drain(it, d)
+            raise self._stopped_error() from None
         except _Failure as f:
-            outcome = "severe" if f.kind in SEVERE else "failed"
+            outcome = "client" if f.kind in CLIENT_FAULTS else "severe" if f.kind in SEVERE_FAULTS else "failed"
             if f.kind == "stall":
                 await self.kill_worker(d.worker)  # hung: the supervisor restarts it
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
+        except BaseException:
+            outcome = "cancelled"  # e.g. the journal failed: the request ends, the device is not at fault
+            raise
         finally:
             with contextlib.suppress(Exception):
                 await it.aclose()  # type: ignore[attr-defined]
-            self._release(d, outcome)
+            self._release(job, outcome)
+
+    def _facts(self, d: Dispatch, f: _Failure) -> FailoverFacts:
+        return FailoverFacts(
+            route=d.route,
+            fault=f.kind,
+            cancelled=self._cancelled,
+            attempt=self.attempt,
+            max_attempts=self.failover.max_attempts,
+            delivered_tokens=len(self.delivered),
+            incremental=self.incremental,
+            continue_mid_stream=self.failover.continue_mid_stream,
+            greedy=float(self.params.get("temperature", 1.0)) <= 0,
+            constrained=bool(self.params.get("grammar")),
+            replica_compat=self._has_replica(d),
+            replica_numerics=self._has_replica(d, parts=("compat", "numerics")),
+            cpu_fallback=self.cpu_fallback,
+            cpu_fits=self.fits_cpu(),
+        )
 
     async def _failover(self, d: Dispatch, f: _Failure) -> None:
-        """Decide what a failed attempt becomes: replay, continuation, or a typed error."""
+        """Execute ``core.routing.plan_failover``: replay, continuation, or a typed error."""
+        plan = plan_failover(self._facts(d, f))
         where = f"{f.kind} on the {d.route} worker ({f.message})"
-        if self._cancelled:
-            raise RequestCancelled(f"request {self.rid} was cancelled")
-        if d.route != "gpu":
-            raise WorkerFailed(f"request {self.rid} failed: {where}; no replica to fail over to", retry_after_s=1.0)
-        if self.attempt >= self.failover.max_attempts:
-            raise WorkerFailed(f"request {self.rid} failed after {self.attempt} attempts: {where}", retry_after_s=1.0)
-        if self.delivered and not self._continuable(d):
-            raise FailoverInterrupted(
-                f"request {self.rid}: {where} after {len(self.delivered)} tokens were delivered, and the "
-                "continuation on the CPU replica cannot be proven identical (needs greedy decoding and "
-                "identical fingerprints); retrieve it with GET /v1/requests/{id} or retry",
-                retry_after_s=1.0,
-            )
-        if not (self._has_replica(d) or self.cpu_fallback):
-            raise WorkerFailed(
-                f"request {self.rid}: {where}; no CPU worker has the same compatibility fingerprint "
-                "(model, tokenizer, template, quantization), so it is not a replica, and no fallback "
-                "model is configured",
-                retry_after_s=1.0,
-            )
+        if isinstance(plan, Fail):
+            raise self._fail_error(plan.kind, where, f)
         if not self.budget.take():
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
         self._cause = f.kind
@@ -357,12 +471,39 @@ class Execution:
                 retry_after_s=exc.retry_after_s,
             ) from exc
 
-    def _continuable(self, d: Dispatch) -> bool:
-        if not (self.failover.continue_mid_stream and self.incremental):
-            return False
-        if float(self.params.get("temperature", 1.0)) > 0 or self.params.get("json_schema"):
-            return False
-        return self._has_replica(d, parts=("compat", "numerics"))
+    def _fail_error(self, kind: FailKind, where: str, f: _Failure) -> SpilloverError:
+        """The one error each kind of final failure becomes."""
+        rid = self.rid
+        if kind is FailKind.CANCELLED:
+            return RequestCancelled(f"request {rid} was cancelled")
+        if kind is FailKind.CLIENT:
+            if f.kind == "context_overflow":
+                return ContextLengthExceeded(f"request {rid}: {f.message}", param="max_tokens")
+            return InvalidRequest(f"request {rid}: the engine refused the output constraint: {f.message}")
+        if kind is FailKind.CPU_FAILED:
+            return WorkerFailed(f"request {rid} failed: {where}; no replica to fail over to", retry_after_s=1.0)
+        if kind is FailKind.ATTEMPTS_SPENT:
+            return WorkerFailed(f"request {rid} failed after {self.attempt} attempts: {where}", retry_after_s=1.0)
+        if kind is FailKind.NOT_CONTINUABLE:
+            return FailoverInterrupted(
+                f"request {rid}: {where} after {len(self.delivered)} tokens were delivered, and the "
+                "continuation on the CPU replica cannot be proven identical (needs greedy decoding and "
+                "identical fingerprints)",
+                retry_after_s=1.0,
+            )
+        if kind is FailKind.CPU_TOO_SMALL:
+            return WorkerFailed(
+                f"request {rid}: {where}; it needs {len(self._prompt('cpu')) + len(self.delivered) + self.max_tokens}"
+                f" tokens and the CPU lane serves at most {self.scheduler.cpu_ctx_cap_tokens()}, so it cannot be "
+                "replayed there",
+                retry_after_s=1.0,
+            )
+        return WorkerFailed(
+            f"request {rid}: {where}; no CPU worker has the same compatibility fingerprint "
+            "(model, tokenizer, template, quantization), so it is not a replica, and no fallback "
+            "model is configured",
+            retry_after_s=1.0,
+        )
 
     def _has_replica(self, d: Dispatch, parts: tuple[str, ...] = ("compat",)) -> bool:
         """Whether a CPU worker's fingerprint matches the failed worker's in ``parts``."""
@@ -377,6 +518,8 @@ def classify_error(exc: SpilloverError) -> State:
     """The journal state a request ends in after ``exc`` (once it was accepted)."""
     if isinstance(exc, RequestCancelled):
         return State.CANCELLED
+    if isinstance(exc, JournalUnavailable):
+        return State.RESUMABLE_ERROR
     if isinstance(exc, WorkerFailed | AllocationFailed):
         return State.RESUMABLE_ERROR
     if isinstance(exc, CapacityError):

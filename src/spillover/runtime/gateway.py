@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import asdict
@@ -16,10 +17,14 @@ from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
 from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
+from spillover.core.lifecycle import State
 from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.errors import JournalUnavailable
+from spillover.runtime import statelock
 from spillover.runtime.devices import GpuDevice, cuda_available, processes_rss
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
+from spillover.runtime.keylocks import KeyLocks
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
@@ -28,6 +33,7 @@ __all__ = ["Gateway", "resolve_gpu"]
 
 log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
+MAX_PENDING_OUTCOMES = 10_000
 
 
 def resolve_gpu(cfg: Config) -> tuple[str, int] | None:
@@ -66,6 +72,12 @@ class Gateway:
         self.journal: Journal | None = None
         self.live: dict[str, Any] = {}  # request id -> RequestHandler, while it runs
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
+        self.keys = KeyLocks()
+        # Terminal outcomes the journal could not take yet (a full disk): written again by the
+        # journal loop, oldest first; bounded (the oldest are dropped, and counted, past it).
+        self.pending_outcomes: dict[str, tuple[State, dict[str, Any]]] = {}
+        self.outcomes_dropped = 0
+        self._journal_wake = asyncio.Event()
         self.recovered: dict[str, int] = {}
         self.cpu_slot_bytes = 0
         self.host_observed_bytes = 0
@@ -86,11 +98,13 @@ class Gateway:
         from spillover.engine.llama_engine import Tokenizer
 
         state = self.cfg.state_path()
+        self.state_lock = statelock.acquire(state)  # one gateway per folder, before anything touches it
         state.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(
             self.cfg.journal_path(),
             retention_s=self.cfg.journal.retention_s,
             max_requests=self.cfg.journal.max_requests,
+            max_bytes=self.cfg.journal.max_mib * 1024 * 1024,
         )
         await self.journal.open()
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
@@ -212,14 +226,48 @@ class Gateway:
                 log.warning("device reading failed: %s", exc)
             await asyncio.sleep(OBSERVE_INTERVAL_S)
 
-    async def _journal_loop(self) -> None:
+    async def store_outcome(self, rid: str, state: State, **fields: Any) -> None:
+        """Journal a request's terminal state. When the journal cannot take it now (a full
+        disk), the outcome is kept (bounded) and written again by the journal loop, so an
+        answered request does not stay RUNNING and get re-run after a restart."""
+        if self.journal is None:
+            return
+        try:
+            await self.journal.move(rid, state, **fields)
+        except JournalUnavailable as exc:
+            log.warning("journal: outcome of %s kept in memory until the journal takes it: %s", rid, exc)
+            self.pending_outcomes[rid] = (state, fields)
+            while len(self.pending_outcomes) > MAX_PENDING_OUTCOMES:
+                del self.pending_outcomes[next(iter(self.pending_outcomes))]
+                self.outcomes_dropped += 1
+            self._journal_wake.set()
+
+    async def _flush_outcomes(self) -> None:
         assert self.journal is not None
-        while True:
+        for rid, (state, fields) in list(self.pending_outcomes.items()):
             try:
-                await self.journal.prune()
+                await self.journal.move(rid, state, **fields)
+            except JournalUnavailable:
+                return  # still full: try again later
+            except Exception as exc:  # e.g. an illegal move: the row moved on meanwhile
+                log.warning("journal: dropping the kept outcome of %s: %s", rid, exc)
+            self.pending_outcomes.pop(rid, None)
+
+    async def _journal_loop(self) -> None:
+        """Retention every minute; kept outcomes every second until they are written."""
+        assert self.journal is not None
+        last_prune = -math.inf
+        while True:
+            self._journal_wake.clear()
+            try:
+                if time.monotonic() - last_prune >= 60.0 or self.pending_outcomes:
+                    last_prune = time.monotonic()
+                    await self.journal.prune()
+                await self._flush_outcomes()
             except Exception as exc:
                 log.warning("journal retention failed: %s", exc)
-            await asyncio.sleep(60.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._journal_wake.wait(), 1.0 if self.pending_outcomes else 60.0)
 
     async def _recover(self, orphans: list[JournalRecord]) -> None:
         """After a restart the journal is the truth: once the workers are up (bounded wait),
@@ -261,6 +309,7 @@ class Gateway:
             attempt=attempt,
             cpu_tokens=cpu_tokens,
             cpu_fallback=self.fallback_name is not None,
+            timeout_at_s=time.monotonic() + self.cfg.server.request_timeout_s,
         )
 
     async def _kill_worker(self, worker: WorkerClient) -> None:
@@ -351,6 +400,8 @@ class Gateway:
             self.device.close()
         if self.journal is not None:
             await self.journal.close()
+        if (lock := getattr(self, "state_lock", None)) is not None:
+            lock.release()
 
     # -- readiness and status --------------------------------------------------------
     def ready(self) -> bool:
@@ -416,6 +467,9 @@ class Gateway:
                 for rid, h in list(self.live.items())[:100]
             ],
             "retry_budget_denied": self.budget.denied,
+            "journal_pending_outcomes": len(self.pending_outcomes),
+            "journal_outcomes_dropped": self.outcomes_dropped,
+            "idempotency_keys_held": self.keys.statistics().keys,
             "recovered": self.recovered,
             "host": {
                 "budget_bytes": self.cfg.device.host_budget_mib * 1024 * 1024,

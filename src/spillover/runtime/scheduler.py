@@ -56,6 +56,16 @@ class Job:
     position: int = 0  # 1-based position when queued
     estimated_delay_ms: int = 0
     deadline_s: float | None = None  # monotonic; the client's deadline for completion
+    running: bool = False  # the attempt was sent to its worker
+    released: bool = False  # its lease (slot, reservation) was given back
+
+    @property
+    def dispatch(self) -> Dispatch | None:
+        """Where the job was dispatched, once it was."""
+        f = self.future
+        if not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        return f.result()
 
 
 @dataclass(frozen=True)
@@ -165,10 +175,14 @@ class Scheduler:
         return f"<Scheduler gpu_q={g} cpu_q={len(self.cpu.queue)} breaker={self.breaker.circuit.value}>"
 
     # -- entry ---------------------------------------------------------------------
+    def entry_lane(self, lane: str | None = None) -> str:
+        """The lane a job asking for ``lane`` is queued on: the CPU lane when asked or when there
+        is no GPU lane, else the GPU lane."""
+        return "cpu" if lane == "cpu" or self.gpu is None else "gpu"
+
     def submit_nowait(self, job: Job, lane: str | None = None) -> None:
-        """Queue a job (on ``lane`` when given, else the GPU lane if any), or raise QueueFull at once."""
-        target = self.cpu if lane == "cpu" or self.gpu is None else self.gpu
-        self._enqueue_nowait(job, target)
+        """Queue a job (see ``entry_lane``), or raise QueueFull at once."""
+        self._enqueue_nowait(job, self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu)
 
     def _enqueue_nowait(self, job: Job, lane: _Lane) -> None:
         if lane is self.cpu:
@@ -203,6 +217,10 @@ class Scheduler:
                 code="deadline_exceeded",
             )
 
+    def cpu_ctx_cap_tokens(self) -> int:
+        """The CPU lane's context cap (prompt + max_tokens)."""
+        return self.cpu.cfg.ctx_cap_tokens
+
     def withdraw(self, job: Job) -> None:
         """Remove a job that is still queued (its client went away)."""
         for lane in (self.gpu, self.cpu):
@@ -229,7 +247,8 @@ class Scheduler:
 
     # -- completion ----------------------------------------------------------------
     def finished(self, rid: str, d: Dispatch, outcome: str) -> None:
-        """Return a job's reservation and feed the breaker (``ok`` | ``failed`` | ``severe``)."""
+        """Return a job's reservation and feed the breaker: ``ok`` | ``failed`` | ``severe``
+        count; ``cancelled`` and ``client`` (the request's own fault) only end a probe."""
         if d.route == "gpu" and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
         if d.route == "gpu" and self.policy is not None:
@@ -237,6 +256,8 @@ class Scheduler:
                 "ok": BreakerEvent.SUCCESS,
                 "failed": BreakerEvent.FAILURE,
                 "severe": BreakerEvent.SEVERE_FAILURE,
+                "cancelled": BreakerEvent.PROBE_RELEASED,
+                "client": BreakerEvent.PROBE_RELEASED,
             }.get(outcome)
             if ev is not None:
                 self.breaker = advance(self.breaker, ev, self.clock(), self.policy.breaker)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["WorkerClient", "WorkerGone", "WorkerSpec", "WorkerState", "WorkerStatistics"]
+__all__ = ["INTERRUPTED", "WorkerClient", "WorkerGone", "WorkerSpec", "WorkerState", "WorkerStatistics"]
 
 _LINE_LIMIT = 8 * 1024 * 1024
+INTERRUPTED = "interrupted"  # the ``ev`` of the item ``interrupt`` puts in a request's stream
 
 
 class WorkerState(str, Enum):
@@ -253,6 +254,19 @@ class WorkerClient:
             if not finished:
                 with contextlib.suppress(ConnectionError, OSError, TimeoutError):
                     await self._send({"op": "cancel", "rid": rid})
+
+    def interrupt(self, rid: str) -> None:
+        """Stop a running request now: tell the worker to cancel it, and wake its reader with
+        an ``interrupted`` item (the worker's own last event still follows, once its slot and
+        memory are free)."""
+        q = self._streams.get(rid)
+        if q is None:
+            return
+        q.put_nowait({"ev": INTERRUPTED, "rid": rid})
+        proc = self._proc
+        if proc is not None and proc.stdin is not None and not proc.stdin.is_closing():
+            with contextlib.suppress(ConnectionError, OSError):
+                proc.stdin.write((json.dumps({"op": "cancel", "rid": rid}) + "\n").encode())
 
     async def ping(self) -> None:
         """Send a health ping; the pong updates ``last_pong_s``."""

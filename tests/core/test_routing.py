@@ -1,0 +1,115 @@
+"""Routing policy as values: the lane-fit rule at its boundary, and the failover plan row by
+row, with every expectation written out by hand (not derived from the code under test)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from spillover.core.routing import (
+    Continue,
+    Fail,
+    FailKind,
+    FailoverFacts,
+    Replay,
+    fits_lane,
+    plan_failover,
+)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "cap", "fits"),
+    [
+        (1000, 24, 1024, True),  # exactly the cap
+        (1000, 25, 1024, False),  # one over
+        (1023, 1, 1024, True),  # the last position
+        (1024, 1, 1024, False),  # the prompt alone fills the context
+        (1024, 0, 1024, False),  # ... and leaves no room even for nothing
+        (0, 1024, 1024, True),
+        (1131, 256, 1024, False),  # the issue's empty-200 case
+    ],
+)
+def test_fits_lane_boundaries(prompt: int, max_tokens: int, cap: int, fits: bool) -> None:
+    """prompt + max_tokens may equal the cap, never exceed it, and the prompt must leave a token."""
+    assert fits_lane(prompt, max_tokens, cap) is fits
+
+
+BASE = FailoverFacts(
+    route="gpu",
+    fault="alloc_failed",
+    cancelled=False,
+    attempt=1,
+    max_attempts=3,
+    delivered_tokens=0,
+    incremental=False,
+    continue_mid_stream=True,
+    greedy=False,
+    constrained=False,
+    replica_compat=True,
+    replica_numerics=True,
+    cpu_fallback=False,
+    cpu_fits=True,
+)
+STREAMING = replace(BASE, delivered_tokens=7, incremental=True, greedy=True)
+
+ROWS: list[tuple[str, FailoverFacts, object]] = [
+    ("nothing delivered, replica: replay", BASE, Replay("alloc_failed")),
+    ("a crash replays too", replace(BASE, fault="crash"), Replay("crash")),
+    ("a stall replays", replace(BASE, fault="stall"), Replay("stall")),
+    ("an engine error replays", replace(BASE, fault="engine"), Replay("engine")),
+    ("cancelled wins over everything", replace(BASE, cancelled=True), Fail(FailKind.CANCELLED, "alloc_failed")),
+    ("cancelled on the CPU", replace(BASE, route="cpu", cancelled=True), Fail(FailKind.CANCELLED, "alloc_failed")),
+    (
+        "a context overflow is the client's",
+        replace(BASE, fault="context_overflow"),
+        Fail(FailKind.CLIENT, "context_overflow"),
+    ),
+    ("a bad grammar is the client's", replace(BASE, fault="bad_grammar"), Fail(FailKind.CLIENT, "bad_grammar")),
+    (
+        "a client fault on the CPU",
+        replace(BASE, route="cpu", fault="bad_grammar"),
+        Fail(FailKind.CLIENT, "bad_grammar"),
+    ),
+    ("a CPU failure has nowhere to go", replace(BASE, route="cpu"), Fail(FailKind.CPU_FAILED, "alloc_failed")),
+    ("attempts spent", replace(BASE, attempt=3), Fail(FailKind.ATTEMPTS_SPENT, "alloc_failed")),
+    ("one attempt left", replace(BASE, attempt=2), Replay("alloc_failed")),
+    ("no replica, no fallback", replace(BASE, replica_compat=False), Fail(FailKind.NO_REPLICA, "alloc_failed")),
+    (
+        "no replica but a fallback: replay there",
+        replace(BASE, replica_compat=False, replica_numerics=False, cpu_fallback=True),
+        Replay("alloc_failed"),
+    ),
+    ("the CPU lane is too small", replace(BASE, cpu_fits=False), Fail(FailKind.CPU_TOO_SMALL, "alloc_failed")),
+    ("greedy stream, identical replica: continue", STREAMING, Continue("alloc_failed")),
+    ("sampled stream", replace(STREAMING, greedy=False), Fail(FailKind.NOT_CONTINUABLE, "alloc_failed")),
+    ("constrained stream", replace(STREAMING, constrained=True), Fail(FailKind.NOT_CONTINUABLE, "alloc_failed")),
+    (
+        "continuation switched off",
+        replace(STREAMING, continue_mid_stream=False),
+        Fail(FailKind.NOT_CONTINUABLE, "alloc_failed"),
+    ),
+    ("other numerics", replace(STREAMING, replica_numerics=False), Fail(FailKind.NOT_CONTINUABLE, "alloc_failed")),
+    (
+        "other model: no continuation even with a fallback",
+        replace(STREAMING, replica_compat=False, replica_numerics=False, cpu_fallback=True),
+        Fail(FailKind.NOT_CONTINUABLE, "alloc_failed"),
+    ),
+    (
+        "delivered but not incremental (a buffered tool call)",
+        replace(STREAMING, incremental=False),
+        Fail(FailKind.NOT_CONTINUABLE, "alloc_failed"),
+    ),
+    (
+        "continuable but the CPU lane is too small",
+        replace(STREAMING, cpu_fits=False),
+        Fail(FailKind.CPU_TOO_SMALL, "alloc_failed"),
+    ),
+    ("a continuation needs attempts too", replace(STREAMING, attempt=3), Fail(FailKind.ATTEMPTS_SPENT, "alloc_failed")),
+]
+
+
+@pytest.mark.parametrize(("why", "facts", "plan"), ROWS, ids=[r[0] for r in ROWS])
+def test_failover_plan(why: str, facts: FailoverFacts, plan: object) -> None:
+    """Each row: the facts of a failed attempt and the plan written out by hand."""
+    assert plan_failover(facts) == plan, why
