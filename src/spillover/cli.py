@@ -98,6 +98,12 @@ def cmd_sim(a: argparse.Namespace) -> int:
         dev.set_hang(True)
     elif a.action == "unhang":
         dev.set_hang(False)
+    elif a.action in ("disk-full", "disk-ok"):
+        from pathlib import Path
+
+        from spillover.runtime.journal import set_disk_full
+
+        set_disk_full(Path(a.state_dir).expanduser().resolve() / "journal.sqlite3", a.action == "disk-full")
     print(json.dumps(dev.snapshot().as_dict(), indent=2))
     return 0
 
@@ -207,8 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "sim":
             q.add_argument(
                 "action",
-                choices=["status", "fail-next", "oom-running", "capacity", "reset", "hang", "unhang"],
-                help="status | fail-next N | oom-running N | capacity MIB | reset (driver reset) | hang | unhang",
+                choices=[
+                    "status",
+                    "fail-next",
+                    "oom-running",
+                    "capacity",
+                    "reset",
+                    "hang",
+                    "unhang",
+                    "disk-full",
+                    "disk-ok",
+                ],
+                help="status | fail-next N | oom-running N | capacity MIB | reset (driver reset) | hang | unhang | "
+                "disk-full | disk-ok (the journal in the state folder fails every write as on a full disk, or stops)",
             )
             q.add_argument(
                 "value", nargs="?", type=int, default=1, help="N for fail-next/oom-running, MiB for capacity"
@@ -220,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--hold-s", type=float, default=0, help="seconds to hold (0 = until killed)")
             q.set_defaults(func=cmd_tenant)
 
+    from spillover.drill.chaos import CHAOS_SCENARIOS
     from spillover.drill.scenarios import SCENARIOS
 
     d = sub.add_parser(
@@ -229,8 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
         "a running one (--url with --state-dir for fault injection). Writes history.jsonl, "
         "report.md and report.html; exits non-zero when a pass criterion fails.",
     )
-    d.add_argument("--profile", choices=["ci", "full"], default="ci", help="ci: minutes; full: ~15x the traffic")
-    d.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="run only this one (repeatable)")
+    d.add_argument(
+        "--profile",
+        choices=["ci", "full", "chaos"],
+        default="ci",
+        help="ci: minutes; full: ~15x the traffic; chaos: ci plus same-key races, schema bombs, random cancels "
+        "and a full-disk window",
+    )
+    d.add_argument(
+        "--scenario",
+        action="append",
+        choices=list(SCENARIOS | CHAOS_SCENARIOS),
+        help="run only this one (repeatable)",
+    )
     d.add_argument("--url", help="target a running gateway instead of starting one")
     d.add_argument("--state-dir", help="the running gateway's state folder (for sim fault injection)")
     d.add_argument(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spillover.drill.chaos import CHAOS_SCENARIOS
 from spillover.drill.checker import Figures, check
 from spillover.drill.client import DrillClient
 from spillover.drill.recorder import Recorder
@@ -23,7 +24,7 @@ from spillover.testing import GatewayProcess, tree_rss
 
 __all__ = ["Drill", "DrillOptions", "run_drill"]
 
-PROFILES = {"ci": 1, "full": 15}
+PROFILES = {"ci": 1, "full": 15, "chaos": 1}  # scale of each scenario's traffic
 DRILL_CONFIG: dict[str, dict[str, Any]] = {
     "failover": {"stall_timeout_s": 3.0},
     "breaker": {"cooldown_s": 1.0, "cooldown_max_s": 3.0, "close_after_successes": 1},
@@ -188,10 +189,11 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
     """Run the drill; returns (exit status, figures per scenario)."""
     from spillover.drill.report import write_report
 
-    names = list(opts.scenarios) or list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    every = SCENARIOS | CHAOS_SCENARIOS
+    names = list(opts.scenarios) or list(SCENARIOS) + (list(CHAOS_SCENARIOS) if opts.profile == "chaos" else [])
+    unknown = [n for n in names if n not in every]
     if unknown:
-        raise SystemExit(f"unknown scenario(s): {unknown}; choose from {list(SCENARIOS)}")
+        raise SystemExit(f"unknown scenario(s): {unknown}; choose from {list(every)}")
     scale = PROFILES[opts.profile]
     opts.out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(opts.out / "history.jsonl")
@@ -218,7 +220,7 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
             for name in names:
                 rec.write("scenario_start", scenario=name)
                 try:
-                    SCENARIOS[name](d, scale)
+                    every[name](d, scale)
                 except Exception as exc:  # a scenario that cannot finish is a failure, recorded
                     errors[name] = f"{type(exc).__name__}: {exc}"
                     rec.write("assert", scenario=name, name="scenario finished", ok=False, detail=errors[name])
@@ -226,6 +228,7 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
                 advance(name)
         with contextlib.suppress(Exception):
             d.wait(lambda: client.status()["live_requests"] == 0, 120)
+        _check_quiescence(d)
         client.finals()
     finally:
         stop.set()
@@ -241,6 +244,19 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
     caught = {n: not figures[n].passed for n in names if n in NEGATIVE_CONTROLS}
     write_report(opts.out, rec.history, figures, overall, caught, opts.profile)
     return (1 if failed or not overall.passed else 0), figures | {"overall": overall}
+
+
+def _check_quiescence(d: Drill) -> None:
+    """At the end of every profile: the gateway is at rest (no slot, reservation, live
+    request, held key or unfinished journal row left)."""
+    from spillover.testing.invariants import wait_quiescent
+
+    journal = Path(d.state_dir) / "journal.sqlite3" if d.state_dir else None
+    try:
+        left = wait_quiescent(d.client.status, journal, timeout_s=60)
+    except Exception as exc:  # an unreachable gateway is a failure too
+        left = [f"{type(exc).__name__}: {exc}"]
+    d.rec.write("assert", scenario="quiescence", name="invariants at rest", ok=not left, detail="; ".join(left))
 
 
 @contextlib.contextmanager

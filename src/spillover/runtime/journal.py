@@ -26,11 +26,15 @@ Rules:
    and refuses a body larger than the headroom above it: a move rewrites its row, and the
    headroom must hold one rewrite, so requests already accepted can always finish.
 5. The files hold every prompt and answer: they are created, and kept, mode 0600.
+6. Fault injection (the drill, tests): while a file named ``<journal>.disk-full`` exists
+   (``set_disk_full``, ``spillover sim disk-full``), every write fails as on a full disk
+   (ENOSPC), through the same path as a real one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -46,7 +50,7 @@ from typing import Any, TypeVar
 from spillover.core.lifecycle import TERMINAL, State, advance
 from spillover.errors import JournalUnavailable
 
-__all__ = ["Journal", "JournalRecord", "JournalStatistics", "KeyConflict"]
+__all__ = ["Journal", "JournalRecord", "JournalStatistics", "KeyConflict", "disk_full_marker", "set_disk_full"]
 
 log = logging.getLogger("spillover.journal")
 
@@ -182,6 +186,7 @@ class Journal:
         if max_bytes < MIN_MAX_BYTES:
             raise ValueError(f"journal max_bytes must be >= {MIN_MAX_BYTES}, got {max_bytes}")
         self.path = path
+        self._disk_full_marker = disk_full_marker(path)
         self.retention_s = retention_s
         self.max_requests = max_requests
         self.max_bytes = max_bytes
@@ -234,6 +239,8 @@ class Journal:
 
     def _counted(self, fn: Callable[..., T], *args: Any) -> T:
         try:
+            if self._disk_full_marker.exists():  # rule 6
+                raise OSError(errno.ENOSPC, f"No space left on device (injected: {self._disk_full_marker})")
             return fn(*args)
         except (sqlite3.Error, OSError):
             self.write_errors += 1
@@ -575,6 +582,20 @@ class Journal:
 
         await self._run(_close)
         self._pool.shutdown(wait=True)
+
+
+def disk_full_marker(journal_path: Path) -> Path:
+    """The file whose presence makes every write of that journal fail as on a full disk."""
+    return journal_path.with_name(journal_path.name + ".disk-full")
+
+
+def set_disk_full(journal_path: Path, on: bool) -> None:
+    """Inject (or end) a full disk for the journal at ``journal_path`` (rule 6)."""
+    marker = disk_full_marker(journal_path)
+    if on:
+        marker.touch()
+    else:
+        marker.unlink(missing_ok=True)
 
 
 def dumps(obj: Any) -> str:
