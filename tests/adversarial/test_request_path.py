@@ -232,13 +232,18 @@ def test_a_cancelled_probe_does_not_pin_the_breaker_half_open(gw: GatewayProcess
 
 
 # -- item 12: DELETE of a running stream ---------------------------------------------------------
-def test_delete_of_a_running_stream_ends_it_with_an_error_event_and_done(gw: GatewayProcess) -> None:
+@pytest.mark.parametrize("prefer", ["auto", "cpu"])
+@pytest.mark.parametrize("read_to_done", [True, False])
+def test_delete_of_a_running_stream_ends_it_with_an_error_event_and_done(
+    gw: GatewayProcess, prefer: str, read_to_done: bool
+) -> None:
     """DELETE while streaming: the client reads a final request_cancelled error event and
-    [DONE] (no aborted connection), and the stored transcript ends the same way."""
+    [DONE] (no aborted connection), and the stored transcript ends the same way, also when
+    the client hangs up as soon as it sees the error event."""
     with healthy_client(gw) as c:
         events: list[str] = []
         body = {"prompt": COUNT_PROMPT, "max_tokens": 600, "temperature": 0, "stream": True}
-        with c.stream("POST", "/v1/completions", json=body) as r:
+        with c.stream("POST", "/v1/completions", json=body | {"spillover": {"prefer": prefer}}) as r:
             rid = r.headers["x-spillover-request-id"]
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -246,9 +251,14 @@ def test_delete_of_a_running_stream_ends_it_with_an_error_event_and_done(gw: Gat
                 if len(events) == 5:
                     with httpx.Client(base_url=gw.url, timeout=30) as other:
                         assert other.delete(f"/v1/requests/{rid}").status_code == 200
-        assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["error"]["code"] == "request_cancelled"
-        doc = c.get(f"/v1/requests/{rid}").json()
+                if not read_to_done and '"error"' in line:
+                    break
+        if read_to_done:
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "request_cancelled"
+        else:
+            assert json.loads(events[-1])["error"]["code"] == "request_cancelled"
+        doc = wait_for(lambda: (d := c.get(f"/v1/requests/{rid}").json())["state"] != "running" and d, 10)
         assert doc["state"] == "cancelled"
         assert doc["response"].rstrip().endswith("data: [DONE]")
         assert "request_cancelled" in doc["response"]

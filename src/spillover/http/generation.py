@@ -10,11 +10,12 @@ sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -208,7 +209,7 @@ class RequestHandler:
         return h
 
     # -- driving -------------------------------------------------------------------
-    async def first_route(self, events: AsyncIterator[Any]) -> None:
+    async def first_route(self, events: AsyncGenerator[Any, None]) -> None:
         """Wait until the request runs somewhere (its first RouteInfo)."""
         ev = await anext(events)
         assert isinstance(ev, RouteInfo)
@@ -270,20 +271,21 @@ class RequestHandler:
         return e.status, body, headers
 
     # -- non-stream ----------------------------------------------------------------
-    async def run_to_body(self, events: AsyncIterator[Any]) -> tuple[int, bytes, dict[str, str]]:
+    async def run_to_body(self, events: AsyncGenerator[Any, None]) -> tuple[int, bytes, dict[str, str]]:
         """Drive to the end and build the final JSON body (also stored)."""
         try:
-            async for ev in events:
-                if isinstance(ev, RouteInfo):
-                    self.info = ev
-                    if ev.restart:
-                        self.text.clear()
-                elif isinstance(ev, TokenOut):
-                    self._note_token()
-                    self.text.append(ev.text)
-                elif isinstance(ev, Finished):
-                    self.finish_reason = ev.finish_reason
-                    self.completion_tokens = ev.completion_tokens
+            async with contextlib.aclosing(events):  # an early exit still ends the Execution
+                async for ev in events:
+                    if isinstance(ev, RouteInfo):
+                        self.info = ev
+                        if ev.restart:
+                            self.text.clear()
+                    elif isinstance(ev, TokenOut):
+                        self._note_token()
+                        self.text.append(ev.text)
+                    elif isinstance(ev, Finished):
+                        self.finish_reason = ev.finish_reason
+                        self.completion_tokens = ev.completion_tokens
             body = json.dumps(self.final_body()).encode()
         except SpilloverError as exc:
             return await self.fail(exc)
@@ -380,7 +382,7 @@ class RequestHandler:
         self.transcript.append(data)
         return data
 
-    async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    async def stream(self, events: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
         """SSE bytes: a first chunk with the spillover object, tokens, a route-change chunk
         whenever the route changes, the end (or a typed error event), ``[DONE]``."""
         self._created = int(time.time())
@@ -388,6 +390,7 @@ class RequestHandler:
         buffer_tools = chat and self.req.forced_tool is not None
         state, status = State.COMPLETED, 200
         error: dict[str, Any] | None = None
+        closing: list[dict[str, Any]] = []  # the final events, sent once the outcome is journaled
         try:
             yield self._emit(
                 self._chunk({"role": "assistant", "content": ""} if chat else "", spillover=self.spillover_object())
@@ -412,14 +415,15 @@ class RequestHandler:
             finish = self.finish_reason
             if buffer_tools:
                 calls = self.tool_calls() or []
-                yield self._emit(self._chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
+                closing.append(self._chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
                 finish = "tool_calls"
-            yield self._emit(self._chunk({} if chat else "", finish))
+            closing.append(self._chunk({} if chat else "", finish))
             if self.req.include_usage:
                 usage_chunk = self._chunk({} if chat else "", None, usage=self.usage())
                 usage_chunk["choices"] = []
-                yield self._emit(usage_chunk)
+                closing.append(usage_chunk)
         except SpilloverError as caught:
+            await events.aclose()  # raised by this body (e.g. the journal): the Execution ends here too
             err: SpilloverError = caught
             if self.cancelled_by_user:
                 err = RequestCancelled(f"request {self.rid} was cancelled")
@@ -427,16 +431,21 @@ class RequestHandler:
             body = to_http(err, self.rid).body
             body["error"]["tokens_delivered"] = len(self.exe.delivered)
             error = body
-            yield self._emit(body)
+            closing = [body]
         except (asyncio.CancelledError, GeneratorExit):  # the connection went away: nobody reads on
             self.exe.cancel()
+            await asyncio.shield(events.aclose())
             error = to_http(RequestCancelled(f"request {self.rid} was cancelled"), self.rid).body
             self.transcript.append(sse(error))
             self.transcript.append(b"data: [DONE]\n\n")
             await asyncio.shield(self._store_stream(State.CANCELLED, status, error))
             raise
-        yield self._emit_done()
-        await self._store_stream(state, status, error)
+        # Write ahead: the outcome, with the closing events, is journaled before they are sent,
+        # so a client that goes away while reading them cannot leave the request unfinished.
+        tail = [self._emit(c) for c in closing] + [self._emit_done()]
+        await asyncio.shield(self._store_stream(state, status, error))
+        for data in tail:
+            yield data
 
     def _emit_done(self) -> bytes:
         data = b"data: [DONE]\n\n"
@@ -463,7 +472,7 @@ async def begin(
     body_hash: str,
     idem_key: str | None,
     resume_attempts: int | None,
-) -> tuple[RequestHandler, AsyncIterator[Any]]:
+) -> tuple[RequestHandler, AsyncGenerator[Any, None]]:
     """Make the request durable (ACCEPTED, or resumed from its record) and only then queue
     it. From here the Execution owns its lease and the handler its terminal state: a request
     the queue cannot take now is journaled REJECTED (resumable with its key) and the caller
@@ -517,9 +526,12 @@ async def begin(
     return handler, _unregister_when_done(gw, prep.rid, exe.events())
 
 
-async def _unregister_when_done(gw: Gateway, rid: str, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _unregister_when_done(gw: Gateway, rid: str, events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    """The Execution's events; when they end, or the consumer closes this early, the
+    Execution is closed too (its lease released) and the request leaves ``gw.live``."""
     try:
-        async for ev in events:
-            yield ev
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                yield ev
     finally:
         gw.live.pop(rid, None)

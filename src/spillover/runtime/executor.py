@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -247,7 +247,7 @@ class Execution:
         return RequestCancelled(f"request {self.rid} was cancelled")
 
     # -- the attempt loop ----------------------------------------------------------
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         """Run attempts until the request finishes or cannot go on (raises SpilloverError).
         Whatever happens, the lease of the current attempt is released on the way out."""
         try:
@@ -265,8 +265,9 @@ class Execution:
                     raise self._stopped_error()
                 await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=d.reason)
                 try:
-                    async for ev in self._run_attempt(job, d):
-                        yield ev
+                    async with contextlib.aclosing(self._run_attempt(job, d)) as attempt:
+                        async for ev in attempt:
+                            yield ev
                     return
                 except _Failure as f:
                     self.failures.append(f.kind)
@@ -368,7 +369,7 @@ class Execution:
                     if isinstance(item, WorkerGone) or item.get("ev") in ("done", "error"):
                         return
 
-    async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncIterator[Event]:
+    async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncGenerator[Event, None]:
         job.running = True
         it = d.worker.generate(self._msg(d))
         outcome = "failed"
@@ -422,7 +423,12 @@ class Execution:
             if f.kind == "stall":
                 await self.kill_worker(d.worker)  # hung: the supervisor restarts it
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except GeneratorExit:  # the consumer went away: stop the worker, wait (bounded) until it has
+            outcome = "cancelled"
+            d.worker.interrupt(self.rid)
+            await self._drain(it, d)
+            raise
+        except asyncio.CancelledError:  # the gateway is stopping: no waiting
             outcome = "cancelled"
             raise
         except BaseException:

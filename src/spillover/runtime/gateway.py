@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -34,6 +35,8 @@ __all__ = ["Gateway", "resolve_gpu"]
 log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
 MAX_PENDING_OUTCOMES = 10_000
+LOOP_RESTART_S = 0.5  # first back-off of a gateway loop that failed (doubles, capped)
+LOOP_RESTART_MAX_S = 30.0
 
 
 def resolve_gpu(cfg: Config) -> tuple[str, int] | None:
@@ -78,6 +81,7 @@ class Gateway:
         self.pending_outcomes: dict[str, tuple[State, dict[str, Any]]] = {}
         self.outcomes_dropped = 0
         self._journal_wake = asyncio.Event()
+        self.loop_restarts: dict[str, int] = {}  # gateway loop name -> restarts after a failure
         self.recovered: dict[str, int] = {}
         self.cpu_slot_bytes = 0
         self.host_observed_bytes = 0
@@ -165,15 +169,36 @@ class Gateway:
         self.supervisors.append(sup)
         self.scheduler.cpu_workers.append(sup.worker)
         for s in self.supervisors:
-            self._tasks.append(asyncio.create_task(s.run(), name=f"sup-{s.worker.spec.worker_id}"))
-        self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
+            self._keep(f"sup-{s.worker.spec.worker_id}", s.run)
+        self._keep("scheduler", self.scheduler.run)
         if self.device is not None:
-            self._tasks.append(asyncio.create_task(self._observe_loop(), name="observe"))
-        self._tasks.append(asyncio.create_task(self._host_loop(), name="host-observe"))
-        self._tasks.append(asyncio.create_task(self._journal_loop(), name="journal-retention"))
+            self._keep("observe", self._observe_loop)
+        self._keep("host-observe", self._host_loop)
+        self._keep("journal-retention", self._journal_loop)
         # What was unfinished *before* this gateway serves anything: only those are orphans.
         orphans = await self.journal.unfinished()
         self._tasks.append(asyncio.create_task(self._recover(orphans), name="recover"))
+
+    def _keep(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the gateway's loops for its whole life: a loop that raises is logged
+        loudly (with its traceback), counted in /v1/status and restarted after a capped
+        back-off; none ends silently. ``stop()`` cancels them all."""
+
+        async def keep() -> None:
+            delay = LOOP_RESTART_S
+            while True:
+                try:
+                    await loop()
+                    log.error("gateway loop %s returned; restarting it", name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("gateway loop %s failed; restarting it in %.1fs", name, delay)
+                self.loop_restarts[name] = self.loop_restarts.get(name, 0) + 1
+                await asyncio.sleep(delay)
+                delay = min(LOOP_RESTART_MAX_S, delay * 2)
+
+        self._tasks.append(asyncio.create_task(keep(), name=name))
 
     def _worker_spec(self, wid: str, lane: str, device: str) -> WorkerSpec:
         lc = self.cfg.gpu_lane if lane == "gpu" else self.cfg.cpu_lane
@@ -467,6 +492,7 @@ class Gateway:
                 for rid, h in list(self.live.items())[:100]
             ],
             "retry_budget_denied": self.budget.denied,
+            "loop_restarts": dict(self.loop_restarts),
             "journal_pending_outcomes": len(self.pending_outcomes),
             "journal_outcomes_dropped": self.outcomes_dropped,
             "idempotency_keys_held": self.keys.statistics().keys,
