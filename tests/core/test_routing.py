@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from spillover.core.lifecycle import State
 from spillover.core.routing import (
     Continue,
     Fail,
@@ -15,6 +16,7 @@ from spillover.core.routing import (
     Replay,
     fits_lane,
     plan_failover,
+    replayable_after_restart,
 )
 
 
@@ -113,3 +115,21 @@ ROWS: list[tuple[str, FailoverFacts, object]] = [
 def test_failover_plan(why: str, facts: FailoverFacts, plan: object) -> None:
     """Each row: the facts of a failed attempt and the plan written out by hand."""
     assert plan_failover(facts) == plan, why
+
+
+S = State
+RESTART_ROWS = [
+    (S.ACCEPTED, False, 0, True),
+    (S.QUEUED, True, 0, True),
+    (S.ADMITTED, True, 0, True),
+    (S.RUNNING, False, 0, True),
+    (S.RUNNING, False, 40, True),  # non-stream: nothing reached the client
+    (S.RUNNING, True, 0, True),  # a stream before its first token
+    (S.RUNNING, True, 1, False),  # a stream that delivered a token
+]
+
+
+@pytest.mark.parametrize(("state", "stream", "delivered", "replay"), RESTART_ROWS)
+def test_replayable_after_restart(state: State, stream: bool, delivered: int, replay: bool) -> None:
+    """After a restart, replay exactly what no client has seen any of."""
+    assert replayable_after_restart(state, stream, delivered) is replay

@@ -17,12 +17,17 @@ Rules:
 4. Replay needs a CPU path: a replica (compatibility fingerprint matches) or a configured
    fallback model (only at a request boundary: never a continuation).
 5. The CPU path must fit the request (rule 1); otherwise the failure is final.
+6. After a gateway restart an unfinished request is replayed when nothing of it reached
+   its client: it never ran (ACCEPTED, QUEUED, ADMITTED), or it was RUNNING but is not a
+   stream or had delivered no token (``replayable_after_restart``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+from spillover.core.lifecycle import State
 
 __all__ = [
     "CLIENT_FAULTS",
@@ -35,6 +40,7 @@ __all__ = [
     "Replay",
     "fits_lane",
     "plan_failover",
+    "replayable_after_restart",
 ]
 
 SEVERE_FAULTS = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
@@ -129,3 +135,10 @@ def plan_failover(f: FailoverFacts) -> Plan:
     if not f.cpu_fits:
         return Fail(FailKind.CPU_TOO_SMALL, f.fault)
     return Continue(f.fault) if f.delivered_tokens else Replay(f.fault)
+
+
+def replayable_after_restart(state: State, stream: bool, tokens_delivered: int) -> bool:
+    """Whether an unfinished request found after a restart may run again (rule 6)."""
+    if state in (State.ACCEPTED, State.QUEUED, State.ADMITTED):
+        return True
+    return state is State.RUNNING and (not stream or tokens_delivered == 0)

@@ -35,6 +35,7 @@ from spillover.errors import (
 )
 from spillover.http import generation as g
 from spillover.http.origin import HostPolicy, OriginGuard
+from spillover.http.recovery import replay_orphan
 from spillover.http.schemas import parse_chat, parse_completion, positive_ms, stored_body
 from spillover.runtime.gateway import Gateway
 from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
@@ -99,6 +100,7 @@ def _idempotency_key(request: Request) -> str | None:
 def create_app(gw: Gateway) -> Starlette:
     """Build the ASGI app around a started (or starting) Gateway."""
     cfg = gw.cfg
+    gw.replay = replay_orphan  # start-up recovery runs orphans again through this layer
     api_key = cfg.server.api_key.encode()
 
     def authorize(request: Request) -> None:

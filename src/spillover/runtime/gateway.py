@@ -26,6 +26,7 @@ from spillover.runtime.devices import GpuDevice, cuda_available, processes_rss
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
+from spillover.runtime.recovery import Replay, recover
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
@@ -83,6 +84,7 @@ class Gateway:
         self._journal_wake = asyncio.Event()
         self.loop_restarts: dict[str, int] = {}  # gateway loop name -> restarts after a failure
         self.recovered: dict[str, int] = {}
+        self.replay: Replay | None = None  # runs a recovered request again (set by the HTTP layer)
         self.cpu_slot_bytes = 0
         self.host_observed_bytes = 0
         self.host_peak_bytes = 0
@@ -296,13 +298,25 @@ class Gateway:
 
     async def _recover(self, orphans: list[JournalRecord]) -> None:
         """After a restart the journal is the truth: once the workers are up (bounded wait),
-        replay what can be and end the rest."""
-        from spillover.http.recovery import recover
-
+        replay what can be (with ``self.replay``, set by the HTTP layer) and end the rest."""
         deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
         while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
             await asyncio.sleep(0.1)
-        self.recovered = await recover(self, orphans)
+        self.recovered = await recover(self, orphans, self.replay, self._spawn)
+
+    def _spawn(self, name: str, work: Awaitable[None]) -> None:
+        """A one-off task the gateway owns (a recovered request's replay): a failure is logged
+        with its traceback, and ``stop()`` cancels it."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("gateway task %s failed", name)
+
+        task = asyncio.create_task(run(), name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     # -- helpers for the request path -------------------------------------------------
     def new_execution(

@@ -1,0 +1,82 @@
+"""Start-up recovery: the journal is the truth after a gateway restart.
+
+Rules:
+
+1. Only requests unfinished *before* this gateway served anything are orphans (read at start).
+2. An orphan is replayed when nothing of it reached its client (``core.routing.
+   replayable_after_restart``): it goes back to QUEUED and runs again in the background with
+   the same id and the next attempt, under its Idempotency-Key's lock, so a client resuming
+   it at the same moment does not make it run twice. Its outcome is journaled as always.
+3. The others (a stream that had delivered tokens) end as resumable errors.
+4. The replay itself (parse the stored body, run it, store the answer in its wire format)
+   is the HTTP layer's: it is passed in as ``replay``; nothing here imports ``http``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from spillover.core.lifecycle import State
+from spillover.core.routing import replayable_after_restart
+from spillover.errors import FailoverInterrupted, SpilloverError, to_http
+
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+    from spillover.runtime.journal import JournalRecord
+
+__all__ = ["Replay", "end_orphan", "recover"]
+
+log = logging.getLogger("spillover.recovery")
+
+Replay = Callable[["Gateway", "JournalRecord"], Awaitable[None]]
+
+
+async def end_orphan(gw: Gateway, rec: JournalRecord, exc: SpilloverError) -> None:
+    """End an orphan as a resumable error whose stored answer is ``exc`` (rule 3)."""
+    assert gw.journal is not None
+    e = to_http(exc, rec.id)
+    await gw.journal.move(
+        rec.id,
+        State.RESUMABLE_ERROR,
+        status_code=e.status,
+        response=json.dumps(e.body).encode(),
+        content_type="application/json",
+        error=json.dumps(e.body),
+        headers=json.dumps({"X-Spillover-Request-Id": rec.id, **e.headers}),
+    )
+
+
+async def recover(
+    gw: Gateway, orphans: list[JournalRecord], replay: Replay | None, spawn: Callable[[str, Awaitable[None]], None]
+) -> dict[str, int]:
+    """Re-queue the replayable orphans (``spawn`` runs each replay as a task the gateway
+    owns) and end the others; returns the counts. Without a ``replay`` (no HTTP layer),
+    every orphan ends as a resumable error."""
+    assert gw.journal is not None
+    counts = {"replayed": 0, "ended": 0}
+    for rec in orphans:
+        if rec.id in gw.live:  # resumed by its client (same Idempotency-Key) meanwhile
+            continue
+        if replay is not None and replayable_after_restart(rec.state, rec.stream, rec.tokens_delivered):
+            # Back to QUEUED through the table (RUNNING/ADMITTED/ACCEPTED -> QUEUED are legal).
+            await gw.journal.move(rec.id, State.QUEUED, reason="recovered after gateway restart", attempts=rec.attempts)
+            rec = await gw.journal.get(rec.id) or rec
+            spawn(f"recover-{rec.id}", replay(gw, rec))
+            counts["replayed"] += 1
+        else:
+            await end_orphan(
+                gw,
+                rec,
+                FailoverInterrupted(
+                    f"the gateway restarted while request {rec.id} was streaming; {rec.tokens_delivered}+ tokens "
+                    "had been delivered, so it cannot be replayed without changing what the client saw",
+                    retry_after_s=1.0,
+                ),
+            )
+            counts["ended"] += 1
+    if counts["replayed"] or counts["ended"]:
+        log.info("recovered journal: %s", counts)
+    return counts
