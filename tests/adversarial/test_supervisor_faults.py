@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from spillover.config import SupervisorConfig
+from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec
 
@@ -82,12 +83,12 @@ def supervise_until_ready(
         readies = asyncio.Event()
         seen: list[str] = []
 
-        def on_change(w: WorkerClient, what: str) -> None:
-            if what.startswith("ready"):
-                seen.append(what)
+        def on_change(w: WorkerClient, ev: SupervisorEvent) -> None:
+            if ev.kind is SupervisorEventKind.READY:
+                seen.append(str(ev))
                 if len(seen) >= n:
                     readies.set()
-            listener(what)
+            listener(str(ev))
 
         sup = Supervisor(spec(), FAST, device=device, on_change=on_change)
         patch(sup)
@@ -130,7 +131,7 @@ def test_listener_that_raises_does_not_end_supervision(caplog: pytest.LogCapture
     with caplog.at_level(logging.ERROR, logger="spillover.supervisor"):
         sup = supervise_until_ready(2, device=ReleasedDevice(), listener=broken)
     assert sup.restarts >= 1
-    assert "listener failed on 'starting'" in caplog.text and "listener bug" in caplog.text
+    assert "listener failed on starting" in caplog.text and "listener bug" in caplog.text
 
 
 def test_round_that_raises_is_logged_and_retried(caplog: pytest.LogCaptureFixture) -> None:
@@ -153,4 +154,4 @@ def test_round_that_raises_is_logged_and_retried(caplog: pytest.LogCaptureFixtur
         sup = supervise_until_ready(3, device=ReleasedDevice(), patch=patch)
     assert failed and sup.errors == 1
     assert "supervisor round failed" in caplog.text and "a bug in one round" in caplog.text
-    assert any(what.startswith("supervisor error (RuntimeError") for _, what in sup.events), sup.events
+    assert any(what.startswith("supervisor_error: RuntimeError") for _, what in sup.events), sup.events

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillover.core.ledger import DeviceLedger
+from spillover.core.ledger import DeviceLedger, LedgerStatistics, Reservation
 
 MIB = 1024 * 1024
 
@@ -120,3 +120,194 @@ def test_property_tenant_pressure_reduces_headroom(tenant_mib: int, ours_mib: in
     after = led.headroom(0.1)
     assert before is not None and after is not None
     assert after == before - tenant_mib * MIB
+
+
+def test_grants_are_recorded_as_given() -> None:
+    """reserve_nowait records a request by default and force_reserve the kind given, both at their time."""
+    led = make()
+    led.observe(0, 1.0)
+    assert led.reserve_nowait("a", 5 * MIB, 1.5) == Reservation("a", 5 * MIB, "request", 1.5)
+    assert led.force_reserve("w", 7 * MIB, 2.5, "weights") == Reservation("w", 7 * MIB, "weights", 2.5)
+    assert (led.reserved_by_kind("request"), led.reserved_by_kind("weights")) == (5 * MIB, 7 * MIB)
+
+
+@pytest.mark.parametrize("first", ["reserve_nowait", "force_reserve"])
+@pytest.mark.parametrize("second", ["reserve_nowait", "force_reserve"])
+def test_a_holder_holds_one_reservation(first: str, second: str) -> None:
+    """A second grant to the same holder, by either method, raises KeyError naming the holder."""
+    led = make()
+    led.observe(0, 0.0)
+    getattr(led, first)("a", MIB, 0.0, kind="request")
+    with pytest.raises(KeyError, match="a already holds a reservation"):
+        getattr(led, second)("a", MIB, 0.0, kind="request")
+
+
+def test_exact_fit_is_granted_one_byte_more_is_not() -> None:
+    """A grant of exactly the headroom fits; one byte more does not, and a negative one never does."""
+    led = make()
+    led.observe(30 * MIB, 0.0)
+    assert led.reserve_nowait("neg", -1, 0.0) is None
+    assert led.reserve_nowait("over", 60 * MIB + 1, 0.0) is None
+    assert led.reserve_nowait("exact", 60 * MIB, 0.0) is not None
+    assert led.headroom(0.0) == 0
+
+
+def test_statistics_snapshot() -> None:
+    """The snapshot reports every field, counting weights grants apart from requests' ones."""
+    led = make()
+    led.force_reserve("w", 40 * MIB, 0.0, "weights")
+    assert led.statistics(0.0) == LedgerStatistics(
+        device="sim:100",
+        capacity_bytes=100 * MIB,
+        margin_bytes=10 * MIB,
+        predicted_bytes=40 * MIB,
+        observed_bytes=None,
+        observed_age_s=None,
+        headroom_bytes=None,
+        reservations=1,
+        request_reservations=0,
+        granted_total=1,
+        released_total=0,
+        peak_requests=0,
+    )
+    led.confirm("w", 0.5)
+    led.observe(45 * MIB, 1.0)
+    led.reserve_nowait("a", 10 * MIB, 1.1)
+    led.reserve_nowait("b", 5 * MIB, 1.2)
+    led.release("b", 1.3)
+    assert led.statistics(1.5) == LedgerStatistics(
+        device="sim:100",
+        capacity_bytes=100 * MIB,
+        margin_bytes=10 * MIB,
+        predicted_bytes=50 * MIB,
+        observed_bytes=45 * MIB,
+        observed_age_s=0.5,
+        headroom_bytes=90 * MIB - (45 + 10) * MIB,  # the reading plus a, not yet confirmed
+        reservations=2,
+        request_reservations=1,
+        granted_total=3,
+        released_total=1,
+        peak_requests=2,
+    )
+
+
+def test_every_grant_is_counted() -> None:
+    """granted_total counts forced grants too, each one, whatever came before."""
+    led = make()
+    led.observe(0, 0.0)
+    led.reserve_nowait("a", MIB, 0.0)
+    led.force_reserve("w", MIB, 0.0, "weights")
+    led.force_reserve("t", MIB, 0.0, "tenant")
+    assert led.statistics(0.0).granted_total == 3
+
+
+def test_reading_age_is_never_negative() -> None:
+    """A reading stamped after ``now`` (another clock's rounding) is reported as age 0, not negative."""
+    led = make()
+    led.observe(0, 5.0)
+    assert led.statistics(4.0).observed_age_s == 0.0
+
+
+def test_peak_counts_only_request_grants() -> None:
+    """peak_requests is the most request reservations live at once; weights and tenants do not count."""
+    led = make()
+    led.observe(0, 0.0)
+    led.force_reserve("w", MIB, 0.0, "weights")
+    led.reserve_nowait("t", MIB, 0.0, kind="tenant")
+    led.reserve_nowait("a", MIB, 0.0)
+    led.reserve_nowait("b", MIB, 0.0)
+    led.release("a")
+    led.release("b")
+    led.reserve_nowait("t2", MIB, 0.0, kind="tenant")
+    assert led.statistics(0.0).peak_requests == 2
+
+
+def test_a_device_reported_capacity_replaces_the_configured_one() -> None:
+    """A reading that carries the device's capacity updates it; one without leaves it as it was."""
+    led = make()
+    led.observe(0, 0.0, capacity_bytes=50 * MIB)
+    assert led.capacity_bytes == 50 * MIB and led.headroom(0.0) == 40 * MIB
+    led.observe(0, 0.1)
+    assert led.capacity_bytes == 50 * MIB
+
+
+def test_confirmed_at_the_reading_time_is_not_trusted_to_be_in_it() -> None:
+    """A grant confirmed at the very instant a reading was taken is still added to that reading."""
+    led = make()
+    led.observe(0, 0.0)
+    led.reserve_nowait("a", 20 * MIB, 0.0)
+    led.confirm("a", 1.0)
+    led.observe(20 * MIB, 1.0)
+    assert led.unconfirmed_bytes() == 20 * MIB
+    assert led.headroom(1.0) == 90 * MIB - 40 * MIB
+    led.observe(20 * MIB, 1.01)
+    assert led.unconfirmed_bytes() == 0
+
+
+def test_without_a_reading_every_grant_is_unconfirmed() -> None:
+    """Before any reading, even confirmed grants cannot be in one."""
+    led = make()
+    led.force_reserve("w", 30 * MIB, 0.0, "weights")
+    led.confirm("w", 0.0)
+    assert led.unconfirmed_bytes() == 30 * MIB
+
+
+def test_confirming_an_unknown_holder_does_nothing() -> None:
+    """A confirmation for a holder that holds nothing is ignored."""
+    led = make()
+    led.confirm("ghost", 0.0)
+    led.observe(0, 1.0)
+    led.reserve_nowait("ghost", 10 * MIB, 1.5)
+    assert led.unconfirmed_bytes() == 10 * MIB
+
+
+def test_a_holder_granted_again_starts_unconfirmed() -> None:
+    """Release forgets the old confirmation: the same holder's next grant is not assumed to be in a reading."""
+    led = make()
+    led.observe(0, 0.0)
+    led.reserve_nowait("a", 20 * MIB, 0.0)
+    led.confirm("a", 0.5)
+    led.observe(20 * MIB, 1.0)
+    assert led.unconfirmed_bytes() == 0
+    led.release("a", 1.1)
+    led.reserve_nowait("a", 20 * MIB, 1.2)
+    assert led.unconfirmed_bytes() == 20 * MIB
+
+
+def test_recently_released_request_bytes_within_freshness() -> None:
+    """Request bytes released at t=5 are remembered through t=6 (freshness 1 s) and forgotten after."""
+    led = make()
+    led.force_reserve("a", 8 * MIB, 0.0, "request")
+    led.release("a", 5.0)
+    assert led.recently_released(5.5) == 8 * MIB
+    assert led.recently_released(6.0) == 8 * MIB
+    assert led.recently_released(6.01) == 0
+
+
+def test_recently_released_forgets_the_oldest_first() -> None:
+    """Of two releases, only the one still within freshness is counted."""
+    led = make()
+    led.force_reserve("a", 8 * MIB, 0.0, "request")
+    led.force_reserve("b", 3 * MIB, 0.0, "request")
+    led.release("a", 5.0)
+    led.release("b", 5.8)
+    assert led.recently_released(5.9) == 11 * MIB
+    assert led.recently_released(6.5) == 3 * MIB
+    assert led.recently_released(7.0) == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "now", "remembered"),
+    [
+        ("request", 5.0, 8 * MIB),
+        ("request", None, 0),  # a release without a time is not remembered
+        ("weights", 5.0, 0),  # only requests' bytes are coming back
+        ("tenant", 5.0, 0),
+    ],
+)
+def test_which_releases_are_remembered(kind: str, now: float | None, remembered: int) -> None:
+    """Only request reservations released with a time count as recently released."""
+    led = make()
+    led.force_reserve("a", 8 * MIB, 0.0, kind)
+    led.release("a", now)
+    assert led.recently_released(5.5) == remembered

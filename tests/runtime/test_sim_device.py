@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from spillover.engine.sim import MIB, SimDevice
+from spillover.runtime.events import Done, Failed, RequestEvent, Started
 from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec
 
 
@@ -107,7 +108,7 @@ def spec(tmp_path: Path, model_path: str) -> WorkerSpec:
     )
 
 
-async def run_job(w: WorkerClient, rid: str, reserve: int) -> list[dict | WorkerGone]:
+async def run_job(w: WorkerClient, rid: str, reserve: int) -> list[RequestEvent]:
     w.claim_slot(rid)
     job = {
         "rid": rid,
@@ -133,14 +134,15 @@ def test_worker_sees_injected_faults(tmp_path: Path, model_path: str) -> None:
         info = await w.start(60)
         assert dev.snapshot().used_by_pid(info["pid"]) == 100 * MIB
         ok = await run_job(w, "r1", 10 * MIB)
-        assert ok[0]["ev"] == "started" and ok[-1]["ev"] == "done"
+        assert isinstance(ok[0], Started) and isinstance(ok[-1], Done)
         dev.fail_next(1)
         failed = await run_job(w, "r2", 10 * MIB)
-        assert failed == [{"ev": "error", "rid": "r2", "kind": "alloc_failed", "message": failed[0]["message"]}]
+        assert len(failed) == 1 and isinstance(failed[0], Failed) and failed[0].kind == "alloc_failed"
         dev.set_capacity(105 * MIB)
-        assert (await run_job(w, "r3", 10 * MIB))[-1]["kind"] == "alloc_failed"
+        last = (await run_job(w, "r3", 10 * MIB))[-1]
+        assert isinstance(last, Failed) and last.kind == "alloc_failed"
         dev.set_capacity(512 * MIB)
-        assert (await run_job(w, "r4", 10 * MIB))[-1]["ev"] == "done"
+        assert isinstance((await run_job(w, "r4", 10 * MIB))[-1], Done)
         assert dev.snapshot().used_by_pid(info["pid"]) == 100 * MIB  # request memory returned
         dev.reset()
         for _ in range(200):

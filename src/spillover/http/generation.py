@@ -434,11 +434,9 @@ class RequestHandler:
             closing = [body]
         except (asyncio.CancelledError, GeneratorExit):  # the connection went away: nobody reads on
             self.exe.cancel()
-            await asyncio.shield(events.aclose())
-            error = to_http(RequestCancelled(f"request {self.rid} was cancelled"), self.rid).body
-            self.transcript.append(sse(error))
-            self.transcript.append(b"data: [DONE]\n\n")
-            await asyncio.shield(self._store_stream(State.CANCELLED, status, error))
+            # One shielded task: under a cancelled (anyio) scope every later await raises again,
+            # so closing the Execution and journaling CANCELLED must not be two awaits here.
+            await asyncio.shield(self._end_abandoned(events, status))
             raise
         # Write ahead: the outcome, with the closing events, is journaled before they are sent,
         # so a client that goes away while reading them cannot leave the request unfinished.
@@ -446,6 +444,14 @@ class RequestHandler:
         await asyncio.shield(self._store_stream(state, status, error))
         for data in tail:
             yield data
+
+    async def _end_abandoned(self, events: AsyncGenerator[Any, None], status: int) -> None:
+        """The client of a stream went away: end the Execution, journal CANCELLED."""
+        await events.aclose()
+        error = to_http(RequestCancelled(f"request {self.rid} was cancelled"), self.rid).body
+        self.transcript.append(sse(error))
+        self.transcript.append(b"data: [DONE]\n\n")
+        await self._store_stream(State.CANCELLED, status, error)
 
     def _emit_done(self) -> bytes:
         data = b"data: [DONE]\n\n"

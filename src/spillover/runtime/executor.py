@@ -54,8 +54,9 @@ from spillover.errors import (
     SpilloverError,
     WorkerFailed,
 )
+from spillover.runtime.events import FINAL, Done, Failed, Interrupted, RequestEvent, Started, Token, WorkerGone
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
-from spillover.runtime.worker_client import INTERRUPTED, WorkerClient, WorkerGone
+from spillover.runtime.worker_client import WorkerClient
 
 if TYPE_CHECKING:
     from spillover.runtime.journal import Journal
@@ -332,8 +333,8 @@ class Execution:
         return bound
 
     async def _next(
-        self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch, *, prefill: bool = False
-    ) -> dict[str, Any]:
+        self, it: AsyncIterator[RequestEvent], d: Dispatch, *, prefill: bool = False
+    ) -> Started | Token | Done:
         """The next worker event; a stall, a worker's death or error raise ``_Failure``, an
         interruption (cancel, time limit) raises ``_Stopped``."""
         if self._cancelled or self._timed_out:
@@ -352,22 +353,20 @@ class Execution:
         if isinstance(item, WorkerGone):
             kind = "driver_reset" if item.kind == "device_lost" else "crash"
             raise _Failure(kind, f"{item.kind}: {item.message}")
-        if item.get("ev") == INTERRUPTED:
+        if isinstance(item, Interrupted):
             raise _Stopped
-        if item.get("ev") == "error":
-            raise _Failure(str(item.get("kind") or "engine"), str(item.get("message")))
+        if isinstance(item, Failed):
+            raise _Failure(item.kind, item.message)
         return item
 
-    async def _drain(self, it: AsyncIterator[dict[str, Any] | WorkerGone], d: Dispatch) -> None:
+    async def _drain(self, it: AsyncIterator[RequestEvent], d: Dispatch) -> None:
         """After an interruption: wait (bounded) until the worker has really stopped the
         request (its last event comes after its slot and memory are free), so the lease is
         not given back while the worker still computes."""
         with contextlib.suppress(TimeoutError, StopAsyncIteration):
             async with asyncio.timeout(self._bound(d, prefill=True)):
-                while True:
-                    item = await anext(it)
-                    if isinstance(item, WorkerGone) or item.get("ev") in ("done", "error"):
-                        return
+                while not isinstance(await anext(it), FINAL):
+                    pass
 
     async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncGenerator[Event, None]:
         job.running = True
@@ -375,8 +374,8 @@ class Execution:
         outcome = "failed"
         try:
             first = await self._next(it, d)
-            if first.get("ev") != "started":
-                raise _Failure("engine", f"unexpected worker event {first.get('ev')!r}")
+            if not isinstance(first, Started):
+                raise _Failure("engine", f"unexpected worker event {first!r} before the start")
             self.scheduler.confirmed(self.rid)
             await self._move(State.RUNNING, route=d.route, attempts=self.attempt)
             yield RouteInfo(
@@ -396,23 +395,22 @@ class Execution:
             first_token = True
             while True:
                 ev = await self._next(it, d, prefill=first_token)
-                if ev["ev"] == "token":
+                if isinstance(ev, Token):
                     first_token = False
-                    if self.incremental and ev["id"] >= 0:
-                        self.delivered.append(int(ev["id"]))
-                    yield TokenOut(int(ev["id"]), str(ev["text"]))
-                elif ev["ev"] == "done":
+                    if self.incremental and ev.id >= 0:
+                        self.delivered.append(ev.id)
+                    yield TokenOut(ev.id, ev.text)
+                elif isinstance(ev, Done):
                     outcome = "ok"
-                    timings = ev.get("timings") or {}
                     self.scheduler.record_timing(
                         d.route,
                         len(self._prompt(d.route)) + len(self.delivered),
-                        int(ev["completion_tokens"]),
-                        float(timings.get("prefill_s", 0.0)),
-                        float(timings.get("total_s", 0.0)),
+                        ev.completion_tokens,
+                        ev.prefill_s,
+                        ev.total_s,
                     )
-                    total = len(self.delivered) if self.incremental else int(ev["completion_tokens"])
-                    yield Finished(str(ev["finish_reason"]), total)
+                    total = len(self.delivered) if self.incremental else ev.completion_tokens
+                    yield Finished(ev.finish_reason, total)
                     return
         except _Stopped:
             outcome = "cancelled"

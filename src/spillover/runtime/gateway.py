@@ -23,6 +23,7 @@ from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
 from spillover.runtime.devices import GpuDevice, cuda_available, processes_rss
+from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
@@ -219,23 +220,23 @@ class Gateway:
             weights_bytes=weights,
         )
 
-    def _worker_event(self, worker: Any, what: str) -> None:
+    def _worker_event(self, worker: Any, ev: SupervisorEvent) -> None:
         self.events.append(
             {
                 "t_s": round(time.monotonic() - self.started_s, 3),
                 "worker": worker.spec.worker_id,
-                "event": what,
+                "event": str(ev),
             }
         )
         del self.events[:-100]
         if self.ledger is not None and worker.spec.lane == "gpu":
             holder = f"weights:{worker.spec.worker_id}"
             now = time.monotonic()
-            if what == "starting" and not self.ledger.holds(holder):
+            if ev.kind is SupervisorEventKind.STARTING and not self.ledger.holds(holder):
                 self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")
-            elif what.startswith("ready"):
+            elif ev.kind is SupervisorEventKind.READY:
                 self.ledger.confirm(holder, now)
-            elif what.startswith(("died", "failed")) and self.ledger.holds(holder):
+            elif ev.kind in (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED) and self.ledger.holds(holder):
                 self.ledger.release(holder)
         if self.scheduler is not None:
             self.scheduler.kick()
@@ -352,7 +353,7 @@ class Gateway:
         )
 
     async def _kill_worker(self, worker: WorkerClient) -> None:
-        self._worker_event(worker, "stalled: killing it")
+        self._worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, "no token progress: killing it"))
         await worker.kill()
 
     def worker_info(self, worker_id: str) -> dict[str, Any]:

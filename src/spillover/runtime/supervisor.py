@@ -24,7 +24,10 @@ from collections.abc import Callable
 
 from spillover.config import SupervisorConfig
 from spillover.runtime.devices import GpuDevice
+from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec, WorkerState
+
+K = SupervisorEventKind
 
 __all__ = ["Supervisor"]
 
@@ -41,7 +44,7 @@ class Supervisor:
         cfg: SupervisorConfig,
         *,
         device: GpuDevice | None = None,
-        on_change: Callable[[WorkerClient, str], None] = lambda w, e: None,
+        on_change: Callable[[WorkerClient, SupervisorEvent], None] = lambda w, e: None,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -57,19 +60,20 @@ class Supervisor:
     def __repr__(self) -> str:
         return f"<Supervisor {self.worker.spec.worker_id} restarts={self.restarts}>"
 
-    def _event(self, what: str) -> None:
-        self.events.append((time.monotonic(), what))
+    def _event(self, kind: SupervisorEventKind, detail: str = "") -> None:
+        ev = SupervisorEvent(kind, detail)
+        self.events.append((time.monotonic(), str(ev)))
         del self.events[:-50]
-        log.info("worker %s: %s", self.worker.spec.worker_id, what)
+        log.info("worker %s: %s", self.worker.spec.worker_id, ev)
         try:
-            self._on_change(self.worker, what)
+            self._on_change(self.worker, ev)
         except Exception:  # the listener's bug must not end supervision (rule 5)
-            log.exception("worker %s: listener failed on %r", self.worker.spec.worker_id, what)
+            log.exception("worker %s: listener failed on %s", self.worker.spec.worker_id, ev)
 
     def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:
         self._exited.set()
         if not self._stopping:
-            self._event(f"died ({gone.kind}: {gone.message})")
+            self._event(K.DIED, f"{gone.kind}: {gone.message}")
 
     async def run(self) -> None:
         """Start, watch and restart the worker until stopped or cancelled (rule 5)."""
@@ -79,7 +83,7 @@ class Supervisor:
             except Exception as exc:  # a bug or a broken device: log it, keep supervising
                 self.errors += 1
                 log.exception("worker %s: supervisor round failed", self.worker.spec.worker_id)
-                self._event(f"supervisor error ({type(exc).__name__}: {exc})")
+                self._event(K.SUPERVISOR_ERROR, f"{type(exc).__name__}: {exc}")
                 if self._stopping:
                     return
                 await self._end_worker()  # the round's state is unknown: start from a dead worker
@@ -99,11 +103,11 @@ class Supervisor:
         if pid_before is not None and self.device is not None:
             await self._wait_released(pid_before)
         try:
-            self._event("starting")
+            self._event(K.STARTING)
             info = await self.worker.start(self.cfg.load_timeout_s)
-            self._event(f"ready pid={info.get('pid')}")
+            self._event(K.READY, f"pid={info.get('pid')}")
         except Exception as exc:
-            self._event(f"failed to start: {exc}")
+            self._event(K.START_FAILED, str(exc))
             await self.worker.kill()  # a no-op when no process was spawned (or it is gone)
             with contextlib.suppress(TimeoutError):  # bounded: nothing may have been spawned
                 await asyncio.wait_for(self._exited.wait(), self.cfg.health_timeout_s)
@@ -127,7 +131,7 @@ class Supervisor:
             self.backoff_s = self.cfg.restart_backoff_initial_s
         delay = self.backoff_s
         self.backoff_s = min(self.cfg.restart_backoff_max_s, self.backoff_s * 2)
-        self._event(f"restarting in {delay:.2f}s")
+        self._event(K.RESTARTING, f"in {delay:.2f}s")
         await asyncio.sleep(delay)
 
     async def _wait_released(self, pid: int) -> None:
@@ -146,7 +150,7 @@ class Supervisor:
                     return
             await asyncio.sleep(0.05)
         why = f" (device unreadable: {failure!r})" if failure is not None else ""
-        self._event(f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s{why}")
+        self._event(K.NOT_RELEASED, f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s{why}")
 
     async def _health_loop(self) -> None:
         w = self.worker
@@ -158,7 +162,7 @@ class Supervisor:
             await asyncio.sleep(self.cfg.health_interval_s)
             age = time.monotonic() - (w.last_pong_s or 0.0)
             if age > self.cfg.health_timeout_s:
-                self._event(f"no pong for {age:.1f}s: killing")
+                self._event(K.UNHEALTHY, f"no pong for {age:.1f}s: killing")
                 await w.kill()
                 return
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["INTERRUPTED", "WorkerClient", "WorkerGone", "WorkerSpec", "WorkerState", "WorkerStatistics"]
+from spillover.runtime.events import FINAL, Failed, Interrupted, RequestEvent, WorkerGone, decode_request_event
 
+__all__ = ["WORKER_TRANSITIONS", "WorkerClient", "WorkerGone", "WorkerSpec", "WorkerState", "WorkerStatistics"]
+
+log = logging.getLogger("spillover.worker_client")
 _LINE_LIMIT = 8 * 1024 * 1024
-INTERRUPTED = "interrupted"  # the ``ev`` of the item ``interrupt`` puts in a request's stream
 
 
 class WorkerState(str, Enum):
@@ -29,6 +32,22 @@ class WorkerState(str, Enum):
     READY = "ready"
     DEAD = "dead"
     STOPPED = "stopped"
+
+
+_W = WorkerState
+WORKER_TRANSITIONS: frozenset[tuple[WorkerState, WorkerState]] = frozenset(
+    {
+        (_W.STOPPED, _W.STARTING),  # first start
+        (_W.DEAD, _W.STARTING),  # restart
+        (_W.STARTING, _W.READY),
+        (_W.STARTING, _W.DEAD),  # failed to load, or killed while loading
+        (_W.READY, _W.DEAD),
+        (_W.STARTING, _W.STOPPED),
+        (_W.READY, _W.STOPPED),
+        (_W.DEAD, _W.STOPPED),
+        (_W.STOPPED, _W.STOPPED),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -69,14 +88,6 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
-class WorkerGone:
-    """Queued to every in-flight request when the worker process ends."""
-
-    kind: str  # "exited" | "device_lost" | ...
-    message: str
-
-
-@dataclass(frozen=True)
 class WorkerStatistics:
     """Frozen snapshot for /v1/status and tests."""
 
@@ -107,7 +118,7 @@ class WorkerClient:
         self._on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._streams: dict[str, asyncio.Queue[dict[str, Any] | WorkerGone]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._claimed: set[str] = set()
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.info: dict[str, Any] | None = None
@@ -123,6 +134,12 @@ class WorkerClient:
 
     def __repr__(self) -> str:
         return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
+
+    def _advance(self, target: WorkerState) -> None:
+        """Move to ``target`` if ``WORKER_TRANSITIONS`` allows it; raise (changing nothing) if not."""
+        if (self.state, target) not in WORKER_TRANSITIONS:
+            raise RuntimeError(f"worker {self.spec.worker_id}: {self.state.value} -> {target.value} is not allowed")
+        self.state = target
 
     @property
     def pid(self) -> int | None:
@@ -150,7 +167,7 @@ class WorkerClient:
 
     async def start(self, timeout_s: float) -> dict[str, Any]:
         """Spawn the process and wait (bounded) for its ``ready`` event."""
-        self.state = WorkerState.STARTING
+        self._advance(WorkerState.STARTING)
         self.starts += 1
         self._last_fatal = None
         loop = asyncio.get_running_loop()
@@ -170,7 +187,7 @@ class WorkerClient:
             await self.kill()
             raise
         self.info = info
-        self.state = WorkerState.READY
+        self._advance(WorkerState.READY)
         self.last_pong_s = time.monotonic()
         return info
 
@@ -189,7 +206,8 @@ class WorkerClient:
         finally:
             rc = await proc.wait()
             gone = self._last_fatal or WorkerGone("exited", f"worker exited with code {rc}")
-            self.state = WorkerState.DEAD if self.state is not WorkerState.STOPPED else self.state
+            if self.state is not WorkerState.STOPPED:
+                self._advance(WorkerState.DEAD)
             self.exits += 1
             self.last_exit = f"{gone.kind}: {gone.message}"
             if self._ready is not None and not self._ready.done():
@@ -213,11 +231,15 @@ class WorkerClient:
         elif ev == "fatal":
             self._last_fatal = WorkerGone(str(msg.get("kind")), str(msg.get("message")))
         else:
-            if ev == "error" and msg.get("kind") == "alloc_failed":
+            event = decode_request_event(msg)
+            if event is None:
+                log.warning("worker %s: ignoring an unknown line %.200r", self.spec.worker_id, msg)
+                return
+            if isinstance(event, Failed) and event.kind == "alloc_failed":
                 self.alloc_failures += 1
             q = self._streams.get(str(msg.get("rid")))
             if q is not None:
-                q.put_nowait(msg)
+                q.put_nowait(event)
 
     async def _send(self, msg: dict[str, Any]) -> None:
         proc = self._proc
@@ -226,10 +248,11 @@ class WorkerClient:
         proc.stdin.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
         await asyncio.wait_for(proc.stdin.drain(), 5.0)
 
-    async def generate(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any] | WorkerGone]:
-        """Send one ``generate`` op; yield its events until done/error or the worker's end."""
+    async def generate(self, job: dict[str, Any]) -> AsyncIterator[RequestEvent]:
+        """Send one ``generate`` op; yield its typed events until Done / Failed or the worker's
+        end (``WorkerGone``)."""
         rid = str(job["rid"])
-        q: asyncio.Queue[dict[str, Any] | WorkerGone] = asyncio.Queue()
+        q: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if self.state is not WorkerState.READY:
             yield WorkerGone("not_ready", f"worker {self.spec.worker_id} is {self.state.value}")
             return
@@ -245,7 +268,7 @@ class WorkerClient:
             while True:
                 item = await q.get()
                 yield item
-                if isinstance(item, WorkerGone) or item.get("ev") in ("done", "error"):
+                if isinstance(item, FINAL):
                     finished = True
                     return
         finally:
@@ -262,7 +285,7 @@ class WorkerClient:
         q = self._streams.get(rid)
         if q is None:
             return
-        q.put_nowait({"ev": INTERRUPTED, "rid": rid})
+        q.put_nowait(Interrupted())
         proc = self._proc
         if proc is not None and proc.stdin is not None and not proc.stdin.is_closing():
             with contextlib.suppress(ConnectionError, OSError):
@@ -282,7 +305,7 @@ class WorkerClient:
 
     async def stop(self) -> None:
         """Stop for good: close the channel, kill, and wait for the reader to finish."""
-        self.state = WorkerState.STOPPED
+        self._advance(WorkerState.STOPPED)
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()
         await self.kill()

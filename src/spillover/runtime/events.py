@@ -1,0 +1,128 @@
+"""Typed events: what a worker says about a request, and what a supervisor says about its
+worker. Worker lines are decoded once, here (``decode_request_event``); nothing above the
+worker channel looks at raw JSON or matches free text.
+
+Rules:
+
+1. A request's stream is ``Started``, then ``Token``s, then exactly one of ``Done`` or
+   ``Failed`` (the worker's own last word, sent once its slot and device memory are free),
+   or ``WorkerGone`` when the process ends first. ``Interrupted`` is put in the stream by
+   the gateway itself when it stops the request; the worker's last word still follows.
+2. A line that is not a known request event is ``None`` (ignored, and logged by the caller).
+3. Supervisor events have a kind from ``SupervisorEventKind`` and a human ``detail``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "Done",
+    "Failed",
+    "Interrupted",
+    "RequestEvent",
+    "Started",
+    "SupervisorEvent",
+    "SupervisorEventKind",
+    "Token",
+    "WorkerGone",
+    "decode_request_event",
+]
+
+
+@dataclass(frozen=True)
+class Started:
+    """The worker has the request's memory and begins (prefill)."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token (``id`` -1: text released at the end, no new token)."""
+
+    id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request ended normally; the worker's timings feed the lane's speed estimate."""
+
+    finish_reason: str
+    completion_tokens: int
+    prefill_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The worker ended the request with an error of ``kind`` (alloc_failed, oom, engine, ...)."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The gateway stopped the request (cancel, time limit); the worker's last word follows."""
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    """Queued to every in-flight request when the worker process ends."""
+
+    kind: str  # "exited" | "device_lost" | "not_ready" | ...
+    message: str
+
+
+RequestEvent = Started | Token | Done | Failed | Interrupted | WorkerGone
+FINAL = (Done, Failed, WorkerGone)  # rule 1: what ends a request's stream
+
+
+def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
+    """A worker line about one request as a typed event, or None (rule 2)."""
+    ev = msg.get("ev")
+    try:
+        if ev == "started":
+            return Started()
+        if ev == "token":
+            return Token(int(msg["id"]), str(msg["text"]))
+        if ev == "done":
+            timings = msg.get("timings") or {}
+            return Done(
+                str(msg["finish_reason"]),
+                int(msg["completion_tokens"]),
+                float(timings.get("prefill_s", 0.0)),
+                float(timings.get("total_s", 0.0)),
+            )
+        if ev == "error":
+            return Failed(str(msg.get("kind") or "engine"), str(msg.get("message")))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+class SupervisorEventKind(str, Enum):
+    """What happened to a supervised worker."""
+
+    STARTING = "starting"
+    READY = "ready"
+    START_FAILED = "start_failed"
+    DIED = "died"
+    RESTARTING = "restarting"
+    NOT_RELEASED = "not_released"  # its device memory was not seen released in time
+    UNHEALTHY = "unhealthy"  # no pong: killed
+    STALLED = "stalled"  # no token progress: killed by the gateway
+    SUPERVISOR_ERROR = "supervisor_error"
+
+
+@dataclass(frozen=True)
+class SupervisorEvent:
+    """One supervisor event; ``str()`` is the line shown in /v1/status and the log."""
+
+    kind: SupervisorEventKind
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}: {self.detail}" if self.detail else self.kind.value
