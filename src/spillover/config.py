@@ -183,7 +183,9 @@ class BreakerConfig:
     cooldown_max_s: float = _doc(30.0, "cap of the cooldown, which doubles on flapping")
     half_open_probes: int = _doc(1, "requests let through at once while half-open")
     close_after_successes: int = _doc(2, "probe successes that close the breaker")
-    probe_timeout_s: float = _doc(120.0, "a half-open probe that has not ended after this re-opens the breaker")
+    probe_timeout_s: float = _doc(
+        660.0, "a half-open probe not ended after this re-opens the breaker; more than request_timeout_s"
+    )
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[device] margin_mib >= 0 and host_budget_mib > 0")
     if cfg.failover.max_attempts < 1 or cfg.failover.stall_timeout_s <= 0:
         raise ConfigError("[failover] max_attempts >= 1 and stall_timeout_s > 0")
+    if cfg.breaker.probe_timeout_s <= cfg.server.request_timeout_s:
+        raise ConfigError(
+            "[breaker] probe_timeout_s must be more than [server] request_timeout_s (a probe ends by then)"
+        )
     if cfg.breaker.failure_threshold < 1 or cfg.breaker.half_open_probes < 1:
         raise ConfigError("[breaker] failure_threshold and half_open_probes must be >= 1")
     if cfg.journal.max_requests < 1 or cfg.journal.retention_s <= 0 or cfg.journal.max_mib <= 0:

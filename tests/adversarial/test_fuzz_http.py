@@ -22,7 +22,7 @@ from tests.e2e.helpers import COUNT_PROMPT, ready_worker
 
 pytestmark = pytest.mark.e2e
 
-DOCUMENTED = {200, 400, 404, 409, 413, 415, 422, 503}
+DOCUMENTED = {200, 400, 404, 409, 413, 415, 422, 503, 504}  # 504: request_timeout_s (4 s here)
 odd = st.one_of(
     st.none(),
     st.booleans(),

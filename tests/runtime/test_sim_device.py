@@ -118,7 +118,10 @@ async def run_job(w: WorkerClient, rid: str, reserve: int) -> list[RequestEvent]
         "kv_tokens": 64,
         "reserve_bytes": reserve,
     }
-    return [ev async for ev in w.generate(job)]
+    try:
+        return [ev async for ev in w.generate(job)]
+    finally:
+        w.release_slot(rid)  # the slot's owner (the Execution, in the gateway) gives it back
 
 
 @pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ Rules:
    and changes nothing.
 3. COMPLETED, FAILED, CANCELLED, REJECTED and RESUMABLE_ERROR are terminal.
 4. A fault while RUNNING either re-queues (replayable) or ends as RESUMABLE_ERROR.
+   A request may also fail before it runs (its time limit passes while it waits).
 5. RESUMABLE_ERROR and REJECTED end a request, but a retry with the same Idempotency-Key
    resumes it (back to QUEUED, same id, next attempt): ``RESUMABLE``.
 """
@@ -59,6 +60,8 @@ TRANSITIONS: frozenset[tuple[State, State]] = frozenset(
         (S.RUNNING, S.QUEUED),  # fault, replayable
         (S.RUNNING, S.RESUMABLE_ERROR),  # fault, not replayable
         (S.ACCEPTED, S.RESUMABLE_ERROR),  # gateway restart found it unrecoverable
+        (S.ACCEPTED, S.FAILED),  # ended before it was queued (an internal error)
+        (S.QUEUED, S.FAILED),  # ended while waiting (its request_timeout_s passed)
         (S.QUEUED, S.RESUMABLE_ERROR),  # a failover found no lane to go to
         (S.ADMITTED, S.RESUMABLE_ERROR),
         (S.RESUMABLE_ERROR, S.QUEUED),  # resumed with the same Idempotency-Key

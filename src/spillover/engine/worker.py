@@ -79,6 +79,8 @@ class Worker:
         self.args = args
         self.chan = chan
         self.cancelled: set[str] = set()
+        self.active: set[str] = set()  # requests received and not yet answered (their last event)
+        self._active_lock = threading.Lock()
         self.progress = 0
         self.hang = threading.Event()
         self.oom_armed = threading.Event()
@@ -194,7 +196,9 @@ class Worker:
                 self.sim.free(tag)
             if slot is not None:
                 self.engine.release_slot(slot)
-            self.cancelled.discard(rid)
+            with self._active_lock:
+                self.cancelled.discard(rid)
+                self.active.discard(rid)
             self.chan.send(final)
 
     def _generate(self, rid: str, slot: int, msg: dict[str, Any]) -> dict[str, Any]:
@@ -254,10 +258,13 @@ class Worker:
             msg = json.loads(line)
             op = msg.get("op")
             if op == "generate":
-                self.cancelled.discard(str(msg["rid"]))  # a late cancel of an earlier attempt
+                with self._active_lock:
+                    self.active.add(str(msg["rid"]))
                 self.pool.submit(self.run_request, msg)
             elif op == "cancel":
-                self.cancelled.add(str(msg["rid"]))
+                with self._active_lock:  # a cancel for a request already answered is dropped
+                    if str(msg["rid"]) in self.active:
+                        self.cancelled.add(str(msg["rid"]))
             elif op == "ping":
                 self.chan.send(
                     {

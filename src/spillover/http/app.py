@@ -21,6 +21,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from spillover.core.lifecycle import RESUMABLE
 from spillover.errors import (
@@ -97,6 +98,20 @@ def _idempotency_key(request: Request) -> str | None:
     return key
 
 
+class ClosingStream(StreamingResponse):
+    """A streaming response that always closes its body when it ends, a client's disconnect
+    included: the request it carries then ends (and is journaled) at once, not whenever the
+    garbage collector finalizes the abandoned generator."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await asyncio.shield(aclose())
+
+
 def create_app(gw: Gateway) -> Starlette:
     """Build the ASGI app around a started (or starting) Gateway."""
     cfg = gw.cfg
@@ -131,7 +146,10 @@ def create_app(gw: Gateway) -> Starlette:
             req = (parse_chat if kind == "chat" else parse_completion)(body, cfg.model.name)
             key = _idempotency_key(request)
             deadline_ms = req.deadline_ms or _deadline_header(request)
-            body_hash = hashlib.sha256(dumps({"endpoint": kind, "body": body}).encode()).hexdigest()
+            try:
+                body_hash = hashlib.sha256(dumps({"endpoint": kind, "body": body}).encode()).hexdigest()
+            except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is JSON, not text
+                raise InvalidRequest("the body contains text that is not valid Unicode (a lone surrogate)") from exc
             body_json = dumps({"endpoint": kind, "body": stored_body(body, kind)})
             # One Idempotency-Key, one execution at a time: the check and the start are atomic.
             async with gw.keys.hold(key):
@@ -180,7 +198,7 @@ def create_app(gw: Gateway) -> Starlette:
                 return Response(payload, status_code=status, headers=headers, media_type="application/json")
             finally:
                 watcher.cancel()
-            return StreamingResponse(
+            return ClosingStream(
                 handler.stream(events),
                 media_type="text/event-stream",
                 headers=handler.headers() | {"Cache-Control": "no-cache"},

@@ -13,11 +13,14 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import jinja2
 
 from spillover.core.lifecycle import State
 from spillover.engine.grammar import GrammarRefused, schema_to_grammar
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
 
 __all__ = ["Prepared", "RequestHandler", "new_request_id", "prepare", "tool_call_id"]
+
+log = logging.getLogger("spillover.request")
 
 
 def new_request_id() -> str:
@@ -104,6 +109,15 @@ def _tool_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> st
         raise InvalidRequest(f"the tools together: {exc.message}", param="tools") from exc
 
 
+async def _render_or_400(tok: Any, req: GenerationRequest) -> list[int]:
+    """``_render`` in a thread; a chat template that refuses the conversation (Jinja's
+    ``raise_exception``, e.g. roles that do not alternate) is the client's 400."""
+    try:
+        return await asyncio.to_thread(_render, tok, req)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from exc
+
+
 async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     """Check the model, tokenize, and apply the context limits (400 when too long)."""
     if req.model != gw.cfg.model.name:
@@ -114,10 +128,10 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         )
     m = gw.cfg.model
     grammar = await asyncio.to_thread(_tool_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
-    tokens = await asyncio.to_thread(_render, gw.tokenizer, req)
+    tokens = await _render_or_400(gw.tokenizer, req)
     cpu_tokens = None
     if gw.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
-        cpu_tokens = await asyncio.to_thread(_render, gw.cpu_tokenizer, req)
+        cpu_tokens = await _render_or_400(gw.cpu_tokenizer, req)
         if cpu_tokens == tokens:
             cpu_tokens = None
     cap = gw.context_cap_tokens()
@@ -289,6 +303,9 @@ class RequestHandler:
             body = json.dumps(self.final_body()).encode()
         except SpilloverError as exc:
             return await self.fail(exc)
+        except Exception as exc:  # a bug: the request still ends, journaled, with a 500
+            log.exception("request %s failed", self.rid)
+            return await self.fail(SpilloverError(f"internal error: {type(exc).__name__}"))
         except asyncio.CancelledError:  # the server is stopping: end the request, then go on unwinding
             await asyncio.shield(self.fail(RequestCancelled(f"request {self.rid} was cancelled")))
             raise
@@ -422,9 +439,14 @@ class RequestHandler:
                 usage_chunk = self._chunk({} if chat else "", None, usage=self.usage())
                 usage_chunk["choices"] = []
                 closing.append(usage_chunk)
-        except SpilloverError as caught:
-            await events.aclose()  # raised by this body (e.g. the journal): the Execution ends here too
-            err: SpilloverError = caught
+        except Exception as caught:  # an error event: the request's own, or (a bug) a 500
+            if not isinstance(caught, SpilloverError):
+                log.exception("request %s failed", self.rid)
+            err = (
+                caught
+                if isinstance(caught, SpilloverError)
+                else SpilloverError(f"internal error: {type(caught).__name__}")
+            )
             if self.cancelled_by_user:
                 err = RequestCancelled(f"request {self.rid} was cancelled")
             state = classify_error(err)
@@ -441,17 +463,25 @@ class RequestHandler:
         # Write ahead: the outcome, with the closing events, is journaled before they are sent,
         # so a client that goes away while reading them cannot leave the request unfinished.
         tail = [self._emit(c) for c in closing] + [self._emit_done()]
-        await asyncio.shield(self._store_stream(state, status, error))
+        await asyncio.shield(self._finish(events, state, status, error))
         for data in tail:
             yield data
 
     async def _end_abandoned(self, events: AsyncGenerator[Any, None], status: int) -> None:
         """The client of a stream went away: end the Execution, journal CANCELLED."""
-        await events.aclose()
         error = to_http(RequestCancelled(f"request {self.rid} was cancelled"), self.rid).body
         self.transcript.append(sse(error))
         self.transcript.append(b"data: [DONE]\n\n")
-        await self._store_stream(State.CANCELLED, status, error)
+        await self._finish(events, State.CANCELLED, status, error)
+
+    async def _finish(
+        self, events: AsyncGenerator[Any, None], state: State, status: int, error: dict[str, Any] | None
+    ) -> None:
+        """End the Execution (a no-op when its events ended; else it stops, e.g. after this
+        body's own journal write failed) and journal the stream's outcome. Run shielded, as
+        one task: a client that hangs up meanwhile cannot leave the request unfinished."""
+        await events.aclose()
+        await self._store_stream(state, status, error)
 
     def _emit_done(self) -> bytes:
         data = b"data: [DONE]\n\n"

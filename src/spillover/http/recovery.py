@@ -26,12 +26,12 @@ async def replay_orphan(gw: Gateway, rec: JournalRecord) -> None:
     """Run an orphan again under its Idempotency-Key's lock: if its client resumed it
     meanwhile (it is live, or no longer in the state recovery left it in), nothing runs."""
     assert gw.journal is not None
-    doc = json.loads(rec.body)
     async with gw.keys.hold(rec.idem_key):
         current = await gw.journal.get(rec.id)
         if rec.id in gw.live or current is None or current.state is not State.QUEUED:
             return
         try:
+            doc = json.loads(rec.body)
             parse = parse_chat if doc["endpoint"] == "chat" else parse_completion
             req = parse(doc["body"], gw.cfg.model.name)
             prep = await g.prepare(gw, req, rec.id)
@@ -43,10 +43,11 @@ async def replay_orphan(gw: Gateway, rec: JournalRecord) -> None:
                 idem_key=rec.idem_key,
                 resume_attempts=rec.attempts,
             )
-        except SpilloverError as exc:
+        except Exception as exc:  # its stored body no longer runs (or a bug): it ends, resumable
+            err = exc if isinstance(exc, SpilloverError) else SpilloverError(f"internal error: {type(exc).__name__}")
             current = await gw.journal.get(rec.id)
             if current is not None and not current.terminal:
-                await end_orphan(gw, current, exc)
+                await end_orphan(gw, current, err)
             return
     if req.stream:
         try:

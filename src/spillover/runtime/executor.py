@@ -54,7 +54,7 @@ from spillover.errors import (
     SpilloverError,
     WorkerFailed,
 )
-from spillover.runtime.events import FINAL, Done, Failed, Interrupted, RequestEvent, Started, Token, WorkerGone
+from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, Token, WorkerGone
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient
 
@@ -164,6 +164,8 @@ class Execution:
     _cause: str | None = None
     _cancelled: bool = False
     _timed_out: bool = False
+    _unstopped: bool = False  # a worker did not stop a request in time and was killed
+    _kill_task: asyncio.Future[Any] | None = None
     _cpu_reason: str = "client_prefers_cpu"
     deadline_s: float | None = None  # the client's deadline (monotonic), for the CPU lane's ETA check
     timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
@@ -175,7 +177,10 @@ class Execution:
 
     # -- queueing ------------------------------------------------------------------
     def submit_nowait(self) -> Job:
-        """Queue the next attempt; raises QueueFull at once when the lane is full."""
+        """Queue the next attempt; raises QueueFull at once when the lane is full, and the
+        stopped error when the request was cancelled (or timed out) meanwhile."""
+        if self._cancelled or self._timed_out:
+            raise self._stopped_error()
         self.attempt += 1
         job = Job(
             rid=self.rid,
@@ -265,6 +270,8 @@ class Execution:
                 if self._cancelled or self._timed_out:
                     raise self._stopped_error()
                 await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=d.reason)
+                if self._cancelled or self._timed_out:  # stopped during the write: never sent to the worker
+                    raise self._stopped_error()
                 try:
                     async with contextlib.aclosing(self._run_attempt(job, d)) as attempt:
                         async for ev in attempt:
@@ -313,13 +320,34 @@ class Execution:
         }
 
     def _release(self, job: Job, outcome: str) -> None:
-        """Give the job's lease back: exactly once, and only if it was dispatched."""
+        """Give the job's lease back: exactly once, only if it was dispatched, and only once
+        its worker has stopped working on the request (its last event, or its exit). No
+        await, so it also holds while the task is being cancelled. A worker that has not
+        stopped within the stall bound is killed (``kill_worker``): its exit gives it back."""
         d = job.dispatch
         if job.released or d is None:
             return
         job.released = True
+        pending = d.worker.when_stopped(self.rid)
+        if pending is None:
+            self._give_back(d, outcome)
+            return
+        deadline = asyncio.get_running_loop().call_later(self._bound(d, prefill=True), self._kill_unstopped, d, pending)
+
+        def stopped(_: asyncio.Future[None]) -> None:
+            deadline.cancel()
+            self._give_back(d, "failed" if self._unstopped else outcome)  # a kill is the device's fault
+
+        pending.add_done_callback(stopped)
+
+    def _give_back(self, d: Dispatch, outcome: str) -> None:
         d.worker.release_slot(self.rid)
         self.scheduler.finished(self.rid, d, outcome)
+
+    def _kill_unstopped(self, d: Dispatch, pending: asyncio.Future[None]) -> None:
+        if not pending.done():
+            self._unstopped = True
+            self._kill_task = asyncio.ensure_future(self.kill_worker(d.worker))
 
     def _bound(self, d: Dispatch, prefill: bool) -> float:
         """How long the next worker event may take before the attempt counts as stalled:
@@ -359,16 +387,9 @@ class Execution:
             raise _Failure(item.kind, item.message)
         return item
 
-    async def _drain(self, it: AsyncIterator[RequestEvent], d: Dispatch) -> None:
-        """After an interruption: wait (bounded) until the worker has really stopped the
-        request (its last event comes after its slot and memory are free), so the lease is
-        not given back while the worker still computes."""
-        with contextlib.suppress(TimeoutError, StopAsyncIteration):
-            async with asyncio.timeout(self._bound(d, prefill=True)):
-                while not isinstance(await anext(it), FINAL):
-                    pass
-
     async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncGenerator[Event, None]:
+        if self._cancelled or self._timed_out:
+            raise self._stopped_error()
         job.running = True
         it = d.worker.generate(self._msg(d))
         outcome = "failed"
@@ -414,28 +435,24 @@ class Execution:
                     return
         except _Stopped:
             outcome = "cancelled"
-            await self._drain(it, d)
             raise self._stopped_error() from None
         except _Failure as f:
             outcome = "client" if f.kind in CLIENT_FAULTS else "severe" if f.kind in SEVERE_FAULTS else "failed"
             if f.kind == "stall":
                 await self.kill_worker(d.worker)  # hung: the supervisor restarts it
             raise
-        except GeneratorExit:  # the consumer went away: stop the worker, wait (bounded) until it has
+        except (GeneratorExit, asyncio.CancelledError):  # the consumer went away, or the gateway stops
             outcome = "cancelled"
             d.worker.interrupt(self.rid)
-            await self._drain(it, d)
-            raise
-        except asyncio.CancelledError:  # the gateway is stopping: no waiting
-            outcome = "cancelled"
             raise
         except BaseException:
             outcome = "cancelled"  # e.g. the journal failed: the request ends, the device is not at fault
+            d.worker.interrupt(self.rid)
             raise
         finally:
+            self._release(job, outcome)  # first: no await before it (a cancelled task may not get past one)
             with contextlib.suppress(Exception):
                 await it.aclose()  # type: ignore[attr-defined]
-            self._release(job, outcome)
 
     def _facts(self, d: Dispatch, f: _Failure) -> FailoverFacts:
         return FailoverFacts(

@@ -18,7 +18,7 @@ from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
 from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
-from spillover.core.lifecycle import State
+from spillover.core.lifecycle import IllegalTransition, State
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
@@ -37,6 +37,7 @@ __all__ = ["Gateway", "resolve_gpu"]
 log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
 MAX_PENDING_OUTCOMES = 10_000
+OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 LOOP_RESTART_S = 0.5  # first back-off of a gateway loop that failed (doubles, capped)
 LOOP_RESTART_MAX_S = 30.0
 
@@ -82,6 +83,7 @@ class Gateway:
         # journal loop, oldest first; bounded (the oldest are dropped, and counted, past it).
         self.pending_outcomes: dict[str, tuple[State, dict[str, Any]]] = {}
         self.outcomes_dropped = 0
+        self._outcome_tries: dict[str, int] = {}
         self._journal_wake = asyncio.Event()
         self.loop_restarts: dict[str, int] = {}  # gateway loop name -> restarts after a failure
         self.recovered: dict[str, int] = {}
@@ -257,7 +259,8 @@ class Gateway:
     async def store_outcome(self, rid: str, state: State, **fields: Any) -> None:
         """Journal a request's terminal state. When the journal cannot take it now (a full
         disk), the outcome is kept (bounded) and written again by the journal loop, so an
-        answered request does not stay RUNNING and get re-run after a restart."""
+        answered request does not stay RUNNING and get re-run after a restart. A move the
+        lifecycle does not allow (a bug) still ends the request, as RESUMABLE_ERROR."""
         if self.journal is None:
             return
         try:
@@ -269,17 +272,29 @@ class Gateway:
                 del self.pending_outcomes[next(iter(self.pending_outcomes))]
                 self.outcomes_dropped += 1
             self._journal_wake.set()
+        except IllegalTransition:
+            log.exception("journal: %s cannot move to %s; ending it as resumable_error", rid, state.value)
+            if state is not State.RESUMABLE_ERROR:
+                await self.store_outcome(rid, State.RESUMABLE_ERROR, **fields)
 
     async def _flush_outcomes(self) -> None:
+        """Write the kept outcomes, each independently. One the journal still refuses after
+        ``OUTCOME_TRIES`` tries (e.g. a stored answer larger than the journal can ever hold) is
+        written without its stored answer: its state is what must not be lost."""
         assert self.journal is not None
         for rid, (state, fields) in list(self.pending_outcomes.items()):
+            tries = self._outcome_tries.get(rid, 0) + 1
+            if tries > OUTCOME_TRIES and fields.get("response") is not None:
+                fields = fields | {"response": None, "reason": "stored answer dropped: the journal had no room for it"}
             try:
                 await self.journal.move(rid, state, **fields)
             except JournalUnavailable:
-                return  # still full: try again later
+                self._outcome_tries[rid] = tries
+                continue  # still no room for this one: try the others, and this one again later
             except Exception as exc:  # e.g. an illegal move: the row moved on meanwhile
                 log.warning("journal: dropping the kept outcome of %s: %s", rid, exc)
             self.pending_outcomes.pop(rid, None)
+            self._outcome_tries.pop(rid, None)
 
     async def _journal_loop(self) -> None:
         """Retention every minute; kept outcomes every second until they are written."""
@@ -303,7 +318,10 @@ class Gateway:
         deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
         while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
             await asyncio.sleep(0.1)
-        self.recovered = await recover(self, orphans, self.replay, self._spawn)
+        try:
+            self.recovered = await recover(self, orphans, self.replay, self._spawn)
+        except Exception:  # e.g. the journal is unwritable at start: the orphans wait for a restart
+            log.exception("start-up recovery failed; unfinished requests stay as they are until the next start")
 
     def _spawn(self, name: str, work: Awaitable[None]) -> None:
         """A one-off task the gateway owns (a recovered request's replay): a failure is logged

@@ -56,27 +56,38 @@ async def recover(
     owns) and end the others; returns the counts. Without a ``replay`` (no HTTP layer),
     every orphan ends as a resumable error."""
     assert gw.journal is not None
-    counts = {"replayed": 0, "ended": 0}
+    counts = {"replayed": 0, "ended": 0, "failed": 0}
     for rec in orphans:
         if rec.id in gw.live:  # resumed by its client (same Idempotency-Key) meanwhile
             continue
-        if replay is not None and replayable_after_restart(rec.state, rec.stream, rec.tokens_delivered):
-            # Back to QUEUED through the table (RUNNING/ADMITTED/ACCEPTED -> QUEUED are legal).
-            await gw.journal.move(rec.id, State.QUEUED, reason="recovered after gateway restart", attempts=rec.attempts)
-            rec = await gw.journal.get(rec.id) or rec
-            spawn(f"recover-{rec.id}", replay(gw, rec))
-            counts["replayed"] += 1
-        else:
-            await end_orphan(
-                gw,
-                rec,
-                FailoverInterrupted(
-                    f"the gateway restarted while request {rec.id} was streaming; {rec.tokens_delivered}+ tokens "
-                    "had been delivered, so it cannot be replayed without changing what the client saw",
-                    retry_after_s=1.0,
-                ),
-            )
-            counts["ended"] += 1
-    if counts["replayed"] or counts["ended"]:
+        try:
+            counts[await _recover_one(gw, rec, replay, spawn)] += 1
+        except Exception:  # one orphan's failure (a journal error) does not stop the others
+            log.exception("recovery of %s failed; it stays unfinished until the next start", rec.id)
+            counts["failed"] += 1
+    if any(counts.values()):
         log.info("recovered journal: %s", counts)
     return counts
+
+
+async def _recover_one(
+    gw: Gateway, rec: JournalRecord, replay: Replay | None, spawn: Callable[[str, Awaitable[None]], None]
+) -> str:
+    """Replay or end one orphan; returns which."""
+    assert gw.journal is not None
+    if replay is not None and replayable_after_restart(rec.state, rec.stream, rec.tokens_delivered):
+        # Back to QUEUED through the table (RUNNING/ADMITTED/ACCEPTED -> QUEUED are legal).
+        await gw.journal.move(rec.id, State.QUEUED, reason="recovered after gateway restart", attempts=rec.attempts)
+        rec = await gw.journal.get(rec.id) or rec
+        spawn(f"recover-{rec.id}", replay(gw, rec))
+        return "replayed"
+    await end_orphan(
+        gw,
+        rec,
+        FailoverInterrupted(
+            f"the gateway restarted while request {rec.id} was streaming; {rec.tokens_delivered}+ tokens "
+            "had been delivered, so it cannot be replayed without changing what the client saw",
+            retry_after_s=1.0,
+        ),
+    )
+    return "ended"

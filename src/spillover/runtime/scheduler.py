@@ -29,7 +29,7 @@ from spillover.core.admission import (
     Shrink,
     decide,
 )
-from spillover.core.breaker import BreakerEvent, BreakerState, advance
+from spillover.core.breaker import BreakerEvent, BreakerState, Circuit, advance
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.errors import CapacityError, QueueFull
@@ -38,6 +38,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
+_PROBE_ENDS = (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Dispatch:
     queued_s: float
     queue_position: int = 0
     estimated_delay_ms: int = 0
+    probe_round: int | None = None  # a half-open probe of this breaker round (``opens``), else None
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,9 @@ class Scheduler:
     # -- completion ----------------------------------------------------------------
     def finished(self, rid: str, d: Dispatch, outcome: str) -> None:
         """Return a job's reservation and feed the breaker: ``ok`` | ``failed`` | ``severe``
-        count; ``cancelled`` and ``client`` (the request's own fault) only end a probe."""
+        count; ``cancelled`` and ``client`` (the request's own fault) only end a probe.
+        While half-open only the current round's probes report success or their end; any GPU
+        failure is evidence against the device, probe or not."""
         if d.route == "gpu" and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
         if d.route == "gpu" and self.policy is not None:
@@ -259,6 +263,9 @@ class Scheduler:
                 "cancelled": BreakerEvent.PROBE_RELEASED,
                 "client": BreakerEvent.PROBE_RELEASED,
             }.get(outcome)
+            current_probe = d.probe_round is not None and d.probe_round == self.breaker.opens
+            if self.breaker.circuit is Circuit.HALF_OPEN and not current_probe and ev in _PROBE_ENDS:
+                ev = None  # admitted before this round: says nothing of the probes
             if ev is not None:
                 self.breaker = advance(self.breaker, ev, self.clock(), self.policy.breaker)
         self.kick()
@@ -341,8 +348,10 @@ class Scheduler:
             worker = next((w for w in self.gpu_workers if w.free_slots > 0), None)
             if worker is None or self.ledger.reserve_nowait(job.rid, d.nbytes, now) is None:
                 return
-            if self.breaker.circuit.value == "half_open":
+            probe_round = None
+            if self.breaker.circuit is Circuit.HALF_OPEN:
                 self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.policy.breaker)
+                probe_round = self.breaker.opens
             self.gpu.queue.remove(job)
             self.gpu.admitted_total += 1
             max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
@@ -359,6 +368,7 @@ class Scheduler:
                     now - job.enqueued_s,
                     job.position,
                     job.estimated_delay_ms,
+                    probe_round,
                 )
             )
         elif isinstance(d, Route):

@@ -120,6 +120,10 @@ class WorkerClient:
         self._reader: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._claimed: set[str] = set()
+        # rid -> resolved by the worker's last word on it (Done / Failed) or by its exit: until
+        # then the worker may still compute for the request, so its lease is not given back.
+        self._running: dict[str, asyncio.Future[None]] = {}
+        self._killing = False  # killed, exit not yet seen: take no new work
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.info: dict[str, Any] | None = None
         self.starts = 0
@@ -161,13 +165,14 @@ class WorkerClient:
 
     @property
     def free_slots(self) -> int:
-        if self.state is not WorkerState.READY:
+        if self.state is not WorkerState.READY or self._killing:
             return 0
         return max(0, self.spec.slots - len(self._claimed))
 
     async def start(self, timeout_s: float) -> dict[str, Any]:
         """Spawn the process and wait (bounded) for its ``ready`` event."""
         self._advance(WorkerState.STARTING)
+        self._killing = False
         self.starts += 1
         self._last_fatal = None
         loop = asyncio.get_running_loop()
@@ -216,6 +221,10 @@ class WorkerClient:
             for q in self._streams.values():
                 q.put_nowait(gone)
             self._streams.clear()
+            for fut in self._running.values():
+                if not fut.done():
+                    fut.set_result(None)
+            self._running.clear()
             self._claimed.clear()
             self._on_exit(self, gone)
 
@@ -237,7 +246,10 @@ class WorkerClient:
                 return
             if isinstance(event, Failed) and event.kind == "alloc_failed":
                 self.alloc_failures += 1
-            q = self._streams.get(str(msg.get("rid")))
+            rid = str(msg.get("rid"))
+            if isinstance(event, FINAL) and (fut := self._running.pop(rid, None)) is not None and not fut.done():
+                fut.set_result(None)  # the worker is done with it: its slot and memory are free
+            q = self._streams.get(rid)
             if q is not None:
                 q.put_nowait(event)
 
@@ -257,39 +269,51 @@ class WorkerClient:
             yield WorkerGone("not_ready", f"worker {self.spec.worker_id} is {self.state.value}")
             return
         self._streams[rid] = q
-        finished = False
+        self._running[rid] = asyncio.get_running_loop().create_future()
         try:
             try:
                 await self._send({"op": "generate", **job})
             except (ConnectionError, OSError, TimeoutError) as exc:
+                self._stopped(rid)
                 yield WorkerGone("exited", f"cannot reach worker: {exc}")
-                finished = True
                 return
             while True:
                 item = await q.get()
                 yield item
                 if isinstance(item, FINAL):
-                    finished = True
                     return
         finally:
             self._streams.pop(rid, None)
-            self._claimed.discard(rid)
-            if not finished:
-                with contextlib.suppress(ConnectionError, OSError, TimeoutError):
-                    await self._send({"op": "cancel", "rid": rid})
+            self._cancel_nowait(rid)  # the consumer left early: the worker stops it (a no-op when it ended)
+
+    def when_stopped(self, rid: str) -> asyncio.Future[None] | None:
+        """A future resolved once the worker has stopped working on ``rid`` (its last event,
+        or its exit); None when it is not working on it."""
+        fut = self._running.get(rid)
+        return fut if fut is not None and not fut.done() else None
+
+    def _stopped(self, rid: str) -> None:
+        fut = self._running.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _cancel_nowait(self, rid: str) -> None:
+        """Tell the worker to stop ``rid``, if it is working on it (no await: safe while cancelled)."""
+        if rid not in self._running:
+            return
+        proc = self._proc
+        if proc is not None and proc.stdin is not None and not proc.stdin.is_closing():
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                proc.stdin.write((json.dumps({"op": "cancel", "rid": rid}) + "\n").encode())
 
     def interrupt(self, rid: str) -> None:
         """Stop a running request now: tell the worker to cancel it, and wake its reader with
-        an ``interrupted`` item (the worker's own last event still follows, once its slot and
-        memory are free)."""
+        an ``Interrupted`` event (the worker's own last event still follows, once its slot
+        and memory are free: ``when_stopped``)."""
         q = self._streams.get(rid)
-        if q is None:
-            return
-        q.put_nowait(Interrupted())
-        proc = self._proc
-        if proc is not None and proc.stdin is not None and not proc.stdin.is_closing():
-            with contextlib.suppress(ConnectionError, OSError):
-                proc.stdin.write((json.dumps({"op": "cancel", "rid": rid}) + "\n").encode())
+        if q is not None:
+            q.put_nowait(Interrupted())
+        self._cancel_nowait(rid)
 
     async def ping(self) -> None:
         """Send a health ping; the pong updates ``last_pong_s``."""
@@ -298,8 +322,10 @@ class WorkerClient:
             await self._send({"op": "ping", "seq": self._ping_seq})
 
     async def kill(self) -> None:
-        """SIGKILL the process (used on stop, load time-outs and hangs)."""
+        """SIGKILL the process (used on stop, load time-outs and hangs); it takes no new work
+        from now on, though its exit is only seen a moment later."""
         if self._proc is not None and self._proc.returncode is None:
+            self._killing = True
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
 
