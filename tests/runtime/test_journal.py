@@ -15,11 +15,11 @@ from spillover.core.lifecycle import IllegalTransition, State
 from spillover.runtime.journal import Journal, KeyConflict
 
 
-def with_journal(tmp_path: Path, body: Callable[[Journal], Awaitable[Any]], **kw: Any) -> Any:
-    """Open a journal in ``tmp_path``, run ``body`` against it, close it."""
+def run_journal(path: Path, body: Callable[[Journal], Awaitable[Any]], **kw: Any) -> Any:
+    """Open a journal at ``path`` (``kw``: Journal's settings), run ``body`` against it, close it."""
 
     async def go() -> Any:
-        j = Journal(tmp_path / "j.sqlite3", retention_s=kw.get("retention_s", 3600.0), max_requests=kw.get("max", 100))
+        j = Journal(path, **({"retention_s": 3600.0, "max_requests": 100} | kw))
         await j.open()
         try:
             return await body(j)
@@ -27,6 +27,12 @@ def with_journal(tmp_path: Path, body: Callable[[Journal], Awaitable[Any]], **kw
             await j.close()
 
     return asyncio.run(go())
+
+
+def with_journal(tmp_path: Path, body: Callable[[Journal], Awaitable[Any]], **kw: Any) -> Any:
+    """A journal in ``tmp_path`` (``max``: its max_requests)."""
+    extra = {"max_requests": kw["max"]} if "max" in kw else {}
+    return run_journal(tmp_path / "j.sqlite3", body, **extra, **{k: v for k, v in kw.items() if k != "max"})
 
 
 async def accept(j: Journal, rid: str, key: str | None = None) -> None:

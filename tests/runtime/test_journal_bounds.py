@@ -4,7 +4,6 @@ keeps the files within the bound and never touches unfinished requests; the file
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
 import stat
@@ -20,22 +19,14 @@ from spillover.config import load_config
 from spillover.core.lifecycle import IllegalTransition, State
 from spillover.errors import ConfigError, JournalUnavailable, to_http
 from spillover.runtime.journal import SCHEMA, Journal
+from tests.runtime.test_journal import run_journal
 
 MIB = 1024 * 1024
 
 
 def with_journal(path: Path, max_bytes: int, body: Callable[[Journal], Awaitable[Any]], **kw: Any) -> Any:
     """Open a journal at ``path`` bounded to ``max_bytes``, run ``body`` against it, close it."""
-
-    async def go() -> Any:
-        j = Journal(path, retention_s=kw.get("retention_s", 3600.0), max_requests=100, max_bytes=max_bytes)
-        await j.open()
-        try:
-            return await body(j)
-        finally:
-            await j.close()
-
-    return asyncio.run(go())
+    return run_journal(path, body, max_bytes=max_bytes, **kw)
 
 
 async def accept(j: Journal, rid: str, size: int = 2) -> None:

@@ -85,12 +85,7 @@ class RouteInfo:
     failover: str | None = None  # the failure that caused this attempt
 
 
-@dataclass(frozen=True)
-class TokenOut:
-    """A generated token and the text it releases."""
-
-    id: int
-    text: str
+TokenOut = Token  # a generated token and the text it releases: the worker's event, passed on as is
 
 
 @dataclass(frozen=True)
@@ -420,7 +415,7 @@ class Execution:
                     first_token = False
                     if self.incremental and ev.id >= 0:
                         self.delivered.append(ev.id)
-                    yield TokenOut(ev.id, ev.text)
+                    yield ev
                 elif isinstance(ev, Done):
                     outcome = "ok"
                     self.scheduler.record_timing(
