@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,9 @@ __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
 _PROBE_ENDS = (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED)
+IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
+HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
+MIN_WAKE_S = 0.001
 
 
 @dataclass
@@ -169,6 +173,8 @@ class Scheduler:
         self.gpu_workers: list[WorkerClient] = []
         self.cpu_workers: list[WorkerClient] = []
         self._wake = asyncio.Event()
+        self._delay_due = math.inf  # the earliest end of an admission delay seen by the last pass
+        self._host_held = False  # the last pass held CPU work back for host memory
         self.decisions: deque[dict[str, Any]] = deque(maxlen=50)
         self.decision_counts: dict[str, int] = {}
 
@@ -272,17 +278,36 @@ class Scheduler:
 
     # -- the pump ------------------------------------------------------------------
     async def run(self) -> None:
-        """Decide and dispatch until cancelled; wakes on events, and every 50 ms while
-        anything is queued (delays and ages), every 500 ms otherwise."""
+        """Decide and dispatch until cancelled. A pass runs on an event (``kick``: a request
+        queued or finished, a device reading, a worker change) or at the earliest deadline a
+        pass can act on (``_due``); no polling."""
         while True:
             self._wake.clear()
             try:
                 self.pump_once()
             except Exception:  # a bug must not stop every later dispatch: log it, go on
                 log.exception("scheduler pass failed")
-            queued = bool(self.cpu.queue) or bool(self.gpu and self.gpu.queue)
+            now = self.clock()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.05 if queued else 0.5)
+                await asyncio.wait_for(self._wake.wait(), max(MIN_WAKE_S, self._due(now) - now))
+
+    def _due(self, now: float) -> float:
+        """The earliest moment a pass can decide something new without an event: a queued
+        job's maximum age, the end of an admission delay, the breaker's cooldown or probe
+        bound, the next host-memory reading while the host guard holds CPU work back."""
+        due = now + IDLE_WAKE_S
+        for lane in (self.gpu, self.cpu):
+            if lane is not None and lane.queue:
+                due = min(due, min(j.enqueued_s for j in lane.queue) + lane.cfg.queue_max_age_s)
+        due = min(due, self._delay_due)
+        b = self.breaker
+        if b.circuit is Circuit.OPEN:
+            due = min(due, b.opened_at_s + b.cooldown_s)
+        elif b.circuit is Circuit.HALF_OPEN and b.probes_in_flight and self.policy is not None:
+            due = min(due, b.probe_started_s + self.policy.breaker.probe_timeout_s)
+        if self.cpu.queue and self._host_held:
+            due = min(due, now + HOST_RECHECK_S)
+        return due
 
     def lane_view(self) -> LaneView:
         gpu_ready = any(w.state is WorkerState.READY for w in self.gpu_workers)
@@ -300,6 +325,7 @@ class Scheduler:
     def pump_once(self) -> None:
         """One pass: expire old jobs, decide GPU jobs, dispatch CPU jobs."""
         now = self.clock()
+        self._delay_due = math.inf
         if self.policy is not None:
             self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.policy.breaker)
         for lane in (self.gpu, self.cpu):
@@ -392,10 +418,12 @@ class Scheduler:
                     code=d.reason.split("+")[-1],
                 ),
             )
-        # Delay: leave it queued; the pump asks again.
+        elif isinstance(d, Delay):  # leave it queued; a pass asks again at the latest then
+            self._delay_due = min(self._delay_due, d.until_s)
 
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""
+        self._host_held = False
         while self.cpu.queue:
             worker = next((w for w in self.cpu_workers if w.free_slots > 0), None)
             if worker is None:
@@ -405,6 +433,7 @@ class Scheduler:
                 ok, why = may_start_cpu(self.host_view(worker.busy), self.host_guard)
                 if not ok:
                     self.cpu_blocked = why
+                    self._host_held = True  # host memory changes without an event: look again soon
                     return
             job = self.cpu.queue.popleft()
             self.cpu.admitted_total += 1

@@ -1,0 +1,62 @@
+"""The scheduler wakes on events or at the earliest deadline a pass can act on, not on a
+polling tick: a queued job's maximum age, the end of an admission delay, the breaker's
+cooldown, the host-guard recheck; an idle scheduler sleeps the safety-net interval."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from spillover.config import LaneConfig
+from spillover.core.breaker import BreakerState, Circuit
+from spillover.runtime.scheduler import HOST_RECHECK_S, IDLE_WAKE_S, Job, Scheduler
+from spillover.testing import FakeClock
+
+
+def scheduler(clock: FakeClock) -> Scheduler:
+    return Scheduler(gpu_lane=None, cpu_lane=LaneConfig(queue_max_age_s=3.0), ledger=None, policy=None, clock=clock)
+
+
+def test_idle_scheduler_wakes_only_for_the_safety_net() -> None:
+    """Nothing queued, breaker closed: the next pass is the idle interval away."""
+    clock = FakeClock(100.0)
+    s = scheduler(clock)
+    assert s._due(clock()) == 100.0 + IDLE_WAKE_S
+
+
+def test_queued_job_wakes_the_scheduler_at_its_maximum_age() -> None:
+    """A job waiting with no free slot: the pass that expires it is due at enqueued + max age
+    (earlier than the idle interval when it is closer)."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s = scheduler(clock)  # no CPU worker: the job stays queued
+        s.submit_nowait(Job(rid="a", prompt_tokens=4, max_tokens=4, arrived_s=clock()), lane="cpu")
+        clock.advance(2.8)
+        assert s._due(clock()) == 103.0
+        s._delay_due = 102.9
+        assert s._due(clock()) == 102.9  # an admission delay that ends sooner wins
+
+    asyncio.run(main())
+
+
+def test_open_breaker_wakes_at_the_end_of_its_cooldown() -> None:
+    """An open breaker: the pass that moves it to half-open is due when the cooldown ends."""
+    clock = FakeClock(100.0)
+    s = scheduler(clock)
+    s.breaker = replace(BreakerState(), circuit=Circuit.OPEN, opened_at_s=100.0, cooldown_s=0.2)
+    assert s._due(clock()) == 100.2
+
+
+def test_work_held_by_the_host_guard_is_looked_at_again_soon() -> None:
+    """CPU work blocked by the host-RAM guard is re-checked every HOST_RECHECK_S."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s = scheduler(clock)
+        s.submit_nowait(Job(rid="a", prompt_tokens=4, max_tokens=4, arrived_s=clock()), lane="cpu")
+        assert s._due(clock()) == 100.0 + IDLE_WAKE_S  # no worker: a worker's start is an event
+        s._host_held = True  # as a pass sets it when the host guard refuses the job
+        assert s._due(clock()) == 100.0 + HOST_RECHECK_S
+
+    asyncio.run(main())
