@@ -55,7 +55,7 @@ class BreakerPolicy:
     flap_window_s: float = 60.0
     half_open_probes: int = 1
     close_after_successes: int = 2
-    probe_timeout_s: float = 120.0
+    probe_timeout_s: float = 660.0  # the gateway passes [breaker].probe_timeout_s; same default
 
 
 @dataclass(frozen=True)
