@@ -88,6 +88,13 @@ def _deadline_header(request: Request) -> int | None:
     return positive_ms(value, "X-Spillover-Deadline-Ms")
 
 
+def _in_flight(rid: str) -> IdempotencyInFlight:
+    """The 409 for a key whose request ``rid`` has not ended."""
+    return IdempotencyInFlight(
+        f"a request with this Idempotency-Key ({rid}) is still in flight", param="Idempotency-Key"
+    )
+
+
 def _idempotency_key(request: Request) -> str | None:
     """The Idempotency-Key header: 1-255 visible ASCII characters, else 400."""
     key = request.headers.get("idempotency-key")
@@ -164,10 +171,7 @@ def create_app(gw: Gateway) -> Starlette:
                                 param="Idempotency-Key",
                             )
                         if not rec.terminal or rid in gw.live:
-                            raise IdempotencyInFlight(
-                                f"a request with this Idempotency-Key ({rec.id}) is still in flight",
-                                param="Idempotency-Key",
-                            )
+                            raise _in_flight(rec.id)
                         if rec.state not in RESUMABLE:
                             return _replay(rec)
                         rid, resume = rec.id, rec.attempts
@@ -183,10 +187,7 @@ def create_app(gw: Gateway) -> Starlette:
                         deadline_ms=deadline_ms,
                     )
                 except KeyConflict as exc:
-                    raise IdempotencyInFlight(
-                        f"a request with this Idempotency-Key ({exc.existing.id}) is still in flight",
-                        param="Idempotency-Key",
-                    ) from exc
+                    raise _in_flight(exc.existing.id) from exc
         except SpilloverError as exc:
             return _error_response(exc, rid)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handler))

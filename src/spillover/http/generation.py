@@ -470,8 +470,8 @@ class RequestHandler:
     async def _end_abandoned(self, events: AsyncGenerator[Any, None], status: int) -> None:
         """The client of a stream went away: end the Execution, journal CANCELLED."""
         error = to_http(RequestCancelled(f"request {self.rid} was cancelled"), self.rid).body
-        self.transcript.append(sse(error))
-        self.transcript.append(b"data: [DONE]\n\n")
+        self._emit(error)
+        self._emit_done()
         await self._finish(events, State.CANCELLED, status, error)
 
     async def _finish(
