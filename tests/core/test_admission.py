@@ -20,6 +20,7 @@ from spillover.core.admission import (
 from spillover.core.breaker import BreakerState, Circuit
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
+from spillover.core.routing import Reason
 
 MIB = 1024 * 1024
 NOW = 100.0
@@ -150,6 +151,58 @@ def test_margin_reason_when_only_the_margin_is_in_the_way(policy: AdmissionPolic
     observed = cap - 16 - need + 4  # 4 MiB short of headroom, well inside the 16 MiB margin
     d = decide(req(arrived=NOW - 10), ledger(cap, observed), LANES, BreakerState(), NOW, policy)
     assert isinstance(d, Route) and d.reason == "margin"
+
+
+@pytest.mark.parametrize(
+    ("case", "led", "r", "lanes", "expected"),
+    [
+        (
+            "pressure, CPU queue full",
+            (300, 250, 0),
+            {},
+            {"cpu_queue_free": 0},
+            Reject(3.0, Reason.OBSERVED_PRESSURE, Reason.CPU_QUEUE_FULL),
+        ),
+        (
+            "pressure, CPU down",
+            (300, 250, 0),
+            {},
+            {"cpu_ready": False},
+            Reject(3.0, Reason.OBSERVED_PRESSURE, Reason.CPU_UNAVAILABLE),
+        ),
+        (
+            "too long for both lanes",
+            (1024, 100, 0),
+            {"prompt": 3000, "max_tokens": 2000},
+            {},
+            Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU),
+        ),
+        (
+            "GPU down, CPU queue full",
+            (1024, 100, 0),
+            {},
+            {"gpu_ready": False, "cpu_queue_free": 0},
+            Reject(3.0, Reason.GPU_UNAVAILABLE, Reason.CPU_QUEUE_FULL),
+        ),
+    ],
+)
+def test_reject_keeps_cause_and_refusal_apart(
+    policy: AdmissionPolicy, case: str, led: tuple[int, int, int], r: dict, lanes: dict, expected: Reject
+) -> None:
+    """A Reject names why the request left the GPU and why the CPU lane refused it, as two values."""
+    cap, observed, ours = led
+    d = decide(req(**r), ledger(cap, observed, ours_mib=ours), replace(LANES, **lanes), BreakerState(), NOW, policy)
+    assert d == expected, case
+
+
+def test_margin_then_full_cpu_queue_rejects(policy: AdmissionPolicy, memory: MemoryModel) -> None:
+    """Only the margin in the way and no CPU place: cause margin, refusal cpu_queue_full."""
+    need = fp_mib(memory, 40, 60)
+    observed = 200 - 16 - need + 4
+    lanes = replace(LANES, cpu_queue_free=0)
+    d = decide(req(arrived=NOW - 10), ledger(200, observed), lanes, BreakerState(), NOW, policy)
+    assert d == Reject(3.0, Reason.MARGIN, Reason.CPU_QUEUE_FULL)
+    assert d.reason == "margin+cpu_queue_full"
 
 
 def test_stale_observation_routes_to_cpu(policy: AdmissionPolicy) -> None:

@@ -26,6 +26,7 @@ from spillover.core.admission import (
 from spillover.core.breaker import BreakerState, Circuit
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
+from spillover.core.routing import Reason
 
 MIB = 1024 * 1024
 NOW = 100.0
@@ -87,17 +88,17 @@ def test_footprint_equal_to_headroom_is_admitted(policy: AdmissionPolicy, fp: Fp
 def test_one_byte_short_is_only_the_margin(policy: AdmissionPolicy, fp: Fp) -> None:
     """One byte less headroom than the footprint: it would fit but for the margin, so it goes to CPU."""
     d = decide(req(), room_ledger(fp(40, 60) - 1), LANES, CLOSED, NOW, policy)
-    assert d == Route("margin")
+    assert d == Route(Reason.MARGIN)
 
 
 @pytest.mark.parametrize(
     ("shortfall", "expected"),
     [
-        (0, "margin"),  # exactly the margin short
-        (1, "kv_pages_exhausted"),  # one byte more than the margin
+        (0, Reason.MARGIN),  # exactly the margin short
+        (1, Reason.KV_PAGES_EXHAUSTED),  # one byte more than the margin
     ],
 )
-def test_margin_boundary(policy: AdmissionPolicy, fp: Fp, shortfall: int, expected: str) -> None:
+def test_margin_boundary(policy: AdmissionPolicy, fp: Fp, shortfall: int, expected: Reason) -> None:
     """'margin' covers a footprint up to headroom + margin, not one byte more."""
     led = room_ledger(fp(40, 60) - MARGIN - shortfall)
     assert decide(req(), led, LANES, CLOSED, NOW, policy) == Route(expected)
@@ -109,14 +110,14 @@ def test_exactly_one_free_slot_admits(policy: AdmissionPolicy, fp: Fp) -> None:
     one = decide(req(), led, replace(LANES, gpu_free_slots=1), CLOSED, NOW, policy)
     assert one == Admit(nbytes=fp(40, 60), kv_tokens=112)
     none = decide(req(), led, replace(LANES, gpu_free_slots=0), CLOSED, NOW, policy)
-    assert none == Delay(NOW + 0.05, "gpu_busy")
+    assert none == Delay(NOW + 0.05, Reason.GPU_BUSY)
 
 
 def test_request_of_exactly_the_context_cap_is_admitted(policy: AdmissionPolicy, fp: Fp) -> None:
     """prompt + max_tokens equal to the GPU cap (2000 + 48 = 2048) runs there; one token more does not."""
     led = room_ledger(CAP // 2)
     assert decide(req(2000, 48), led, LANES, CLOSED, NOW, policy) == Admit(nbytes=fp(2000, 48), kv_tokens=2048)
-    assert decide(req(2000, 49), led, LANES, CLOSED, NOW, policy) == Route("too_long_for_gpu")
+    assert decide(req(2000, 49), led, LANES, CLOSED, NOW, policy) == Route(Reason.TOO_LONG_FOR_GPU)
 
 
 # -- delay: the bound ----------------------------------------------------------------------------
@@ -125,10 +126,10 @@ def test_request_of_exactly_the_context_cap_is_admitted(policy: AdmissionPolicy,
 @pytest.mark.parametrize(
     ("arrived", "expected"),
     [
-        (NOW, Delay(NOW + 0.05, "gpu_busy")),  # one poll interval
-        (NOW - 1.98, Delay(NOW + 0.02, "gpu_busy")),  # the bound comes first
-        (NOW - 2.0, Route("gpu_busy")),  # exactly delay_max_s after arrival: no more waiting
-        (NOW - 5.0, Route("gpu_busy")),
+        (NOW, Delay(NOW + 0.05, Reason.GPU_BUSY)),  # one poll interval
+        (NOW - 1.98, Delay(NOW + 0.02, Reason.GPU_BUSY)),  # the bound comes first
+        (NOW - 2.0, Route(Reason.GPU_BUSY)),  # exactly delay_max_s after arrival: no more waiting
+        (NOW - 5.0, Route(Reason.GPU_BUSY)),
     ],
 )
 def test_busy_gpu_waits_up_to_delay_max(policy: AdmissionPolicy, arrived: float, expected: object) -> None:
@@ -144,8 +145,8 @@ def test_busy_gpu_waits_up_to_delay_max(policy: AdmissionPolicy, arrived: float,
 @pytest.mark.parametrize(
     ("short", "expected"),
     [
-        (1, Route("kv_pages_exhausted")),  # one byte too few coming back
-        (0, Delay(NOW + 0.05, "kv_pages_exhausted")),  # exactly enough coming back
+        (1, Route(Reason.KV_PAGES_EXHAUSTED)),  # one byte too few coming back
+        (0, Delay(NOW + 0.05, Reason.KV_PAGES_EXHAUSTED)),  # exactly enough coming back
     ],
 )
 def test_delay_when_our_reservations_would_make_exactly_room(
@@ -177,27 +178,27 @@ def test_recently_released_bytes_are_not_pressure_and_are_waited_for(policy: Adm
     """Bytes a reading shows only because they were just released are coming back: wait for them, and
     do not call them someone else's pressure."""
     d = decide(req(), released_ledger(remembered=True), LANES, CLOSED, NOW, policy)
-    assert d == Delay(NOW + 0.05, "kv_pages_exhausted")
+    assert d == Delay(NOW + 0.05, Reason.KV_PAGES_EXHAUSTED)
 
 
 def test_unexplained_bytes_in_the_reading_are_pressure(policy: AdmissionPolicy) -> None:
     """The same reading, with nothing known to be coming back: someone else holds the memory."""
     d = decide(req(), released_ledger(remembered=False), LANES, CLOSED, NOW, policy)
-    assert d == Route("observed_pressure")
+    assert d == Route(Reason.OBSERVED_PRESSURE)
 
 
 def test_an_empty_device_too_small_is_not_pressure(policy: AdmissionPolicy) -> None:
     """Nothing observed, nothing reserved, and still no room: the KV pages are exhausted, not pressured."""
     led = DeviceLedger("sim", MARGIN + MIB, MARGIN, freshness_s=1.0)
     led.observe(0, NOW)
-    assert decide(req(), led, LANES, CLOSED, NOW, policy) == Route("kv_pages_exhausted")
+    assert decide(req(), led, LANES, CLOSED, NOW, policy) == Route(Reason.KV_PAGES_EXHAUSTED)
 
 
 def test_observed_exactly_what_we_predicted_is_not_pressure(policy: AdmissionPolicy) -> None:
     """A reading equal to our own reservations is no one else's memory: the reason is kv_pages_exhausted."""
     led = room_ledger(MIB, live_requests=300 * MIB)
     d = decide(req(arrived=NOW - 2.0), led, LANES, CLOSED, NOW, policy)
-    assert d == Route("kv_pages_exhausted")
+    assert d == Route(Reason.KV_PAGES_EXHAUSTED)
 
 
 # -- shrink, when the request does not fit the memory -------------------------------------------
@@ -228,14 +229,14 @@ def test_shrink_to_the_largest_max_tokens_that_fits(
 ) -> None:
     """With exactly the room of (40, k), the shrunk max_tokens is the last one of k's page, to the token."""
     d = decide(req(40, max_tokens, shrink=True), room_ledger(fp(40, room_for)), LANES, CLOSED, NOW, policy)
-    assert d == Shrink(shrunk, fp(40, shrunk), kv_tokens, "shrunk_to_fit")
+    assert d == Shrink(shrunk, fp(40, shrunk), kv_tokens, Reason.SHRUNK_TO_FIT)
     assert type(d.max_tokens) is int
 
 
 def test_shrink_needs_room_for_min_max_tokens(policy: AdmissionPolicy, fp: Fp) -> None:
     """Below the footprint of min_max_tokens (16) there is nothing to shrink to: CPU."""
     led = room_ledger(fp(40, 16) - 1)
-    assert decide(req(40, 600, shrink=True), led, LANES, CLOSED, NOW, policy) == Route("kv_pages_exhausted")
+    assert decide(req(40, 600, shrink=True), led, LANES, CLOSED, NOW, policy) == Route(Reason.KV_PAGES_EXHAUSTED)
 
 
 @pytest.mark.parametrize(("free_slots", "shrinks"), [(1, True), (0, False)])
@@ -244,9 +245,9 @@ def test_shrink_needs_a_free_slot(policy: AdmissionPolicy, fp: Fp, free_slots: i
     led = room_ledger(fp(40, 200))
     d = decide(req(40, 600, shrink=True), led, replace(LANES, gpu_free_slots=free_slots), CLOSED, NOW, policy)
     if shrinks:
-        assert d == Shrink(200, fp(40, 200), 240, "shrunk_to_fit")
+        assert d == Shrink(200, fp(40, 200), 240, Reason.SHRUNK_TO_FIT)
     else:
-        assert d == Route("kv_pages_exhausted")
+        assert d == Route(Reason.KV_PAGES_EXHAUSTED)
 
 
 # -- shrink, when the request is longer than the GPU's context ----------------------------------
@@ -255,7 +256,7 @@ def test_shrink_needs_a_free_slot(policy: AdmissionPolicy, fp: Fp, free_slots: i
 def test_too_long_shrinks_to_exactly_the_context_cap(policy: AdmissionPolicy, fp: Fp) -> None:
     """Too long for 2048 tokens, with room to spare: shrunk to 2048 - 2000 = 48 tokens, not beyond."""
     d = decide(req(2000, 100, shrink=True), room_ledger(CAP // 2), LANES, CLOSED, NOW, policy)
-    assert d == Shrink(48, fp(2000, 48), 2048, "shrunk_to_fit")
+    assert d == Shrink(48, fp(2000, 48), 2048, Reason.SHRUNK_TO_FIT)
 
 
 @pytest.mark.parametrize(
@@ -272,22 +273,22 @@ def test_too_long_shrinks_with_the_last_slot_or_as_a_probe(
     """Exactly one free GPU slot is enough to shrink, and so is a half-open breaker with a probe place."""
     lanes = replace(LANES, gpu_free_slots=free_slots)
     d = decide(req(2000, 100, shrink=True), room_ledger(CAP // 2), lanes, breaker, NOW, policy)
-    assert d == Shrink(48, fp(2000, 48), 2048, "shrunk_to_fit")
+    assert d == Shrink(48, fp(2000, 48), 2048, Reason.SHRUNK_TO_FIT)
 
 
 def test_too_long_shrinks_to_the_room_when_that_is_less(policy: AdmissionPolicy, fp: Fp) -> None:
     """With room for exactly (2000, 16), the shrunk request is 16 tokens (2016, a page end)."""
     d = decide(req(2000, 100, shrink=True), room_ledger(fp(2000, 16)), LANES, CLOSED, NOW, policy)
-    assert d == Shrink(16, fp(2000, 16), 2016, "shrunk_to_fit")
+    assert d == Shrink(16, fp(2000, 16), 2016, Reason.SHRUNK_TO_FIT)
 
 
 def test_too_long_prompt_plus_min_exactly_the_cap_shrinks(policy: AdmissionPolicy, fp: Fp) -> None:
     """A prompt that leaves exactly min_max_tokens (2032 + 16 = 2048) shrinks to 16; one more routes."""
     led = room_ledger(CAP // 2)
     assert decide(req(2032, 100, shrink=True), led, LANES, CLOSED, NOW, policy) == Shrink(
-        16, fp(2032, 16), 2048, "shrunk_to_fit"
+        16, fp(2032, 16), 2048, Reason.SHRUNK_TO_FIT
     )
-    assert decide(req(2033, 100, shrink=True), led, LANES, CLOSED, NOW, policy) == Route("too_long_for_gpu")
+    assert decide(req(2033, 100, shrink=True), led, LANES, CLOSED, NOW, policy) == Route(Reason.TOO_LONG_FOR_GPU)
 
 
 def stale_ledger() -> DeviceLedger:
@@ -322,7 +323,7 @@ def test_too_long_without_a_way_to_shrink_routes(
 ) -> None:
     """A too-long request that may shrink still goes to CPU when the GPU cannot take the shrunk one."""
     d = decide(req(2000, 100, shrink=True), ledger(fp), replace(LANES, **lanes), breaker, NOW, policy)
-    assert d == Route("too_long_for_gpu"), why
+    assert d == Route(Reason.TOO_LONG_FOR_GPU), why
 
 
 # -- the CPU lane's own bounds ------------------------------------------------------------------
@@ -331,8 +332,8 @@ def test_too_long_without_a_way_to_shrink_routes(
 @pytest.mark.parametrize(
     ("queue_free", "expected"),
     [
-        (1, Route("too_long_for_gpu")),  # the last place in the queue
-        (0, Reject(3.0, "too_long_for_gpu+cpu_queue_full")),
+        (1, Route(Reason.TOO_LONG_FOR_GPU)),  # the last place in the queue
+        (0, Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.CPU_QUEUE_FULL)),
     ],
 )
 def test_last_cpu_queue_place(policy: AdmissionPolicy, queue_free: int, expected: object) -> None:
@@ -344,9 +345,9 @@ def test_last_cpu_queue_place(policy: AdmissionPolicy, queue_free: int, expected
 @pytest.mark.parametrize(
     ("prompt", "max_tokens", "expected"),
     [
-        (4000, 96, Route("too_long_for_gpu")),  # exactly the CPU cap
-        (4000, 97, Reject(3.0, "too_long_for_gpu+too_long_for_cpu")),
-        (4096, 0, Reject(3.0, "too_long_for_gpu+too_long_for_cpu")),  # no room for one new token
+        (4000, 96, Route(Reason.TOO_LONG_FOR_GPU)),  # exactly the CPU cap
+        (4000, 97, Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU)),
+        (4096, 0, Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU)),  # no room for one new token
     ],
 )
 def test_cpu_context_cap(policy: AdmissionPolicy, prompt: int, max_tokens: int, expected: object) -> None:
@@ -358,4 +359,4 @@ def test_cpu_route_switched_off_rejects(memory: MemoryModel) -> None:
     """With allow_cpu_route off, what would go to CPU is rejected as cpu_unavailable."""
     p = AdmissionPolicy(memory=memory, allow_cpu_route=False)
     d = decide(req(2000, 100), room_ledger(CAP // 2), LANES, CLOSED, NOW, p)
-    assert d == Reject(3.0, "too_long_for_gpu+cpu_unavailable")
+    assert d == Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.CPU_UNAVAILABLE)

@@ -20,7 +20,8 @@ LONG = {"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0}
 
 def test_exact_count_queue_sheds_k_immediately() -> None:
     """Queue depth Q=3 and concurrency C=1: Q + C + k requests give exactly k immediate
-    503s with Retry-After, each within 50 ms."""
+    503s with Retry-After, each within 50 ms; each is unknown (refused before acceptance) or
+    journaled REJECTED (it raced the last place), never left unfinished."""
     q, c, k = 3, 1, 3
     with GatewayProcess(["--gpu", "none", "--cpu-slots", str(c)], config={"cpu_lane": {"queue_depth": q}}) as gw:
         results: list[tuple[int, float, dict[str, str]]] = []
@@ -45,6 +46,33 @@ def test_exact_count_queue_sheds_k_immediately() -> None:
         assert all(x[1] < 0.050 for x in shed), [round(x[1], 4) for x in shed]
         assert all(int(x[2]["retry-after"]) >= 1 and "retry-after-ms" in x[2] for x in shed)
         assert sum(1 for x in results if x[0] == 200) == q + c
+        with httpx.Client(base_url=gw.url, timeout=30) as cl:
+            for x in shed:
+                r = cl.get(f"/v1/requests/{x[2]['x-spillover-request-id']}")
+                assert r.status_code == 404 or r.json()["state"] == "rejected", r.text
+
+
+def test_a_full_queue_refuses_before_accepting() -> None:
+    """With the CPU lane's slot and its one queue place taken, the next request gets 503 at
+    once and nothing of it is journaled (its id is unknown); the other two complete."""
+    with GatewayProcess(["--gpu", "none", "--cpu-slots", "1"], config={"cpu_lane": {"queue_depth": 1}}) as gw:
+        codes: list[int] = []
+
+        def one() -> None:
+            codes.append(httpx.post(f"{gw.url}/v1/completions", json=LONG, timeout=300).status_code)
+
+        ts = [threading.Thread(target=one) for _ in range(2)]
+        for t in ts:
+            t.start()
+            time.sleep(0.2)
+        wait_for(lambda: any(len(lane["queued"]) == 1 for lane in gw.status()["lanes"]), 30, "the queue full")
+        with httpx.Client(base_url=gw.url, timeout=30) as cl:
+            r = cl.post("/v1/completions", json=LONG)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+            assert cl.get(f"/v1/requests/{r.headers['x-spillover-request-id']}").status_code == 404
+        for t in ts:
+            t.join(300)
+        assert codes == [200, 200]
 
 
 def overload_peak_rss(guard: bool, budget_mib: int) -> tuple[int, dict[str, Any]]:

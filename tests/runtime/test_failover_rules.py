@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from spillover.config import FailoverConfig
+from spillover.core.routing import FailoverReason, Reason
 from spillover.errors import FailoverInterrupted, WorkerFailed
 from spillover.runtime.executor import Execution, RetryBudget, _Failure
 
@@ -76,9 +77,35 @@ def failover(
 
 
 def test_a_replica_with_the_same_fingerprint_takes_the_replay() -> None:
-    """Same compatibility fingerprint: the request is queued on the CPU lane, attempt 2."""
+    """Same compatibility fingerprint: the request is queued on the CPU lane, attempt 2, for the fault."""
     sched, exe = failover(GPU_FP)
     assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.attempt == 2
+    job = sched.submitted[0][0]
+    assert job.last_reason == FailoverReason("alloc_failed") and str(job.last_reason) == "failover:alloc_failed"
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (None, Reason.CLIENT_PREFERS_CPU),
+        (Reason.CANARY, Reason.CANARY),
+    ],
+)
+def test_a_cpu_start_carries_its_reason(reason: Reason | None, expected: Reason) -> None:
+    """prefer_cpu queues the first attempt on the CPU lane with the client's or the canary's reason."""
+    sched = FakeScheduler([])
+    exe = execution(sched)
+    if reason is None:
+        exe.prefer_cpu()
+    else:
+        exe.prefer_cpu(reason)
+
+    async def go() -> None:
+        exe.submit_nowait()
+
+    asyncio.run(go())
+    job, lane = sched.submitted[0]
+    assert lane == "cpu" and job.last_reason is expected
 
 
 def test_a_cpu_worker_with_another_fingerprint_is_not_a_replica() -> None:

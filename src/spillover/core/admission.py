@@ -20,9 +20,12 @@ Rules, applied in order (the first that matches wins):
       within ``delay_max_s``: Delay;
    b. if the client allowed shrinking and a smaller ``max_tokens`` fits: Shrink;
    c. else route to CPU.
-7. Routing to CPU needs room in the CPU lane; otherwise ``Reject`` with a Retry-After.
+7. Routing to CPU needs room in the CPU lane; otherwise ``Reject`` with a Retry-After. A
+   ``Reject`` keeps the cause (the reason it left the GPU) and the CPU lane's refusal
+   (``cpu_unavailable``, ``too_long_for_cpu``, ``cpu_queue_full``) apart.
 
-Every decision carries a machine-readable ``reason``.
+Every decision carries a machine-readable ``reason``: a ``Reason``, or for a ``Reject`` the
+display text ``cause+refusal``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from spillover.core.breaker import BreakerPolicy, BreakerState, allows
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
-from spillover.core.routing import fits_lane
+from spillover.core.routing import Reason, fits_lane
 
 __all__ = [
     "AdmissionPolicy",
@@ -90,7 +93,7 @@ class Admit:
 
     nbytes: int
     kv_tokens: int
-    reason: str = "fits"
+    reason: Reason = Reason.FITS
     route: str = "gpu"
 
 
@@ -101,7 +104,7 @@ class Shrink:
     max_tokens: int
     nbytes: int
     kv_tokens: int
-    reason: str
+    reason: Reason
     route: str = "gpu"
 
 
@@ -110,7 +113,7 @@ class Delay:
     """Ask again at ``until_s`` (bounded by ``delay_max_s`` from arrival)."""
 
     until_s: float
-    reason: str
+    reason: Reason
     route: str = "gpu"
 
 
@@ -118,29 +121,36 @@ class Delay:
 class Route:
     """Serve on the CPU lane."""
 
-    reason: str
+    reason: Reason
     route: str = "cpu"
 
 
 @dataclass(frozen=True)
 class Reject:
-    """Refuse now; the client may retry after ``retry_after_s``."""
+    """Refuse now; the client may retry after ``retry_after_s``. ``cause``: why the request left
+    the GPU; ``refusal``: why the CPU lane cannot take it (the error's code)."""
 
     retry_after_s: float
-    reason: str
+    cause: Reason
+    refusal: Reason
     route: str = "none"
+
+    @property
+    def reason(self) -> str:
+        """The display text, ``cause+refusal`` (e.g. ``margin+cpu_queue_full``)."""
+        return f"{self.cause}+{self.refusal}"
 
 
 Decision = Admit | Shrink | Delay | Route | Reject
 
 
-def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: str, p: AdmissionPolicy) -> Decision:
+def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: Reason, p: AdmissionPolicy) -> Decision:
     if not p.allow_cpu_route or not lanes.cpu_ready:
-        return Reject(lanes.cpu_retry_after_s, f"{reason}+cpu_unavailable")
+        return Reject(lanes.cpu_retry_after_s, reason, Reason.CPU_UNAVAILABLE)
     if not fits_lane(req.prompt_tokens, req.max_tokens, lanes.cpu_ctx_cap_tokens):
-        return Reject(lanes.cpu_retry_after_s, f"{reason}+too_long_for_cpu")
+        return Reject(lanes.cpu_retry_after_s, reason, Reason.TOO_LONG_FOR_CPU)
     if lanes.cpu_queue_free <= 0:
-        return Reject(lanes.cpu_retry_after_s, f"{reason}+cpu_queue_full")
+        return Reject(lanes.cpu_retry_after_s, reason, Reason.CPU_QUEUE_FULL)
     return Route(reason)
 
 
@@ -159,7 +169,7 @@ def _shrunk(req: AdmissionRequest, room: int, cap: int, p: AdmissionPolicy) -> S
         mid = (lo + hi) // 2
         fp = p.memory.request_footprint(req.prompt_tokens, mid)
         if fp.total_bytes <= room:
-            best = Shrink(mid, fp.total_bytes, fp.kv_tokens, "shrunk_to_fit")
+            best = Shrink(mid, fp.total_bytes, fp.kv_tokens, Reason.SHRUNK_TO_FIT)
             lo = mid + 1
         else:
             hi = mid - 1
@@ -183,31 +193,31 @@ def decide(
                 shrink = _shrunk(req, room, lanes.gpu_ctx_cap_tokens, p)
                 if shrink is not None and lanes.gpu_free_slots > 0:
                     return shrink
-        return _to_cpu(req, lanes, "too_long_for_gpu", p)
+        return _to_cpu(req, lanes, Reason.TOO_LONG_FOR_GPU, p)
     if not allows(breaker, p.breaker):
-        return _to_cpu(req, lanes, "breaker_open", p)
+        return _to_cpu(req, lanes, Reason.BREAKER_OPEN, p)
     if not lanes.gpu_ready:
-        return _to_cpu(req, lanes, "gpu_unavailable", p)
+        return _to_cpu(req, lanes, Reason.GPU_UNAVAILABLE, p)
     room = ledger.headroom(now_s)
     if room is None:
-        return _to_cpu(req, lanes, "observation_stale", p)
+        return _to_cpu(req, lanes, Reason.OBSERVATION_STALE, p)
     fp = p.memory.request_footprint(req.prompt_tokens, req.max_tokens)
     if fp.total_bytes <= room:
         if lanes.gpu_free_slots > 0:
             return Admit(nbytes=fp.total_bytes, kv_tokens=fp.kv_tokens)
         until = _may_wait(req, now_s, p)
         if until is not None:
-            return Delay(until, "gpu_busy")
-        return _to_cpu(req, lanes, "gpu_busy", p)
+            return Delay(until, Reason.GPU_BUSY)
+        return _to_cpu(req, lanes, Reason.GPU_BUSY, p)
 
     observed = ledger.observed_fresh(now_s) or 0
     returning = ledger.reserved_by_kind("request") + ledger.recently_released(now_s)
     if fp.total_bytes <= room + ledger.margin_bytes:
-        reason = "margin"
+        reason = Reason.MARGIN
     elif observed > ledger.predicted_bytes + ledger.recently_released(now_s):
-        reason = "observed_pressure"
+        reason = Reason.OBSERVED_PRESSURE
     else:
-        reason = "kv_pages_exhausted"
+        reason = Reason.KV_PAGES_EXHAUSTED
     if fp.total_bytes <= room + returning:
         until = _may_wait(req, now_s, p)
         if until is not None:

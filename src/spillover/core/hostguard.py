@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spillover.core.reasons import Reason
+
 __all__ = ["HostView", "may_start_cpu"]
 
 
@@ -35,17 +37,17 @@ class HostView:
     min_free_bytes: int
 
 
-def may_start_cpu(v: HostView, enabled: bool = True) -> tuple[bool, str]:
+def may_start_cpu(v: HostView, enabled: bool = True) -> tuple[bool, Reason]:
     """Whether one more CPU request may start now, and why (machine-readable)."""
     if v.running >= v.slots:
-        return False, "cpu_slots_busy"
+        return False, Reason.CPU_SLOTS_BUSY
     if not enabled:
-        return True, "host_guard_disabled"
+        return True, Reason.HOST_GUARD_DISABLED
     if v.running < v.contexts:
-        return True, "context_free"
+        return True, Reason.CONTEXT_FREE
     used = max(v.predicted_bytes, v.observed_bytes)
     if used + v.slot_bytes > v.budget_bytes:
-        return False, "host_budget"
+        return False, Reason.HOST_BUDGET
     if v.available_bytes - v.slot_bytes < v.min_free_bytes:
-        return False, "host_available"
-    return True, "fits"
+        return False, Reason.HOST_AVAILABLE
+    return True, Reason.FITS

@@ -20,6 +20,9 @@ Rules:
 6. After a gateway restart an unfinished request is replayed when nothing of it reached
    its client: it never ran (ACCEPTED, QUEUED, ADMITTED), or it was RUNNING but is not a
    stream or had delivered no token (``replayable_after_restart``).
+
+The reasons admission and routing give are values: ``Reason`` and ``FailoverReason``
+(``core.reasons``, re-exported here).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from spillover.core.lifecycle import State
+from spillover.core.reasons import FailoverReason, Reason, RouteReason
 
 __all__ = [
     "CLIENT_FAULTS",
@@ -36,8 +40,11 @@ __all__ = [
     "Fail",
     "FailKind",
     "FailoverFacts",
+    "FailoverReason",
     "Plan",
+    "Reason",
     "Replay",
+    "RouteReason",
     "fits_lane",
     "plan_failover",
     "replayable_after_restart",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import functools
 import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,10 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from spillover.core.lifecycle import RESUMABLE
 from spillover.errors import (
-    IdempotencyInFlight,
-    IdempotencyMismatch,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -34,12 +31,12 @@ from spillover.errors import (
     Unauthorized,
     to_http,
 )
-from spillover.http import generation as g
+from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
-from spillover.http.recovery import replay_orphan
 from spillover.http.schemas import parse_chat, parse_completion, positive_ms, stored_body
 from spillover.runtime.gateway import Gateway
-from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
+from spillover.runtime.prepare import new_request_id
+from spillover.runtime.requests import Answer, Endpoint, Refused, Run
 
 __all__ = ["create_app"]
 
@@ -88,13 +85,6 @@ def _deadline_header(request: Request) -> int | None:
     return positive_ms(value, "X-Spillover-Deadline-Ms")
 
 
-def _in_flight(rid: str) -> IdempotencyInFlight:
-    """The 409 for a key whose request ``rid`` has not ended."""
-    return IdempotencyInFlight(
-        f"a request with this Idempotency-Key ({rid}) is still in flight", param="Idempotency-Key"
-    )
-
-
 def _idempotency_key(request: Request) -> str | None:
     """The Idempotency-Key header: 1-255 visible ASCII characters, else 400."""
     key = request.headers.get("idempotency-key")
@@ -122,7 +112,15 @@ class ClosingStream(StreamingResponse):
 def create_app(gw: Gateway) -> Starlette:
     """Build the ASGI app around a started (or starting) Gateway."""
     cfg = gw.cfg
-    gw.replay = replay_orphan  # start-up recovery runs orphans again through this layer
+    for name, parse in (("chat", parse_chat), ("text", parse_completion)):  # also what recovery replays
+        gw.requests.register(
+            Endpoint(
+                name,
+                parse=functools.partial(parse, default_model=cfg.model.name),
+                stored=functools.partial(stored_body, kind=name),
+                encoding=encoding_for,
+            )
+        )
     api_key = cfg.server.api_key.encode()
 
     def authorize(request: Request) -> None:
@@ -146,86 +144,38 @@ def create_app(gw: Gateway) -> Starlette:
         return run
 
     async def generate(request: Request, kind: str) -> Response:
-        rid = g.new_request_id()
+        """HTTP in, the request service's answer out: nothing here decides anything."""
         try:
             authorize(request)
             body = await _read_json(request, cfg.server.max_body_bytes)
-            req = (parse_chat if kind == "chat" else parse_completion)(body, cfg.model.name)
             key = _idempotency_key(request)
-            deadline_ms = req.deadline_ms or _deadline_header(request)
-            try:
-                body_hash = hashlib.sha256(dumps({"endpoint": kind, "body": body}).encode()).hexdigest()
-            except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is JSON, not text
-                raise InvalidRequest("the body contains text that is not valid Unicode (a lone surrogate)") from exc
-            body_json = dumps({"endpoint": kind, "body": stored_body(body, kind)})
-            # One Idempotency-Key, one execution at a time: the check and the start are atomic.
-            async with gw.keys.hold(key):
-                resume: int | None = None
-                if key is not None and gw.journal is not None:
-                    rec = await gw.journal.by_key(key)
-                    if rec is not None:
-                        rid = rec.id  # errors about this key name the request it is bound to
-                        if rec.body_hash != body_hash:
-                            raise IdempotencyMismatch(
-                                "this Idempotency-Key was used with a different request body",
-                                param="Idempotency-Key",
-                            )
-                        if not rec.terminal or rid in gw.live:
-                            raise _in_flight(rec.id)
-                        if rec.state not in RESUMABLE:
-                            return _replay(rec)
-                        rid, resume = rec.id, rec.attempts
-                prep = await g.prepare(gw, req, rid)
-                try:
-                    handler, events = await g.begin(
-                        gw,
-                        prep,
-                        body_json=body_json,
-                        body_hash=body_hash,
-                        idem_key=key,
-                        resume_attempts=resume,
-                        deadline_ms=deadline_ms,
-                    )
-                except KeyConflict as exc:
-                    raise _in_flight(exc.existing.id) from exc
+            deadline_ms = _deadline_header(request)
         except SpilloverError as exc:
-            return _error_response(exc, rid)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handler))
-        if req.stream:
-            try:
-                await handler.first_route(events)
-            except SpilloverError as exc:
-                status, payload, headers = await handler.fail(exc)
-                return Response(payload, status_code=status, headers=headers, media_type="application/json")
-            finally:
-                watcher.cancel()
-            return ClosingStream(
-                handler.stream(events),
-                media_type="text/event-stream",
-                headers=handler.headers() | {"Cache-Control": "no-cache"},
-            )
+            return _error_response(exc, new_request_id())
         try:
-            status, payload, headers = await handler.run_to_body(events)
+            got = await gw.requests.submit(kind, body, idem_key=key, deadline_ms=deadline_ms)
+        except Refused as exc:
+            return _error_response(exc.error, exc.rid)
+        if isinstance(got, Answer):
+            return _answer(got)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, got))
+        try:
+            reply = await got.reply()
         finally:
             watcher.cancel()
-        return Response(payload, status_code=status, headers=headers, media_type="application/json")
+        if isinstance(reply, Answer):
+            return _answer(reply)
+        return ClosingStream(reply.frames, media_type="text/event-stream", headers=reply.headers)
 
-    async def _cancel_on_disconnect(request: Request, handler: g.RequestHandler) -> None:
+    async def _cancel_on_disconnect(request: Request, run: Run) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                handler.cancel()
+                run.cancel()
                 return
 
-    def _replay(rec: JournalRecord) -> Response:
-        headers = json.loads(rec.headers or "{}")
-        headers["Idempotent-Replayed"] = "true"
-        return Response(
-            rec.response or b"",
-            status_code=rec.status_code or 200,
-            headers=headers,
-            media_type=rec.content_type or "application/json",
-        )
+    def _answer(a: Answer) -> Response:
+        return Response(a.body, status_code=a.status, headers=a.headers, media_type=a.content_type)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
@@ -237,7 +187,7 @@ def create_app(gw: Gateway) -> Starlette:
         return JSONResponse(
             data,
             status_code=status,
-            headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"},
+            headers={"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"},
         )
 
     @guarded
@@ -264,7 +214,7 @@ def create_app(gw: Gateway) -> Starlette:
 
     async def index(request: Request) -> Response:  # keyless: static, no data; its JS sends the key
         page = resources.files("spillover.http").joinpath("static/status.html").read_text("utf-8")
-        return HTMLResponse(page, headers={"X-Spillover-Request-Id": g.new_request_id(), "X-Spillover-Route": "none"})
+        return HTMLResponse(page, headers={"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"})
 
     @guarded
     async def get_request(request: Request) -> Response:
@@ -273,14 +223,7 @@ def create_app(gw: Gateway) -> Starlette:
     @guarded
     async def delete_request(request: Request) -> Response:
         rid = request.path_params["rid"]
-        handler = gw.live.get(rid)
-        if handler is not None:
-            handler.cancel()
-            for _ in range(200):  # the handler journals CANCELLED as it unwinds
-                rec = await gw.journal.get(rid) if gw.journal else None
-                if rec is None or rec.terminal:
-                    break
-                await asyncio.sleep(0.01)
+        await gw.requests.cancel(rid)  # returns once its end is journaled (bounded wait)
         return _plain(request, await _request_document(rid))
 
     async def _request_document(rid: str) -> dict[str, Any]:
@@ -305,7 +248,7 @@ def create_app(gw: Gateway) -> Starlette:
             "created": rec.created_s,
             "finished": rec.finished_s,
             "status_code": rec.status_code,
-            "live": rid in gw.live,
+            "live": rid in gw.requests.live,
             "history": await gw.journal.history(rid),
             "response": response,
             "error": json.loads(rec.error) if rec.error else None,
@@ -354,7 +297,7 @@ def create_app(gw: Gateway) -> Starlette:
             Middleware(
                 OriginGuard,
                 policy=HostPolicy.from_config(cfg.server),
-                refuse=lambda exc: _error_response(exc, g.new_request_id()),
+                refuse=lambda exc: _error_response(exc, new_request_id()),
             )
         ],
         lifespan=lifespan,

@@ -7,12 +7,12 @@ gets past this module (and so nothing invalid is ever queued or journaled).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from spillover.errors import InvalidRequest
+from spillover.runtime.prepare import GenerationRequest
 
-__all__ = ["GenerationRequest", "parse_chat", "parse_completion", "positive_ms", "stored_body"]
+__all__ = ["parse_chat", "parse_completion", "positive_ms", "stored_body"]
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -29,29 +29,6 @@ COMMON_FIELDS = frozenset(
 )  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated chat or text completion request."""
-
-    kind: str  # "chat" | "text"
-    model: str
-    stream: bool
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    include_usage: bool
-    allow_shrink: bool
-    prefer_cpu: bool = False
-    deadline_ms: int | None = None
-    messages: tuple[dict[str, Any], ...] = ()
-    prompt: str = ""
-    tools: tuple[dict[str, Any], ...] = ()
-    forced_tool: str | None = None  # a named function, or "*" for "required"
-    user: str | None = None
 
 
 def stored_body(body: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -269,23 +246,3 @@ def parse_completion(body: Any, default_model: str) -> GenerationRequest:
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string (batches are not supported)", param="prompt")
     return GenerationRequest(kind="text", prompt=prompt, **common)
-
-
-def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any]:
-    """JSON schema the constrained output must follow for a forced tool call."""
-
-    def params(t: dict[str, Any]) -> dict[str, Any]:
-        p = dict(t["function"].get("parameters") or {"type": "object", "properties": {}})
-        p.setdefault("type", "object")
-        return p
-
-    chosen = [t for t in tools if forced == "*" or t["function"]["name"] == forced]
-    variants = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": params(t)},
-            "required": ["name", "arguments"],
-        }
-        for t in chosen
-    ]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}

@@ -39,6 +39,8 @@ from spillover.core.routing import (
     Fail,
     FailKind,
     FailoverFacts,
+    FailoverReason,
+    Reason,
     fits_lane,
     plan_failover,
 )
@@ -72,7 +74,7 @@ class RouteInfo:
     """Where the request runs now; ``restart`` means earlier tokens are void (not delivered)."""
 
     route: str
-    reason: str
+    reason: str  # the wire text of the dispatch's reason (a Reason's value, or failover:<fault>)
     attempt: int
     worker_id: str
     max_tokens: int
@@ -161,7 +163,7 @@ class Execution:
     _timed_out: bool = False
     _unstopped: bool = False  # a worker did not stop a request in time and was killed
     _kill_task: asyncio.Future[Any] | None = None
-    _cpu_reason: str = "client_prefers_cpu"
+    _cpu_reason: Reason = Reason.CLIENT_PREFERS_CPU
     deadline_s: float | None = None  # the client's deadline (monotonic), for the CPU lane's ETA check
     timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
@@ -186,10 +188,14 @@ class Execution:
             deadline_s=self.deadline_s,
         )
         if self._next_lane == "cpu":
-            job.last_reason = f"failover:{self._cause}" if self._cause else self._cpu_reason
+            job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
         self._job = job
         self.scheduler.submit_nowait(job, lane=self._next_lane)
         return job
+
+    def check_queue_nowait(self) -> None:
+        """Raise QueueFull at once when the lane the next attempt asks for is full."""
+        self.scheduler.check_room_nowait(self._next_lane)
 
     @property
     def next_lane(self) -> str | None:
@@ -201,12 +207,12 @@ class Execution:
         prompt = len(self._prompt("cpu")) + len(self.delivered)
         return fits_lane(prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens())
 
-    def prefer_cpu(self, reason: str = "client_prefers_cpu") -> None:
+    def prefer_cpu(self, reason: Reason = Reason.CLIENT_PREFERS_CPU) -> None:
         """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``),
         or this request is the CPU canary. The client's request must fit the CPU lane
         (400 otherwise); the canary is only taken by a request that fits."""
         if not self.fits_cpu():
-            if reason == "canary":
+            if reason is Reason.CANARY:
                 return
             cap = self.scheduler.cpu_ctx_cap_tokens()
             raise ContextLengthExceeded(
@@ -264,7 +270,7 @@ class Execution:
                     raise
                 if self._cancelled or self._timed_out:
                     raise self._stopped_error()
-                await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=d.reason)
+                await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=str(d.reason))
                 if self._cancelled or self._timed_out:  # stopped during the write: never sent to the worker
                     raise self._stopped_error()
                 try:
@@ -396,7 +402,7 @@ class Execution:
             await self._move(State.RUNNING, route=d.route, attempts=self.attempt)
             yield RouteInfo(
                 route=d.route,
-                reason=d.reason,
+                reason=str(d.reason),
                 attempt=self.attempt,
                 worker_id=d.worker.spec.worker_id,
                 max_tokens=d.max_tokens,
@@ -478,7 +484,7 @@ class Execution:
         self._cause = f.kind
         self._next_lane = "cpu"
         self.on_failover(f.kind)
-        await self._move(State.QUEUED, route="cpu", attempts=self.attempt, reason=f"failover:{f.kind}")
+        await self._move(State.QUEUED, route="cpu", attempts=self.attempt, reason=str(FailoverReason(f.kind)))
         try:
             self.submit_nowait()
         except CapacityError as exc:

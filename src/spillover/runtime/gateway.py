@@ -27,7 +27,8 @@ from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
-from spillover.runtime.recovery import Replay, recover
+from spillover.runtime.recovery import recover
+from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
@@ -76,7 +77,7 @@ class Gateway:
         self.device_hang = False
         self.events: list[dict[str, Any]] = []
         self.journal: Journal | None = None
-        self.live: dict[str, Any] = {}  # request id -> RequestHandler, while it runs
+        self.requests = RequestService(self)  # owns every request from accepted to terminal
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
         self.keys = KeyLocks()
         # Terminal outcomes the journal could not take yet (a full disk): written again by the
@@ -87,7 +88,6 @@ class Gateway:
         self._journal_wake = asyncio.Event()
         self.loop_restarts: dict[str, int] = {}  # gateway loop name -> restarts after a failure
         self.recovered: dict[str, int] = {}
-        self.replay: Replay | None = None  # runs a recovered request again (set by the HTTP layer)
         self.cpu_slot_bytes = 0
         self.host_observed_bytes = 0
         self.host_peak_bytes = 0
@@ -314,12 +314,12 @@ class Gateway:
 
     async def _recover(self, orphans: list[JournalRecord]) -> None:
         """After a restart the journal is the truth: once the workers are up (bounded wait),
-        replay what can be (with ``self.replay``, set by the HTTP layer) and end the rest."""
+        replay what can be (through the request service's endpoints) and end the rest."""
         deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
         while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
             await asyncio.sleep(0.1)
         try:
-            self.recovered = await recover(self, orphans, self.replay, self._spawn)
+            self.recovered = await recover(self, orphans, self._spawn)
         except Exception:  # e.g. the journal is unwritable at start: the orphans wait for a restart
             log.exception("start-up recovery failed; unfinished requests stay as they are until the next start")
 
@@ -445,8 +445,7 @@ class Gateway:
         return int(self._canary_n * ratio) > int((self._canary_n - 1) * ratio)
 
     async def stop(self) -> None:
-        for h in list(self.live.values()):
-            h.exe.cancel()
+        self.requests.cancel_all()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -519,10 +518,10 @@ class Gateway:
             "recent_decisions": list(sched.decisions)[-20:] if sched else [],
             "decision_counts": dict(sched.decision_counts) if sched else {},
             "events": self.events[-20:],
-            "live_requests": len(self.live),
+            "live_requests": len(self.requests.live),
             "running": [
-                {"rid": rid, "route": h.info.route if h.info else None, "attempt": h.exe.attempt}
-                for rid, h in list(self.live.items())[:100]
+                {"rid": rid, "route": r.info.route if r.info else None, "attempt": r.exe.attempt}
+                for rid, r in list(self.requests.live.items())[:100]
             ],
             "retry_budget_denied": self.budget.denied,
             "loop_restarts": dict(self.loop_restarts),

@@ -8,8 +8,9 @@ Rules:
    the same id and the next attempt, under its Idempotency-Key's lock, so a client resuming
    it at the same moment does not make it run twice. Its outcome is journaled as always.
 3. The others (a stream that had delivered tokens) end as resumable errors.
-4. The replay itself (parse the stored body, run it, store the answer in its wire format)
-   is the HTTP layer's: it is passed in as ``replay``; nothing here imports ``http``.
+4. The replay itself runs through the request service (``RequestService.replay``): the
+   stored body goes back through its own endpoint, and the answer is journaled in its wire
+   format. Without a registered endpoint (no HTTP layer), every orphan ends as rule 3.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
     from spillover.runtime.journal import JournalRecord
 
-__all__ = ["Replay", "end_orphan", "recover"]
+__all__ = ["end_orphan", "recover"]
 
 log = logging.getLogger("spillover.recovery")
-
-Replay = Callable[["Gateway", "JournalRecord"], Awaitable[None]]
 
 
 async def end_orphan(gw: Gateway, rec: JournalRecord, exc: SpilloverError) -> None:
@@ -50,18 +49,17 @@ async def end_orphan(gw: Gateway, rec: JournalRecord, exc: SpilloverError) -> No
 
 
 async def recover(
-    gw: Gateway, orphans: list[JournalRecord], replay: Replay | None, spawn: Callable[[str, Awaitable[None]], None]
+    gw: Gateway, orphans: list[JournalRecord], spawn: Callable[[str, Awaitable[None]], None]
 ) -> dict[str, int]:
     """Re-queue the replayable orphans (``spawn`` runs each replay as a task the gateway
-    owns) and end the others; returns the counts. Without a ``replay`` (no HTTP layer),
-    every orphan ends as a resumable error."""
+    owns) and end the others; returns the counts."""
     assert gw.journal is not None
     counts = {"replayed": 0, "ended": 0, "failed": 0}
     for rec in orphans:
-        if rec.id in gw.live:  # resumed by its client (same Idempotency-Key) meanwhile
+        if rec.id in gw.requests.live:  # resumed by its client (same Idempotency-Key) meanwhile
             continue
         try:
-            counts[await _recover_one(gw, rec, replay, spawn)] += 1
+            counts[await _recover_one(gw, rec, spawn)] += 1
         except Exception:  # one orphan's failure (a journal error) does not stop the others
             log.exception("recovery of %s failed; it stays unfinished until the next start", rec.id)
             counts["failed"] += 1
@@ -70,16 +68,14 @@ async def recover(
     return counts
 
 
-async def _recover_one(
-    gw: Gateway, rec: JournalRecord, replay: Replay | None, spawn: Callable[[str, Awaitable[None]], None]
-) -> str:
+async def _recover_one(gw: Gateway, rec: JournalRecord, spawn: Callable[[str, Awaitable[None]], None]) -> str:
     """Replay or end one orphan; returns which."""
     assert gw.journal is not None
-    if replay is not None and replayable_after_restart(rec.state, rec.stream, rec.tokens_delivered):
+    if gw.requests.replayable() and replayable_after_restart(rec.state, rec.stream, rec.tokens_delivered):
         # Back to QUEUED through the table (RUNNING/ADMITTED/ACCEPTED -> QUEUED are legal).
         await gw.journal.move(rec.id, State.QUEUED, reason="recovered after gateway restart", attempts=rec.attempts)
         rec = await gw.journal.get(rec.id) or rec
-        spawn(f"recover-{rec.id}", replay(gw, rec))
+        spawn(f"recover-{rec.id}", gw.requests.replay(rec))
         return "replayed"
     await end_orphan(
         gw,

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from spillover.config import LaneConfig
 from spillover.core.admission import (
@@ -33,6 +33,7 @@ from spillover.core.admission import (
 from spillover.core.breaker import BreakerEvent, BreakerState, Circuit, advance
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
+from spillover.core.reasons import Reason, RouteReason
 from spillover.errors import CapacityError, QueueFull
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
@@ -57,7 +58,7 @@ class Job:
     lane: str = "gpu"
     enqueued_s: float = 0.0
     future: asyncio.Future[Dispatch] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    last_reason: str = ""
+    last_reason: RouteReason | None = None  # why it is on its lane now (a CPU dispatch reports it)
     position: int = 0  # 1-based position when queued
     estimated_delay_ms: int = 0
     deadline_s: float | None = None  # monotonic; the client's deadline for completion
@@ -79,7 +80,7 @@ class Dispatch:
 
     worker: WorkerClient
     route: str  # gpu | cpu
-    reason: str
+    reason: RouteReason
     max_tokens: int
     kv_tokens: int
     reserve_bytes: int
@@ -163,7 +164,7 @@ class Scheduler:
         self.clock = clock
         self.host_view = host_view
         self.host_guard = host_guard
-        self.cpu_blocked: str = ""
+        self.cpu_blocked: Reason | Literal[""] = ""  # why queued CPU work waits ("": it does not)
         self._peak: dict[str, tuple[int, int]] = {}  # worker id -> (starts, peak busy)
         self.gpu = _Lane("gpu", gpu_lane) if gpu_lane else None
         self.cpu = _Lane("cpu", cpu_lane)
@@ -192,15 +193,23 @@ class Scheduler:
         """Queue a job (see ``entry_lane``), or raise QueueFull at once."""
         self._enqueue_nowait(job, self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu)
 
-    def _enqueue_nowait(self, job: Job, lane: _Lane) -> None:
-        if lane is self.cpu:
-            self._check_deadline(job)
+    def check_room_nowait(self, lane: str | None = None) -> None:
+        """Raise QueueFull at once when the lane a job asking for ``lane`` would be queued on
+        is full: a request is refused before it is accepted, not journaled and then shed."""
+        self._check_room(self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu)
+
+    def _check_room(self, lane: _Lane) -> None:
         if lane.free() <= 0:
             lane.shed_total += 1
             raise QueueFull(
                 f"the {lane.name} queue is full ({lane.cfg.queue_depth} waiting)",
                 retry_after_s=self._retry_after_s(),
             )
+
+    def _enqueue_nowait(self, job: Job, lane: _Lane) -> None:
+        if lane is self.cpu:
+            self._check_deadline(job)
+        self._check_room(lane)
         job.enqueued_s = self.clock()
         self._append(job, lane)
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
@@ -351,12 +360,14 @@ class Scheduler:
 
     def _record(self, job: Job, d: Decision, now: float) -> None:
         name = type(d).__name__.lower()
-        self.decision_counts[f"{name}:{d.reason}"] = self.decision_counts.get(f"{name}:{d.reason}", 0) + 1
-        if isinstance(d, Delay) and job.last_reason == d.reason:
+        key = f"{name}:{d.reason}"
+        self.decision_counts[key] = self.decision_counts.get(key, 0) + 1
+        if isinstance(d, Delay) and job.last_reason is d.reason:
             return
-        job.last_reason = d.reason
+        if not isinstance(d, Reject):  # a rejected job ends here: it has no lane to report
+            job.last_reason = d.reason
         self.decisions.append(
-            {"t_s": round(now, 3), "rid": job.rid, "decision": name, "reason": d.reason, "route": d.route}
+            {"t_s": round(now, 3), "rid": job.rid, "decision": name, "reason": str(d.reason), "route": d.route}
         )
 
     def _decide_gpu(self, job: Job, now: float) -> None:
@@ -415,7 +426,7 @@ class Scheduler:
                 CapacityError(
                     f"no capacity for this request now ({d.reason})",
                     retry_after_s=d.retry_after_s,
-                    code=d.reason.split("+")[-1],
+                    code=d.refusal,
                 ),
             )
         elif isinstance(d, Delay):  # leave it queued; a pass asks again at the latest then
@@ -427,7 +438,7 @@ class Scheduler:
         while self.cpu.queue:
             worker = next((w for w in self.cpu_workers if w.free_slots > 0), None)
             if worker is None:
-                self.cpu_blocked = "cpu_slots_busy" if self.cpu_workers else "no_cpu_worker"
+                self.cpu_blocked = Reason.CPU_SLOTS_BUSY if self.cpu_workers else Reason.NO_CPU_WORKER
                 return
             if self.host_view is not None:
                 ok, why = may_start_cpu(self.host_view(worker.busy), self.host_guard)
@@ -439,7 +450,7 @@ class Scheduler:
             self.cpu.admitted_total += 1
             worker.claim_slot(job.rid)
             self._note_busy(worker)
-            reason = job.last_reason or "cpu_lane"
+            reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
             job.future.set_result(
                 Dispatch(
                     worker,

@@ -1,0 +1,216 @@
+"""OpenAI's wire shapes for a run: a chat/text completion body, or its SSE chunk stream.
+
+An ``Encoding`` (``runtime.requests``) only turns a run's state into bytes; the run owns
+what happens and journals what these return. Every answer carries the ``spillover`` object
+(route, degraded, reason, limits, attempts) in its body or in its first chunk and in every
+route-change chunk, and the ``X-Spillover-*`` headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from spillover.errors import SpilloverError, WorkerFailed, to_http
+from spillover.runtime.requests import Encoded, Run
+
+__all__ = ["JsonEncoding", "SseEncoding", "encoding_for", "tool_call_id"]
+
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+DONE = b"data: [DONE]\n\n"
+
+
+def tool_call_id(rid: str, index: int) -> str:
+    """Stable tool-call id: derived from the request id, so a replay keeps it."""
+    return "call_" + hashlib.sha256(f"{rid}:{index}".encode()).hexdigest()[:24]
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+class _OpenAI:
+    """What both encodings share: the spillover object, headers, usage, tool calls, errors."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.chat = run.req.kind == "chat"
+
+    def spillover_object(self) -> dict[str, Any]:
+        r, i = self.run, self.run.info
+        return {
+            "request_id": r.rid,
+            "route": i.route if i else "none",
+            "degraded": r.degraded(),
+            "reason": r.reason(),
+            "model": r.served_model(),
+            "fallback": r.on_fallback(),
+            "limits": {"max_tokens": i.max_tokens if i else r.prep.max_tokens, "ctx": i.kv_tokens if i else None},
+            "shrunk": bool(i and i.shrunk),
+            "attempts": r.exe.attempt,
+            "queue_position": i.queue_position if i else 0,
+            "estimated_delay_ms": i.estimated_delay_ms if i else 0,
+        }
+
+    def headers(self) -> dict[str, str]:
+        sp = self.spillover_object()
+        h = {
+            "X-Spillover-Request-Id": self.run.rid,
+            "X-Spillover-Route": sp["route"],
+            "X-Spillover-Degraded": "1" if sp["degraded"] else "0",
+            "X-Spillover-Model": sp["model"],
+            "X-Spillover-Attempts": str(sp["attempts"]),
+            "X-Spillover-Queue-Position": str(sp["queue_position"]),
+            "X-Spillover-Estimated-Delay-Ms": str(sp["estimated_delay_ms"]),
+        }
+        if sp["reason"]:
+            h["X-Spillover-Reason"] = sp["reason"]
+        if (i := self.run.info) is not None:
+            h["X-Spillover-Limits"] = f"max_tokens={i.max_tokens};ctx={i.kv_tokens}"
+        return h
+
+    def usage(self) -> dict[str, int]:
+        n, c = self.run.prompt_tokens(), self.run.completion_tokens
+        return {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c}
+
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """OpenAI ``tool_calls`` from the constrained output of a forced tool call."""
+        if self.run.req.forced_tool is None:
+            return None
+        try:
+            obj = json.loads("".join(self.run.text))
+        except json.JSONDecodeError as exc:
+            raise WorkerFailed(
+                f"the tool call was cut off before it was complete (finish_reason={self.run.finish_reason}); "
+                "raise max_tokens"
+            ) from exc
+        return [
+            {
+                "id": tool_call_id(self.run.rid, 0),
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
+            }
+        ]
+
+    def json_error(self, err: SpilloverError) -> Encoded:
+        """An error as a whole JSON answer (before any byte of the answer was sent)."""
+        e = to_http(err, self.run.rid)
+        return Encoded(e.status, [json.dumps(e.body).encode()], self.headers() | e.headers, JSON, e.body)
+
+
+class JsonEncoding(_OpenAI):
+    """A non-stream answer: one ``chat.completion`` / ``text_completion`` body."""
+
+    content_type = JSON
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def route_changed(self) -> list[bytes]:
+        return []
+
+    def token(self, text: str) -> list[bytes]:
+        return []
+
+    def closing(self) -> Encoded:
+        return Encoded(200, [json.dumps(self.body()).encode()], self.headers(), JSON)
+
+    def error(self, err: SpilloverError, *, committed: bool) -> Encoded:
+        return self.json_error(err)
+
+    def body(self) -> dict[str, Any]:
+        r = self.run
+        text = "".join(r.text)
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = r.finish_reason
+            calls = self.tool_calls()
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish = "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason}
+        fp = r.fingerprint()
+        return {
+            "id": f"chatcmpl-{r.rid}" if self.chat else f"cmpl-{r.rid}",
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": r.created_s,
+            "model": r.served_model(),
+            "system_fingerprint": f"fp_{fp}" if fp else None,
+            "choices": [choice],
+            "usage": self.usage(),
+            "spillover": self.spillover_object(),
+        }
+
+
+class SseEncoding(_OpenAI):
+    """A stream: a first chunk with the spillover object, tokens, a route-change chunk
+    whenever the route changes, the end (or a typed error event), ``[DONE]``. A forced tool
+    call is buffered and sent whole at the end (it must parse)."""
+
+    content_type = EVENT_STREAM
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
+        self.buffer_tools = self.chat and run.req.forced_tool is not None
+
+    def frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        r = self.run
+        return sse(
+            {
+                "id": f"chatcmpl-{r.rid}" if self.chat else f"cmpl-{r.rid}",
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": r.created_s,
+                "model": r.served_model(),
+                "choices": choices,
+                **extra,
+            }
+        )
+
+    def chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice["delta" if self.chat else "text"] = delta
+        return self.frame([choice], **extra)
+
+    def _empty(self) -> dict[str, Any] | str:
+        return {} if self.chat else ""
+
+    def opening(self) -> list[bytes]:
+        first = {"role": "assistant", "content": ""} if self.chat else ""
+        return [self.chunk(first, spillover=self.spillover_object())]
+
+    def route_changed(self) -> list[bytes]:
+        return [self.chunk(self._empty(), spillover=self.spillover_object())]
+
+    def token(self, text: str) -> list[bytes]:
+        if not text or self.buffer_tools:
+            return []
+        return [self.chunk({"content": text} if self.chat else text)]
+
+    def closing(self) -> Encoded:
+        frames = []
+        finish = self.run.finish_reason
+        if self.buffer_tools:
+            calls = self.tool_calls() or []
+            frames.append(self.chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
+            finish = "tool_calls"
+        frames.append(self.chunk(self._empty(), finish))
+        if self.run.req.include_usage:
+            frames.append(self.frame([], usage=self.usage()))
+        return Encoded(200, [*frames, DONE], self.headers() | {"Cache-Control": "no-cache"}, EVENT_STREAM)
+
+    def error(self, err: SpilloverError, *, committed: bool) -> Encoded:
+        if not committed:
+            return self.json_error(err)
+        body = to_http(err, self.run.rid).body
+        body["error"]["tokens_delivered"] = len(self.run.exe.delivered)
+        return Encoded(200, [sse(body), DONE], self.headers() | {"Cache-Control": "no-cache"}, EVENT_STREAM, body)
+
+
+def encoding_for(run: Run) -> JsonEncoding | SseEncoding:
+    """The encoding of a run's answer: SSE when it streams, else one JSON body."""
+    return SseEncoding(run) if run.req.stream else JsonEncoding(run)
