@@ -60,7 +60,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             s.max_connections,
             fd_limit,
         )
-        app = create_app(Gateway(cfg))
+        # A gateway loop that keeps failing stops the server (SIGTERM to itself: uvicorn's
+        # graceful shutdown) and the process exits with status 1.
+        gw = Gateway(cfg, on_fatal=lambda why: signal.raise_signal(signal.SIGTERM))
+        app = create_app(gw)
         uvicorn.run(
             app,
             host=s.host,
@@ -73,6 +76,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         )
     finally:
         lock.release()
+    if gw.loops.fatal is not None:
+        print(f"spillover: {gw.loops.fatal}; the gateway stopped", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -27,6 +27,7 @@ from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
+from spillover.runtime.loops import LoopGroup
 from spillover.runtime.recovery import recover
 from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
@@ -39,8 +40,6 @@ log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
 MAX_PENDING_OUTCOMES = 10_000
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
-LOOP_RESTART_S = 0.5  # first back-off of a gateway loop that failed (doubles, capped)
-LOOP_RESTART_MAX_S = 30.0
 
 
 def resolve_gpu(cfg: Config) -> tuple[str, int] | None:
@@ -56,8 +55,11 @@ def resolve_gpu(cfg: Config) -> tuple[str, int] | None:
 class Gateway:
     """Everything behind the HTTP API. ``start()`` then ``stop()``."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, on_fatal: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
+        # Every loop and replay has one owner; a loop that keeps failing takes the gateway
+        # down (``on_fatal``: the server stops and exits non-zero), never silently.
+        self.loops = LoopGroup(on_fatal=on_fatal or (lambda why: None))
         self.model_path = cfg.model_path()
         # The CPU lane serves the fallback model when one is configured, else a replica.
         self.fallback_name = cfg.fallback_model_name()
@@ -71,7 +73,6 @@ class Gateway:
         self.ledger: DeviceLedger | None = None
         self.scheduler: Scheduler | None = None
         self.supervisors: list[Supervisor] = []
-        self._tasks: list[asyncio.Task[None]] = []
         self.device_epoch = 0
         self.alloc_failures = 0
         self.device_hang = False
@@ -86,7 +87,6 @@ class Gateway:
         self.outcomes_dropped = 0
         self._outcome_tries: dict[str, int] = {}
         self._journal_wake = asyncio.Event()
-        self.loop_restarts: dict[str, int] = {}  # gateway loop name -> restarts after a failure
         self.recovered: dict[str, int] = {}
         self.cpu_slot_bytes = 0
         self.host_observed_bytes = 0
@@ -174,36 +174,16 @@ class Gateway:
         self.supervisors.append(sup)
         self.scheduler.cpu_workers.append(sup.worker)
         for s in self.supervisors:
-            self._keep(f"sup-{s.worker.spec.worker_id}", s.run)
-        self._keep("scheduler", self.scheduler.run)
+            self.loops.add(f"sup-{s.worker.spec.worker_id}", s.run)
+        self.loops.add("scheduler", self.scheduler.run)
         if self.device is not None:
-            self._keep("observe", self._observe_loop)
-        self._keep("host-observe", self._host_loop)
-        self._keep("journal-retention", self._journal_loop)
+            self.loops.add("observe", self._observe_loop)
+        self.loops.add("host-observe", self._host_loop)
+        self.loops.add("journal-retention", self._journal_loop)
         # What was unfinished *before* this gateway serves anything: only those are orphans.
         orphans = await self.journal.unfinished()
-        self._tasks.append(asyncio.create_task(self._recover(orphans), name="recover"))
-
-    def _keep(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
-        """Run one of the gateway's loops for its whole life: a loop that raises is logged
-        loudly (with its traceback), counted in /v1/status and restarted after a capped
-        back-off; none ends silently. ``stop()`` cancels them all."""
-
-        async def keep() -> None:
-            delay = LOOP_RESTART_S
-            while True:
-                try:
-                    await loop()
-                    log.error("gateway loop %s returned; restarting it", name)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("gateway loop %s failed; restarting it in %.1fs", name, delay)
-                self.loop_restarts[name] = self.loop_restarts.get(name, 0) + 1
-                await asyncio.sleep(delay)
-                delay = min(LOOP_RESTART_MAX_S, delay * 2)
-
-        self._tasks.append(asyncio.create_task(keep(), name=name))
+        await self.loops.start()
+        self.loops.spawn("recover", self._recover(orphans))
 
     def _worker_spec(self, wid: str, lane: str, device: str) -> WorkerSpec:
         lc = self.cfg.gpu_lane if lane == "gpu" else self.cfg.cpu_lane
@@ -319,23 +299,9 @@ class Gateway:
         while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
             await asyncio.sleep(0.1)
         try:
-            self.recovered = await recover(self, orphans, self._spawn)
+            self.recovered = await recover(self, orphans, self.loops.spawn)
         except Exception:  # e.g. the journal is unwritable at start: the orphans wait for a restart
             log.exception("start-up recovery failed; unfinished requests stay as they are until the next start")
-
-    def _spawn(self, name: str, work: Awaitable[None]) -> None:
-        """A one-off task the gateway owns (a recovered request's replay): a failure is logged
-        with its traceback, and ``stop()`` cancels it."""
-
-        async def run() -> None:
-            try:
-                await work
-            except Exception:
-                log.exception("gateway task %s failed", name)
-
-        task = asyncio.create_task(run(), name=name)
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     # -- helpers for the request path -------------------------------------------------
     def new_execution(
@@ -446,11 +412,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.requests.cancel_all()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await self.loops.stop()
         for s in self.supervisors:
             await s.stop()
         if self.device is not None:
@@ -463,7 +425,7 @@ class Gateway:
     # -- readiness and status --------------------------------------------------------
     def ready(self) -> bool:
         """At least one worker for the model can serve."""
-        return any(s.worker.state is WorkerState.READY for s in self.supervisors)
+        return self.loops.fatal is None and any(s.worker.state is WorkerState.READY for s in self.supervisors)
 
     def status(self) -> dict[str, Any]:
         """The /v1/status document."""
@@ -480,7 +442,9 @@ class Gateway:
             reasons.append(f"gpu breaker {breaker}")
         if self.device is None:
             reasons.append("no gpu lane")
-        if not (gpu_ready or cpu_ready):
+        if self.loops.fatal is not None:
+            reasons.append(self.loops.fatal)
+        if self.loops.fatal is not None or not (gpu_ready or cpu_ready):
             mode = "unavailable"
         elif reasons:
             mode = "degraded"
@@ -524,7 +488,8 @@ class Gateway:
                 for rid, r in list(self.requests.live.items())[:100]
             ],
             "retry_budget_denied": self.budget.denied,
-            "loop_restarts": dict(self.loop_restarts),
+            "loop_restarts": dict(self.loops.restarts),
+            "loops": asdict(self.loops.statistics()),
             "journal_pending_outcomes": len(self.pending_outcomes),
             "journal_outcomes_dropped": self.outcomes_dropped,
             "idempotency_keys_held": self.keys.statistics().keys,
