@@ -64,13 +64,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # graceful shutdown) and the process exits with status 1.
         gw = Gateway(cfg, on_fatal=lambda why: signal.raise_signal(signal.SIGTERM))
         app = create_app(gw)
+        protocol = bounded_protocol(s.max_connections, s.header_timeout_s)
+        gw.listener = protocol.guard.statistics
         uvicorn.run(
             app,
             host=s.host,
             port=s.port,
             log_level="info",
             timeout_graceful_shutdown=5,
-            http=bounded_protocol(s.max_connections, s.header_timeout_s),
+            http=protocol,
             backlog=s.max_connections,
             timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
         )

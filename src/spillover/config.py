@@ -83,6 +83,9 @@ class ServerConfig:
         "longest a client may take to send a complete request head, from connect or from the end of "
         "its previous response (bounds idle keep-alive too); slower connections are closed",
     )
+    body_timeout_s: float = _doc(
+        30.0, "longest a client may take to send its request body once the head arrived (408 past it)"
+    )
     allowed_hosts: tuple[str, ...] = _doc(
         (), "Host names served besides localhost, loopback IPs and the bind address; '*' = any (reverse proxy)"
     )
@@ -289,8 +292,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[server].port must be 0..65535")
     if s.max_body_bytes < 1024:
         raise ConfigError("[server].max_body_bytes must be at least 1024")
-    if s.max_connections < 1 or s.header_timeout_s <= 0:
-        raise ConfigError("[server] max_connections must be >= 1 and header_timeout_s > 0")
+    if s.max_connections < 1 or s.header_timeout_s <= 0 or s.body_timeout_s <= 0:
+        raise ConfigError("[server] max_connections must be >= 1, header_timeout_s and body_timeout_s > 0")
     if not _is_loopback(s.host) and not s.api_key:
         raise ConfigError(
             f"binding {s.host} exposes the server beyond this machine: set [server].api_key "

@@ -11,7 +11,8 @@
     │   ├── Forbidden                   403 permission_error (forbidden_host, forbidden_origin)
     │   ├── UnsupportedMediaType        415 code=unsupported_media_type (body not JSON-typed)
     │   ├── NotFound                    404 (model_not_found, request_not_found, ...)
-    │   └── PayloadTooLarge             413 code=payload_too_large
+    │   ├── PayloadTooLarge             413 code=payload_too_large
+    │   └── BodyTimeout                 408 code=body_timeout: the body came too slowly
     ├── CapacityError                   503 + Retry-After: the gateway is full right now
     │   ├── QueueFull                   code=queue_full
     │   ├── JournalUnavailable          type=server_error code=journal_unavailable: a journal write failed
@@ -38,6 +39,7 @@ from typing import Any
 
 __all__ = [
     "AllocationFailed",
+    "BodyTimeout",
     "CapacityError",
     "ClientError",
     "ConfigError",
@@ -166,6 +168,13 @@ class PayloadTooLarge(ClientError):
 
     status = 413
     code = "payload_too_large"
+
+
+class BodyTimeout(ClientError):
+    """The request body did not arrive within ``[server].body_timeout_s``."""
+
+    status = 408
+    code = "body_timeout"
 
 
 class CapacityError(SpilloverError):

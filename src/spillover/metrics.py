@@ -83,6 +83,23 @@ class _StateCollector(Collector):
             decision, _, reason = key.partition(":")
             dec.add_metric([decision, reason], n)
         yield dec
+        loops = CounterMetricFamily(
+            "spillover_loop_restarts", "gateway loops restarted after a failure", labels=["loop"]
+        )
+        for name, n in st["loop_restarts"].items():
+            loops.add_metric([name], n)
+        yield loops
+        if st.get("connections"):
+            c = st["connections"]
+            yield GaugeMetricFamily("spillover_connections_open", "client connections open", value=c["open"])
+            yield CounterMetricFamily(
+                "spillover_connections_refused", "connections refused past max_connections", value=c["refused"]
+            )
+            yield CounterMetricFamily(
+                "spillover_connections_header_timeouts",
+                "connections closed for not sending a request head in time",
+                value=c["head_timeouts"],
+            )
         host = GaugeMetricFamily(
             "spillover_host_memory_bytes", "gateway and workers RSS, and the budget", labels=["kind"]
         )

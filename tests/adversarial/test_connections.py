@@ -5,6 +5,7 @@ too), the log stays small, and the workers never notice."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -21,14 +22,22 @@ pytestmark = pytest.mark.e2e
 
 MAX_CONNECTIONS = 8
 HEADER_TIMEOUT_S = 4.0
+BODY_TIMEOUT_S = 2.0
 EXTRA = 300  # the issue's count of slow connections, on top of the ones the gateway holds
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 
 
 @pytest.fixture(scope="module")
 def gw() -> Iterator[GatewayProcess]:
-    """A gateway (sim GPU) that holds at most 8 connections and gives each 4 s for its head."""
-    cfg = {"server": {"max_connections": MAX_CONNECTIONS, "header_timeout_s": HEADER_TIMEOUT_S}}
+    """A gateway (sim GPU) that holds at most 8 connections and gives each 4 s for its head
+    and 2 s for its body."""
+    cfg = {
+        "server": {
+            "max_connections": MAX_CONNECTIONS,
+            "header_timeout_s": HEADER_TIMEOUT_S,
+            "body_timeout_s": BODY_TIMEOUT_S,
+        }
+    }
     with GatewayProcess(["--gpu", "sim:1024"], config=cfg) as g:
         yield g
 
@@ -118,6 +127,35 @@ def test_connections_past_the_limit_are_refused_and_slow_heads_closed(gw: Gatewa
     assert open_fds(gw.proc.pid) <= fds_before + 4
     grown = os.path.getsize(gw.log_path) - log_before
     assert grown < 8 * 1024, gw.tail(grown)
+    counted = gw.status()["connections"]  # what was refused and timed out is visible
+    assert counted["refused"] >= EXTRA and counted["head_timeouts"] >= MAX_CONNECTIONS // 2, counted
+    assert counted["max_connections"] == MAX_CONNECTIONS, counted
+    metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert f"spillover_connections_refused_total {float(counted['refused'])}" in metrics
+
+
+def test_a_body_sent_too_slowly_gets_408_and_nothing_runs(gw: GatewayProcess) -> None:
+    """A request whose head arrives but whose body stalls is answered 408 body_timeout (OpenAI
+    shape) after body_timeout_s, and nothing was journaled or run for it."""
+    before = gw.status()["decision_counts"]
+    s = connect(gw)
+    try:
+        body = b'{"prompt": "hi", "max_tokens": 2}'
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:5]
+        )
+        t0 = time.monotonic()
+        reply = read_response(s)
+        took = time.monotonic() - t0
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "body_timeout" and error["type"] == "invalid_request_error", error
+    assert BODY_TIMEOUT_S - 0.5 <= took <= BODY_TIMEOUT_S + 3, took
+    assert gw.status()["decision_counts"] == before
 
 
 def test_trickled_head_and_idle_keep_alive_are_closed_after_header_timeout(gw: GatewayProcess) -> None:

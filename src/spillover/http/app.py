@@ -24,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from spillover.errors import (
+    BodyTimeout,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -51,7 +52,16 @@ def _error_response(exc: BaseException, rid: str | None = None) -> JSONResponse:
     return JSONResponse(e.body, status_code=e.status, headers=headers)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The body as JSON: at most ``limit`` bytes (counted while reading), within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_json_now(request, limit)
+    except TimeoutError as exc:
+        raise BodyTimeout(f"the request body did not arrive within {timeout_s:g}s") from exc
+
+
+async def _read_json_now(request: Request, limit: int) -> Any:
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -147,7 +157,7 @@ def create_app(gw: Gateway) -> Starlette:
         """HTTP in, the request service's answer out: nothing here decides anything."""
         try:
             authorize(request)
-            body = await _read_json(request, cfg.server.max_body_bytes)
+            body = await _read_json(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
             key = _idempotency_key(request)
             deadline_ms = _deadline_header(request)
         except SpilloverError as exc:

@@ -79,6 +79,7 @@ class Gateway:
         self.events: list[dict[str, Any]] = []
         self.journal: Journal | None = None
         self.requests = RequestService(self)  # owns every request from accepted to terminal
+        self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
         self.keys = KeyLocks()
         # Terminal outcomes the journal could not take yet (a full disk): written again by the
@@ -493,6 +494,7 @@ class Gateway:
             "journal_pending_outcomes": len(self.pending_outcomes),
             "journal_outcomes_dropped": self.outcomes_dropped,
             "idempotency_keys_held": self.keys.statistics().keys,
+            "connections": asdict(self.listener()) if self.listener is not None else None,
             "recovered": self.recovered,
             "host": {
                 "budget_bytes": self.cfg.device.host_budget_mib * 1024 * 1024,
