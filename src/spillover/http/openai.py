@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from spillover.errors import SpilloverError, WorkerFailed, to_http
-from spillover.runtime.requests import Encoded, Run
+from spillover.runtime.run import Encoded, Run
 
 __all__ = ["JsonEncoding", "SseEncoding", "encoding_for", "tool_call_id"]
 
