@@ -12,20 +12,23 @@
     │   ├── UnsupportedMediaType        415 code=unsupported_media_type (body not JSON-typed)
     │   ├── NotFound                    404 (model_not_found, request_not_found, ...)
     │   ├── PayloadTooLarge             413 code=payload_too_large
+    │   ├── RequestCancelled            409 code=request_cancelled (DELETE or client gone)
     │   └── BodyTimeout                 408 code=body_timeout: the body came too slowly
     ├── CapacityError                   503 + Retry-After: the gateway is full right now
     │   ├── QueueFull                   code=queue_full
     │   ├── JournalUnavailable          type=server_error code=journal_unavailable: a journal write failed
-    │   └── NoWorkerReady               code=no_worker_ready
-    │   └── RequestCancelled            409 code=request_cancelled (DELETE or client gone)
+    │   ├── NoWorkerReady               code=no_worker_ready
+    │   └── WorkerFailed                a worker died or failed mid-request (resumable)
+    │       ├── AllocationFailed        the device refused memory before generation
+    │       └── FailoverInterrupted     code=failover_interrupted: tokens were delivered and
+    │                                   no provably identical continuation exists
     ├── IdempotencyError                the Idempotency-Key was used differently
     │   ├── IdempotencyInFlight         409 + Retry-After: the first request is still running
     │   └── IdempotencyMismatch         422: same key, different body
-    ├── RequestTimedOut                 504 code=request_timeout: ran past request_timeout_s
-    └── WorkerFailed                    503 + Retry-After: a worker died or failed mid-request
-        ├── AllocationFailed            the device refused memory before generation
-        └── FailoverInterrupted         code=failover_interrupted: tokens were delivered and
-                                        no provably identical continuation exists
+    └── RequestTimedOut                 504 code=request_timeout: ran past request_timeout_s
+
+Every error answer carries ``x-should-retry`` (``should_retry``): ``true`` only for
+CapacityError and IdempotencyInFlight, the two a later retry can fix; SDKs obey it.
 
 Expected outcomes inside the core are values (``Decision``); these exceptions cross
 layers. A foreign exception is wrapped once, at its boundary, with ``from exc``.
@@ -62,6 +65,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedMediaType",
     "WorkerFailed",
+    "should_retry",
     "to_http",
 ]
 
@@ -251,12 +255,21 @@ class HttpError:
     headers: dict[str, str]
 
 
+def should_retry(exc: SpilloverError) -> bool:
+    """Whether the same request, sent again later, can succeed: the gateway was full or a
+    worker failed (503, with Retry-After), or the key's first request is still running.
+    Never for a cancelled request (a retry would run what its user stopped), a client's
+    mistake, a time-out or a bug. SDKs read it from ``x-should-retry`` before their own
+    status-code rules (openai-python and openai-node retry 408, 409 and 5xx otherwise)."""
+    return isinstance(exc, CapacityError | IdempotencyInFlight)
+
+
 def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
     """Map any exception to an OpenAI-shaped HTTP error. The only such mapping. An error of
     an accepted request names it (``request_id`` in the error object)."""
     if not isinstance(exc, SpilloverError):
         exc = SpilloverError(f"internal error: {type(exc).__name__}")
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = {"x-should-retry": "true" if should_retry(exc) else "false"}
     retry = getattr(exc, "retry_after_s", None)
     if isinstance(exc, CapacityError | IdempotencyInFlight) and retry is not None:
         retry_s = max(0.0, float(retry))

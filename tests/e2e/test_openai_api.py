@@ -176,3 +176,38 @@ def test_health_ready_status_and_unknown_route(gateway: GatewayProcess) -> None:
     assert {w["lane"] for w in st["workers"]} == {"gpu", "cpu"}
     r = httpx.get(gateway.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_a_cancelled_request_is_not_resubmitted_by_the_sdk(gateway: GatewayProcess) -> None:
+    """DELETE of a running request ends the SDK call (max_retries=2) with one 409 that says
+    x-should-retry: false: the SDK does not send it again, so it ran exactly once."""
+    import threading
+
+    from tests.e2e.helpers import COUNT_PROMPT, wait_for
+
+    def finished() -> float:
+        text = httpx.get(gateway.url + "/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("spillover_requests_total{")
+        )
+
+    before = finished()
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=2)
+    out: dict[str, BaseException] = {}
+
+    def call() -> None:
+        try:
+            sdk.completions.create(model=MODEL, prompt=COUNT_PROMPT, max_tokens=400, temperature=0)
+        except openai.APIStatusError as exc:
+            out["exc"] = exc
+
+    th = threading.Thread(target=call)
+    th.start()
+    rid = wait_for(lambda: next((x["rid"] for x in gateway.status()["running"]), None), 30, "running")
+    httpx.delete(f"{gateway.url}/v1/requests/{rid}", timeout=30)
+    th.join(60)
+    exc = out["exc"]
+    assert isinstance(exc, openai.ConflictError) and exc.response.headers["x-should-retry"] == "false"
+    assert exc.body["code"] == "request_cancelled"  # type: ignore[index]
+    # A resubmission would have run to completion before the call returned (no 409 then).
+    assert gateway.status()["running"] == [] and finished() == before + 1
