@@ -86,6 +86,9 @@ class ServerConfig:
     body_timeout_s: float = _doc(
         30.0, "longest a client may take to send its request body once the head arrived (408 past it)"
     )
+    ignored_fields: tuple[str, ...] = _doc(
+        (), "request fields dropped knowingly (for a client that sends extras); any other unknown field is a 400"
+    )
     allowed_hosts: tuple[str, ...] = _doc(
         (), "Host names served besides localhost, loopback IPs and the bind address; '*' = any (reverse proxy)"
     )
@@ -107,8 +110,10 @@ class ModelConfig:
         "never continued on it",
     )
     fallback_name: str = _doc("", "model id reported for fallback answers (empty: the fallback file's name)")
-    seed: int = _doc(0, "default sampling seed when the request gives none")
-    default_max_tokens: int = _doc(256, "max_tokens when the request gives none")
+    seed: int = _doc(-1, "sampling seed when the request gives none; -1 = a fresh random seed per request (journaled)")
+    default_max_tokens: int = _doc(
+        0, "max_tokens when the request gives none; 0 = up to the context limit of the lane that serves it"
+    )
     max_grammar_bytes: int = _doc(
         65536, "largest output grammar (GBNF) a tool schema may compile to; bigger schemas get a 400"
     )
@@ -152,6 +157,11 @@ class AdmissionConfig:
     delay_max_s: float = _doc(2.0, "longest admission may wait for pages to come back")
     pressure_ratio: float = _doc(0.95, "observed/usable above which the GPU is under pressure")
     allow_cpu_route: bool = _doc(True, "route to the CPU lane when the GPU cannot take a request")
+    shrink_by_default: bool = _doc(
+        False,
+        "shrink max_tokens to fit (GPU memory, the CPU lane's context) for requests that do not say "
+        "(clients that cannot send spillover.allow_shrink, e.g. web UIs)",
+    )
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,26 @@ def test_a_cancelled_request_is_not_resubmitted_by_the_sdk(gateway: GatewayProce
     assert exc.body["code"] == "request_cancelled"  # type: ignore[index]
     # A resubmission would have run to completion before the call returned (no 409 then).
     assert gateway.status()["running"] == [] and finished() == before + 1
+
+
+def test_without_a_seed_each_request_samples_afresh_and_reports_its_seed(client: openai.OpenAI) -> None:
+    """Regenerating at temperature 1 without a seed gives different answers; each answer names
+    the seed it used, and sending that seed reproduces it exactly."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=40, temperature=1.0)
+    a, b = (client.chat.completions.create(**kw) for _ in range(2))  # type: ignore[call-overload]
+    seed_a = (a.model_extra or {})["spillover"]["seed"]
+    seed_b = (b.model_extra or {})["spillover"]["seed"]
+    assert seed_a != seed_b and a.choices[0].message.content != b.choices[0].message.content
+    again = client.chat.completions.create(**kw, seed=seed_a)  # type: ignore[call-overload]
+    assert again.choices[0].message.content == a.choices[0].message.content
+
+
+def test_without_max_tokens_an_answer_may_run_past_the_old_256_cap(client: openai.OpenAI) -> None:
+    """No max_tokens means up to the context limit (OpenAI's meaning), not a fixed 256."""
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", temperature=0)
+    assert r.usage is not None and r.usage.completion_tokens > 256, r.usage
+    sp = (r.model_extra or {})["spillover"]
+    assert (
+        sp["limits"]["max_tokens"] + r.usage.prompt_tokens == sp["limits"]["ctx"]
+        or r.choices[0].finish_reason == "stop"
+    )

@@ -83,6 +83,7 @@ class Tokenizer:
         self.chat_template = meta.get("tokenizer.chat_template", "")
         arch = meta.get("general.architecture", "llama")
         self.n_ctx_train = int(meta.get(f"{arch}.context_length", "2048"))
+        self.n_vocab = int(self._llm.n_vocab())
         self._lock = threading.Lock()
         self._marker_cache: list[_Marker] | None = None
         eos_id = self._llm.token_eos()
@@ -318,14 +319,34 @@ class GenerateParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     grammar: str | None = None  # GBNF, already bounded by the gateway (engine.grammar)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int = -1  # -1: none; N >= 0: each token's log-probability and the N likeliest
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A token the model could have chosen, with its log-probability."""
+
+    token_id: int
+    piece: bytes
+    logprob: float
 
 
 @dataclass(frozen=True)
 class Step:
-    """One generated token and the text it releases."""
+    """One generated token and the text it releases (with its log-probability when asked:
+    of the model's own distribution, before temperature, penalties, bias and grammar)."""
 
     token_id: int
     text: str
+    piece: bytes = b""
+    logprob: float | None = None
+    top: tuple[Alternative, ...] = ()
 
 
 class Engine:
@@ -465,15 +486,19 @@ class Engine:
         produced = len(prefix)
         gen = llm.generate(
             start,
-            top_k=1 if greedy else 0,
+            top_k=1 if greedy else params.top_k,
             top_p=1.0 if greedy else params.top_p,
-            min_p=0.0,
+            min_p=0.0 if greedy else params.min_p,
             typical_p=1.0,
             temp=0.0 if greedy else params.temperature,
-            repeat_penalty=1.0,
+            repeat_penalty=params.repeat_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            logits_processor=_bias(params.logit_bias),
             reset=not prefix,
             grammar=grammar,
         )
+        n_vocab = llm.n_vocab()
         try:
             for token in gen:
                 if should_stop():
@@ -489,7 +514,13 @@ class Engine:
                 history.append(token)
                 produced += 1
                 text = scanner.feed(piece)
-                yield Step(token, text)
+                if params.logprobs >= 0:
+                    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+                    lp, top = _logprobs(logits, token, params.logprobs)
+                    alts = tuple(Alternative(t, bytes(llm.detokenize([t], special=False)), p) for t, p in top)
+                    yield Step(token, text, piece, lp, alts)
+                else:
+                    yield Step(token, text, piece)
                 if scanner.stopped:
                     yield "stop"
                     return
@@ -501,3 +532,35 @@ class Engine:
                     return
         finally:
             gen.close()
+
+
+def _bias(logit_bias: tuple[tuple[int, float], ...]) -> Any:
+    """A logits processor adding each token's bias (OpenAI's ``logit_bias``), or None."""
+    if not logit_bias:
+        return None
+    import llama_cpp
+    import numpy as np
+
+    ids = np.array([t for t, _ in logit_bias], dtype=np.intp)
+    add = np.array([b for _, b in logit_bias], dtype=np.float32)
+
+    def apply(_input_ids: Any, scores: Any) -> Any:
+        scores[ids] += add
+        return scores
+
+    return llama_cpp.LogitsProcessorList([apply])
+
+
+def _logprobs(logits: Any, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of ``token`` under ``logits`` and the ``n`` likeliest tokens."""
+    import numpy as np
+
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        idx = np.argpartition(-x, n - 1)[:n]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        top = [(int(i), float(x[i] - lse)) for i in idx]
+    return float(x[token] - lse), top

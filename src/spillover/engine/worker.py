@@ -7,7 +7,8 @@ stderr at start-up, so nothing that llama.cpp or a library prints can corrupt th
 Gateway -> worker ops::
 
     {"op": "generate", "rid", "tokens", "max_tokens", "temperature", "top_p", "seed",
-     "stop", "grammar", "kv_tokens", "reserve_bytes", "prefix"}
+     "stop", "grammar", "kv_tokens", "reserve_bytes", "prefix", "frequency_penalty",
+     "presence_penalty", "repeat_penalty", "top_k", "min_p", "logit_bias", "logprobs"}
     {"op": "cancel", "rid"}
     {"op": "ping", "seq"}
 
@@ -15,7 +16,8 @@ Worker -> gateway events::
 
     {"ev": "ready", "info": {...}}            once, after the model is loaded
     {"ev": "started", "rid"}                  memory granted, generation begins
-    {"ev": "token", "rid", "id", "text"}      one per generated token
+    {"ev": "token", "rid", "id", "text"[, "lp"]}  one per generated token; "lp" when logprobs
+                                              were asked: [logprob, piece bytes, [[id, bytes, logprob]...]]
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
                                               | context_overflow | bad_grammar (the request's fault)
@@ -211,6 +213,13 @@ class Worker:
             seed=int(msg.get("seed", 0)),
             stop=tuple(msg.get("stop") or ()),
             grammar=msg.get("grammar"),
+            frequency_penalty=float(msg.get("frequency_penalty", 0.0)),
+            presence_penalty=float(msg.get("presence_penalty", 0.0)),
+            repeat_penalty=float(msg.get("repeat_penalty", 1.0)),
+            top_k=int(msg.get("top_k", 0)),
+            min_p=float(msg.get("min_p", 0.0)),
+            logit_bias=tuple((int(t), float(b)) for t, b in msg.get("logit_bias") or ()),
+            logprobs=int(msg.get("logprobs", -1)),
         )
         tokens = [int(t) for t in msg["tokens"]]
         prefix = [int(t) for t in msg.get("prefix") or []]
@@ -233,7 +242,14 @@ class Worker:
                         t_first = time.monotonic()
                     if n % PAGE_TOKENS == 0 and self._page_fault():
                         return _error(rid, "oom", "device out of memory growing the KV cache")
-                self.chan.send({"ev": "token", "rid": rid, "id": item.token_id, "text": item.text})
+                ev: dict[str, Any] = {"ev": "token", "rid": rid, "id": item.token_id, "text": item.text}
+                if item.logprob is not None:
+                    ev["lp"] = [
+                        item.logprob,
+                        list(item.piece),
+                        [[a.token_id, list(a.piece), a.logprob] for a in item.top],
+                    ]
+                self.chan.send(ev)
             else:
                 finish = item
         if finish == "diverged":

@@ -126,7 +126,7 @@ def create_app(gw: Gateway) -> Starlette:
         gw.requests.register(
             Endpoint(
                 name,
-                parse=functools.partial(parse, default_model=cfg.model.name),
+                parse=functools.partial(parse, default_model=cfg.model.name, ignored=cfg.server.ignored_fields),
                 stored=functools.partial(stored_body, kind=name),
                 encoding=encoding_for,
             )

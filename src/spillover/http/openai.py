@@ -13,6 +13,8 @@ import json
 from typing import Any
 
 from spillover.errors import SpilloverError, WorkerFailed, to_http
+from spillover.runtime.events import TokenLogprob
+from spillover.runtime.executor import TokenOut
 from spillover.runtime.run import Encoded, Run
 
 __all__ = ["JsonEncoding", "SseEncoding", "encoding_for", "tool_call_id"]
@@ -50,6 +52,7 @@ class _OpenAI:
             "fallback": r.on_fallback(),
             "limits": {"max_tokens": i.max_tokens if i else r.prep.max_tokens, "ctx": i.kv_tokens if i else None},
             "shrunk": bool(i and i.shrunk),
+            "seed": r.prep.seed,  # the seed it sampled with (a fresh random one when none was asked)
             "attempts": r.exe.attempt,
             "queue_position": i.queue_position if i else 0,
             "estimated_delay_ms": i.estimated_delay_ms if i else 0,
@@ -95,6 +98,25 @@ class _OpenAI:
             }
         ]
 
+    def logprobs(self, tokens: list[TokenOut], offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` of ``tokens``: chat's ``content`` list, or the completions
+        API's parallel arrays (``text_offset`` counted from ``offset``); None when not asked."""
+        if self.run.req.logprobs < 0:
+            return None
+        chosen = [t for t in tokens if t.logprob is not None]
+        if self.chat:
+            return {"content": [_entry(t.logprob, t.top) for t in chosen if t.logprob], "refusal": None}
+        offsets = []
+        for t in chosen:
+            offsets.append(offset)
+            offset += len(t.logprob.token) if t.logprob else 0
+        return {
+            "tokens": [t.logprob.token for t in chosen if t.logprob],
+            "token_logprobs": [t.logprob.logprob for t in chosen if t.logprob],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in chosen],
+            "text_offset": offsets,
+        }
+
     def json_error(self, err: SpilloverError) -> Encoded:
         """An error as a whole JSON answer (before any byte of the answer was sent)."""
         e = to_http(err, self.run.rid)
@@ -112,7 +134,7 @@ class JsonEncoding(_OpenAI):
     def route_changed(self) -> list[bytes]:
         return []
 
-    def token(self, text: str) -> list[bytes]:
+    def token(self, token: TokenOut) -> list[bytes]:
         return []
 
     def closing(self) -> Encoded:
@@ -131,9 +153,9 @@ class JsonEncoding(_OpenAI):
             if calls:
                 message = {"role": "assistant", "content": None, "tool_calls": calls}
                 finish = "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(r.tokens), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(r.tokens), "finish_reason": r.finish_reason}
         fp = r.fingerprint()
         return {
             "id": f"chatcmpl-{r.rid}" if self.chat else f"cmpl-{r.rid}",
@@ -157,6 +179,7 @@ class SseEncoding(_OpenAI):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.buffer_tools = self.chat and run.req.forced_tool is not None
+        self.offset = 0  # text_offset of the next token (completions logprobs)
 
     def frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         r = self.run
@@ -171,8 +194,10 @@ class SseEncoding(_OpenAI):
             }
         )
 
-    def chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def chunk(
+        self, delta: dict[str, Any] | str, finish: str | None = None, logprobs: Any = None, **extra: Any
+    ) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
         choice["delta" if self.chat else "text"] = delta
         return self.frame([choice], **extra)
 
@@ -186,10 +211,14 @@ class SseEncoding(_OpenAI):
     def route_changed(self) -> list[bytes]:
         return [self.chunk(self._empty(), spillover=self.spillover_object())]
 
-    def token(self, text: str) -> list[bytes]:
-        if not text or self.buffer_tools:
+    def token(self, token: TokenOut) -> list[bytes]:
+        if self.buffer_tools or not (token.text or token.logprob):
             return []
-        return [self.chunk({"content": text} if self.chat else text)]
+        lp = None
+        if token.logprob is not None:
+            lp = self.logprobs([token], self.offset)
+            self.offset += len(token.logprob.token)
+        return [self.chunk({"content": token.text} if self.chat else token.text, logprobs=lp)]
 
     def closing(self) -> Encoded:
         frames = []
@@ -214,3 +243,13 @@ class SseEncoding(_OpenAI):
 def encoding_for(run: Run) -> JsonEncoding | SseEncoding:
     """The encoding of a run's answer: SSE when it streams, else one JSON body."""
     return SseEncoding(run) if run.req.stream else JsonEncoding(run)
+
+
+def _entry(lp: TokenLogprob, top: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """One token of chat's ``logprobs.content``."""
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in top],
+    }

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from spillover.errors import InvalidRequest
+from spillover.http.fields import check_fields, stored
 from spillover.runtime.prepare import GenerationRequest
 
 __all__ = ["parse_chat", "parse_completion", "positive_ms", "stored_body"]
@@ -19,22 +20,13 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_DEADLINE_MS = 86_400_000  # a day: longer "deadlines" are not deadlines
 
-# The body fields this gateway reads; only these are journaled (``stored_body``), so junk in a
-# request cannot grow the journal. The body hash still covers the whole body.
-COMMON_FIELDS = frozenset(
-    {
-        "model", "stream", "n", "stream_options", "spillover", "max_tokens", "max_completion_tokens",
-        "temperature", "top_p", "seed", "stop", "user",
-    }
-)  # fmt: skip
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's own limit)
+MAX_TOP_LOGPROBS = 20
 
 
 def stored_body(body: dict[str, Any], kind: str) -> dict[str, Any]:
     """The part of a validated body that is journaled: the fields this gateway reads."""
-    known = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
-    return {k: v for k, v in body.items() if k in known}
+    return stored(body, kind)
 
 
 def positive_ms(v: Any, name: str) -> int | None:
@@ -102,8 +94,8 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     ext = body.get("spillover") or {}
     if not isinstance(ext, dict):
         raise InvalidRequest("'spillover' must be an object", param="spillover")
-    allow_shrink = ext.get("allow_shrink", False)
-    if not isinstance(allow_shrink, bool):
+    allow_shrink = ext.get("allow_shrink")
+    if allow_shrink is not None and not isinstance(allow_shrink, bool):
         raise InvalidRequest("'spillover.allow_shrink' must be a boolean", param="spillover.allow_shrink")
     prefer = ext.get("prefer", "auto")
     if prefer not in ("auto", "cpu"):
@@ -113,6 +105,17 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     if max_tokens is None:
         max_tokens = _int_opt(body, "max_tokens", 1, 1 << 20)
     user = body.get("user")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):  # labels and hints: strings
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidRequest(f"'{name}' must be a string", param=name)
+    if not isinstance(so.get("include_obfuscation", False), bool) or so.get("include_obfuscation"):
+        raise InvalidRequest(
+            "'stream_options.include_obfuscation' is not supported (no padding is added)",
+            param="stream_options.include_obfuscation",
+        )
+    if set(so) - {"include_usage", "include_obfuscation"}:
+        bad = sorted(set(so) - {"include_usage", "include_obfuscation"})[0]
+        raise InvalidRequest(f"unknown stream option '{bad}'", param=f"stream_options.{bad}")
     return {
         "model": model,
         "stream": stream,
@@ -126,7 +129,67 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
         "prefer_cpu": prefer == "cpu",
         "deadline_ms": deadline_ms,
         "user": user if isinstance(user, str) else None,
+        "frequency_penalty": _num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "presence_penalty": _num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "repeat_penalty": _num(body, "repeat_penalty", 1.0, 0.0, 10.0),
+        "top_k": _int_opt(body, "top_k", 0, 1_000_000) or 0,
+        "min_p": _num(body, "min_p", 0.0, 0.0, 1.0),
+        "logit_bias": _logit_bias(body),
     }
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` with biases from -100 to 100 (token ids are checked against the
+    model's vocabulary when the request is prepared)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases", param="logit_bias")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9):
+            raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
+            raise InvalidRequest(f"logit_bias[{k}] must be a number from -100 to 100", param="logit_bias")
+        out.append((int(k), float(b)))
+    return tuple(out)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int:
+    """``logprobs`` (bool) and ``top_logprobs`` (0-20) as one number: -1 none, else N."""
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise InvalidRequest("'logprobs' must be a boolean", param="logprobs")
+    top = _int_opt(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not lp:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if lp else -1
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``response_format``: None for text, else ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "schema": {...}}`` (the schema is bounded when prepared)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(
+            "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", param="response_format"
+        )
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"type": "json_object"}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+        raise InvalidRequest("'json_schema' needs a 'name' and a 'schema'", param="response_format.json_schema")
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequest("'schema' must be a JSON schema object", param="response_format.json_schema.schema")
+    if not isinstance(js.get("strict", False), bool | None):
+        raise InvalidRequest("'strict' must be a boolean", param="response_format.json_schema.strict")
+    return {"type": "json_schema", "schema": schema}
 
 
 def _content(m: dict[str, Any], i: int) -> str | None:
@@ -226,20 +289,41 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
     return tuple(tools), forced
 
 
-def parse_chat(body: Any, default_model: str) -> GenerationRequest:
+def parse_chat(body: Any, default_model: str, ignored: tuple[str, ...] = ()) -> GenerationRequest:
     """Validate a /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
+    check_fields(body, "chat", ignored)
     common = _common(body, default_model)
     tools, forced = _tools(body)
-    return GenerationRequest(kind="chat", messages=_messages(body), tools=tools, forced_tool=forced, **common)
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    response_format = _response_format(body)
+    if response_format is not None and forced is not None:
+        raise InvalidRequest(
+            "'response_format' cannot be combined with a forced tool call (the call's arguments follow its schema)",
+            param="response_format",
+        )
+    return GenerationRequest(
+        kind="chat",
+        messages=_messages(body),
+        tools=tools,
+        forced_tool=forced,
+        logprobs=_chat_logprobs(body),
+        response_format=response_format,
+        **common,
+    )
 
 
-def parse_completion(body: Any, default_model: str) -> GenerationRequest:
+def parse_completion(body: Any, default_model: str, ignored: tuple[str, ...] = ()) -> GenerationRequest:
     """Validate a /v1/completions body."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
+    check_fields(body, "text", ignored)
     common = _common(body, default_model)
+    common["logprobs"] = _int_opt(body, "logprobs", 0, 5)
+    if common["logprobs"] is None:
+        common["logprobs"] = -1
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -27,6 +27,7 @@ __all__ = [
     "SupervisorEvent",
     "SupervisorEventKind",
     "Token",
+    "TokenLogprob",
     "WorkerGone",
     "decode_request_event",
 ]
@@ -38,11 +39,28 @@ class Started:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token as OpenAI's ``logprobs`` names it: its text, bytes and log-probability."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+    @staticmethod
+    def decode(raw: Any) -> TokenLogprob:
+        b = bytes(int(x) for x in raw[1])
+        return TokenLogprob(b.decode("utf-8", "replace"), tuple(b), float(raw[2]))
+
+
+@dataclass(frozen=True)
 class Token:
-    """One generated token (``id`` -1: text released at the end, no new token)."""
+    """One generated token (``id`` -1: text released at the end, no new token), with its
+    log-probability and the likeliest alternatives when the request asked for them."""
 
     id: int
     text: str
+    logprob: TokenLogprob | None = None
+    top: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,11 @@ def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
         if ev == "started":
             return Started()
         if ev == "token":
-            return Token(int(msg["id"]), str(msg["text"]))
+            lp = msg.get("lp")
+            if lp is None:
+                return Token(int(msg["id"]), str(msg["text"]))
+            chosen = TokenLogprob.decode([None, lp[1], lp[0]])
+            return Token(int(msg["id"]), str(msg["text"]), chosen, tuple(TokenLogprob.decode(a) for a in lp[2]))
         if ev == "done":
             timings = msg.get("timings") or {}
             return Done(

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut"]
 
+MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit a lane keeps at least this many new tokens
 PREFILL_FLOOR_TPS = 50.0  # slowest prompt evaluation still counted as progress (tokens/s)
 CPU_STALL_FACTOR = 4.0  # the CPU lane is slower and shared: its stall bound is this much longer
 
@@ -168,6 +169,7 @@ class Execution:
     timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
     cpu_fallback: bool = False  # the CPU lane serves a configured fallback model, not a replica
+    open_ended: bool = False  # no max_tokens asked: up to the serving lane's context limit
 
     def __repr__(self) -> str:
         return f"<Execution {self.rid} attempt={self.attempt} delivered={len(self.delivered)}>"
@@ -182,9 +184,9 @@ class Execution:
         job = Job(
             rid=self.rid,
             prompt_tokens=self._job_prompt_tokens(),
-            max_tokens=self.max_tokens,
+            max_tokens=self._cpu_max_tokens() if self._next_lane == "cpu" else self.max_tokens,
             arrived_s=time.monotonic(),
-            allow_shrink=self.allow_shrink and not self.delivered,
+            allow_shrink=self._shrinkable(),
             deadline_s=self.deadline_s,
         )
         if self._next_lane == "cpu":
@@ -203,9 +205,25 @@ class Execution:
         return self._next_lane
 
     def fits_cpu(self) -> bool:
-        """Whether the CPU lane's context cap takes this request (routing rule 1)."""
+        """Whether the CPU lane's context cap takes this request (routing rule 1): all of its
+        ``max_tokens``, or, when it may be shrunk, at least ``MIN_SHRUNK_TOKENS`` of them."""
         prompt = len(self._prompt("cpu")) + len(self.delivered)
-        return fits_lane(prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens())
+        cap = self.scheduler.cpu_ctx_cap_tokens()
+        return fits_lane(prompt, self.max_tokens, cap) or (
+            self._shrinkable() and fits_lane(prompt, min(self.max_tokens, MIN_SHRUNK_TOKENS), cap)
+        )
+
+    def _shrinkable(self) -> bool:
+        """An open-ended request always (it asked for no length); an allowed shrink only
+        before anything was delivered."""
+        return self.open_ended or (self.allow_shrink and not self.delivered)
+
+    def _cpu_max_tokens(self) -> int:
+        """``max_tokens`` on the CPU lane: shrunk to its context cap when allowed."""
+        if not self._shrinkable():
+            return self.max_tokens
+        room = self.scheduler.cpu_ctx_cap_tokens() - len(self._prompt("cpu")) - len(self.delivered)
+        return max(1, min(self.max_tokens, room))
 
     def prefer_cpu(self, reason: Reason = Reason.CLIENT_PREFERS_CPU) -> None:
         """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``),
@@ -407,7 +425,7 @@ class Execution:
                 worker_id=d.worker.spec.worker_id,
                 max_tokens=d.max_tokens,
                 kv_tokens=d.kv_tokens,
-                shrunk=d.shrunk,
+                shrunk=d.shrunk or (d.max_tokens < self.max_tokens and not self.open_ended),
                 queued_s=d.queued_s,
                 queue_position=d.queue_position,
                 estimated_delay_ms=d.estimated_delay_ms,
@@ -466,7 +484,7 @@ class Execution:
             incremental=self.incremental,
             continue_mid_stream=self.failover.continue_mid_stream,
             greedy=float(self.params.get("temperature", 1.0)) <= 0,
-            constrained=bool(self.params.get("grammar")),
+            constrained=self._constrained(),
             replica_compat=self._has_replica(d),
             replica_numerics=self._has_replica(d, parts=("compat", "numerics")),
             cpu_fallback=self.cpu_fallback,
@@ -525,6 +543,18 @@ class Execution:
             "(model, tokenizer, template, quantization), so it is not a replica, and no fallback "
             "model is configured",
             retry_after_s=1.0,
+        )
+
+    def _constrained(self) -> bool:
+        """Whether anything but the model's own greedy choice picks tokens (a grammar, a
+        penalty, a logit bias): then no continuation is provably identical (rule 4)."""
+        p = self.params
+        return bool(
+            p.get("grammar")
+            or p.get("logit_bias")
+            or p.get("frequency_penalty", 0.0)
+            or p.get("presence_penalty", 0.0)
+            or p.get("repeat_penalty", 1.0) != 1.0
         )
 
     def _has_replica(self, d: Dispatch, parts: tuple[str, ...] = ("compat",)) -> bool:

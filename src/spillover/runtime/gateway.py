@@ -1,4 +1,9 @@
-"""The gateway process's runtime: wires config, devices, workers, supervisors and scheduler."""
+"""The gateway process's runtime: wires config, devices, workers, supervisors and scheduler.
+
+``Gateway`` owns the components' lives (start, the loops, stop), the device observation,
+the journal's kept outcomes and start-up recovery. The /v1/status document is built in
+``runtime.status``; host-memory observation for the CPU guard is ``runtime.hostmem``.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +12,29 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from spillover.config import Config, parse_device
 from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
-from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
 from spillover.core.lifecycle import IllegalTransition, State
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
-from spillover.runtime.devices import GpuDevice, cuda_available, processes_rss
+from spillover.runtime.devices import GpuDevice, cuda_available
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.executor import Execution, RetryBudget
+from spillover.runtime.hostmem import HostMemory
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
 from spillover.runtime.loops import LoopGroup
 from spillover.runtime.recovery import recover
 from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
+from spillover.runtime.status import status_document
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
@@ -89,11 +93,11 @@ class Gateway:
         self._outcome_tries: dict[str, int] = {}
         self._journal_wake = asyncio.Event()
         self.recovered: dict[str, int] = {}
-        self.cpu_slot_bytes = 0
-        self.host_observed_bytes = 0
-        self.host_peak_bytes = 0
-        self.host_base_bytes = 0
-        self._cpu_worker_starts = 0
+        self.host = HostMemory(
+            self.supervisors,
+            budget_bytes=cfg.device.host_budget_mib * 1024 * 1024,
+            min_free_bytes=cfg.device.host_min_free_mib * 1024 * 1024,
+        )
         self._canary_n = 0
         from spillover.metrics import Metrics
 
@@ -156,15 +160,16 @@ class Gateway:
         else:
             log.info("no GPU lane (device.gpu=%s): CPU only", self.cfg.device.gpu)
         cpu_mm = MemoryModel(cpu_spec, n_ubatch=self.cfg.cpu_lane.n_batch_tokens, cpu_repack=True)
-        self.cpu_slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cfg.cpu_lane.ctx_cap_tokens)
+        self.host.slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cfg.cpu_lane.ctx_cap_tokens)
         self.scheduler = Scheduler(
             gpu_lane=self.cfg.gpu_lane if gpu else None,
             cpu_lane=self.cfg.cpu_lane,
             ledger=self.ledger,
             policy=policy,
-            host_view=self._host_view,
+            host_view=self.host.view,
             host_guard=self.cfg.device.host_guard,
         )
+        self.host.scheduler = self.scheduler
         if gpu is not None and self.device is not None:
             spec = self._worker_spec("gpu0", "gpu", self.device.spec)
             sup = Supervisor(spec, self.cfg.supervisor, device=self.device, on_change=self._worker_event)
@@ -179,7 +184,7 @@ class Gateway:
         self.loops.add("scheduler", self.scheduler.run)
         if self.device is not None:
             self.loops.add("observe", self._observe_loop)
-        self.loops.add("host-observe", self._host_loop)
+        self.loops.add("host-observe", self.host.run)
         self.loops.add("journal-retention", self._journal_loop)
         # What was unfinished *before* this gateway serves anything: only those are orphans.
         orphans = await self.journal.unfinished()
@@ -314,6 +319,7 @@ class Gateway:
         *,
         incremental: bool,
         allow_shrink: bool,
+        open_ended: bool = False,
         attempt: int = 0,
         cpu_tokens: list[int] | None = None,
     ) -> Execution:
@@ -325,6 +331,7 @@ class Gateway:
             params=params,
             incremental=incremental,
             allow_shrink=allow_shrink,
+            open_ended=open_ended,
             scheduler=self.scheduler,
             journal=self.journal,
             failover=self.cfg.failover,
@@ -358,51 +365,6 @@ class Gateway:
             caps[0] = min(caps[0], self.cpu_tokenizer.n_ctx_train)
         return min(max(caps), n_train)
 
-    # -- host memory (CPU lane guard) ------------------------------------------------------
-    async def _host_loop(self) -> None:
-        while True:
-            pids = [os.getpid()] + [s.worker.pid for s in self.supervisors if s.worker.pid is not None]
-            rss = await asyncio.to_thread(processes_rss, pids)  # the gateway and its workers
-            self.host_observed_bytes = rss
-            self.host_peak_bytes = max(self.host_peak_bytes, rss)
-            cpu = next((s.worker for s in self.supervisors if s.worker.spec.lane == "cpu"), None)
-            if cpu is not None and cpu.state is WorkerState.READY:
-                if cpu.starts != self._cpu_worker_starts:  # a fresh CPU worker: no contexts yet
-                    self._cpu_worker_starts = cpu.starts
-                    self.host_base_bytes = 0
-                if (
-                    self.host_base_bytes == 0
-                    and self._cpu_contexts(cpu) == 0
-                    and all(s.worker.state is WorkerState.READY for s in self.supervisors)
-                ):
-                    self.host_base_bytes = rss  # everything loaded, no CPU context yet
-            await asyncio.sleep(0.25)
-
-    def _cpu_contexts(self, worker: WorkerClient) -> int:
-        """Contexts the CPU worker holds: its own report, or (sooner) the peak concurrency
-        the scheduler gave it since it started, since each concurrent request opens one."""
-        assert self.scheduler is not None
-        return max(worker.contexts, self.scheduler.peak_running(worker))
-
-    def _host_view(self, running: int) -> HostView:
-        import psutil
-
-        cpu = next(s.worker for s in self.supervisors if s.worker.spec.lane == "cpu")
-        contexts = self._cpu_contexts(cpu)
-        base = self.host_base_bytes or self.host_observed_bytes
-        view = HostView(
-            running=running,
-            contexts=contexts,
-            slots=cpu.spec.slots,
-            predicted_bytes=base + contexts * self.cpu_slot_bytes,
-            observed_bytes=self.host_observed_bytes,
-            slot_bytes=self.cpu_slot_bytes,
-            budget_bytes=self.cfg.device.host_budget_mib * 1024 * 1024,
-            available_bytes=int(psutil.virtual_memory().available),
-            min_free_bytes=self.cfg.device.host_min_free_mib * 1024 * 1024,
-        )
-        return view
-
     def canary_due(self) -> bool:
         """Whether this request is the CPU canary (a fixed share of normal traffic)."""
         ratio = self.cfg.cpu_lane.canary_ratio
@@ -429,80 +391,5 @@ class Gateway:
         return self.loops.fatal is None and any(s.worker.state is WorkerState.READY for s in self.supervisors)
 
     def status(self) -> dict[str, Any]:
-        """The /v1/status document."""
-        now = time.monotonic()
-        sched = self.scheduler
-        workers = [asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in self.supervisors]
-        gpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] == "gpu")
-        cpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] == "cpu")
-        breaker = sched.breaker.circuit.value if sched else "closed"
-        reasons = []
-        if self.device is not None and not gpu_ready:
-            reasons.append("gpu worker not ready")
-        if breaker != "closed":
-            reasons.append(f"gpu breaker {breaker}")
-        if self.device is None:
-            reasons.append("no gpu lane")
-        if self.loops.fatal is not None:
-            reasons.append(self.loops.fatal)
-        if self.loops.fatal is not None or not (gpu_ready or cpu_ready):
-            mode = "unavailable"
-        elif reasons:
-            mode = "degraded"
-        else:
-            mode = "normal"
-        device: dict[str, Any] | None = None
-        if self.device is not None and self.ledger is not None:
-            device = {
-                "spec": self.device.spec,
-                "kind": self.device.kind,
-                "simulated": self.device.kind == "sim",
-                "epoch": self.device_epoch,
-                "alloc_failures": self.alloc_failures,
-                "hang": self.device_hang,
-                "ledger": asdict(self.ledger.statistics(now)),
-            }
-        return {
-            "object": "spillover.status",
-            "mode": mode,
-            "reasons": reasons,
-            "model": self.cfg.model.name,
-            "model_path": self.model_path,
-            "fallback_model": (
-                {"name": self.fallback_name, "path": self.cpu_model_path, "lane": "cpu"} if self.fallback_name else None
-            ),
-            "device": device,
-            "note": (
-                "GPU lane runs on a simulated accelerator (sim): no GPU was found"
-                if self.device is not None and self.device.kind == "sim"
-                else None
-            ),
-            "breaker": asdict(sched.breaker) | {"circuit": breaker} if sched else None,
-            "lanes": [asdict(x) for x in sched.statistics()] if sched else [],
-            "workers": workers,
-            "recent_decisions": list(sched.decisions)[-20:] if sched else [],
-            "decision_counts": dict(sched.decision_counts) if sched else {},
-            "events": self.events[-20:],
-            "live_requests": len(self.requests.live),
-            "running": [
-                {"rid": rid, "route": r.info.route if r.info else None, "attempt": r.exe.attempt}
-                for rid, r in list(self.requests.live.items())[:100]
-            ],
-            "retry_budget_denied": self.budget.denied,
-            "loop_restarts": dict(self.loops.restarts),
-            "loops": asdict(self.loops.statistics()),
-            "journal_pending_outcomes": len(self.pending_outcomes),
-            "journal_outcomes_dropped": self.outcomes_dropped,
-            "idempotency_keys_held": self.keys.statistics().keys,
-            "connections": asdict(self.listener()) if self.listener is not None else None,
-            "recovered": self.recovered,
-            "host": {
-                "budget_bytes": self.cfg.device.host_budget_mib * 1024 * 1024,
-                "guard": self.cfg.device.host_guard,
-                "observed_rss_bytes": self.host_observed_bytes,
-                "peak_rss_bytes": self.host_peak_bytes,
-                "cpu_slot_bytes": self.cpu_slot_bytes,
-                "cpu_blocked": sched.cpu_blocked if sched else "",
-            },
-            "uptime_s": round(now - self.started_s, 3),
-        }
+        """The /v1/status document (``runtime.status``)."""
+        return status_document(self)

@@ -23,8 +23,8 @@ Rules:
    at the bound minus a WAL allowance, so a write past it fails with SQLITE_FULL. The WAL
    is checkpointed every ``SizeBounds.wal_pages`` and cut back to the allowance; one
    transaction larger than that (a big row, or a move, which rewrites its row) outgrows it
-   until the next checkpoint. ``prune`` gives free pages back (``auto_vacuum=INCREMENTAL``) and
-   empties the WAL, so after it the files together are within ``max_bytes``.
+   until the next checkpoint. ``prune`` gives free pages back (``auto_vacuum=INCREMENTAL``)
+   and empties the WAL, so after it the files together are within ``max_bytes``.
 4. ``accept`` and ``move`` make room first when what they write would pass the high-water
    mark. ``accept`` refuses while the journal stays above it (full of unfinished requests),
    and refuses a body larger than the headroom above it: a move rewrites its row, and the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from spillover.errors import ContextLengthExceeded, InvalidRequest, NotFound
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
 
-__all__ = ["GenerationRequest", "Prepared", "new_request_id", "prepare", "render", "tool_schema"]
+__all__ = ["GenerationRequest", "Prepared", "choose_seed", "new_request_id", "prepare", "render", "tool_schema"]
 
 
 def new_request_id() -> str:
@@ -42,7 +43,7 @@ class GenerationRequest:
     seed: int | None
     stop: tuple[str, ...]
     include_usage: bool
-    allow_shrink: bool
+    allow_shrink: bool | None  # None: the operator's default ([admission].shrink_by_default)
     prefer_cpu: bool = False
     deadline_ms: int | None = None
     messages: tuple[dict[str, Any], ...] = ()
@@ -50,6 +51,29 @@ class GenerationRequest:
     tools: tuple[dict[str, Any], ...] = ()
     forced_tool: str | None = None  # a named function, or "*" for "required"
     user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int = -1  # -1: none; N >= 0: each token's log-probability and the N likeliest
+    response_format: dict[str, Any] | None = None  # json_object / json_schema (None: text)
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields a worker takes as they are."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": list(self.stop),
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repeat_penalty": self.repeat_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "logit_bias": [list(x) for x in self.logit_bias],
+            "logprobs": self.logprobs,
+        }
 
 
 def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any]:
@@ -83,6 +107,10 @@ class Prepared:
     grammar: str | None  # GBNF that constrains the output (a forced tool call), bounded
     seed: int
     cpu_tokens: list[int] | None = None  # the prompt in the CPU lane's fallback model's tokens (if it differs)
+    # No max_tokens asked: up to the context limit of the lane that serves it (OpenAI's
+    # meaning). Such a request may always be shrunk to fit: it asked for no particular length.
+    open_ended: bool = False
+    allow_shrink: bool = False
 
 
 def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
@@ -122,6 +150,44 @@ def _tool_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> st
         raise InvalidRequest(f"the tools together: {exc.message}", param="tools") from exc
 
 
+def _output_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> str | None:
+    """The bounded grammar the output must follow: a forced tool call's, or the
+    ``response_format``'s (any JSON object, or the given JSON schema); None for text."""
+    if req.forced_tool is not None:
+        return _tool_grammar(req, max_bytes, max_repeat)
+    rf = req.response_format
+    if rf is None:
+        return None
+    if rf["type"] == "json_object":
+        from llama_cpp.llama_grammar import JSON_GBNF  # root ::= object
+
+        return str(JSON_GBNF)
+    param = "response_format.json_schema.schema"
+    try:
+        return schema_to_grammar(rf["schema"], max_bytes=max_bytes, max_repeat=max_repeat)
+    except GrammarRefused as exc:
+        raise InvalidRequest(exc.message, param=f"{param}.{exc.path}" if exc.path else param) from exc
+
+
+def _check_logit_bias(gw: Gateway, req: GenerationRequest) -> None:
+    """Token ids of ``logit_bias`` exist in the served model's vocabulary, and mean the same
+    tokens on every lane (not so with a fallback model of another vocabulary)."""
+    if not req.logit_bias:
+        return
+    if gw.cpu_tokenizer is not None:
+        raise InvalidRequest(
+            "logit_bias names token ids of one model, and this server's CPU lane serves another "
+            f"(the fallback {gw.fallback_name!r}); send the request without logit_bias",
+            param="logit_bias",
+        )
+    n_vocab = gw.tokenizer.n_vocab
+    for token, _ in req.logit_bias:
+        if token >= n_vocab:
+            raise InvalidRequest(
+                f"logit_bias: token id {token} is not in the model's {n_vocab}-token vocabulary", param="logit_bias"
+            )
+
+
 async def _render_or_400(tok: Any, req: GenerationRequest) -> list[int]:
     """``_render`` in a thread; a chat template that refuses the conversation (Jinja's
     ``raise_exception``, e.g. roles that do not alternate) is the client's 400."""
@@ -140,7 +206,8 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             code="model_not_found",
         )
     m = gw.cfg.model
-    grammar = await asyncio.to_thread(_tool_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
+    grammar = await asyncio.to_thread(_output_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
+    _check_logit_bias(gw, req)
     tokens = await _render_or_400(gw.tokenizer, req)
     cpu_tokens = None
     if gw.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
@@ -149,13 +216,36 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             cpu_tokens = None
     cap = gw.context_cap_tokens()
     n = max(len(tokens), len(cpu_tokens or ()))
-    if n >= cap or (req.max_tokens is not None and n + req.max_tokens > cap):
+    allow_shrink = req.allow_shrink if req.allow_shrink is not None else gw.cfg.admission.shrink_by_default
+    # A max_tokens past every lane's context is refused, unless it may be shrunk to fit.
+    if n >= cap or (req.max_tokens is not None and not allow_shrink and n + req.max_tokens > cap):
         want = n + (req.max_tokens or 1)
         raise ContextLengthExceeded(
             f"this request needs {want} tokens ({n} in the prompt) but the longest context "
             f"any lane serves is {cap} tokens",
             param="messages" if req.kind == "chat" else "prompt",
         )
-    max_tokens = req.max_tokens if req.max_tokens is not None else min(gw.cfg.model.default_max_tokens, cap - n)
-    seed = req.seed if req.seed is not None else gw.cfg.model.seed
-    return Prepared(rid, req, tokens, max_tokens, grammar, seed, cpu_tokens)
+    open_ended = req.max_tokens is None and gw.cfg.model.default_max_tokens == 0
+    if req.max_tokens is not None:
+        max_tokens = req.max_tokens
+    else:
+        max_tokens = cap - n if open_ended else min(gw.cfg.model.default_max_tokens, cap - n)
+    return Prepared(
+        rid,
+        req,
+        tokens,
+        max_tokens,
+        grammar,
+        choose_seed(req.seed, gw.cfg.model.seed),
+        cpu_tokens,
+        open_ended=open_ended,
+        allow_shrink=allow_shrink or open_ended,
+    )
+
+
+def choose_seed(asked: int | None, configured: int) -> int:
+    """The request's seed; else the configured one; else (-1) a fresh random one. The choice
+    is journaled with the request, so a replay samples exactly the same way."""
+    if asked is not None:
+        return asked
+    return configured if configured >= 0 else secrets.randbelow(1 << 31)

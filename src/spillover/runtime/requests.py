@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -98,7 +99,7 @@ class RequestService:
                 body_hash = hashlib.sha256(dumps({"endpoint": endpoint, "body": body}).encode()).hexdigest()
             except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is JSON, not text
                 raise InvalidRequest("the body contains text that is not valid Unicode (a lone surrogate)") from exc
-            body_json = dumps({"endpoint": endpoint, "body": ep.stored(body)})
+            stored = ep.stored(body)
             async with self.gw.keys.hold(idem_key):
                 resume: int | None = None
                 if idem_key is not None and self.gw.journal is not None:
@@ -115,7 +116,10 @@ class RequestService:
                         if rec.state not in RESUMABLE:
                             return stored_answer(rec)
                         resume = rec.attempts
+                        req = _with_stored_seed(req, rec)  # a resumed request samples as before
                 prep = await prepare(self.gw, req, rid)
+                # The seed it runs with is journaled with it: a replay after a restart is exact.
+                body_json = dumps({"endpoint": endpoint, "body": stored | {"seed": prep.seed}})
                 try:
                     return await self._begin(
                         ep,
@@ -150,15 +154,10 @@ class RequestService:
             prep.rid,
             prep.tokens,
             prep.max_tokens,
-            {
-                "temperature": prep.req.temperature,
-                "top_p": prep.req.top_p,
-                "seed": prep.seed,
-                "stop": list(prep.req.stop),
-                "grammar": prep.grammar,
-            },
+            prep.req.sampling() | {"seed": prep.seed, "grammar": prep.grammar},
             incremental=prep.req.stream and prep.req.forced_tool is None,
-            allow_shrink=prep.req.allow_shrink,
+            allow_shrink=prep.allow_shrink,
+            open_ended=prep.open_ended,
             attempt=resume_attempts or 0,
             cpu_tokens=prep.cpu_tokens,
         )
@@ -260,6 +259,17 @@ def _in_flight(rid: str) -> IdempotencyInFlight:
     return IdempotencyInFlight(
         f"a request with this Idempotency-Key ({rid}) is still in flight", param="Idempotency-Key"
     )
+
+
+def _with_stored_seed(req: GenerationRequest, rec: JournalRecord) -> GenerationRequest:
+    """``req`` with the seed its journaled first run used, when it asked for none."""
+    if req.seed is not None:
+        return req
+    try:
+        seed = json.loads(rec.body)["body"].get("seed")
+    except (ValueError, KeyError, AttributeError):
+        return req
+    return dataclasses.replace(req, seed=seed) if isinstance(seed, int) else req
 
 
 def stored_answer(rec: JournalRecord) -> Answer:

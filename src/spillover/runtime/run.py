@@ -56,7 +56,7 @@ class Encoding(Protocol):
     def headers(self) -> dict[str, str]: ...
     def opening(self) -> list[bytes]: ...
     def route_changed(self) -> list[bytes]: ...
-    def token(self, text: str) -> list[bytes]: ...
+    def token(self, token: TokenOut) -> list[bytes]: ...
     def closing(self) -> Encoded: ...  # may raise SpilloverError (e.g. a cut-off tool call)
     def error(self, err: SpilloverError, *, committed: bool) -> Encoded: ...
 
@@ -99,6 +99,7 @@ class Run:
     encoding: Encoding = field(init=False)
     info: RouteInfo | None = None
     text: list[str] = field(default_factory=list)
+    tokens: list[TokenOut] = field(default_factory=list)  # with log-probabilities, when asked
     completion_tokens: int = 0
     finish_reason: str | None = None
     cancelled_by_user: bool = False
@@ -200,11 +201,14 @@ class Run:
                     self.info = ev
                     if ev.restart:
                         self.text.clear()
+                        self.tokens.clear()
                     out = enc.route_changed()
                 elif isinstance(ev, TokenOut):
                     self._note_token()
                     self.text.append(ev.text)
-                    out = enc.token(ev.text)
+                    if ev.logprob is not None:
+                        self.tokens.append(ev)
+                    out = enc.token(ev)
                     if out and self.req.stream:
                         await self._note_delivery()
                 elif isinstance(ev, Finished):

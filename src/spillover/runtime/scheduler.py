@@ -3,6 +3,10 @@
 Every request enters the GPU lane (or the CPU lane when there is no GPU). The pump asks
 ``core.admission.decide`` for each waiting GPU job and executes the decision: reserve
 pages and dispatch, wait, move to the CPU lane, or reject. A full queue answers at once.
+
+This module owns the decisions: which job leaves which lane for which worker, the breaker's
+events, and when the next pass is due. The lanes themselves (queues, counters, speed and
+wait estimates) and the ``Job``/``Dispatch`` values are in ``runtime.lanes``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from spillover.config import LaneConfig
@@ -33,8 +36,9 @@ from spillover.core.admission import (
 from spillover.core.breaker import BreakerEvent, BreakerState, Circuit, advance
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
-from spillover.core.reasons import Reason, RouteReason
+from spillover.core.reasons import Reason
 from spillover.errors import CapacityError, QueueFull
+from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
@@ -44,107 +48,6 @@ _PROBE_ENDS = (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED)
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
 MIN_WAKE_S = 0.001
-
-
-@dataclass
-class Job:
-    """One request waiting for a slot."""
-
-    rid: str
-    prompt_tokens: int
-    max_tokens: int
-    arrived_s: float
-    allow_shrink: bool = False
-    lane: str = "gpu"
-    enqueued_s: float = 0.0
-    future: asyncio.Future[Dispatch] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    last_reason: RouteReason | None = None  # why it is on its lane now (a CPU dispatch reports it)
-    position: int = 0  # 1-based position when queued
-    estimated_delay_ms: int = 0
-    deadline_s: float | None = None  # monotonic; the client's deadline for completion
-    running: bool = False  # the attempt was sent to its worker
-    released: bool = False  # its lease (slot, reservation) was given back
-
-    @property
-    def dispatch(self) -> Dispatch | None:
-        """Where the job was dispatched, once it was."""
-        f = self.future
-        if not f.done() or f.cancelled() or f.exception() is not None:
-            return None
-        return f.result()
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """Where a job runs and under which limits."""
-
-    worker: WorkerClient
-    route: str  # gpu | cpu
-    reason: RouteReason
-    max_tokens: int
-    kv_tokens: int
-    reserve_bytes: int
-    shrunk: bool
-    queued_s: float
-    queue_position: int = 0
-    estimated_delay_ms: int = 0
-    probe_round: int | None = None  # a half-open probe of this breaker round (``opens``), else None
-
-
-@dataclass(frozen=True)
-class LaneStatistics:
-    """Frozen snapshot of one lane."""
-
-    lane: str
-    depth: int
-    max_depth: int
-    oldest_age_s: float
-    running: int
-    slots: int
-    ctx_cap_tokens: int
-    admitted_total: int
-    shed_total: int
-    expired_total: int
-    prefill_tps: float
-    decode_tps: float
-    estimated_delay_ms: int
-    queued: tuple[dict[str, Any], ...] = ()
-
-
-class _Lane:
-    def __init__(self, name: str, cfg: LaneConfig) -> None:
-        self.name = name
-        self.cfg = cfg
-        self.queue: deque[Job] = deque()
-        self.admitted_total = 0
-        self.shed_total = 0
-        self.expired_total = 0
-        # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
-        self.prefill_tps = 400.0
-        self.decode_tps = 40.0
-        self.samples = 0
-
-    def free(self) -> int:
-        return self.cfg.queue_depth - len(self.queue)
-
-    def record(self, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float) -> None:
-        alpha = 0.3 if self.samples else 1.0
-        if prefill_s > 0 and prompt_tokens > 0:
-            self.prefill_tps += alpha * (prompt_tokens / prefill_s - self.prefill_tps)
-        decode_s = total_s - prefill_s
-        if decode_s > 0 and completion_tokens > 1:
-            self.decode_tps += alpha * ((completion_tokens - 1) / decode_s - self.decode_tps)
-        self.samples += 1
-
-    def job_seconds(self, prompt_tokens: int, max_tokens: int) -> float:
-        """Estimated service time of one job on one slot of this lane."""
-        return prompt_tokens / max(self.prefill_tps, 1e-3) + max_tokens / max(self.decode_tps, 1e-3)
-
-    def estimated_delay_s(self) -> float:
-        """Wait before a new job starts: the queued work ahead of it spread over the lane's
-        slots (the running requests' remaining work is not counted)."""
-        work = sum(self.job_seconds(j.prompt_tokens, j.max_tokens) for j in self.queue)
-        return work / max(1, self.cfg.slots)
 
 
 class Scheduler:
@@ -166,8 +69,8 @@ class Scheduler:
         self.host_guard = host_guard
         self.cpu_blocked: Reason | Literal[""] = ""  # why queued CPU work waits ("": it does not)
         self._peak: dict[str, tuple[int, int]] = {}  # worker id -> (starts, peak busy)
-        self.gpu = _Lane("gpu", gpu_lane) if gpu_lane else None
-        self.cpu = _Lane("cpu", cpu_lane)
+        self.gpu = Lane("gpu", gpu_lane) if gpu_lane else None
+        self.cpu = Lane("cpu", cpu_lane)
         self.ledger = ledger
         self.policy = policy
         self.breaker = BreakerState()
@@ -198,7 +101,7 @@ class Scheduler:
         is full: a request is refused before it is accepted, not journaled and then shed."""
         self._check_room(self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu)
 
-    def _check_room(self, lane: _Lane) -> None:
+    def _check_room(self, lane: Lane) -> None:
         if lane.free() <= 0:
             lane.shed_total += 1
             raise QueueFull(
@@ -206,21 +109,13 @@ class Scheduler:
                 retry_after_s=self._retry_after_s(),
             )
 
-    def _enqueue_nowait(self, job: Job, lane: _Lane) -> None:
+    def _enqueue_nowait(self, job: Job, lane: Lane) -> None:
         if lane is self.cpu:
             self._check_deadline(job)
         self._check_room(lane)
         job.enqueued_s = self.clock()
-        self._append(job, lane)
+        lane.append(job)
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
-
-    @staticmethod
-    def _append(job: Job, lane: _Lane) -> None:
-        """Put a job at the end of a lane, with its position and the estimated wait there."""
-        job.lane = lane.name
-        job.position = len(lane.queue) + 1
-        job.estimated_delay_ms = int(lane.estimated_delay_s() * 1000)
-        lane.queue.append(job)
 
     def _check_deadline(self, job: Job) -> None:
         """Refuse at once a CPU job that cannot finish before the client's deadline."""
@@ -417,7 +312,7 @@ class Scheduler:
                 self._fail(job, exc)
                 return
             job.last_reason = d.reason
-            self._append(job, self.cpu)
+            self.cpu.append(job)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
             self.gpu.shed_total += 1
@@ -483,36 +378,7 @@ class Scheduler:
         return max(1.0, self.breaker.retry_after_s(self.clock()))
 
     def statistics(self) -> list[LaneStatistics]:
+        """A frozen snapshot of each lane, the GPU lane first."""
         now = self.clock()
-        out = []
-        for lane, workers in ((self.gpu, self.gpu_workers), (self.cpu, self.cpu_workers)):
-            if lane is None:
-                continue
-            out.append(
-                LaneStatistics(
-                    lane=lane.name,
-                    depth=len(lane.queue),
-                    max_depth=lane.cfg.queue_depth,
-                    oldest_age_s=round(now - lane.queue[0].enqueued_s, 3) if lane.queue else 0.0,
-                    running=sum(w.busy for w in workers),
-                    slots=sum(w.spec.slots for w in workers),
-                    ctx_cap_tokens=lane.cfg.ctx_cap_tokens,
-                    admitted_total=lane.admitted_total,
-                    shed_total=lane.shed_total,
-                    expired_total=lane.expired_total,
-                    prefill_tps=round(lane.prefill_tps, 1),
-                    decode_tps=round(lane.decode_tps, 1),
-                    estimated_delay_ms=int(lane.estimated_delay_s() * 1000),
-                    queued=tuple(
-                        {
-                            "rid": j.rid,
-                            "position": i + 1,
-                            "age_s": round(now - j.enqueued_s, 3),
-                            "prompt_tokens": j.prompt_tokens,
-                            "max_tokens": j.max_tokens,
-                        }
-                        for i, j in enumerate(lane.queue)
-                    ),
-                )
-            )
-        return out
+        lanes = ((self.gpu, self.gpu_workers), (self.cpu, self.cpu_workers))
+        return [lane.statistics(now, workers) for lane, workers in lanes if lane is not None]

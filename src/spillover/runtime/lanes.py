@@ -1,0 +1,163 @@
+"""The scheduler's lanes and the values it hands out.
+
+``Lane`` owns one bounded queue: its jobs in order, its admitted/shed/expired counters,
+the running (EWMA) estimates of its prefill and decode speed, the ETA estimates made from
+them, and its ``LaneStatistics`` snapshot. ``Job`` is a request waiting on a lane and
+``Dispatch`` where and under which limits it runs. ``runtime.scheduler`` decides which job
+leaves which lane for which worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from spillover.config import LaneConfig
+from spillover.core.reasons import RouteReason
+from spillover.runtime.worker_client import WorkerClient
+
+__all__ = ["Dispatch", "Job", "Lane", "LaneStatistics"]
+
+
+@dataclass
+class Job:
+    """One request waiting for a slot."""
+
+    rid: str
+    prompt_tokens: int
+    max_tokens: int
+    arrived_s: float
+    allow_shrink: bool = False
+    lane: str = "gpu"
+    enqueued_s: float = 0.0
+    future: asyncio.Future[Dispatch] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    last_reason: RouteReason | None = None  # why it is on its lane now (a CPU dispatch reports it)
+    position: int = 0  # 1-based position when queued
+    estimated_delay_ms: int = 0
+    deadline_s: float | None = None  # monotonic; the client's deadline for completion
+    running: bool = False  # the attempt was sent to its worker
+    released: bool = False  # its lease (slot, reservation) was given back
+
+    @property
+    def dispatch(self) -> Dispatch | None:
+        """Where the job was dispatched, once it was."""
+        f = self.future
+        if not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        return f.result()
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where a job runs and under which limits."""
+
+    worker: WorkerClient
+    route: str  # gpu | cpu
+    reason: RouteReason
+    max_tokens: int
+    kv_tokens: int
+    reserve_bytes: int
+    shrunk: bool
+    queued_s: float
+    queue_position: int = 0
+    estimated_delay_ms: int = 0
+    probe_round: int | None = None  # a half-open probe of this breaker round (``opens``), else None
+
+
+@dataclass(frozen=True)
+class LaneStatistics:
+    """Frozen snapshot of one lane."""
+
+    lane: str
+    depth: int
+    max_depth: int
+    oldest_age_s: float
+    running: int
+    slots: int
+    ctx_cap_tokens: int
+    admitted_total: int
+    shed_total: int
+    expired_total: int
+    prefill_tps: float
+    decode_tps: float
+    estimated_delay_ms: int
+    queued: tuple[dict[str, Any], ...] = ()
+
+
+class Lane:
+    """One bounded queue of jobs, its counters and its running speed estimates."""
+
+    def __init__(self, name: str, cfg: LaneConfig) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.queue: deque[Job] = deque()
+        self.admitted_total = 0
+        self.shed_total = 0
+        self.expired_total = 0
+        # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
+        self.prefill_tps = 400.0
+        self.decode_tps = 40.0
+        self.samples = 0
+
+    def free(self) -> int:
+        return self.cfg.queue_depth - len(self.queue)
+
+    def record(self, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float) -> None:
+        """Feed one finished request's measured timings into the speed estimates."""
+        alpha = 0.3 if self.samples else 1.0
+        if prefill_s > 0 and prompt_tokens > 0:
+            self.prefill_tps += alpha * (prompt_tokens / prefill_s - self.prefill_tps)
+        decode_s = total_s - prefill_s
+        if decode_s > 0 and completion_tokens > 1:
+            self.decode_tps += alpha * ((completion_tokens - 1) / decode_s - self.decode_tps)
+        self.samples += 1
+
+    def job_seconds(self, prompt_tokens: int, max_tokens: int) -> float:
+        """Estimated service time of one job on one slot of this lane."""
+        return prompt_tokens / max(self.prefill_tps, 1e-3) + max_tokens / max(self.decode_tps, 1e-3)
+
+    def estimated_delay_s(self) -> float:
+        """Wait before a new job starts: the queued work ahead of it spread over the lane's
+        slots (the running requests' remaining work is not counted)."""
+        work = sum(self.job_seconds(j.prompt_tokens, j.max_tokens) for j in self.queue)
+        return work / max(1, self.cfg.slots)
+
+    def __repr__(self) -> str:
+        return f"<Lane {self.name} queued={len(self.queue)}/{self.cfg.queue_depth}>"
+
+    def append(self, job: Job) -> None:
+        """Put a job at the end of this lane, with its position and the estimated wait here."""
+        job.lane = self.name
+        job.position = len(self.queue) + 1
+        job.estimated_delay_ms = int(self.estimated_delay_s() * 1000)
+        self.queue.append(job)
+
+    def statistics(self, now: float, workers: list[WorkerClient]) -> LaneStatistics:
+        """A frozen snapshot of this lane, served by ``workers``."""
+        return LaneStatistics(
+            lane=self.name,
+            depth=len(self.queue),
+            max_depth=self.cfg.queue_depth,
+            oldest_age_s=round(now - self.queue[0].enqueued_s, 3) if self.queue else 0.0,
+            running=sum(w.busy for w in workers),
+            slots=sum(w.spec.slots for w in workers),
+            ctx_cap_tokens=self.cfg.ctx_cap_tokens,
+            admitted_total=self.admitted_total,
+            shed_total=self.shed_total,
+            expired_total=self.expired_total,
+            prefill_tps=round(self.prefill_tps, 1),
+            decode_tps=round(self.decode_tps, 1),
+            estimated_delay_ms=int(self.estimated_delay_s() * 1000),
+            queued=tuple(
+                {
+                    "rid": j.rid,
+                    "position": i + 1,
+                    "age_s": round(now - j.enqueued_s, 3),
+                    "prompt_tokens": j.prompt_tokens,
+                    "max_tokens": j.max_tokens,
+                }
+                for i, j in enumerate(self.queue)
+            ),
+        )
