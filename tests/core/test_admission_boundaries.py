@@ -355,6 +355,26 @@ def test_cpu_context_cap(policy: AdmissionPolicy, prompt: int, max_tokens: int, 
     assert decide(req(prompt, max_tokens), room_ledger(CAP // 2), LANES, CLOSED, NOW, policy) == expected
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "shrink", "expected"),
+    [
+        (4000, 500, True, Route(Reason.TOO_LONG_FOR_GPU)),  # the CPU lane runs it with the room it has
+        (4080, 500, True, Route(Reason.TOO_LONG_FOR_GPU)),  # room for exactly 16 new tokens
+        (4081, 500, True, Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU)),  # room for 15
+        (4090, 4, True, Route(Reason.TOO_LONG_FOR_GPU)),  # asks for fewer than 16: all 4 fit
+        (4093, 4, True, Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU)),
+        (4000, 500, False, Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU)),  # not allowed to shrink
+    ],
+)
+def test_a_shrinkable_request_fits_the_cpu_lane_with_room_for_16_tokens(
+    policy: AdmissionPolicy, prompt: int, max_tokens: int, shrink: bool, expected: object
+) -> None:
+    """A request that may be shrunk goes to the CPU lane when its prompt leaves room there for
+    min(max_tokens, 16) new tokens; one that may not needs room for all of max_tokens."""
+    d = decide(req(prompt, max_tokens, shrink=shrink), room_ledger(CAP // 2), LANES, CLOSED, NOW, policy)
+    assert d == expected
+
+
 def test_cpu_route_switched_off_rejects(memory: MemoryModel) -> None:
     """With allow_cpu_route off, what would go to CPU is rejected as cpu_unavailable."""
     p = AdmissionPolicy(memory=memory, allow_cpu_route=False)

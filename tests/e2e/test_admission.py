@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 def test_tenant_pressure_routes_long_requests_to_cpu_before_any_gpu_failure() -> None:
     """With a tenant holding most of the device, long requests go to CPU (reason
-    observed_pressure) while short ones still run on GPU, and no GPU allocation fails."""
+    observed_pressure) while short ones still run on GPU, no GPU allocation fails, and
+    /v1/status turns from normal to degraded, naming the reason."""
     with GatewayProcess(["--gpu", "sim:1024", "--cpu-ctx", "2048"]) as gw:
         dev = SimDevice(gw.state_dir)
         snap = dev.snapshot()
@@ -48,6 +49,7 @@ def test_tenant_pressure_routes_long_requests_to_cpu_before_any_gpu_failure() ->
                 short = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 16})
                 assert short.status_code == 200
                 assert short.headers["x-spillover-route"] == "gpu", short.headers
+                assert gw.status()["mode"] == "normal", gw.status()["reasons"]
                 long_prompt = "The quick brown fox jumps over the lazy dog. " * 60
                 long = c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 200})
                 assert long.status_code == 200, long.text
@@ -56,6 +58,9 @@ def test_tenant_pressure_routes_long_requests_to_cpu_before_any_gpu_failure() ->
                 assert long.headers["x-spillover-degraded"] == "1"
                 assert long.json()["spillover"]["route"] == "cpu"
             st = gw.status()
+            # Every worker is up and the breaker closed, yet answers are served on the CPU: the
+            # mode says so, with the reason.
+            assert st["mode"] == "degraded" and any("observed_pressure" in r for r in st["reasons"]), st["reasons"]
             assert st["device"]["alloc_failures"] == 0
             assert gw.worker("gpu")["alloc_failures"] == 0
             assert st["decision_counts"].get("route:observed_pressure", 0) >= 1

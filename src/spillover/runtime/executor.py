@@ -425,7 +425,7 @@ class Execution:
                 worker_id=d.worker.spec.worker_id,
                 max_tokens=d.max_tokens,
                 kv_tokens=d.kv_tokens,
-                shrunk=d.shrunk or (d.max_tokens < self.max_tokens and not self.open_ended),
+                shrunk=(d.shrunk or d.max_tokens < self.max_tokens) and not self.open_ended,
                 queued_s=d.queued_s,
                 queue_position=d.queue_position,
                 estimated_delay_ms=d.estimated_delay_ms,

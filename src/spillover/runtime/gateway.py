@@ -34,7 +34,7 @@ from spillover.runtime.loops import LoopGroup
 from spillover.runtime.recovery import recover
 from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
-from spillover.runtime.status import status_document
+from spillover.runtime.status import DegradedAnswers, status_document
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
@@ -83,6 +83,7 @@ class Gateway:
         self.events: list[dict[str, Any]] = []
         self.journal: Journal | None = None
         self.requests = RequestService(self)  # owns every request from accepted to terminal
+        self.degraded = DegradedAnswers()  # recent answers served off the GPU, for the mode
         self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
         self.keys = KeyLocks()

@@ -269,6 +269,8 @@ class Run:
         """Write the outcome to the journal (terminal state) and count it."""
         i = self.info
         reason = self.reason()
+        if state is State.COMPLETED and i is not None:
+            self.gw.degraded.note(time.monotonic(), i.route, reason)
         self.gw.metrics.request_done(
             i.route if i else "none",
             state.value,

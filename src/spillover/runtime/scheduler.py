@@ -346,15 +346,18 @@ class Scheduler:
             worker.claim_slot(job.rid)
             self._note_busy(worker)
             reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
+            cap = self.cpu.cfg.ctx_cap_tokens
+            # A shrinkable job (admission let it through on that ground) runs with the room here.
+            max_tokens = min(job.max_tokens, cap - job.prompt_tokens) if job.allow_shrink else job.max_tokens
             job.future.set_result(
                 Dispatch(
                     worker,
                     "cpu",
                     reason,
-                    job.max_tokens,
-                    self.cpu.cfg.ctx_cap_tokens,
+                    max(1, max_tokens),
+                    cap,
                     0,
-                    False,
+                    max_tokens < job.max_tokens,
                     now - job.enqueued_s,
                     job.position,
                     job.estimated_delay_ms,

@@ -8,13 +8,40 @@ snapshots and the gateway's counters and changes nothing. ``/metrics`` is built 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
 
-__all__ = ["status_document"]
+__all__ = ["DegradedAnswers", "status_document"]
+
+DEGRADED_WINDOW_S = 60.0  # answers served degraded this recently make the mode "degraded"
+CHOSEN_CPU = frozenset({"canary", "client_prefers_cpu"})  # CPU answers nobody was pushed to
+
+
+class DegradedAnswers:
+    """Answers served degraded (off the GPU) because the gateway had to: the mode says so
+    while they keep coming, even with every worker up and the breaker closed (e.g. another
+    tenant's memory pushes every request to the CPU lane)."""
+
+    def __init__(self, window_s: float = DEGRADED_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._recent: deque[tuple[float, str]] = deque(maxlen=1000)
+
+    def __repr__(self) -> str:
+        return f"<DegradedAnswers recent={len(self._recent)}>"
+
+    def note(self, now_s: float, route: str, reason: str | None) -> None:
+        if route not in ("gpu", "none") and (reason or "") not in CHOSEN_CPU:
+            self._recent.append((now_s, reason or route))
+
+    def recent(self, now_s: float) -> tuple[int, str | None]:
+        """How many in the window, and the latest one's reason."""
+        while self._recent and now_s - self._recent[0][0] > self.window_s:
+            self._recent.popleft()
+        return len(self._recent), (self._recent[-1][1] if self._recent else None)
 
 
 def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tuple[str, list[str]]:
@@ -28,6 +55,9 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
         reasons.append(f"gpu breaker {breaker}")
     if gw.device is None:
         reasons.append("no gpu lane")
+    n, why = gw.degraded.recent(time.monotonic())
+    if n:
+        reasons.append(f"{n} answers served degraded in the last {gw.degraded.window_s:.0f}s (latest: {why})")
     if gw.loops.fatal is not None:
         reasons.append(gw.loops.fatal)
     if gw.loops.fatal is not None or not (gpu_ready or cpu_ready):
