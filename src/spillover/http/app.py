@@ -32,6 +32,7 @@ from spillover.errors import (
     Unauthorized,
     to_http,
 )
+from spillover.http.ollama_api import ollama_endpoints, ollama_routes
 from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
 from spillover.http.schemas import parse_chat, parse_completion, positive_ms, stored_body
@@ -122,6 +123,8 @@ class ClosingStream(StreamingResponse):
 def create_app(gw: Gateway) -> Starlette:
     """Build the ASGI app around a started (or starting) Gateway."""
     cfg = gw.cfg
+    for ep in ollama_endpoints(gw):
+        gw.requests.register(ep)
     for name, parse in (("chat", parse_chat), ("text", parse_completion)):  # also what recovery replays
         gw.requests.register(
             Endpoint(
@@ -153,19 +156,22 @@ def create_app(gw: Gateway) -> Starlette:
 
         return run
 
-    async def generate(request: Request, kind: str) -> Response:
-        """HTTP in, the request service's answer out: nothing here decides anything."""
+    async def generate(
+        request: Request, endpoint: str, refuse: Callable[[SpilloverError, str], Response] = _error_response
+    ) -> Response:
+        """HTTP in, the request service's answer out: nothing here decides anything.
+        ``refuse`` shapes an error before acceptance (OpenAI's, or Ollama's)."""
         try:
             authorize(request)
             body = await _read_json(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
             key = _idempotency_key(request)
             deadline_ms = _deadline_header(request)
         except SpilloverError as exc:
-            return _error_response(exc, new_request_id())
+            return refuse(exc, new_request_id())
         try:
-            got = await gw.requests.submit(kind, body, idem_key=key, deadline_ms=deadline_ms)
+            got = await gw.requests.submit(endpoint, body, idem_key=key, deadline_ms=deadline_ms)
         except Refused as exc:
-            return _error_response(exc.error, exc.rid)
+            return refuse(exc.error, exc.rid)
         if isinstance(got, Answer):
             return _answer(got)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, got))
@@ -175,7 +181,7 @@ def create_app(gw: Gateway) -> Starlette:
             watcher.cancel()
         if isinstance(reply, Answer):
             return _answer(reply)
-        return ClosingStream(reply.frames, media_type="text/event-stream", headers=reply.headers)
+        return ClosingStream(reply.frames, media_type=reply.content_type, headers=reply.headers)
 
     async def _cancel_on_disconnect(request: Request, run: Run) -> None:
         while True:
@@ -291,6 +297,7 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/", index, methods=["GET"]),
+        *ollama_routes(gw, generate, authorize),
     ]
 
     @contextlib.asynccontextmanager

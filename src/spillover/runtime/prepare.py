@@ -59,6 +59,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int = -1  # -1: none; N >= 0: each token's log-probability and the N likeliest
     response_format: dict[str, Any] | None = None  # json_object / json_schema (None: text)
+    ctx_limit: int | None = None  # the client's own context limit (Ollama's num_ctx): prompt + output
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields a worker takes as they are."""
@@ -215,14 +216,20 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         if cpu_tokens == tokens:
             cpu_tokens = None
     cap = gw.context_cap_tokens()
+    if req.ctx_limit is not None:
+        cap = min(cap, req.ctx_limit)
     n = max(len(tokens), len(cpu_tokens or ()))
     allow_shrink = req.allow_shrink if req.allow_shrink is not None else gw.cfg.admission.shrink_by_default
     # A max_tokens past every lane's context is refused, unless it may be shrunk to fit.
     if n >= cap or (req.max_tokens is not None and not allow_shrink and n + req.max_tokens > cap):
         want = n + (req.max_tokens or 1)
         raise ContextLengthExceeded(
-            f"this request needs {want} tokens ({n} in the prompt) but the longest context "
-            f"any lane serves is {cap} tokens",
+            f"this request needs {want} tokens ({n} in the prompt) but "
+            + (
+                f"its own context limit is {cap} tokens"
+                if req.ctx_limit == cap
+                else f"the longest context any lane serves is {cap} tokens"
+            ),
             param="messages" if req.kind == "chat" else "prompt",
         )
     open_ended = req.max_tokens is None and gw.cfg.model.default_max_tokens == 0

@@ -53,6 +53,8 @@ class Encoding(Protocol):
     Every frame returned is sent and kept; the kept frames are the stored answer. An error
     of a stream that has not started (``committed=False``) is a whole error answer."""
 
+    @property
+    def content_type(self) -> str: ...  # of the stream (or the whole answer)
     def headers(self) -> dict[str, str]: ...
     def opening(self) -> list[bytes]: ...
     def route_changed(self) -> list[bytes]: ...
@@ -77,6 +79,7 @@ class Streaming:
 
     headers: dict[str, str]
     frames: AsyncGenerator[bytes, None]
+    content_type: str
 
 
 def as_error(exc: BaseException, rid: str) -> SpilloverError:
@@ -172,7 +175,9 @@ class Run:
             except (asyncio.CancelledError, GeneratorExit):  # the server is stopping
                 await asyncio.shield(self._end_abandoned(committed=False))
                 raise
-            return Streaming(self.encoding.headers() | {"Cache-Control": "no-cache"}, self._frames())
+            return Streaming(
+                self.encoding.headers() | {"Cache-Control": "no-cache"}, self._frames(), self.encoding.content_type
+            )
         async with contextlib.aclosing(self._frames()) as frames:
             async for _ in frames:
                 pass

@@ -1,0 +1,258 @@
+"""Ollama's API on the same port, over the same request service.
+
+``/api/chat`` and ``/api/generate`` are translated into the OpenAI-shaped request the
+service already validates (so the journal, Idempotency-Key, failover, lanes and degraded
+flags all hold), and answered as Ollama answers: NDJSON lines (``stream`` defaults to true)
+or one JSON object, errors as ``{"error": "..."}``. ``/api/tags``, ``/api/ps``,
+``/api/show`` and ``/api/version`` describe what spillover serves, and where.
+
+Rules:
+
+1. Sampling options are honoured (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+   ``seed``, ``stop``, ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``,
+   ``num_predict``), with Ollama's defaults where the request gives none. ``num_ctx`` limits
+   prompt + output (it cannot grow a lane's context). A generation stops when its context is
+   full, as Ollama's does (shrink-to-fit is on).
+2. Options that place or load a model (``num_gpu``, ``num_thread``, ``use_mmap``, ...) are
+   refused: spillover decides placement. ``keep_alive`` is accepted: the model stays loaded
+   while spillover runs, and the pressure ladder, not the client, moves it.
+3. Anything else unknown is a 400 naming it.
+4. Every answer carries the ``X-Spillover-*`` headers; the last line (or the one object) has
+   a ``spillover`` object (route, degraded, reason).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from typing import Any
+
+from spillover.errors import InvalidRequest, SpilloverError, to_http
+from spillover.http.openai import _OpenAI
+from spillover.http.schemas import parse_chat, parse_completion
+from spillover.runtime.executor import TokenOut
+from spillover.runtime.prepare import GenerationRequest
+from spillover.runtime.run import Encoded, Run
+
+__all__ = ["NdjsonEncoding", "ollama_error_body", "parse_ollama_chat", "parse_ollama_generate"]
+
+NDJSON = "application/x-ndjson"
+JSON = "application/json"
+DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "repeat_penalty": 1.1}  # Ollama's own
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "presence_penalty",
+            "frequency_penalty")  # fmt: skip
+PLACEMENT = frozenset(
+    {"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only",
+     "num_keep", "f16_kv", "logits_all", "embedding_only"}
+)  # fmt: skip
+CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think",
+                         "logprobs", "top_logprobs"})  # fmt: skip
+GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
+                             "stream", "raw", "keep_alive", "context", "think", "logprobs",
+                             "top_logprobs"})  # fmt: skip
+
+
+def _fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequest(f"unknown field '{name}'", param=name)
+    if body.get("think"):
+        raise InvalidRequest(
+            "'think' is not supported: the served model does not think in separate steps", param="think"
+        )
+    return body
+
+
+def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """OpenAI sampling fields from Ollama's ``options``, and the ``num_ctx`` limit (rules 1-3)."""
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise InvalidRequest("'options' must be an object", param="options")
+    out: dict[str, Any] = dict(DEFAULTS)
+    num_ctx = None
+    for name, value in opts.items():
+        if name in SAMPLING:
+            out[name] = value
+        elif name == "num_predict":
+            if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -2:
+                raise InvalidRequest(
+                    "'num_predict' must be -1 (no limit), -2 (fill the context) or positive",
+                    param="options.num_predict",
+                )
+            if value > 0:
+                out["max_tokens"] = value
+        elif name == "num_ctx":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequest("'num_ctx' must be a positive integer", param="options.num_ctx")
+            num_ctx = value
+        elif name in PLACEMENT:
+            raise InvalidRequest(
+                f"option '{name}' is not supported: spillover decides where the model runs", param=f"options.{name}"
+            )
+        else:
+            raise InvalidRequest(f"option '{name}' is not supported", param=f"options.{name}")
+    fmt = body.get("format")
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise InvalidRequest("'format' must be \"json\" or a JSON schema", param="format")
+    if body.get("logprobs"):
+        out["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            out["top_logprobs"] = body["top_logprobs"]
+    out["stream"] = body.get("stream", True)
+    out["spillover"] = {"allow_shrink": True}  # the output stops when the context is full (rule 1)
+    return out, num_ctx
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise InvalidRequest("each message must be an object", param=f"messages[{i}]")
+    if m.get("images"):
+        raise InvalidRequest("images are not supported by the served model", param=f"messages[{i}].images")
+    out: dict[str, Any] = {"role": m.get("role"), "content": m.get("content", "")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": f"call_{i}_{j}",
+                "type": "function",
+                "function": {"name": (c.get("function") or {}).get("name"),
+                             "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})},
+            }
+            for j, c in enumerate(m["tool_calls"]) if isinstance(c, dict)
+        ]  # fmt: skip
+    if m.get("role") == "tool":
+        out["tool_call_id"] = str(m.get("tool_name") or "tool")
+    return out
+
+
+def parse_ollama_chat(body: Any, default_model: str) -> GenerationRequest:
+    """``/api/chat`` as a validated request."""
+    body = _fields(body, CHAT_FIELDS)
+    fields, num_ctx = _options(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        raise InvalidRequest("'messages' must be an array", param="messages")
+    openai = {"model": body.get("model"), "messages": [_message(m, i) for i, m in enumerate(msgs)], **fields}
+    if body.get("tools"):
+        openai["tools"] = body["tools"]
+    return _with_ctx(parse_chat(openai, default_model), num_ctx)
+
+
+def parse_ollama_generate(body: Any, default_model: str) -> GenerationRequest:
+    """``/api/generate`` as a validated request: the model's chat template around ``prompt``
+    (and ``system``), or the bare prompt with ``raw``."""
+    body = _fields(body, GENERATE_FIELDS)
+    for name in ("suffix", "images", "template", "context"):
+        if body.get(name):
+            raise InvalidRequest(f"'{name}' is not supported", param=name)
+    fields, num_ctx = _options(body)
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("'prompt' must be a string", param="prompt")
+    if body.get("raw"):
+        if fields.pop("response_format", None) is not None:
+            raise InvalidRequest("'format' needs the chat template ('raw': false)", param="format")
+        fields.pop("logprobs", None)
+        fields.pop("top_logprobs", None)
+        return _with_ctx(
+            parse_completion({"model": body.get("model"), "prompt": prompt, **fields}, default_model), num_ctx
+        )
+    msgs = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    return _with_ctx(parse_chat({"model": body.get("model"), "messages": msgs, **fields}, default_model), num_ctx)
+
+
+def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
+    import dataclasses
+
+    return dataclasses.replace(req, ctx_limit=num_ctx) if num_ctx is not None else req
+
+
+def ollama_error_body(err: SpilloverError) -> dict[str, Any]:
+    """Ollama's error shape; the machine-readable code stays with it."""
+    e = to_http(err).body["error"]
+    return {"error": e["message"], "code": e["code"], "param": e["param"]}
+
+
+def created_at() -> str:
+    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+class NdjsonEncoding(_OpenAI):
+    """Ollama's answer: NDJSON lines while it streams, else one object (rule 4)."""
+
+    def __init__(self, run: Run, *, generate: bool) -> None:
+        super().__init__(run)
+        self.generate = generate
+        self.stream = run.req.stream
+        self.content_type = NDJSON if self.stream else JSON
+
+    def _line(self, obj: dict[str, Any]) -> bytes:
+        return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+    def _part(self, text: str) -> dict[str, Any]:
+        base = {"model": self.run.served_model(), "created_at": created_at()}
+        if self.generate:
+            return base | {"response": text}
+        return base | {"message": {"role": "assistant", "content": text}}
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def route_changed(self) -> list[bytes]:
+        return []
+
+    def token(self, token: TokenOut) -> list[bytes]:
+        if not self.stream or not (token.text or token.logprob):
+            return []
+        obj = self._part(token.text) | {"done": False}
+        if token.logprob is not None:
+            obj["logprobs"] = _ollama_logprobs([token])
+        return [self._line(obj)]
+
+    def closing(self) -> Encoded:
+        r = self.run
+        now = time.monotonic()
+        first = r.first_token_s or now
+        obj = self._part("" if self.stream else "".join(r.text)) | {
+            "done": True,
+            "done_reason": r.finish_reason or "stop",
+            "total_duration": int((now - r.started_s) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": r.prompt_tokens(),
+            "prompt_eval_duration": int((first - r.started_s) * 1e9),
+            "eval_count": r.completion_tokens,
+            "eval_duration": int((now - first) * 1e9),
+            "spillover": self.spillover_object(),
+        }
+        if not self.stream and r.req.logprobs >= 0:
+            obj["logprobs"] = _ollama_logprobs(r.tokens)
+        return Encoded(
+            200, [self._line(obj) if self.stream else json.dumps(obj).encode()], self.headers(), self.content_type
+        )
+
+    def error(self, err: SpilloverError, *, committed: bool) -> Encoded:
+        e = to_http(err, self.run.rid)
+        body = ollama_error_body(err) | {"spillover": self.spillover_object()}
+        if committed:
+            return Encoded(200, [self._line(body)], self.headers(), NDJSON, e.body)
+        return Encoded(e.status, [json.dumps(body).encode()], self.headers() | e.headers, JSON, e.body)
+
+
+def _ollama_logprobs(tokens: list[TokenOut]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": t.logprob.token,
+            "logprob": t.logprob.logprob,
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob} for a in t.top],
+        }
+        for t in tokens
+        if t.logprob is not None
+    ]

@@ -1,0 +1,212 @@
+"""The routes of Ollama's API (see ``http.ollama`` for the request and answer shapes).
+
+``/api/tags`` lists the served model, ``/api/ps`` says where it is loaded *now* (one entry
+with ``size`` and ``size_vram``, plus spillover's own ``workers`` list: the GPU worker, the
+CPU replica, their state and bytes), ``/api/show`` its template and GGUF facts,
+``/api/version`` spillover's version. ``/api/embed`` answers 501 until an embeddings
+service exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import functools
+import os
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from spillover.errors import NotFound, SpilloverError, to_http
+from spillover.http.ollama import (
+    NdjsonEncoding,
+    created_at,
+    ollama_error_body,
+    parse_ollama_chat,
+    parse_ollama_generate,
+)
+from spillover.runtime.prepare import new_request_id
+from spillover.runtime.requests import Endpoint
+
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["ollama_endpoints", "ollama_error", "ollama_routes"]
+
+Generate = Callable[[Request, str, Callable[[SpilloverError, str], Response]], Awaitable[Response]]
+FAR_FUTURE = "2999-12-31T23:59:59Z"  # expires_at: spillover does not unload on a timer
+
+
+def ollama_error(err: SpilloverError, rid: str) -> Response:
+    """An error in Ollama's shape, with the same status and headers as the OpenAI routes."""
+    e = to_http(err)
+    headers = dict(e.headers) | {"X-Spillover-Request-Id": rid, "X-Spillover-Route": "none"}
+    return JSONResponse(ollama_error_body(err), status_code=e.status, headers=headers)
+
+
+def ollama_endpoints(gw: Gateway) -> list[Endpoint]:
+    """The request service's endpoints for /api/chat and /api/generate."""
+    name = gw.cfg.model.name
+    return [
+        Endpoint(
+            "ollama-chat",
+            parse=functools.partial(parse_ollama_chat, default_model=name),
+            stored=dict,  # validated field by field: journaled whole
+            encoding=functools.partial(NdjsonEncoding, generate=False),
+        ),
+        Endpoint(
+            "ollama-generate",
+            parse=functools.partial(parse_ollama_generate, default_model=name),
+            stored=dict,  # validated field by field: journaled whole
+            encoding=functools.partial(NdjsonEncoding, generate=True),
+        ),
+    ]
+
+
+def _details(gw: Gateway) -> dict[str, Any]:
+    import gguf
+
+    spec = gw.spec
+    meta = gw.tokenizer.metadata if gw.tokenizer is not None else {}
+    quant = ""
+    if spec is not None and spec.file_type >= 0:
+        try:
+            quant = gguf.LlamaFileType(spec.file_type).name.removeprefix("MOSTLY_")
+        except ValueError:
+            quant = str(spec.file_type)
+    family = spec.arch if spec is not None else ""
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": family,
+        "families": [family],
+        "parameter_size": str(meta.get("general.size_label", "")),
+        "quantization_level": quant,
+    }
+
+
+@functools.cache
+def _digest(path: str) -> str:
+    from spillover.engine.llama_engine import file_digest
+
+    return file_digest(path)
+
+
+def ollama_routes(gw: Gateway, generate: Generate, authorize: Callable[[Request], None]) -> list[Route]:
+    """The /api routes; ``generate`` runs a request through the service, ``authorize``
+    checks the API key as on every other route."""
+    name = gw.cfg.model.name
+
+    def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                authorize(request)
+                return await route(request)
+            except SpilloverError as exc:
+                return ollama_error(exc, new_request_id())
+
+        return run
+
+    def plain(data: Any, status: int = 200) -> JSONResponse:
+        return JSONResponse(
+            data, status_code=status, headers={"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"}
+        )
+
+    async def model_entry() -> dict[str, Any]:
+        digest = await asyncio.to_thread(_digest, gw.model_path)
+        spec = gw.spec
+        mtime = dt.datetime.fromtimestamp(os.stat(gw.model_path).st_mtime, dt.UTC)
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": mtime.isoformat().replace("+00:00", "Z"),
+            "size": spec.file_bytes if spec else 0,
+            "digest": digest,
+            "details": _details(gw),
+        }
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, "ollama-chat", ollama_error)
+
+    async def gen(request: Request) -> Response:
+        return await generate(request, "ollama-generate", ollama_error)
+
+    @guarded
+    async def tags(request: Request) -> Response:
+        return plain({"models": [await model_entry()]})
+
+    @guarded
+    async def ps(request: Request) -> Response:
+        workers = []
+        vram = host = 0
+        for s in gw.supervisors:
+            w = s.worker.statistics()
+            on_gpu = w.lane == "gpu"
+            size = (gw.memory.weights_bytes() if gw.memory else 0) if on_gpu else gw.host.slot_bytes
+            ready = w.state == "ready"
+            if ready:
+                vram += size if on_gpu else 0
+                host += 0 if on_gpu else size
+            workers.append({"worker_id": w.worker_id, "lane": w.lane, "device": w.device, "state": w.state,
+                            "size": size if ready else 0})  # fmt: skip
+        models = []
+        if vram or host:
+            entry = await model_entry()
+            placement = "split" if vram and host else ("gpu" if vram else "cpu")
+            models.append(
+                entry
+                | {
+                    "size": vram + host,
+                    "size_vram": vram,
+                    "expires_at": FAR_FUTURE,
+                    "context_length": gw.context_cap_tokens(),
+                    "spillover": {"placement": placement, "workers": workers, "mode": gw.status()["mode"]},
+                }
+            )
+        return plain({"models": models})
+
+    @guarded
+    async def show(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        asked = body.get("model") or body.get("name") if isinstance(body, dict) else None
+        if asked != name:
+            raise NotFound(f"model {asked!r} not found; this server serves {name!r}", code="model_not_found")
+        meta = gw.tokenizer.metadata if gw.tokenizer is not None else {}
+        info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
+        return plain(
+            {
+                "modelfile": f"FROM {gw.model_path}\n",
+                "parameters": "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9))),
+                "template": gw.tokenizer.chat_template if gw.tokenizer is not None else "",
+                "details": _details(gw),
+                "model_info": info,
+                "capabilities": ["completion", "tools"],
+                "modified_at": created_at(),
+            }
+        )
+
+    async def version(request: Request) -> Response:
+        return plain({"version": metadata.version("spillover")})
+
+    @guarded
+    async def embed(request: Request) -> Response:
+        err = SpilloverError("this server has no embeddings service yet", code="not_implemented")
+        err.status = 501
+        raise err
+
+    return [
+        Route("/api/chat", chat, methods=["POST"]),
+        Route("/api/generate", gen, methods=["POST"]),
+        Route("/api/tags", tags, methods=["GET"]),
+        Route("/api/ps", ps, methods=["GET"]),
+        Route("/api/show", show, methods=["POST"]),
+        Route("/api/version", version, methods=["GET"]),
+        Route("/api/embed", embed, methods=["POST"]),
+    ]

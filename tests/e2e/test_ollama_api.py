@@ -1,0 +1,118 @@
+"""Ollama's API on the same port, driven by the official ``ollama`` client (real model)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import ollama
+import pydantic
+import pytest
+
+from spillover.testing import GatewayProcess
+from tests.e2e.helpers import ready_worker
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m-instruct"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    with GatewayProcess(["--gpu", "sim:1024"]) as g:
+        yield g
+
+
+@pytest.fixture()
+def client(gw: GatewayProcess) -> Iterator[ollama.Client]:
+    c = ollama.Client(host=gw.url, timeout=120)
+    yield c
+    c._client.close()
+
+
+def test_chat_streamed_and_not_give_the_same_greedy_answer(client: ollama.Client) -> None:
+    """chat(stream=False) and the streamed chat agree token for token; only the last part is
+    done, with its reason and counts."""
+    whole = client.chat(model=MODEL, messages=ASK, options=GREEDY)
+    assert whole.done and whole.message.content and whole.eval_count == 12 and whole.prompt_eval_count
+    parts = list(client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=True))
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
+    assert parts[-1].done and parts[-1].done_reason == "length" and not any(p.done for p in parts[:-1])
+
+
+def test_generate_with_system_and_raw(client: ollama.Client) -> None:
+    """generate() applies the chat template (with system); raw=True continues the bare prompt."""
+    r = client.generate(model=MODEL, prompt="Name a color.", system="Answer in one word.", options=GREEDY)
+    assert r.done and r.response
+    raw = client.generate(model=MODEL, prompt="1, 2, 3, 4,", raw=True, options={"temperature": 0, "num_predict": 4})
+    assert raw.response is not None and "5" in raw.response
+
+
+class Pet(pydantic.BaseModel):
+    name: str
+    species: str
+
+
+def test_structured_format_follows_the_schema(client: ollama.Client) -> None:
+    """format=<JSON schema> returns JSON that validates against it; format='json' an object."""
+    r = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a pet as JSON."}],
+        format=Pet.model_json_schema(),
+        options={"temperature": 0, "num_predict": 60},
+    )
+    assert Pet.model_validate_json(r.message.content or "")
+    j = client.generate(
+        model=MODEL, prompt="A JSON object about a cat:", format="json", options={"temperature": 0, "num_predict": 40}
+    )
+    assert (j.response or "").lstrip().startswith("{")
+
+
+def test_list_ps_show_and_version_describe_what_is_served(gw: GatewayProcess, client: ollama.Client) -> None:
+    """list() names the model; ps() says where it is loaded (GPU worker and CPU replica, with
+    their bytes); show() gives its template; version() answers."""
+    ready_worker(gw, "gpu")
+    ready_worker(gw, "cpu")
+    models = client.list().models
+    assert [m.model for m in models] == [MODEL] and models[0].details and models[0].details.quantization_level == "Q4_1"
+    ps = client.ps().models
+    assert len(ps) == 1 and ps[0].size_vram and ps[0].size and ps[0].size > ps[0].size_vram
+    sp = client._client.get("/api/ps").json()["models"][0]["spillover"]  # the client drops extras
+    assert sp["placement"] == "split" and {w["lane"] for w in sp["workers"]} == {"gpu", "cpu"}
+    shown = client.show(MODEL)
+    assert shown.template and "im_start" in shown.template
+    assert client._client.get("/api/version").json()["version"]
+
+
+def test_errors_come_in_ollama_shape(gw: GatewayProcess, client: ollama.Client) -> None:
+    """An unknown model, a refused option and embed (no embeddings service yet) raise the
+    client's ResponseError with the status and a message."""
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="nope", messages=ASK)
+    assert e.value.status_code == 404 and "smollm2" in str(e.value.error)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=MODEL, messages=ASK, options={"num_gpu": 1})
+    assert e.value.status_code == 400 and "num_gpu" in str(e.value.error)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model=MODEL, input="hello")
+    assert e.value.status_code == 501
+
+
+def test_an_ollama_request_is_journaled_and_flags_its_route(gw: GatewayProcess) -> None:
+    """/api/chat goes through the request service: X-Spillover headers, a spillover object
+    on the last NDJSON line, and a journaled completed request whose stored answer is what
+    was sent."""
+    body = {"model": MODEL, "messages": ASK, "stream": False, "options": GREEDY}
+    r = httpx.post(f"{gw.url}/api/chat", json=body, timeout=120)
+    assert r.status_code == 200 and r.headers["x-spillover-route"] in ("gpu", "cpu")
+    rid = r.headers["x-spillover-request-id"]
+    doc = httpx.get(f"{gw.url}/v1/requests/{rid}", timeout=30).json()
+    assert doc["state"] == "completed" and doc["response"] == json.loads(r.content)
+    streamed = httpx.post(f"{gw.url}/api/chat", json={**body, "stream": True}, timeout=120)
+    assert streamed.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(x) for x in streamed.text.splitlines()]
+    sp = lines[-1]["spillover"]
+    assert lines[-1]["done"] and sp["route"] == streamed.headers["x-spillover-route"]
+    assert sp["degraded"] is (sp["route"] != "gpu") and sp["request_id"] == streamed.headers["x-spillover-request-id"]
