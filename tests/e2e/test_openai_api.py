@@ -234,3 +234,11 @@ def test_without_max_tokens_an_answer_may_run_past_the_old_256_cap(client: opena
         sp["limits"]["max_tokens"] + r.usage.prompt_tokens == sp["limits"]["ctx"]
         or r.choices[0].finish_reason == "stop"
     )
+
+
+def test_responses_api_is_a_clear_404_naming_what_is_served(client: openai.OpenAI) -> None:
+    """responses.create gets a 404 that says which endpoints to use, and is not retried."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="hi")
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert "/v1/chat/completions" in e.value.message and e.value.body["code"] == "endpoint_not_supported"  # type: ignore[index]

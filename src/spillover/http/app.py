@@ -271,6 +271,16 @@ def create_app(gw: Gateway) -> Starlette:
         }
 
     @guarded
+    async def responses(request: Request) -> Response:
+        # Decided: not served (README, "Endpoints"). A clear 404 naming what is, so an agent
+        # that probes for the Responses API falls back to Chat Completions at once.
+        raise NotFound(
+            "the Responses API (/v1/responses) is not served here; use /v1/chat/completions "
+            "(or /v1/completions, or Ollama's /api/chat and /api/generate)",
+            code="endpoint_not_supported",
+        )
+
+    @guarded
     async def metrics(request: Request) -> Response:
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -290,6 +300,8 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/responses", responses, methods=["POST", "GET"]),
+        Route("/v1/responses/{rest:path}", responses, methods=["POST", "GET", "DELETE"]),
         Route("/v1/status", status, methods=["GET"]),
         Route("/v1/requests/{rid}", get_request, methods=["GET"]),
         Route("/v1/requests/{rid}", delete_request, methods=["DELETE"]),
