@@ -86,6 +86,9 @@ class ServerConfig:
     body_timeout_s: float = _doc(
         30.0, "longest a client may take to send its request body once the head arrived (408 past it)"
     )
+    degraded_notice: bool = _doc(
+        False, "append a one-line notice to answers served degraded (for chat UIs without the spillover filter)"
+    )
     ignored_fields: tuple[str, ...] = _doc(
         (), "request fields dropped knowingly (for a client that sends extras); any other unknown field is a 400"
     )

@@ -27,6 +27,10 @@
     │   └── IdempotencyMismatch         422: same key, different body
     └── RequestTimedOut                 504 code=request_timeout: ran past request_timeout_s
 
+An error a person may read in a chat UI (cancelled, busy, too long, the model failed, ...)
+has a plain ``message`` saying what happened and what to do (``for_people``); the technical
+account is kept in ``detail``.
+
 Every error answer carries ``x-should-retry`` (``should_retry``): ``true`` only for
 CapacityError and IdempotencyInFlight, the two a later retry can fix; SDKs obey it.
 
@@ -65,6 +69,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedMediaType",
     "WorkerFailed",
+    "for_people",
     "should_retry",
     "to_http",
 ]
@@ -255,6 +260,45 @@ class HttpError:
     headers: dict[str, str]
 
 
+# What a person reads (chat UIs show ``message`` verbatim): what happened and what to do, in a
+# sentence. The technical account stays in ``detail``; ``code`` and ``param`` stay machine-readable.
+_FOR_PEOPLE: dict[str, str] = {
+    "request_cancelled": "This request was cancelled before it finished. Send it again if you still want an answer.",
+    "queue_full": "The server is busy right now. Please try again in {s}.",
+    "queue_timeout": "The server was too busy to start this request in time. Please try again in {s}.",
+    "cpu_queue_full": "The GPU is full and the slower CPU path is busy too. Please try again in {s}.",
+    "cpu_unavailable": "The GPU is full and the CPU path is not available. Please try again in {s}.",
+    "too_long_for_cpu": (
+        "The GPU is full and this conversation is too long for the slower CPU path. "
+        "Try again in {s}, or start a shorter conversation."
+    ),
+    "deadline_exceeded": "This answer cannot be ready before its deadline right now. Try later or allow more time.",
+    "no_worker_ready": "The model is still loading. Please try again in {s}.",
+    "worker_failed": "The model stopped while answering. Please try again in {s}.",
+    "failover_interrupted": (
+        "The GPU failed partway through this answer, and the rest could not be produced identically "
+        "elsewhere. Please try again."
+    ),
+    "journal_unavailable": "The server cannot save requests right now (its disk may be full). Please try again later.",
+    "request_timeout": "This answer took too long and was stopped. Try a shorter request or a smaller answer length.",
+    "context_length_exceeded": "This conversation is too long for the model. Shorten it or start a new one.",
+    "idempotency_key_in_flight": "This request is still being answered. Wait for it to finish.",
+    "too_many_connections": "The server has too many open connections right now. Please try again in {s}.",
+    "body_timeout": "The request arrived too slowly and was dropped. Please send it again.",
+}
+
+
+def for_people(exc: SpilloverError) -> str | None:
+    """The sentence a person reads for this error, or None (a developer's error: the
+    technical message is the right one)."""
+    text = _FOR_PEOPLE.get(exc.code or "")
+    if text is None:
+        return None
+    retry = getattr(exc, "retry_after_s", None)
+    n = max(1, math.ceil(float(retry))) if retry is not None else 1
+    return text.format(s="a second" if n == 1 else f"{n} seconds")
+
+
 def should_retry(exc: SpilloverError) -> bool:
     """Whether the same request, sent again later, can succeed: the gateway was full or a
     worker failed (503, with Retry-After), or the key's first request is still running.
@@ -275,14 +319,17 @@ def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
         retry_s = max(0.0, float(retry))
         headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
         headers["retry-after-ms"] = str(int(retry_s * 1000))
-    body = {
+    person = for_people(exc)
+    body: dict[str, Any] = {
         "error": {
-            "message": exc.message,
+            "message": person or exc.message,
             "type": exc.type,
             "param": exc.param,
             "code": exc.code,
         }
     }
+    if person is not None:
+        body["error"]["detail"] = exc.message
     if request_id is not None:
         body["error"]["request_id"] = request_id
     return HttpError(status=exc.status, body=body, headers=headers)

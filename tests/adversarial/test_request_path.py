@@ -297,7 +297,7 @@ def test_a_prompt_too_long_for_the_cpu_lane_is_a_400_not_an_empty_200(gw: Gatewa
     with healthy_client(gw) as c:
         r = c.post("/v1/completions", json={"prompt": LONG, "max_tokens": 16, "spillover": {"prefer": "cpu"}})
         err = assert_openai_error(r, 400, "context_length_exceeded")
-        assert "CPU lane" in err["message"]
+        assert "CPU lane" in err["detail"] and "too long" in err["message"]
     assert_quiescent(gw)
 
 
@@ -308,7 +308,7 @@ def test_a_gpu_failure_of_a_prompt_too_long_for_the_cpu_is_a_typed_error(gw: Gat
         sim(gw).fail_next(1)
         r = c.post("/v1/completions", json={"prompt": LONG, "max_tokens": 16})
         err = assert_openai_error(r, 503, "worker_failed")
-        assert "CPU lane serves at most" in err["message"]
+        assert "CPU lane serves at most" in err["detail"] and "try again" in err["message"]
     assert_quiescent(gw)
 
 

@@ -1,8 +1,10 @@
 """What a request that says little gets: no max_tokens runs to the serving lane's context
-limit; the operator's shrink_by_default fits a too-long max_tokens to the lane."""
+limit; the operator's shrink_by_default fits a too-long max_tokens to the lane; with
+degraded_notice a person sees, in the answer itself, that it was served degraded."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,9 +21,11 @@ COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 
 @pytest.fixture(scope="module")
 def gw() -> Iterator[GatewayProcess]:
-    """Small context caps (so running to the limit is quick) and shrink_by_default on."""
+    """Small context caps (so running to the limit is quick), shrink_by_default and
+    degraded_notice on."""
     args = ["--gpu", "sim:1024", "--gpu-ctx", str(GPU_CTX), "--cpu-ctx", str(CPU_CTX)]
-    with GatewayProcess(args, config={"admission": {"shrink_by_default": True}}) as g:
+    cfg = {"admission": {"shrink_by_default": True}, "server": {"degraded_notice": True}}
+    with GatewayProcess(args, config=cfg) as g:
         yield g
 
 
@@ -57,3 +61,27 @@ def test_shrink_by_default_fits_a_too_long_max_tokens_to_the_cpu_lane(gw: Gatewa
     assert sp["limits"]["max_tokens"] == CPU_CTX - usage["prompt_tokens"], sp
     refused = complete(gw, max_tokens=1000, spillover={"prefer": "cpu", "allow_shrink": False})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded", refused.text
+
+
+def chat(gw: GatewayProcess, **body: Any) -> httpx.Response:
+    doc = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0, **body}
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=doc, timeout=120)
+
+
+def test_degraded_notice_is_appended_to_cpu_answers_only(gw: GatewayProcess) -> None:
+    """A CPU answer ends with its one-line notice (body and stream), which is also
+    spillover.notice; a GPU answer and a JSON answer get none."""
+    ready_worker(gw, "cpu")
+    line = f"answered on CPU: CPU asked for — slower, context {CPU_CTX}"
+    cpu = chat(gw, spillover={"prefer": "cpu"}).json()
+    assert cpu["spillover"]["notice"] == line
+    assert cpu["choices"][0]["message"]["content"].endswith(f"\n\n_({line})_")
+    lines = chat(gw, spillover={"prefer": "cpu"}, stream=True).text.splitlines()
+    deltas = [json.loads(x[6:])["choices"][0]["delta"].get("content") for x in lines if x.startswith("data: {")]
+    assert deltas[-2] == f"\n\n_({line})_", deltas  # the last content, before the finish chunk
+    ready_worker(gw, "gpu")
+    gpu = chat(gw).json()
+    assert gpu["spillover"]["route"] == "gpu" and gpu["spillover"]["notice"] is None
+    assert "answered on" not in gpu["choices"][0]["message"]["content"]
+    js = chat(gw, spillover={"prefer": "cpu"}, max_tokens=40, response_format={"type": "json_object"}).json()
+    assert js["spillover"]["notice"] == line and "answered on" not in js["choices"][0]["message"]["content"]

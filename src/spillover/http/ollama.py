@@ -221,7 +221,8 @@ class NdjsonEncoding(_OpenAI):
         r = self.run
         now = time.monotonic()
         first = r.first_token_s or now
-        obj = self._part("" if self.stream else "".join(r.text)) | {
+        extra = self.appended_notice()
+        obj = self._part("" if self.stream else "".join(r.text) + extra) | {
             "done": True,
             "done_reason": r.finish_reason or "stop",
             "total_duration": int((now - r.started_s) * 1e9),
@@ -234,9 +235,10 @@ class NdjsonEncoding(_OpenAI):
         }
         if not self.stream and r.req.logprobs >= 0:
             obj["logprobs"] = _ollama_logprobs(r.tokens)
-        return Encoded(
-            200, [self._line(obj) if self.stream else json.dumps(obj).encode()], self.headers(), self.content_type
-        )
+        if not self.stream:
+            return Encoded(200, [json.dumps(obj).encode()], self.headers(), self.content_type)
+        lines = [self._line(self._part(extra) | {"done": False})] if extra else []
+        return Encoded(200, [*lines, self._line(obj)], self.headers(), self.content_type)
 
     def error(self, err: SpilloverError, *, committed: bool) -> Encoded:
         e = to_http(err, self.run.rid)

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from spillover.errors import SpilloverError, WorkerFailed, to_http
+from spillover.http.notice import notice
 from spillover.runtime.events import TokenLogprob
 from spillover.runtime.executor import TokenOut
 from spillover.runtime.run import Encoded, Run
@@ -56,7 +57,17 @@ class _OpenAI:
             "attempts": r.exe.attempt,
             "queue_position": i.queue_position if i else 0,
             "estimated_delay_ms": i.estimated_delay_ms if i else 0,
+            "notice": notice(r),  # a person's one-line status of a degraded answer (None: none)
         }
+
+    def appended_notice(self) -> str:
+        """The text added to a degraded answer's content with ``[server].degraded_notice``
+        (never to a tool call or a JSON answer: those must still parse)."""
+        r = self.run
+        line = notice(r)
+        if not line or not r.gw.cfg.server.degraded_notice or r.req.forced_tool or r.req.response_format:
+            return ""
+        return f"\n\n_({line})_"
 
     def headers(self) -> dict[str, str]:
         sp = self.spillover_object()
@@ -145,7 +156,7 @@ class JsonEncoding(_OpenAI):
 
     def body(self) -> dict[str, Any]:
         r = self.run
-        text = "".join(r.text)
+        text = "".join(r.text) + self.appended_notice()
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = r.finish_reason
@@ -227,6 +238,8 @@ class SseEncoding(_OpenAI):
             calls = self.tool_calls() or []
             frames.append(self.chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
             finish = "tool_calls"
+        if extra := self.appended_notice():
+            frames.append(self.chunk({"content": extra} if self.chat else extra))
         frames.append(self.chunk(self._empty(), finish))
         if self.run.req.include_usage:
             frames.append(self.frame([], usage=self.usage()))

@@ -1,0 +1,65 @@
+# ruff: noqa: E501  (the table of sentences reads best one row per line)
+"""What an error answer says: a plain sentence for people, the details for developers, and
+whether a retry can help."""
+
+from __future__ import annotations
+
+import pytest
+
+from spillover.errors import (
+    BodyTimeout,
+    CapacityError,
+    ContextLengthExceeded,
+    FailoverInterrupted,
+    IdempotencyInFlight,
+    IdempotencyMismatch,
+    InvalidRequest,
+    QueueFull,
+    RequestCancelled,
+    RequestTimedOut,
+    SpilloverError,
+    WorkerFailed,
+    to_http,
+)
+
+
+@pytest.mark.parametrize(
+    ("exc", "message", "retry"),
+    [
+        (RequestCancelled("request r1 was cancelled"), "This request was cancelled before it finished. Send it again if you still want an answer.", "false"),
+        (QueueFull("the gpu queue is full (8 waiting)", retry_after_s=2.2), "The server is busy right now. Please try again in 3 seconds.", "true"),
+        (QueueFull("full", retry_after_s=0.3), "The server is busy right now. Please try again in a second.", "true"),
+        (CapacityError("no capacity (margin+too_long_for_cpu)", retry_after_s=5, code="too_long_for_cpu"),
+         "The GPU is full and this conversation is too long for the slower CPU path. Try again in 5 seconds, or start a shorter conversation.", "true"),
+        (WorkerFailed("request r1 failed: crash on the cpu worker", retry_after_s=1.0), "The model stopped while answering. Please try again in a second.", "true"),
+        (FailoverInterrupted("gpu oom after 7 tokens", retry_after_s=1.0),
+         "The GPU failed partway through this answer, and the rest could not be produced identically elsewhere. Please try again.", "true"),
+        (RequestTimedOut("ran past 600 s"), "This answer took too long and was stopped. Try a shorter request or a smaller answer length.", "false"),
+        (ContextLengthExceeded("needs 5000 tokens; the longest context is 2048", param="messages"),
+         "This conversation is too long for the model. Shorten it or start a new one.", "false"),
+        (IdempotencyInFlight("key k in flight"), "This request is still being answered. Wait for it to finish.", "true"),
+        (BodyTimeout("no body within 30s"), "The request arrived too slowly and was dropped. Please send it again.", "false"),
+    ],
+)  # fmt: skip
+def test_errors_people_read_say_what_happened_and_what_to_do(exc: SpilloverError, message: str, retry: str) -> None:
+    """The message is the plain sentence; the technical account moves to detail; the code
+    stays; x-should-retry says whether sending it again can help."""
+    e = to_http(exc, "r1")
+    assert e.body["error"]["message"] == message
+    assert e.body["error"]["detail"] == exc.message and e.body["error"]["code"] == exc.code
+    assert e.headers["x-should-retry"] == retry
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        InvalidRequest("'temperature' must be between 0.0 and 2.0", param="temperature"),
+        IdempotencyMismatch("this Idempotency-Key was used with a different request body"),
+        SpilloverError("internal error: KeyError"),
+    ],
+)
+def test_developer_errors_keep_their_technical_message(exc: SpilloverError) -> None:
+    """A developer's mistake (or a bug) keeps its exact message, no detail, no retry."""
+    e = to_http(exc)
+    assert e.body["error"]["message"] == exc.message and "detail" not in e.body["error"]
+    assert e.headers["x-should-retry"] == "false"
