@@ -27,6 +27,7 @@ CONFIG: dict[str, dict[str, Any]] = {
     "breaker": {"cooldown_s": 1.0, "cooldown_max_s": 2.0},
     "gpu_lane": {"canary_ratio": 0.0},
     "cpu_lane": {"canary_ratio": 0.0},
+    "server": {"ignored_fields": ["tolerated"]},  # an extra the operator lets through (item 11)
 }
 TOOL = {
     "type": "function",
@@ -379,8 +380,9 @@ def test_malformed_input_gets_a_400_in_the_openai_shape_on_a_kept_connection(gw:
 
 # -- item 11: junk does not grow the journal ---------------------------------------------------
 def test_unknown_fields_are_not_journaled(gw: GatewayProcess) -> None:
-    """Twenty requests each carrying a 900 KB unknown field grow the journal by far less than
-    the junk (only the fields the gateway reads are stored); the file is private (0600)."""
+    """Twenty requests each carrying a 900 KB unknown field are refused (400 naming it); twenty
+    carrying one the operator tolerates ([server].ignored_fields) run, and that field is not
+    stored: the journal grows by far less than the junk; the file is private (0600)."""
     journal = Path(gw.state_dir) / "journal.sqlite3"
 
     def size() -> int:
@@ -390,6 +392,8 @@ def test_unknown_fields_are_not_journaled(gw: GatewayProcess) -> None:
     with healthy_client(gw) as c:
         for _ in range(20):
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "junk": "x" * 900_000})
+            assert assert_openai_error(r, 400)["param"] == "junk"
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "tolerated": "x" * 900_000})
             assert r.status_code == 200, r.text
             assert stored_body_bytes(journal, r.headers["x-spillover-request-id"]) < 1000
     grown = size() - before

@@ -54,6 +54,8 @@ NO_OP: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         "functions": (_NONE, "the deprecated 'functions' is not supported; use 'tools'"),
         "function_call": (_NONE, "the deprecated 'function_call' is not supported; use 'tool_choice'"),
         "prompt_cache_retention": (_NONE, "prompt caching is not offered"),
+        "prompt_cache_options": (_NONE, "prompt caching is not offered"),
+        "moderation": (_NONE, "moderation is not offered"),
     },
     "text": {
         "n": ((1, None), "only one choice per request (n=1) is served"),
