@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from spillover.core.breaker import BreakerPolicy, BreakerState, allows
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
-from spillover.core.routing import Reason, fits_lane
+from spillover.core.routing import MIN_SHRUNK_TOKENS, Reason, fits_lane
 
 __all__ = [
     "AdmissionPolicy",
@@ -60,7 +60,7 @@ class AdmissionRequest:
     max_tokens: int
     arrived_s: float
     allow_shrink: bool = False
-    min_max_tokens: int = 16
+    min_max_tokens: int = MIN_SHRUNK_TOKENS
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from spillover.core.reasons import FailoverReason, Reason, RouteReason
 
 __all__ = [
     "CLIENT_FAULTS",
+    "MIN_SHRUNK_TOKENS",
     "SEVERE_FAULTS",
     "Continue",
     "Fail",
@@ -52,6 +53,7 @@ __all__ = [
 
 SEVERE_FAULTS = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
 CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar"})
+MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit (GPU memory, a lane's context) keeps at least this many
 
 
 def fits_lane(prompt_tokens: int, max_tokens: int, ctx_cap_tokens: int) -> bool:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from spillover.config import FailoverConfig
 from spillover.core.lifecycle import State
 from spillover.core.routing import (
     CLIENT_FAULTS,
+    MIN_SHRUNK_TOKENS,
     SEVERE_FAULTS,
     Fail,
     FailKind,
@@ -45,81 +45,25 @@ from spillover.core.routing import (
     plan_failover,
 )
 from spillover.errors import (
-    AllocationFailed,
     CapacityError,
     ContextLengthExceeded,
-    FailoverInterrupted,
-    InvalidRequest,
-    JournalUnavailable,
     RequestCancelled,
     RequestTimedOut,
     SpilloverError,
     WorkerFailed,
 )
 from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, Token, WorkerGone
+from spillover.runtime.outcomes import Event, Finished, RetryBudget, RouteInfo, TokenOut, classify_error, final_error
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient
 
 if TYPE_CHECKING:
     from spillover.runtime.journal import Journal
 
-__all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut"]
+__all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut", "classify_error"]
 
-MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit a lane keeps at least this many new tokens
 PREFILL_FLOOR_TPS = 50.0  # slowest prompt evaluation still counted as progress (tokens/s)
 CPU_STALL_FACTOR = 4.0  # the CPU lane is slower and shared: its stall bound is this much longer
-
-
-@dataclass(frozen=True)
-class RouteInfo:
-    """Where the request runs now; ``restart`` means earlier tokens are void (not delivered)."""
-
-    route: str
-    reason: str  # the wire text of the dispatch's reason (a Reason's value, or failover:<fault>)
-    attempt: int
-    worker_id: str
-    max_tokens: int
-    kv_tokens: int
-    shrunk: bool
-    queued_s: float
-    queue_position: int
-    estimated_delay_ms: int
-    restart: bool
-    failover: str | None = None  # the failure that caused this attempt
-
-
-TokenOut = Token  # a generated token and the text it releases: the worker's event, passed on as is
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The generation ended normally."""
-
-    finish_reason: str
-    completion_tokens: int
-
-
-Event = RouteInfo | TokenOut | Finished
-
-
-class RetryBudget:
-    """At most ``per_min`` failover retries in any 60 s window, gateway-wide."""
-
-    def __init__(self, per_min: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.per_min = per_min
-        self.clock = clock
-        self._used: deque[float] = deque()
-        self.denied = 0
-
-    def take(self) -> bool:
-        now = self.clock()
-        while self._used and now - self._used[0] > 60.0:
-            self._used.popleft()
-        if len(self._used) >= self.per_min:
-            self.denied += 1
-            return False
-        self._used.append(now)
-        return True
 
 
 class _Failure(Exception):
@@ -512,37 +456,17 @@ class Execution:
             ) from exc
 
     def _fail_error(self, kind: FailKind, where: str, f: _Failure) -> SpilloverError:
-        """The one error each kind of final failure becomes."""
-        rid = self.rid
-        if kind is FailKind.CANCELLED:
-            return RequestCancelled(f"request {rid} was cancelled")
-        if kind is FailKind.CLIENT:
-            if f.kind == "context_overflow":
-                return ContextLengthExceeded(f"request {rid}: {f.message}", param="max_tokens")
-            return InvalidRequest(f"request {rid}: the engine refused the output constraint: {f.message}")
-        if kind is FailKind.CPU_FAILED:
-            return WorkerFailed(f"request {rid} failed: {where}; no replica to fail over to", retry_after_s=1.0)
-        if kind is FailKind.ATTEMPTS_SPENT:
-            return WorkerFailed(f"request {rid} failed after {self.attempt} attempts: {where}", retry_after_s=1.0)
-        if kind is FailKind.NOT_CONTINUABLE:
-            return FailoverInterrupted(
-                f"request {rid}: {where} after {len(self.delivered)} tokens were delivered, and the "
-                "continuation on the CPU replica cannot be proven identical (needs greedy decoding and "
-                "identical fingerprints)",
-                retry_after_s=1.0,
-            )
-        if kind is FailKind.CPU_TOO_SMALL:
-            return WorkerFailed(
-                f"request {rid}: {where}; it needs {len(self._prompt('cpu')) + len(self.delivered) + self.max_tokens}"
-                f" tokens and the CPU lane serves at most {self.scheduler.cpu_ctx_cap_tokens()}, so it cannot be "
-                "replayed there",
-                retry_after_s=1.0,
-            )
-        return WorkerFailed(
-            f"request {rid}: {where}; no CPU worker has the same compatibility fingerprint "
-            "(model, tokenizer, template, quantization), so it is not a replica, and no fallback "
-            "model is configured",
-            retry_after_s=1.0,
+        """The one error each kind of final failure becomes (``outcomes.final_error``)."""
+        return final_error(
+            kind,
+            rid=self.rid,
+            where=where,
+            fault=f.kind,
+            message=f.message,
+            attempts=self.attempt,
+            delivered=len(self.delivered),
+            needs_tokens=len(self._prompt("cpu")) + len(self.delivered) + self.max_tokens,
+            cpu_cap_tokens=self.scheduler.cpu_ctx_cap_tokens(),
         )
 
     def _constrained(self) -> bool:
@@ -564,16 +488,3 @@ class Execution:
             all(((w.info or {}).get("fingerprint") or {}).get(p) == gpu_fp.get(p) is not None for p in parts)
             for w in self.scheduler.cpu_workers
         )
-
-
-def classify_error(exc: SpilloverError) -> State:
-    """The journal state a request ends in after ``exc`` (once it was accepted)."""
-    if isinstance(exc, RequestCancelled):
-        return State.CANCELLED
-    if isinstance(exc, JournalUnavailable):
-        return State.RESUMABLE_ERROR
-    if isinstance(exc, WorkerFailed | AllocationFailed):
-        return State.RESUMABLE_ERROR
-    if isinstance(exc, CapacityError):
-        return State.REJECTED
-    return State.FAILED
