@@ -11,7 +11,7 @@ import contextlib
 import functools
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 
@@ -32,9 +32,10 @@ from spillover.errors import (
     Unauthorized,
     to_http,
 )
-from spillover.http.ollama_api import ollama_endpoints, ollama_routes
+from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
+from spillover.http.routes import guard, plain_json
 from spillover.http.schemas import parse_chat, parse_completion, positive_ms, stored_body
 from spillover.runtime.gateway import Gateway
 from spillover.runtime.prepare import new_request_id
@@ -144,17 +145,7 @@ def create_app(gw: Gateway) -> Starlette:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
             raise Unauthorized("a valid 'Authorization: Bearer <key>' header is required")
 
-    def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        """A route that needs the API key (when one is set) and answers its errors OpenAI-shaped."""
-
-        async def run(request: Request) -> Response:
-            try:
-                authorize(request)
-                return await route(request)
-            except SpilloverError as exc:
-                return _error_response(exc)
-
-        return run
+    guarded = guard(authorize, _error_response)  # the API key, and errors OpenAI-shaped
 
     async def generate(
         request: Request, endpoint: str, refuse: Callable[[SpilloverError, str], Response] = _error_response
@@ -199,17 +190,9 @@ def create_app(gw: Gateway) -> Starlette:
     async def completions(request: Request) -> Response:
         return await generate(request, "text")
 
-    def _plain(request: Request, data: Any, status: int = 200) -> JSONResponse:
-        return JSONResponse(
-            data,
-            status_code=status,
-            headers={"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"},
-        )
-
     @guarded
     async def models(request: Request) -> Response:
-        return _plain(
-            request,
+        return plain_json(
             {
                 "object": "list",
                 "data": [{"id": cfg.model.name, "object": "model", "created": 0, "owned_by": "spillover"}],
@@ -217,16 +200,16 @@ def create_app(gw: Gateway) -> Starlette:
         )
 
     async def health(request: Request) -> Response:
-        return _plain(request, {"status": "ok"})
+        return plain_json({"status": "ok"})
 
     @guarded
     async def ready(request: Request) -> Response:
         ok = gw.ready()
-        return _plain(request, {"ready": ok}, 200 if ok else 503)
+        return plain_json({"ready": ok}, 200 if ok else 503)
 
     @guarded
     async def status(request: Request) -> Response:
-        return _plain(request, gw.status())
+        return plain_json(gw.status())
 
     async def index(request: Request) -> Response:  # keyless: static, no data; its JS sends the key
         page = resources.files("spillover.http").joinpath("static/status.html").read_text("utf-8")
@@ -234,13 +217,13 @@ def create_app(gw: Gateway) -> Starlette:
 
     @guarded
     async def get_request(request: Request) -> Response:
-        return _plain(request, await _request_document(request.path_params["rid"]))
+        return plain_json(await _request_document(request.path_params["rid"]))
 
     @guarded
     async def delete_request(request: Request) -> Response:
         rid = request.path_params["rid"]
         await gw.requests.cancel(rid)  # returns once its end is journaled (bounded wait)
-        return _plain(request, await _request_document(rid))
+        return plain_json(await _request_document(rid))
 
     async def _request_document(rid: str) -> dict[str, Any]:
         rec = await gw.journal.get(rid) if gw.journal else None
@@ -309,7 +292,7 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/", index, methods=["GET"]),
-        *ollama_routes(gw, generate, authorize),
+        *ollama_routes(gw, generate, guard(authorize, ollama_error)),
     ]
 
     @contextlib.asynccontextmanager

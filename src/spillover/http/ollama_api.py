@@ -29,7 +29,7 @@ from spillover.http.ollama import (
     parse_ollama_chat,
     parse_ollama_generate,
 )
-from spillover.runtime.prepare import new_request_id
+from spillover.http.routes import Handler, plain_json
 from spillover.runtime.requests import Endpoint
 
 if TYPE_CHECKING:
@@ -96,25 +96,10 @@ def _digest(path: str) -> str:
     return file_digest(path)
 
 
-def ollama_routes(gw: Gateway, generate: Generate, authorize: Callable[[Request], None]) -> list[Route]:
-    """The /api routes; ``generate`` runs a request through the service, ``authorize``
-    checks the API key as on every other route."""
+def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], Handler]) -> list[Route]:
+    """The /api routes; ``generate`` runs a request through the service, ``guarded`` checks
+    the API key as on every other route and answers errors in Ollama's shape."""
     name = gw.cfg.model.name
-
-    def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def run(request: Request) -> Response:
-            try:
-                authorize(request)
-                return await route(request)
-            except SpilloverError as exc:
-                return ollama_error(exc, new_request_id())
-
-        return run
-
-    def plain(data: Any, status: int = 200) -> JSONResponse:
-        return JSONResponse(
-            data, status_code=status, headers={"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"}
-        )
 
     async def model_entry() -> dict[str, Any]:
         digest = await asyncio.to_thread(_digest, gw.model_path)
@@ -137,7 +122,7 @@ def ollama_routes(gw: Gateway, generate: Generate, authorize: Callable[[Request]
 
     @guarded
     async def tags(request: Request) -> Response:
-        return plain({"models": [await model_entry()]})
+        return plain_json({"models": [await model_entry()]})
 
     @guarded
     async def ps(request: Request) -> Response:
@@ -167,7 +152,7 @@ def ollama_routes(gw: Gateway, generate: Generate, authorize: Callable[[Request]
                     "spillover": {"placement": placement, "workers": workers, "mode": gw.status()["mode"]},
                 }
             )
-        return plain({"models": models})
+        return plain_json({"models": models})
 
     @guarded
     async def show(request: Request) -> Response:
@@ -180,7 +165,7 @@ def ollama_routes(gw: Gateway, generate: Generate, authorize: Callable[[Request]
             raise NotFound(f"model {asked!r} not found; this server serves {name!r}", code="model_not_found")
         meta = gw.tokenizer.metadata if gw.tokenizer is not None else {}
         info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
-        return plain(
+        return plain_json(
             {
                 "modelfile": f"FROM {gw.model_path}\n",
                 "parameters": "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9))),
@@ -193,7 +178,7 @@ def ollama_routes(gw: Gateway, generate: Generate, authorize: Callable[[Request]
         )
 
     async def version(request: Request) -> Response:
-        return plain({"version": metadata.version("spillover")})
+        return plain_json({"version": metadata.version("spillover")})
 
     @guarded
     async def embed(request: Request) -> Response:

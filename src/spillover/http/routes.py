@@ -1,0 +1,42 @@
+"""What every route shares: its plain JSON answer, and the guard that checks the API key and
+shapes its errors (OpenAI's, or Ollama's)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from spillover.errors import SpilloverError
+from spillover.runtime.prepare import new_request_id
+
+__all__ = ["Handler", "guard", "plain_json"]
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def plain_json(data: Any, status: int = 200) -> JSONResponse:
+    """A JSON answer that is not a generation (still with the request-id and route headers)."""
+    headers = {"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"}
+    return JSONResponse(data, status_code=status, headers=headers)
+
+
+def guard(
+    authorize: Callable[[Request], None], refuse: Callable[[SpilloverError, str], Response]
+) -> Callable[[Handler], Handler]:
+    """A decorator: the route needs the API key (when one is set), and its errors leave
+    through ``refuse``."""
+
+    def guarded(route: Handler) -> Handler:
+        async def run(request: Request) -> Response:
+            try:
+                authorize(request)
+                return await route(request)
+            except SpilloverError as exc:
+                return refuse(exc, new_request_id())
+
+        return run
+
+    return guarded
