@@ -207,7 +207,9 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
             code="model_not_found",
         )
     m = gw.cfg.model
-    grammar = await asyncio.to_thread(_output_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
+    grammar = None
+    if req.forced_tool is not None or req.response_format is not None:  # building one takes a while
+        grammar = await asyncio.to_thread(_output_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
     _check_logit_bias(gw, req)
     tokens = await _render_or_400(gw.tokenizer, req)
     cpu_tokens = None

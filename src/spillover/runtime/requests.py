@@ -117,6 +117,8 @@ class RequestService:
                             return stored_answer(rec)
                         resume = rec.attempts
                         req = _with_stored_seed(req, rec)  # a resumed request samples as before
+                if self.gw.scheduler is not None:  # rule 3 at once: a full queue costs no tokenizing
+                    self.gw.scheduler.check_room_nowait("cpu" if req.prefer_cpu else None)
                 prep = await prepare(self.gw, req, rid)
                 # The seed it runs with is journaled with it: a replay after a restart is exact.
                 body_json = dumps({"endpoint": endpoint, "body": stored | {"seed": prep.seed}})
