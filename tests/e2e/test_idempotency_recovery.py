@@ -3,6 +3,7 @@ tool twice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -230,3 +231,44 @@ def test_agent_never_executes_a_tool_twice(gw: GatewayProcess) -> None:
                 )
     assert effects == Counter({1: 1, 2: 1, 3: 1})
     assert len(ledger) == 3
+
+
+def test_an_unseeded_ollama_request_is_replayed_after_a_gateway_sigkill(tmp_path: Path) -> None:
+    """Ollama /api/chat requests (sampled, no seed) in flight when the gateway is SIGKILLed
+    are replayed after restart through their own endpoint, with the seed their first run
+    chose, and complete exactly once."""
+    state = str(tmp_path / "state")
+    g = GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1", "--cpu-slots", "1"], state_dir=state)
+    g.start()
+    try:
+        body = {
+            "model": "smollm2-135m-instruct",
+            "messages": [{"role": "user", "content": COUNT_PROMPT}],
+            "stream": False,
+            "options": {"num_predict": 250},
+        }
+
+        def send(key: str) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the gateway dies under it
+                httpx.post(f"{g.url}/api/chat", json=body, headers={"Idempotency-Key": key}, timeout=120)
+
+        threads = [threading.Thread(target=send, args=(f"o{i}",)) for i in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(journal_rows(state)) == 2, 30, "both accepted")
+        g.kill9()
+        for t in threads:
+            t.join(60)
+        g.restart()
+        rows = wait_for(
+            lambda: (
+                (r := journal_rows(state))
+                and all(x["state"] not in ("accepted", "queued", "admitted", "running") for x in r)
+                and r
+            ),
+            240,
+            "both ended",
+        )
+        assert [(r["state"], r["completions"]) for r in rows] == [("completed", 1), ("completed", 1)], rows
+    finally:
+        g.stop()

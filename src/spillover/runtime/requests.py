@@ -116,12 +116,13 @@ class RequestService:
                         if rec.state not in RESUMABLE:
                             return stored_answer(rec)
                         resume = rec.attempts
-                        req = _with_stored_seed(req, rec)  # a resumed request samples as before
+                        req = _with_stored_seed(req, json.loads(rec.body))  # it samples as before
                 if self.gw.scheduler is not None:  # rule 3 at once: a full queue costs no tokenizing
                     self.gw.scheduler.check_room_nowait("cpu" if req.prefer_cpu else None)
                 prep = await prepare(self.gw, req, rid)
-                # The seed it runs with is journaled with it: a replay after a restart is exact.
-                body_json = dumps({"endpoint": endpoint, "body": stored | {"seed": prep.seed}})
+                # The seed it runs with is journaled beside its body (any endpoint's shape): a
+                # replay after a restart, or a resume with its key, samples exactly the same way.
+                body_json = dumps({"endpoint": endpoint, "body": stored, "seed": prep.seed})
                 try:
                     return await self._begin(
                         ep,
@@ -231,7 +232,7 @@ class RequestService:
             try:
                 doc = json.loads(rec.body)
                 ep = self.endpoints[doc["endpoint"]]
-                prep = await prepare(self.gw, ep.parse(doc["body"]), rec.id)
+                prep = await prepare(self.gw, _with_stored_seed(ep.parse(doc["body"]), doc), rec.id)
                 run = await self._begin(
                     ep,
                     prep,
@@ -263,15 +264,13 @@ def _in_flight(rid: str) -> IdempotencyInFlight:
     )
 
 
-def _with_stored_seed(req: GenerationRequest, rec: JournalRecord) -> GenerationRequest:
-    """``req`` with the seed its journaled first run used, when it asked for none."""
-    if req.seed is not None:
+def _with_stored_seed(req: GenerationRequest, doc: dict[str, Any]) -> GenerationRequest:
+    """``req`` with the seed its journaled first run used (``doc``: the stored request), when
+    it asked for none."""
+    seed = doc.get("seed")
+    if req.seed is not None or isinstance(seed, bool) or not isinstance(seed, int):
         return req
-    try:
-        seed = json.loads(rec.body)["body"].get("seed")
-    except (ValueError, KeyError, AttributeError):
-        return req
-    return dataclasses.replace(req, seed=seed) if isinstance(seed, int) else req
+    return dataclasses.replace(req, seed=seed)
 
 
 def stored_answer(rec: JournalRecord) -> Answer:
