@@ -375,6 +375,15 @@ def test_a_shrinkable_request_fits_the_cpu_lane_with_room_for_16_tokens(
     assert d == expected
 
 
+def test_the_cpu_lane_honours_the_requests_own_shrink_floor(policy: AdmissionPolicy) -> None:
+    """With min_max_tokens=8, room for 11 new tokens on the CPU lane is enough; with the
+    default 16 it is not."""
+    low = replace(req(4085, 500, shrink=True), min_max_tokens=8)
+    assert decide(low, room_ledger(CAP // 2), LANES, CLOSED, NOW, policy) == Route(Reason.TOO_LONG_FOR_GPU)
+    d = decide(req(4085, 500, shrink=True), room_ledger(CAP // 2), LANES, CLOSED, NOW, policy)
+    assert d == Reject(3.0, Reason.TOO_LONG_FOR_GPU, Reason.TOO_LONG_FOR_CPU)
+
+
 def test_cpu_route_switched_off_rejects(memory: MemoryModel) -> None:
     """With allow_cpu_route off, what would go to CPU is rejected as cpu_unavailable."""
     p = AdmissionPolicy(memory=memory, allow_cpu_route=False)

@@ -15,6 +15,7 @@ from spillover.core.routing import (
     FailoverFacts,
     Replay,
     fits_lane,
+    lane_max_tokens,
     plan_failover,
     replayable_after_restart,
 )
@@ -35,6 +36,41 @@ from spillover.core.routing import (
 def test_fits_lane_boundaries(prompt: int, max_tokens: int, cap: int, fits: bool) -> None:
     """prompt + max_tokens may equal the cap, never exceed it, and the prompt must leave a token."""
     assert fits_lane(prompt, max_tokens, cap) is fits
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "cap", "min_tokens", "fits"),
+    [
+        (1000, 500, 1024, 16, True),  # room for 24 of 500: enough once shrunk
+        (1008, 500, 1024, 16, True),  # room for exactly 16
+        (1009, 500, 1024, 16, False),  # room for 15
+        (1020, 4, 1024, 16, True),  # asks for fewer than 16: all 4 fit
+        (1021, 4, 1024, 16, False),
+        (1010, 500, 1024, 8, True),  # a smaller floor
+        (1024, 500, 1024, 1, False),  # the prompt alone fills the context
+    ],
+)
+def test_a_shrinkable_request_needs_room_for_min_of_max_tokens_and_the_floor(
+    prompt: int, max_tokens: int, cap: int, min_tokens: int, fits: bool
+) -> None:
+    """shrinkable=True needs room for min(max_tokens, min_tokens) new tokens; without it, all."""
+    assert fits_lane(prompt, max_tokens, cap, shrinkable=True, min_tokens=min_tokens) is fits
+    assert fits_lane(prompt, max_tokens, cap, min_tokens=min_tokens) is (prompt + max_tokens <= cap)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "cap", "shrinkable", "expected"),
+    [
+        (1000, 500, 1024, True, 24),  # the room the lane has
+        (1000, 20, 1024, True, 20),  # it fits: unchanged
+        (1000, 24, 1024, True, 24),  # exactly the room
+        (1024, 500, 1024, True, 1),  # never below one
+        (1000, 500, 1024, False, 500),  # not allowed to shrink: as asked
+    ],
+)
+def test_lane_max_tokens(prompt: int, max_tokens: int, cap: int, shrinkable: bool, expected: int) -> None:
+    """A shrinkable request runs with min(max_tokens, the lane's room), at least 1; others as asked."""
+    assert lane_max_tokens(prompt, max_tokens, cap, shrinkable=shrinkable) == expected
 
 
 BASE = FailoverFacts(

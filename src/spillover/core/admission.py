@@ -148,8 +148,9 @@ def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: Reason, p: Admission
     if not p.allow_cpu_route or not lanes.cpu_ready:
         return Reject(lanes.cpu_retry_after_s, reason, Reason.CPU_UNAVAILABLE)
     cap = lanes.cpu_ctx_cap_tokens
-    shrinkable = req.allow_shrink and fits_lane(req.prompt_tokens, min(req.max_tokens, req.min_max_tokens), cap)
-    if not (fits_lane(req.prompt_tokens, req.max_tokens, cap) or shrinkable):
+    if not fits_lane(
+        req.prompt_tokens, req.max_tokens, cap, shrinkable=req.allow_shrink, min_tokens=req.min_max_tokens
+    ):
         return Reject(lanes.cpu_retry_after_s, reason, Reason.TOO_LONG_FOR_CPU)
     if lanes.cpu_queue_free <= 0:
         return Reject(lanes.cpu_retry_after_s, reason, Reason.CPU_QUEUE_FULL)

@@ -3,7 +3,9 @@
 Rules:
 
 1. A lane takes a request only when prompt + ``max_tokens`` fits its context cap, and the
-   prompt leaves room for at least one new token (``fits_lane``). The same rule holds
+   prompt leaves room for at least one new token (``fits_lane``); a request that may be
+   shrunk needs room for ``min(max_tokens, MIN_SHRUNK_TOKENS)`` and runs with the room the
+   lane has (``lane_max_tokens``). The same rule holds
    whichever way a request reaches the lane: admission, the client's ``prefer: cpu``, the
    CPU canary, a failover, a replay after restart.
 2. A failed attempt ends (``Fail``) when the request was cancelled, when the fault is the
@@ -47,6 +49,7 @@ __all__ = [
     "Replay",
     "RouteReason",
     "fits_lane",
+    "lane_max_tokens",
     "plan_failover",
     "replayable_after_restart",
 ]
@@ -56,9 +59,25 @@ CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar"})
 MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit (GPU memory, a lane's context) keeps at least this many
 
 
-def fits_lane(prompt_tokens: int, max_tokens: int, ctx_cap_tokens: int) -> bool:
-    """Whether a lane with ``ctx_cap_tokens`` can run the prompt and all of ``max_tokens``."""
-    return prompt_tokens < ctx_cap_tokens and prompt_tokens + max_tokens <= ctx_cap_tokens
+def fits_lane(
+    prompt_tokens: int,
+    max_tokens: int,
+    ctx_cap_tokens: int,
+    *,
+    shrinkable: bool = False,
+    min_tokens: int = MIN_SHRUNK_TOKENS,
+) -> bool:
+    """Whether a lane with ``ctx_cap_tokens`` can run the prompt and all of ``max_tokens``;
+    for a request that may be shrunk, ``min(max_tokens, min_tokens)`` of them suffice."""
+    need = min(max_tokens, min_tokens) if shrinkable else max_tokens
+    return prompt_tokens < ctx_cap_tokens and prompt_tokens + need <= ctx_cap_tokens
+
+
+def lane_max_tokens(prompt_tokens: int, max_tokens: int, ctx_cap_tokens: int, *, shrinkable: bool) -> int:
+    """``max_tokens`` on a lane: a request that may be shrunk gets the room the lane has."""
+    if not shrinkable:
+        return max_tokens
+    return max(1, min(max_tokens, ctx_cap_tokens - prompt_tokens))
 
 
 class FailKind(str, Enum):

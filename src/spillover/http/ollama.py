@@ -23,13 +23,14 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import time
 from typing import Any
 
 from spillover.errors import InvalidRequest, SpilloverError, to_http
-from spillover.http.openai import _OpenAI
+from spillover.http.openai import AnswerShapes, logprob_entry
 from spillover.http.schemas import parse_chat, parse_completion
 from spillover.runtime.executor import TokenOut
 from spillover.runtime.prepare import GenerationRequest
@@ -170,8 +171,6 @@ def parse_ollama_generate(body: Any, default_model: str) -> GenerationRequest:
 
 
 def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
-    import dataclasses
-
     return dataclasses.replace(req, ctx_limit=num_ctx) if num_ctx is not None else req
 
 
@@ -185,7 +184,7 @@ def created_at() -> str:
     return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-class NdjsonEncoding(_OpenAI):
+class NdjsonEncoding(AnswerShapes):
     """Ollama's answer: NDJSON lines while it streams, else one object (rule 4)."""
 
     def __init__(self, run: Run, *, generate: bool) -> None:
@@ -249,12 +248,5 @@ class NdjsonEncoding(_OpenAI):
 
 
 def _ollama_logprobs(tokens: list[TokenOut]) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": t.logprob.token,
-            "logprob": t.logprob.logprob,
-            "top_logprobs": [{"token": a.token, "logprob": a.logprob} for a in t.top],
-        }
-        for t in tokens
-        if t.logprob is not None
-    ]
+    """Ollama's ``logprobs``: OpenAI's entries (its ``bytes`` are extra to Ollama's shape)."""
+    return [logprob_entry(t.logprob, t.top) for t in tokens if t.logprob is not None]

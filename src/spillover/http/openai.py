@@ -18,7 +18,7 @@ from spillover.runtime.events import TokenLogprob
 from spillover.runtime.executor import TokenOut
 from spillover.runtime.run import Encoded, Run
 
-__all__ = ["JsonEncoding", "SseEncoding", "encoding_for", "tool_call_id"]
+__all__ = ["AnswerShapes", "JsonEncoding", "SseEncoding", "encoding_for", "logprob_entry", "tool_call_id"]
 
 JSON = "application/json"
 EVENT_STREAM = "text/event-stream"
@@ -35,7 +35,7 @@ def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-class _OpenAI:
+class AnswerShapes:
     """What both encodings share: the spillover object, headers, usage, tool calls, errors."""
 
     def __init__(self, run: Run) -> None:
@@ -116,7 +116,7 @@ class _OpenAI:
             return None
         chosen = [t for t in tokens if t.logprob is not None]
         if self.chat:
-            return {"content": [_entry(t.logprob, t.top) for t in chosen if t.logprob], "refusal": None}
+            return {"content": [logprob_entry(t.logprob, t.top) for t in chosen if t.logprob], "refusal": None}
         offsets = []
         for t in chosen:
             offsets.append(offset)
@@ -134,7 +134,7 @@ class _OpenAI:
         return Encoded(e.status, [json.dumps(e.body).encode()], self.headers() | e.headers, JSON, e.body)
 
 
-class JsonEncoding(_OpenAI):
+class JsonEncoding(AnswerShapes):
     """A non-stream answer: one ``chat.completion`` / ``text_completion`` body."""
 
     content_type = JSON
@@ -180,7 +180,7 @@ class JsonEncoding(_OpenAI):
         }
 
 
-class SseEncoding(_OpenAI):
+class SseEncoding(AnswerShapes):
     """A stream: a first chunk with the spillover object, tokens, a route-change chunk
     whenever the route changes, the end (or a typed error event), ``[DONE]``. A forced tool
     call is buffered and sent whole at the end (it must parse)."""
@@ -258,7 +258,7 @@ def encoding_for(run: Run) -> JsonEncoding | SseEncoding:
     return SseEncoding(run) if run.req.stream else JsonEncoding(run)
 
 
-def _entry(lp: TokenLogprob, top: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+def logprob_entry(lp: TokenLogprob, top: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     """One token of chat's ``logprobs.content``."""
     return {
         "token": lp.token,

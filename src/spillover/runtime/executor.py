@@ -34,7 +34,6 @@ from spillover.config import FailoverConfig
 from spillover.core.lifecycle import State
 from spillover.core.routing import (
     CLIENT_FAULTS,
-    MIN_SHRUNK_TOKENS,
     SEVERE_FAULTS,
     Fail,
     FailKind,
@@ -42,6 +41,7 @@ from spillover.core.routing import (
     FailoverReason,
     Reason,
     fits_lane,
+    lane_max_tokens,
     plan_failover,
 )
 from spillover.errors import (
@@ -152,10 +152,7 @@ class Execution:
         """Whether the CPU lane's context cap takes this request (routing rule 1): all of its
         ``max_tokens``, or, when it may be shrunk, at least ``MIN_SHRUNK_TOKENS`` of them."""
         prompt = len(self._prompt("cpu")) + len(self.delivered)
-        cap = self.scheduler.cpu_ctx_cap_tokens()
-        return fits_lane(prompt, self.max_tokens, cap) or (
-            self._shrinkable() and fits_lane(prompt, min(self.max_tokens, MIN_SHRUNK_TOKENS), cap)
-        )
+        return fits_lane(prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens(), shrinkable=self._shrinkable())
 
     def _shrinkable(self) -> bool:
         """An open-ended request always (it asked for no length); an allowed shrink only
@@ -164,10 +161,10 @@ class Execution:
 
     def _cpu_max_tokens(self) -> int:
         """``max_tokens`` on the CPU lane: shrunk to its context cap when allowed."""
-        if not self._shrinkable():
-            return self.max_tokens
-        room = self.scheduler.cpu_ctx_cap_tokens() - len(self._prompt("cpu")) - len(self.delivered)
-        return max(1, min(self.max_tokens, room))
+        prompt = len(self._prompt("cpu")) + len(self.delivered)
+        return lane_max_tokens(
+            prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens(), shrinkable=self._shrinkable()
+        )
 
     def prefer_cpu(self, reason: Reason = Reason.CLIENT_PREFERS_CPU) -> None:
         """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``),

@@ -37,6 +37,7 @@ from spillover.core.breaker import BreakerEvent, BreakerState, Circuit, advance
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.reasons import Reason
+from spillover.core.routing import lane_max_tokens
 from spillover.errors import CapacityError, QueueFull
 from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics
 from spillover.runtime.worker_client import WorkerClient, WorkerState
@@ -348,13 +349,13 @@ class Scheduler:
             reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
             cap = self.cpu.cfg.ctx_cap_tokens
             # A shrinkable job (admission let it through on that ground) runs with the room here.
-            max_tokens = min(job.max_tokens, cap - job.prompt_tokens) if job.allow_shrink else job.max_tokens
+            max_tokens = lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
             job.future.set_result(
                 Dispatch(
                     worker,
                     "cpu",
                     reason,
-                    max(1, max_tokens),
+                    max_tokens,
                     cap,
                     0,
                     max_tokens < job.max_tokens,
