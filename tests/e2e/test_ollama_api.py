@@ -87,8 +87,8 @@ def test_list_ps_show_and_version_describe_what_is_served(gw: GatewayProcess, cl
 
 
 def test_errors_come_in_ollama_shape(gw: GatewayProcess, client: ollama.Client) -> None:
-    """An unknown model, a refused option and embed (no embeddings service yet) raise the
-    client's ResponseError with the status and a message."""
+    """An unknown model, a refused option and embed with the chat model raise the client's
+    ResponseError with the status and a message (embeddings: tests/e2e/test_embeddings.py)."""
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="nope", messages=ASK)
     assert e.value.status_code == 404 and "smollm2" in str(e.value.error)
@@ -97,7 +97,7 @@ def test_errors_come_in_ollama_shape(gw: GatewayProcess, client: ollama.Client) 
     assert e.value.status_code == 400 and "num_gpu" in str(e.value.error)
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=MODEL, input="hello")
-    assert e.value.status_code == 501
+    assert e.value.status_code == 400 and "/v1/chat/completions" in str(e.value.error)
 
 
 def test_an_ollama_request_is_journaled_and_flags_its_route(gw: GatewayProcess) -> None:

@@ -49,6 +49,10 @@ class Reason(StrEnum):
     CONTEXT_FREE = "context_free"
     HOST_BUDGET = "host_budget"
     HOST_AVAILABLE = "host_available"
+    # Where a service's request starts (core.placement): the first lane that can start it.
+    NO_DEVICE_ROOM = "no_device_room"  # its memory does not fit the one device budget now
+    GPU_NOT_CONFIGURED = "gpu_not_configured"  # the service has no GPU worker
+    NO_LANE_FREE = "no_lane_free"  # every lane it may use is busy: it waits
 
 
 @dataclass(frozen=True)

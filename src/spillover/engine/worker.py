@@ -1,5 +1,9 @@
 """The worker process: one engine instance (one model on one device).
 
+``DeviceWorker`` is what every kind shares (the channel, the device, the op loop); ``Worker``
+is the chat kind (llama.cpp); ``engine.embed_worker.EmbedWorker`` the embeddings kind, whose
+ops and events are in its own docstring.
+
 Channel: newline-delimited JSON over the process's stdin (gateway -> worker) and a private
 duplicate of its original stdout (worker -> gateway). File descriptor 1 is pointed at
 stderr at start-up, so nothing that llama.cpp or a library prints can corrupt the channel.
@@ -72,12 +76,14 @@ class Channel:
                 os._exit(0)
 
 
-class Worker:
-    """Holds the engine, the device handle and the per-request cancel flags."""
+class DeviceWorker:
+    """What every worker kind shares: the channel, the device handle (the sim ledger's weights
+    charge, its watcher), per-request cancel flags and the op loop. A kind loads its engine
+    in ``load()`` and runs one request in ``run_request()``."""
+
+    request_op = "generate"
 
     def __init__(self, args: argparse.Namespace, chan: Channel) -> None:
-        from spillover.engine.llama_engine import Engine, Tokenizer, fingerprint_parts
-
         self.args = args
         self.chan = chan
         self.cancelled: set[str] = set()
@@ -88,8 +94,8 @@ class Worker:
         self.oom_armed = threading.Event()
         self.sim = None
         self.sim_epoch = 0
-        kind = args.device.split(":", 1)[0]
-        if kind == "sim":
+        self.kind = args.device.split(":", 1)[0]
+        if self.kind == "sim":
             from spillover.engine.sim import SimDevice
 
             self.sim = SimDevice(args.state_dir, args.sim_name)
@@ -104,32 +110,41 @@ class Worker:
                     }
                 )
                 sys.exit(EXIT_LOAD_FAILED)
-        n_gpu_layers = -1 if kind == "cuda" else 0
+        self.fingerprint: dict[str, str] = {}
         t0 = time.monotonic()
-        self.engine = Engine(
-            args.model,
-            slots=args.slots,
-            n_ctx=args.n_ctx,
-            n_threads=args.n_threads,
-            n_batch=args.n_batch,
-            n_gpu_layers=n_gpu_layers,
-            lazy=args.lazy_slots,
-        )
-        tok = Tokenizer(args.model)
-        backend = "cuda" if kind == "cuda" else "cpu"
-        self.fingerprint = fingerprint_parts(
-            args.model, tok, backend, cache_dir=Path(args.state_dir), n_batch=args.n_batch
-        )
+        self.load()
         self.load_s = time.monotonic() - t0
         self.pool = ThreadPoolExecutor(max_workers=args.slots, thread_name_prefix="slot")
 
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def run_request(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def contexts(self) -> int:
+        """Slot contexts created so far (reported in pongs)."""
+        return 0
+
+    def charge(self, rid: str, reserve: int) -> bool:
+        """Charge the sim ledger for a request's reservation (``req:<rid>``); True when granted
+        (always on a real device, which allocates for itself)."""
+        if self.sim is None or reserve <= 0:
+            return True
+        return self.sim.allocate(f"req:{rid}", reserve, owner=self.args.worker_id)
+
+    def uncharge(self, rid: str) -> None:
+        if self.sim is not None:
+            self.sim.free(f"req:{rid}")
+
     def info(self) -> dict[str, Any]:
+        """The ``ready`` event's info."""
         return {
             "pid": os.getpid(),
             "worker_id": self.args.worker_id,
+            "kind": self.args.kind,
             "device": self.args.device,
-            "slots": self.engine.slots,
-            "n_ctx": self.args.n_ctx,
+            "slots": self.args.slots,
             "load_s": round(self.load_s, 3),
             "fingerprint": self.fingerprint,
             "weights_bytes": self.args.weights_bytes,
@@ -161,6 +176,71 @@ class Worker:
             else:
                 self.oom_armed.clear()
 
+    def finish(self, rid: str, final: dict[str, Any]) -> None:
+        """A request's last event, sent once its slot and memory are back."""
+        with self._active_lock:
+            self.cancelled.discard(rid)
+            self.active.discard(rid)
+        self.chan.send(final)
+
+    def serve(self, inp: IO[str]) -> None:
+        if self.sim is not None:
+            threading.Thread(target=self.watch_device, daemon=True, name="sim-watch").start()
+        self.chan.send({"ev": "ready", "info": self.info()})
+        for line in inp:
+            if not line.strip():
+                continue
+            msg = json.loads(line)
+            op = msg.get("op")
+            if op == self.request_op:
+                with self._active_lock:
+                    self.active.add(str(msg["rid"]))
+                self.pool.submit(self.run_request, msg)
+            elif op == "cancel":
+                with self._active_lock:  # a cancel for a request already answered is dropped
+                    if str(msg["rid"]) in self.active:
+                        self.cancelled.add(str(msg["rid"]))
+            elif op == "ping":
+                self.chan.send(
+                    {
+                        "ev": "pong",
+                        "seq": msg.get("seq"),
+                        "progress": self.progress,
+                        "contexts": self.contexts(),
+                    }
+                )
+        # stdin closed: the gateway is gone; leave without waiting for work.
+        os._exit(0)
+
+
+class Worker(DeviceWorker):
+    """A chat worker: llama.cpp slots generating tokens."""
+
+    def load(self) -> None:
+        from spillover.engine.llama_engine import Engine, Tokenizer, fingerprint_parts
+
+        args = self.args
+        self.engine = Engine(
+            args.model,
+            slots=args.slots,
+            n_ctx=args.n_ctx,
+            n_threads=args.n_threads,
+            n_batch=args.n_batch,
+            n_gpu_layers=-1 if self.kind == "cuda" else 0,
+            lazy=args.lazy_slots,
+        )
+        tok = Tokenizer(args.model)
+        backend = "cuda" if self.kind == "cuda" else "cpu"
+        self.fingerprint = fingerprint_parts(
+            args.model, tok, backend, cache_dir=Path(args.state_dir), n_batch=args.n_batch
+        )
+
+    def contexts(self) -> int:
+        return self.engine.contexts
+
+    def info(self) -> dict[str, Any]:
+        return super().info() | {"slots": self.engine.slots, "n_ctx": self.args.n_ctx}
+
     def _page_fault(self) -> bool:
         """At a KV page boundary: does an injected running-OOM fault hit this request?"""
         if self.sim is None or not self.oom_armed.is_set():
@@ -176,32 +256,27 @@ class Worker:
         rid = str(msg["rid"])
         final = _error(rid, "engine", "worker interrupted")
         slot = self.engine.acquire_slot()
-        tag = f"req:{rid}"
+        reserve = int(msg.get("reserve_bytes") or 0)
         charged = False
         try:
             if slot is None:
                 final = _error(rid, "engine", "no free slot")
                 return
-            reserve = int(msg.get("reserve_bytes") or 0)
-            if self.sim is not None and reserve > 0:
-                if not self.sim.allocate(tag, reserve, owner=self.args.worker_id):
-                    final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
-                    return
-                charged = True
+            if not self.charge(rid, reserve):
+                final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
+                return
+            charged = True
             final = self._generate(rid, slot, msg)
         except RequestRefused as exc:  # the request's own fault: never counted against the device
             final = _error(rid, exc.kind, exc.message)
         except Exception as exc:  # engine failure: report, keep serving
             final = _error(rid, "engine", f"{type(exc).__name__}: {exc}")
         finally:
-            if charged and self.sim is not None:
-                self.sim.free(tag)
+            if charged:
+                self.uncharge(rid)
             if slot is not None:
                 self.engine.release_slot(slot)
-            with self._active_lock:
-                self.cancelled.discard(rid)
-                self.active.discard(rid)
-            self.chan.send(final)
+            self.finish(rid, final)
 
     def _generate(self, rid: str, slot: int, msg: dict[str, Any]) -> dict[str, Any]:
         from spillover.engine.llama_engine import GenerateParams, Step
@@ -264,39 +339,12 @@ class Worker:
             "timings": {"prefill_s": round((t_first or t1) - t0, 6), "total_s": round(t1 - t0, 6)},
         }
 
-    def serve(self, inp: IO[str]) -> None:
-        if self.sim is not None:
-            threading.Thread(target=self.watch_device, daemon=True, name="sim-watch").start()
-        self.chan.send({"ev": "ready", "info": self.info()})
-        for line in inp:
-            if not line.strip():
-                continue
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "generate":
-                with self._active_lock:
-                    self.active.add(str(msg["rid"]))
-                self.pool.submit(self.run_request, msg)
-            elif op == "cancel":
-                with self._active_lock:  # a cancel for a request already answered is dropped
-                    if str(msg["rid"]) in self.active:
-                        self.cancelled.add(str(msg["rid"]))
-            elif op == "ping":
-                self.chan.send(
-                    {
-                        "ev": "pong",
-                        "seq": msg.get("seq"),
-                        "progress": self.progress,
-                        "contexts": self.engine.contexts,
-                    }
-                )
-        # stdin closed: the gateway is gone; leave without waiting for work.
-        os._exit(0)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spillover-worker", description=__doc__.split("\n")[0])
     p.add_argument("--worker-id", required=True)
+    p.add_argument("--kind", default="chat", choices=("chat", "embeddings"), help="what the worker serves")
+    p.add_argument("--batch-size", type=int, default=32, help="embeddings: inputs per encoder run")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu", help="cpu | cuda:N | sim:<capacity_mib>")
     p.add_argument("--sim-name", default="sim0")
@@ -318,7 +366,13 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout = sys.stderr
     chan = Channel(proto)
     try:
-        worker = Worker(args, chan)
+        worker: DeviceWorker
+        if args.kind == "embeddings":
+            from spillover.engine.embed_worker import EmbedWorker
+
+            worker = EmbedWorker(args, chan)
+        else:
+            worker = Worker(args, chan)
     except SystemExit:
         raise
     except Exception as exc:

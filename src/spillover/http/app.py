@@ -32,6 +32,7 @@ from spillover.errors import (
     Unauthorized,
     to_http,
 )
+from spillover.http.embeddings import embedding_endpoints
 from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
@@ -126,6 +127,8 @@ def create_app(gw: Gateway) -> Starlette:
     cfg = gw.cfg
     for ep in ollama_endpoints(gw):
         gw.requests.register(ep)
+    for unary in embedding_endpoints(gw):
+        gw.requests.register(unary)
     for name, parse in (("chat", parse_chat), ("text", parse_completion)):  # also what recovery replays
         gw.requests.register(
             Endpoint(
@@ -163,7 +166,7 @@ def create_app(gw: Gateway) -> Starlette:
             got = await gw.requests.submit(endpoint, body, idem_key=key, deadline_ms=deadline_ms)
         except Refused as exc:
             return refuse(exc.error, exc.rid)
-        if isinstance(got, Answer):
+        if isinstance(got, Answer):  # a stored answer, or a whole one (embeddings)
             return _answer(got)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, got))
         try:
@@ -192,12 +195,10 @@ def create_app(gw: Gateway) -> Starlette:
 
     @guarded
     async def models(request: Request) -> Response:
-        return plain_json(
-            {
-                "object": "list",
-                "data": [{"id": cfg.model.name, "object": "model", "created": 0, "owned_by": "spillover"}],
-            },
-        )
+        return plain_json({"object": "list", "data": gw.registry.listing()})
+
+    async def embeddings(request: Request) -> Response:
+        return await generate(request, "embeddings")
 
     async def health(request: Request) -> Response:
         return plain_json({"status": "ok"})
@@ -283,6 +284,7 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST", "GET"]),
         Route("/v1/responses/{rest:path}", responses, methods=["POST", "GET", "DELETE"]),
         Route("/v1/status", status, methods=["GET"]),

@@ -19,7 +19,7 @@ from typing import Any
 
 from spillover.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETION", "check_fields", "stored"]
+__all__ = ["CHAT", "COMPLETION", "EMBEDDINGS", "HONOURED", "check_fields", "stored"]
 
 _COMMON = frozenset(
     {
@@ -36,6 +36,8 @@ CHAT = _COMMON | {
     "response_format", "safety_identifier", "prompt_cache_key",
 }  # fmt: skip
 COMPLETION = _COMMON | {"prompt"}
+EMBEDDINGS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+HONOURED = {"chat": CHAT, "text": COMPLETION, "embeddings": EMBEDDINGS}
 
 # Accepted only with these values (rule 2): field -> (allowed values, why others are refused).
 _NONE = (None,)
@@ -63,12 +65,13 @@ NO_OP: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         "echo": ((False, None), "echo is not supported"),
         "suffix": ((None, ""), "insertion with a suffix is not supported"),
     },
+    "embeddings": {},
 }
 
 
 def check_fields(body: dict[str, Any], endpoint: str, ignored: Iterable[str] = ()) -> None:
-    """Rules 1-3 for one body (``endpoint``: ``chat`` or ``text``)."""
-    honoured = CHAT if endpoint == "chat" else COMPLETION
+    """Rules 1-3 for one body (``endpoint``: ``chat``, ``text`` or ``embeddings``)."""
+    honoured = HONOURED[endpoint]
     no_op = NO_OP[endpoint]
     skip = frozenset(ignored)
     for name, value in body.items():
@@ -89,7 +92,7 @@ def check_fields(body: dict[str, Any], endpoint: str, ignored: Iterable[str] = (
 
 def stored(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     """Rule 4: the part of a validated body that is journaled."""
-    honoured = CHAT if endpoint == "chat" else COMPLETION
+    honoured = HONOURED[endpoint]
     return {k: v for k, v in body.items() if k in honoured or k in NO_OP[endpoint]}
 
 

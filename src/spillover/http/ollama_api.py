@@ -3,8 +3,8 @@
 ``/api/tags`` lists the served model, ``/api/ps`` says where it is loaded *now* (one entry
 with ``size`` and ``size_vram``, plus spillover's own ``workers`` list: the GPU worker, the
 CPU replica, their state and bytes), ``/api/show`` its template and GGUF facts,
-``/api/version`` spillover's version. ``/api/embed`` answers 501 until an embeddings
-service exists.
+``/api/version`` spillover's version. ``/api/embed`` runs on the embeddings service
+(``http.embeddings``).
 """
 
 from __future__ import annotations
@@ -180,11 +180,8 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
     async def version(request: Request) -> Response:
         return plain_json({"version": metadata.version("spillover")})
 
-    @guarded
     async def embed(request: Request) -> Response:
-        err = SpilloverError("this server has no embeddings service yet", code="not_implemented")
-        err.status = 501
-        raise err
+        return await generate(request, "ollama-embed", ollama_error)
 
     return [
         Route("/api/chat", chat, methods=["POST"]),

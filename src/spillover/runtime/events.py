@@ -4,7 +4,8 @@ worker channel looks at raw JSON or matches free text.
 
 Rules:
 
-1. A request's stream is ``Started``, then ``Token``s, then exactly one of ``Done`` or
+1. A request's stream is ``Started``, then ``Token``s (chat) or one ``Vectors``
+   (embeddings), then exactly one of ``Done`` or
    ``Failed`` (the worker's own last word, sent once its slot and device memory are free),
    or ``WorkerGone`` when the process ends first. ``Interrupted`` is put in the stream by
    the gateway itself when it stops the request; the worker's last word still follows.
@@ -28,6 +29,7 @@ __all__ = [
     "SupervisorEventKind",
     "Token",
     "TokenLogprob",
+    "Vectors",
     "WorkerGone",
     "decode_request_event",
 ]
@@ -64,6 +66,15 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Vectors:
+    """An embeddings request's vectors: ``n`` rows of ``dim`` float32 (little-endian) values."""
+
+    n: int
+    dim: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Done:
     """The request ended normally; the worker's timings feed the lane's speed estimate."""
 
@@ -94,7 +105,7 @@ class WorkerGone:
     message: str
 
 
-RequestEvent = Started | Token | Done | Failed | Interrupted | WorkerGone
+RequestEvent = Started | Token | Vectors | Done | Failed | Interrupted | WorkerGone
 FINAL = (Done, Failed, WorkerGone)  # rule 1: what ends a request's stream
 
 
@@ -110,6 +121,14 @@ def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
                 return Token(int(msg["id"]), str(msg["text"]))
             chosen = TokenLogprob.decode([None, lp[1], lp[0]])
             return Token(int(msg["id"]), str(msg["text"]), chosen, tuple(TokenLogprob.decode(a) for a in lp[2]))
+        if ev == "vectors":
+            import base64
+
+            n, dim = int(msg["n"]), int(msg["dim"])
+            data = base64.b64decode(msg["data"], validate=True)
+            if len(data) != n * dim * 4:
+                return None
+            return Vectors(n, dim, data)
         if ev == "done":
             timings = msg.get("timings") or {}
             return Done(
@@ -120,7 +139,7 @@ def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
             )
         if ev == "error":
             return Failed(str(msg.get("kind") or "engine"), str(msg.get("message")))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):  # binascii.Error is a ValueError
         return None
     return None
 

@@ -52,7 +52,7 @@ from spillover.errors import (
     SpilloverError,
     WorkerFailed,
 )
-from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, Token, WorkerGone
+from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, Token, Vectors, WorkerGone
 from spillover.runtime.outcomes import Event, Finished, RetryBudget, RouteInfo, TokenOut, classify_error, final_error
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient
@@ -345,6 +345,8 @@ class Execution:
             raise _Stopped
         if isinstance(item, Failed):
             raise _Failure(item.kind, item.message)
+        if isinstance(item, Vectors):  # a chat worker never sends vectors
+            raise _Failure("engine", "a chat worker sent vectors")
         return item
 
     async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncGenerator[Event, None]:
@@ -412,7 +414,7 @@ class Execution:
         finally:
             self._release(job, outcome)  # first: no await before it (a cancelled task may not get past one)
             with contextlib.suppress(Exception):
-                await it.aclose()  # type: ignore[attr-defined]
+                await it.aclose()
 
     def _facts(self, d: Dispatch, f: _Failure) -> FailoverFacts:
         return FailoverFacts(

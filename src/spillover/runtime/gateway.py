@@ -25,6 +25,7 @@ from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
 from spillover.runtime.devices import GpuDevice, cuda_available
+from spillover.runtime.embeddings import EmbeddingsService
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.executor import Execution, RetryBudget
 from spillover.runtime.hostmem import HostMemory
@@ -32,6 +33,7 @@ from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
 from spillover.runtime.loops import LoopGroup
 from spillover.runtime.recovery import recover
+from spillover.runtime.registry import ModelRegistry
 from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.status import DegradedAnswers, status_document
@@ -83,6 +85,8 @@ class Gateway:
         self.events: list[dict[str, Any]] = []
         self.journal: Journal | None = None
         self.requests = RequestService(self)  # owns every request from accepted to terminal
+        self.registry = ModelRegistry(cfg)  # every model id (and alias) served, and its kind
+        self.services: dict[str, EmbeddingsService] = {s.name: EmbeddingsService(self, s) for s in cfg.services}
         self.degraded = DegradedAnswers()  # recent answers served off the GPU, for the mode
         self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
@@ -98,6 +102,7 @@ class Gateway:
             self.supervisors,
             budget_bytes=cfg.device.host_budget_mib * 1024 * 1024,
             min_free_bytes=cfg.device.host_min_free_mib * 1024 * 1024,
+            others=lambda: [s for svc in self.services.values() for s in svc.supervisors()],
         )
         self._canary_n = 0
         from spillover.metrics import Metrics
@@ -173,16 +178,18 @@ class Gateway:
         self.host.scheduler = self.scheduler
         if gpu is not None and self.device is not None:
             spec = self._worker_spec("gpu0", "gpu", self.device.spec)
-            sup = Supervisor(spec, self.cfg.supervisor, device=self.device, on_change=self._worker_event)
+            sup = Supervisor(spec, self.cfg.supervisor, device=self.device, on_change=self.worker_event)
             self.supervisors.append(sup)
             self.scheduler.gpu_workers.append(sup.worker)
         spec = dataclasses.replace(self._worker_spec("cpu0", "cpu", "cpu"), lazy_slots=True)
-        sup = Supervisor(spec, self.cfg.supervisor, on_change=self._worker_event)
+        sup = Supervisor(spec, self.cfg.supervisor, on_change=self.worker_event)
         self.supervisors.append(sup)
         self.scheduler.cpu_workers.append(sup.worker)
         for s in self.supervisors:
             self.loops.add(f"sup-{s.worker.spec.worker_id}", s.run)
         self.loops.add("scheduler", self.scheduler.run)
+        for svc in self.services.values():  # after the chat model's: its GPU worker loads first
+            await svc.start()
         if self.device is not None:
             self.loops.add("observe", self._observe_loop)
         self.loops.add("host-observe", self.host.run)
@@ -209,15 +216,21 @@ class Gateway:
             weights_bytes=weights,
         )
 
-    def _worker_event(self, worker: Any, ev: SupervisorEvent) -> None:
-        self.events.append(
-            {
-                "t_s": round(time.monotonic() - self.started_s, 3),
-                "worker": worker.spec.worker_id,
-                "event": str(ev),
-            }
-        )
+    def note_event(self, worker_id: str, event: str) -> None:
+        """An event for /v1/status (the last 100 are kept)."""
+        self.events.append({"t_s": round(time.monotonic() - self.started_s, 3), "worker": worker_id, "event": event})
         del self.events[:-100]
+
+    def kick_scheduler(self) -> None:
+        """Device bytes changed outside the chat scheduler (another service): it looks again."""
+        if self.scheduler is not None:
+            self.scheduler.kick()
+
+    def worker_event(self, worker: Any, ev: SupervisorEvent) -> None:
+        """A supervisor event of any service's worker: logged, and a GPU worker's weights are
+        held in the ledger from its start (reserved before it, for a load that had to fit)
+        until it dies."""
+        self.note_event(worker.spec.worker_id, str(ev))
         if self.ledger is not None and worker.spec.lane == "gpu":
             holder = f"weights:{worker.spec.worker_id}"
             now = time.monotonic()
@@ -303,7 +316,9 @@ class Gateway:
         """After a restart the journal is the truth: once the workers are up (bounded wait),
         replay what can be (through the request service's endpoints) and end the rest."""
         deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
-        while time.monotonic() < deadline and not all(s.worker.state is WorkerState.READY for s in self.supervisors):
+        while time.monotonic() < deadline and not all(
+            s.worker.state is WorkerState.READY for s in self.all_supervisors()
+        ):
             await asyncio.sleep(0.1)
         try:
             self.recovered = await recover(self, orphans, self.loops.spawn)
@@ -346,12 +361,12 @@ class Gateway:
         )
 
     async def _kill_worker(self, worker: WorkerClient) -> None:
-        self._worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, "no token progress: killing it"))
+        self.worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, "no token progress: killing it"))
         await worker.kill()
 
     def worker_info(self, worker_id: str) -> dict[str, Any]:
         """The ready-info a worker reported (pid, fingerprint, ...)."""
-        for s in self.supervisors:
+        for s in self.all_supervisors():
             if s.worker.spec.worker_id == worker_id:
                 return s.worker.info or {}
         return {}
@@ -374,10 +389,14 @@ class Gateway:
         self._canary_n += 1
         return int(self._canary_n * ratio) > int((self._canary_n - 1) * ratio)
 
+    def all_supervisors(self) -> list[Supervisor]:
+        """Every worker's supervisor: the chat model's, then each service's."""
+        return self.supervisors + [s for svc in self.services.values() for s in svc.supervisors()]
+
     async def stop(self) -> None:
         self.requests.cancel_all()
         await self.loops.stop()
-        for s in self.supervisors:
+        for s in self.all_supervisors():
             await s.stop()
         if self.device is not None:
             self.device.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,8 +42,16 @@ class HostMemory:
     """Observes the host RAM of the gateway and its workers. ``run`` until cancelled;
     ``view`` is the scheduler's ``host_view``."""
 
-    def __init__(self, supervisors: list[Supervisor], *, budget_bytes: int, min_free_bytes: int) -> None:
+    def __init__(
+        self,
+        supervisors: list[Supervisor],
+        *,
+        budget_bytes: int,
+        min_free_bytes: int,
+        others: Callable[[], list[Supervisor]] = list,
+    ) -> None:
         self.supervisors = supervisors  # the gateway's own list, filled in as it starts them
+        self.others = others  # the other services' workers: their RSS counts too
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
         self.scheduler: Scheduler | None = None  # set once the gateway has made it
@@ -75,7 +84,8 @@ class HostMemory:
         """Read the processes' RSS until cancelled; take the baseline once a (fresh) CPU
         worker is ready with no context and every worker is ready."""
         while True:
-            pids = [os.getpid()] + [s.worker.pid for s in self.supervisors if s.worker.pid is not None]
+            every = self.supervisors + self.others()
+            pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
             rss = await asyncio.to_thread(processes_rss, pids)  # the gateway and its workers
             self.observed_bytes = rss
             self.peak_bytes = max(self.peak_bytes, rss)
@@ -87,7 +97,7 @@ class HostMemory:
                 if (
                     self.base_bytes == 0
                     and self.cpu_contexts(cpu) == 0
-                    and all(s.worker.state is WorkerState.READY for s in self.supervisors)
+                    and all(s.worker.state is WorkerState.READY for s in every)
                 ):
                     self.base_bytes = rss  # everything loaded, no CPU context yet
             await asyncio.sleep(HOST_OBSERVE_INTERVAL_S)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from spillover.engine.grammar import GrammarRefused, schema_to_grammar
-from spillover.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from spillover.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -200,12 +200,7 @@ async def _render_or_400(tok: Any, req: GenerationRequest) -> list[int]:
 
 async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     """Check the model, tokenize, and apply the context limits (400 when too long)."""
-    if req.model != gw.cfg.model.name:
-        raise NotFound(
-            f"model {req.model!r} does not exist; this server serves {gw.cfg.model.name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    gw.registry.resolve(req.model, "chat")  # 404 listing what is served, or 400 for another kind
     m = gw.cfg.model
     grammar = None
     if req.forced_tool is not None or req.response_format is not None:  # building one takes a while

@@ -43,6 +43,7 @@ from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
 from spillover.runtime.prepare import GenerationRequest, Prepared, new_request_id, prepare
 from spillover.runtime.recovery import end_orphan
 from spillover.runtime.run import Answer, Encoded, Encoding, Run, Streaming, as_error
+from spillover.runtime.unary import UnaryEndpoint, UnaryRun
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -79,13 +80,13 @@ class RequestService:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self.endpoints: dict[str, Endpoint] = {}
-        self.live: dict[str, Run] = {}  # request id -> Run, from acceptance until its events end
+        self.endpoints: dict[str, Endpoint | UnaryEndpoint] = {}
+        self.live: dict[str, Run | UnaryRun] = {}  # request id -> its run, from acceptance until it ends
 
     def __repr__(self) -> str:
         return f"<RequestService endpoints={sorted(self.endpoints)} live={len(self.live)}>"
 
-    def register(self, endpoint: Endpoint) -> None:
+    def register(self, endpoint: Endpoint | UnaryEndpoint) -> None:
         self.endpoints[endpoint.name] = endpoint
 
     async def submit(self, endpoint: str, body: Any, *, idem_key: str | None, deadline_ms: int | None) -> Answer | Run:
@@ -93,30 +94,21 @@ class RequestService:
         Raises ``Refused`` when the request is not accepted."""
         ep = self.endpoints[endpoint]
         rid = new_request_id()
+        if isinstance(ep, UnaryEndpoint):
+            return await self._submit_unary(ep, body, rid, idem_key)
         try:
             req = ep.parse(body)
-            try:
-                body_hash = hashlib.sha256(dumps({"endpoint": endpoint, "body": body}).encode()).hexdigest()
-            except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is JSON, not text
-                raise InvalidRequest("the body contains text that is not valid Unicode (a lone surrogate)") from exc
+            body_hash = _body_hash(endpoint, body)
             stored = ep.stored(body)
             async with self.gw.keys.hold(idem_key):
                 resume: int | None = None
-                if idem_key is not None and self.gw.journal is not None:
-                    rec = await self.gw.journal.by_key(idem_key)
-                    if rec is not None:
-                        rid = rec.id  # errors about this key name the request it is bound to
-                        if rec.body_hash != body_hash:
-                            raise IdempotencyMismatch(
-                                "this Idempotency-Key was used with a different request body",
-                                param="Idempotency-Key",
-                            )
-                        if not rec.terminal or rid in self.live:
-                            raise _in_flight(rec.id)
-                        if rec.state not in RESUMABLE:
-                            return stored_answer(rec)
-                        resume = rec.attempts
-                        req = _with_stored_seed(req, json.loads(rec.body))  # it samples as before
+                rec = await self._keyed(idem_key, body_hash)
+                if rec is not None:
+                    rid = rec.id  # errors about this key name the request it is bound to
+                    if rec.state not in RESUMABLE:
+                        return stored_answer(rec)
+                    resume = rec.attempts
+                    req = _with_stored_seed(req, json.loads(rec.body))  # it samples as before
                 if self.gw.scheduler is not None:  # rule 3 at once: a full queue costs no tokenizing
                     self.gw.scheduler.check_room_nowait("cpu" if req.prefer_cpu else None)
                 prep = await prepare(self.gw, req, rid)
@@ -137,6 +129,67 @@ class RequestService:
                     raise _in_flight(exc.existing.id) from exc
         except SpilloverError as exc:
             raise Refused(exc, rid) from exc
+
+    async def _keyed(self, idem_key: str | None, body_hash: str) -> JournalRecord | None:
+        """The finished request an Idempotency-Key is bound to (None: a fresh key, or none);
+        raises for a different body (422) or a request still in flight (409). Called under
+        the key's lock."""
+        if idem_key is None or self.gw.journal is None:
+            return None
+        rec = await self.gw.journal.by_key(idem_key)
+        if rec is None:
+            return None
+        if rec.body_hash != body_hash:
+            raise Refused(
+                IdempotencyMismatch(
+                    "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
+                ),
+                rec.id,
+            )
+        if not rec.terminal or rec.id in self.live:
+            raise Refused(_in_flight(rec.id), rec.id)
+        return rec
+
+    async def _submit_unary(self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None) -> Answer:
+        """Rule 1 for a request with one whole answer (``runtime.unary``)."""
+        try:
+            req = ep.parse(body)
+            body_hash = _body_hash(ep.name, body)
+            stored = ep.stored(body)
+            async with self.gw.keys.hold(idem_key):
+                rec = await self._keyed(idem_key, body_hash)
+                if rec is not None and rec.state not in RESUMABLE:
+                    return stored_answer(rec)
+                if rec is not None:
+                    rid = rec.id
+                ep.check_room(req)  # rule 3: a full queue answers at once, nothing journaled
+                run = UnaryRun(self.gw, ep, rid, req, attempt=rec.attempts if rec is not None else 0)
+                if self.gw.journal is not None and rec is None:
+                    try:
+                        await self.gw.journal.accept(
+                            rid=rid,
+                            idem_key=idem_key,
+                            body_hash=body_hash,
+                            kind=ep.kind,
+                            stream=False,
+                            body=dumps({"endpoint": ep.name, "body": stored}),
+                            model=str(req.model),
+                        )
+                    except KeyConflict as exc:
+                        raise _in_flight(exc.existing.id) from exc
+                return await self._run_unary(run)
+        except SpilloverError as exc:
+            raise Refused(exc, rid) from exc
+
+    async def _run_unary(self, run: UnaryRun) -> Answer:
+        """Queue an accepted (or resumed, or recovered) unary request and run it to its end."""
+        self.live[run.rid] = run
+        try:
+            if self.gw.journal is not None:
+                await self.gw.journal.move(run.rid, State.QUEUED, attempts=run.attempt + 1)
+            return await run.reply()
+        finally:
+            self.live.pop(run.rid, None)
 
     async def _begin(
         self,
@@ -218,7 +271,10 @@ class RequestService:
     def cancel_all(self) -> None:
         """The server is stopping: every live request stops (each journals its end)."""
         for run in list(self.live.values()):
-            run.exe.cancel()
+            if isinstance(run, Run):
+                run.exe.cancel()
+            else:
+                run.cancel()
 
     async def replay(self, rec: JournalRecord) -> None:
         """Run an orphan again (start-up recovery) under its Idempotency-Key's lock, through
@@ -232,6 +288,19 @@ class RequestService:
             try:
                 doc = json.loads(rec.body)
                 ep = self.endpoints[doc["endpoint"]]
+                if isinstance(ep, UnaryEndpoint):
+                    unary = UnaryRun(self.gw, ep, rec.id, ep.parse(doc["body"]), attempt=rec.attempts)
+                    self.live[rec.id] = unary
+            except Exception as exc:  # its stored body no longer runs: it ends, resumable
+                await self._end_unrunnable(rec, exc)
+                return
+            if isinstance(ep, UnaryEndpoint):
+                try:
+                    await unary.reply()
+                finally:
+                    self.live.pop(rec.id, None)
+                return
+            try:
                 prep = await prepare(self.gw, _with_stored_seed(ep.parse(doc["body"]), doc), rec.id)
                 run = await self._begin(
                     ep,
@@ -242,9 +311,7 @@ class RequestService:
                     resume_attempts=rec.attempts,
                 )
             except Exception as exc:  # its stored body no longer runs (or a bug): it ends, resumable
-                current = await self.gw.journal.get(rec.id)
-                if current is not None and not current.terminal:
-                    await end_orphan(self.gw, current, as_error(exc, rec.id))
+                await self._end_unrunnable(rec, exc)
                 return
         reply = await run.reply()
         if isinstance(reply, Streaming):
@@ -252,9 +319,23 @@ class RequestService:
                 async for _ in frames:
                     pass
 
+    async def _end_unrunnable(self, rec: JournalRecord, exc: Exception) -> None:
+        assert self.gw.journal is not None
+        current = await self.gw.journal.get(rec.id)
+        if current is not None and not current.terminal:
+            await end_orphan(self.gw, current, as_error(exc, rec.id))
+
     def replayable(self) -> bool:
         """Whether an orphan can be run again here (some endpoint is registered)."""
         return bool(self.endpoints)
+
+
+def _body_hash(endpoint: str, body: Any) -> str:
+    """What an Idempotency-Key is bound to: the endpoint and the body as sent."""
+    try:
+        return hashlib.sha256(dumps({"endpoint": endpoint, "body": body}).encode()).hexdigest()
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is JSON, not text
+        raise InvalidRequest("the body contains text that is not valid Unicode (a lone surrogate)") from exc
 
 
 def _in_flight(rid: str) -> IdempotencyInFlight:

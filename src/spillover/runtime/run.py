@@ -153,6 +153,10 @@ class Run:
         fp = (self.gw.worker_info(self.info.worker_id) if self.info else {}).get("fingerprint") or {}
         return str(fp["compat"]) if fp.get("compat") else None
 
+    def brief(self) -> dict[str, Any]:
+        """Its line in /v1/status ``running``."""
+        return {"rid": self.rid, "route": self.info.route if self.info else None, "attempt": self.exe.attempt}
+
     # -- control ----------------------------------------------------------------------
     def cancel(self) -> None:
         """DELETE /v1/requests/{id} or a disconnected client: the Execution stops the attempt

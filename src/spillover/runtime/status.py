@@ -69,6 +69,33 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
     return mode, reasons
 
 
+def service_rows(gw: Gateway) -> list[dict[str, Any]]:
+    """A row per service: where its requests start now and why, its queue and ETA. The chat
+    model's row comes from its scheduler (the GPU lane first)."""
+    rows: list[dict[str, Any]] = []
+    sched = gw.scheduler
+    if sched is not None:
+        lanes = sched.statistics()
+        last = sched.decisions[-1] if sched.decisions else None
+        rows.append(
+            {
+                "name": gw.cfg.model.name,
+                "kind": "chat",
+                "priority": "interactive",
+                "aliases": list(gw.cfg.model.aliases),
+                "where": last["route"] if last else ("gpu" if gw.device is not None else "cpu"),
+                "why": last["reason"] if last else "",
+                "queued": sum(x.depth for x in lanes),
+                "running": sum(x.running for x in lanes),
+                "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
+            }
+        )
+    for svc in gw.services.values():
+        st = svc.statistics()
+        rows.append(asdict(st))
+    return rows
+
+
 def status_document(gw: Gateway) -> dict[str, Any]:
     """The /v1/status document."""
     now = time.monotonic()
@@ -110,10 +137,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "decision_counts": dict(sched.decision_counts) if sched else {},
         "events": gw.events[-20:],
         "live_requests": len(gw.requests.live),
-        "running": [
-            {"rid": rid, "route": r.info.route if r.info else None, "attempt": r.exe.attempt}
-            for rid, r in list(gw.requests.live.items())[:100]
-        ],
+        "running": [r.brief() for r in list(gw.requests.live.values())[:100]],
+        "services": service_rows(gw),
         "retry_budget_denied": gw.budget.denied,
         "loop_restarts": dict(gw.loops.restarts),
         "loops": asdict(gw.loops.statistics()),

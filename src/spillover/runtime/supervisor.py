@@ -8,6 +8,8 @@ Rules:
    shows the dead process's memory released.
 3. A worker whose pings go unanswered for ``health_timeout_s`` is killed (then restarted).
 4. Nothing here touches another worker or lane.
+6. A start may wait for a condition given by the owner (``before_start``): a GPU worker's
+   load is a device reservation, and it is not attempted before its weights fit.
 5. The loop never ends by accident: an exception in one round (a device that cannot be
    read, a spawn that raises) is logged with its traceback and the round is retried after
    the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
@@ -20,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from spillover.config import SupervisorConfig
 from spillover.runtime.devices import GpuDevice
@@ -45,8 +47,10 @@ class Supervisor:
         *,
         device: GpuDevice | None = None,
         on_change: Callable[[WorkerClient, SupervisorEvent], None] = lambda w, e: None,
+        before_start: Callable[[WorkerClient], Awaitable[None]] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._before_start = before_start
         self.device = device
         self._on_change = on_change
         self._exited = asyncio.Event()
@@ -102,6 +106,8 @@ class Supervisor:
         pid_before = self.worker.pid
         if pid_before is not None and self.device is not None:
             await self._wait_released(pid_before)
+        if self._before_start is not None:  # e.g. the load's device memory must fit first (rule 6)
+            await self._before_start(self.worker)
         try:
             self._event(K.STARTING)
             info = await self.worker.start(self.cfg.load_timeout_s)

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -66,6 +66,8 @@ class WorkerSpec:
     weights_bytes: int = 0
     sim_name: str = "sim0"
     lazy_slots: bool = False
+    kind: str = "chat"  # "chat" | "embeddings"
+    batch_size: int = 32  # embeddings: inputs per encoder run
 
     def argv(self) -> list[str]:
         """Command line of the worker process."""
@@ -74,6 +76,8 @@ class WorkerSpec:
             "-m",
             "spillover.engine.worker",
             "--worker-id", self.worker_id,
+            "--kind", self.kind,
+            "--batch-size", str(self.batch_size),
             "--model", self.model_path,
             "--device", self.device,
             "--sim-name", self.sim_name,
@@ -260,9 +264,13 @@ class WorkerClient:
         proc.stdin.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
         await asyncio.wait_for(proc.stdin.drain(), 5.0)
 
-    async def generate(self, job: dict[str, Any]) -> AsyncIterator[RequestEvent]:
-        """Send one ``generate`` op; yield its typed events until Done / Failed or the worker's
-        end (``WorkerGone``)."""
+    def generate(self, job: dict[str, Any]) -> AsyncGenerator[RequestEvent, None]:
+        """Send one ``generate`` op (chat); its events as ``request``'s."""
+        return self.request("generate", job)
+
+    async def request(self, op: str, job: dict[str, Any]) -> AsyncGenerator[RequestEvent, None]:
+        """Send one request op (``generate``, ``embed``); yield its typed events until Done /
+        Failed or the worker's end (``WorkerGone``)."""
         rid = str(job["rid"])
         q: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if self.state is not WorkerState.READY:
@@ -272,7 +280,7 @@ class WorkerClient:
         self._running[rid] = asyncio.get_running_loop().create_future()
         try:
             try:
-                await self._send({"op": "generate", **job})
+                await self._send({"op": op, **job})
             except (ConnectionError, OSError, TimeoutError) as exc:
                 self._stopped(rid)
                 yield WorkerGone("exited", f"cannot reach worker: {exc}")

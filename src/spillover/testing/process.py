@@ -42,6 +42,10 @@ def free_port() -> int:
 class GatewayProcess:
     """``with GatewayProcess(["--gpu", "sim:512"]) as gw: gw.url ...``
 
+    By default the gateway serves its chat model alone (``--chat-only``), so a test's device
+    budget is the chat model's; ``services=True`` serves the configured ``[[services]]``
+    too (by default the bge-small-en embeddings service), as ``spillover serve`` does.
+
     Set ``GatewayProcess.log_archive`` to a folder to keep every gateway's log there.
     """
 
@@ -57,8 +61,13 @@ class GatewayProcess:
         config: dict[str, dict[str, Any]] | None = None,
         port: int | None = None,
         api_key: str | None = None,
+        services: bool = False,
+        wait_all_workers: bool = True,
     ) -> None:
-        self.args = list(args or []) + (["--api-key", api_key] if api_key else [])
+        self.wait_all_workers = wait_all_workers  # False: start() returns once the gateway answers
+        self.args = (
+            list(args or []) + (["--api-key", api_key] if api_key else []) + ([] if services else ["--chat-only"])
+        )
         self.api_key = api_key  # sent by get()/status() when the gateway requires one
         self.config = config
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="spillover-")
@@ -98,7 +107,7 @@ class GatewayProcess:
             start_new_session=True,
         )
         log.close()
-        self.wait_ready()
+        self.wait_ready(all_workers=self.wait_all_workers)
         return self
 
     def wait_ready(self, timeout_s: float | None = None, *, all_workers: bool = True) -> dict[str, Any]:
@@ -111,7 +120,8 @@ class GatewayProcess:
             try:
                 st: dict[str, Any] = self.get("/v1/status")
                 last = st
-                if not all_workers or all(w["state"] == "ready" for w in st["workers"]):
+                workers = st["workers"] + [w for svc in st.get("services", []) for w in svc.get("workers", [])]
+                if not all_workers or all(w["state"] == "ready" for w in workers):
                     return st
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass

@@ -1,0 +1,246 @@
+"""``POST /v1/embeddings`` (OpenAI's shape) and Ollama's ``POST /api/embed``, over the
+embeddings service (``runtime.embeddings``) through the request service's unary path.
+
+Rules:
+
+1. ``input`` is a string, a list of strings, a list of token ids, or a list of token-id
+   lists. Token ids are this model's own vocabulary (bge-small-en's WordPiece ids), without
+   ``[CLS]``/``[SEP]``, which are added as for text. Empty input, an empty string, more
+   than ``max_inputs`` inputs, an id outside the vocabulary, or an input longer than the
+   model's window is a 400 naming ``input``.
+2. ``encoding_format`` is ``float`` (lists of numbers) or ``base64`` (float32
+   little-endian bytes, what the openai SDK asks for by default). ``dimensions`` is refused
+   unless it is the model's own size: bge models are not trained to be truncated.
+3. ``usage.prompt_tokens`` counts what the encoder ran, ``[CLS]`` and ``[SEP]`` included.
+4. Every answer carries ``X-Spillover-*`` headers and a ``spillover`` object (route,
+   degraded, reason, attempts), like chat; an answer computed on the CPU path is degraded.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from spillover.errors import ContextLengthExceeded, InvalidRequest, SpilloverError, to_http
+from spillover.http.fields import check_fields, stored
+from spillover.runtime.run import Encoded
+from spillover.runtime.unary import OnMove, UnaryEndpoint
+
+if TYPE_CHECKING:
+    from spillover.runtime.embeddings import EmbeddingsService, EmbedResult
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["EmbedRequest", "embedding_endpoints"]
+
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """A validated embeddings request: wrapped token ids per input."""
+
+    model: str
+    service: str
+    inputs: list[list[int]]
+    encoding_format: str  # "float" | "base64"
+    shape: str  # "openai" | "ollama"
+
+
+def _texts_or_ids(value: Any) -> list[str] | list[list[int]]:
+    """Rule 1's shapes, as texts or as id lists."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'input' must be a non-empty string or list", param="input")
+    if all(isinstance(v, str) for v in value):
+        return list(value)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [list(value)]
+    if all(isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v) for v in value):
+        return [list(v) for v in value]
+    raise InvalidRequest(
+        "'input' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+        param="input",
+    )
+
+
+def parse_inputs(value: Any, svc: EmbeddingsService) -> list[list[int]]:
+    """Rule 1: the inputs as wrapped ids the encoder runs."""
+    got = _texts_or_ids(value)
+    assert svc.info is not None and svc.tokenizer is not None
+    if len(got) > svc.cfg.max_inputs:
+        raise InvalidRequest(
+            f"'input' holds {len(got)} inputs; at most {svc.cfg.max_inputs} per request", param="input"
+        )
+    if isinstance(got[0], str):
+        if any(t == "" for t in got):
+            raise InvalidRequest("'input' must not contain an empty string", param="input")
+        ids = svc.tokenize([str(t) for t in got])
+    else:
+        ids = [list(map(int, x)) for x in got]
+        for row in ids:
+            if not row:
+                raise InvalidRequest("'input' must not contain an empty token list", param="input")
+            bad = next((t for t in row if not 0 <= t < svc.info.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is not in the model's {svc.info.vocab_size}-token vocabulary", param="input"
+                )
+    window = svc.info.max_tokens
+    for i, row in enumerate(ids):
+        if len(row) + 2 > window:
+            raise ContextLengthExceeded(
+                f"input {i} is {len(row) + 2} tokens with [CLS] and [SEP]; {svc.name}'s window is {window} tokens",
+                param="input",
+            )
+    return [svc.tokenizer.wrap(row) for row in ids]
+
+
+def parse_openai(body: Any, gw: Gateway) -> EmbedRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    check_fields(body, "embeddings", gw.cfg.server.ignored_fields)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required", param="model")
+    svc = _service(gw, model)
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    dims = body.get("dimensions")
+    assert svc.info is not None
+    if dims is not None and (isinstance(dims, bool) or dims != svc.info.dim):
+        raise InvalidRequest(
+            f"'dimensions' is not supported by {svc.name} except its own size ({svc.info.dim}): "
+            "its vectors are not trained to be truncated",
+            param="dimensions",
+        )
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("'user' must be a string", param="user")
+    if "input" not in body:
+        raise InvalidRequest("'input' is required", param="input")
+    return EmbedRequest(model, svc.name, parse_inputs(body["input"], svc), fmt, "openai")
+
+
+def parse_ollama(body: Any, gw: Gateway) -> EmbedRequest:
+    """Ollama's ``/api/embed``: ``model``, ``input`` (string or list), ``truncate: false`` only,
+    ``keep_alive`` and ``options`` accepted as no-ops (the service is always loaded)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    for name in body:
+        if name not in ("model", "input", "truncate", "keep_alive", "options", "dimensions"):
+            raise InvalidRequest(f"unknown field '{name}'", param=name)
+    if body.get("truncate") not in (None, False):
+        raise InvalidRequest(
+            "'truncate' is not supported: an input longer than the window is refused, never cut", param="truncate"
+        )
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required", param="model")
+    svc = _service(gw, model)
+    assert svc.info is not None
+    if body.get("dimensions") not in (None, svc.info.dim):
+        raise InvalidRequest(f"'dimensions' must be {svc.info.dim} for {svc.name}", param="dimensions")
+    if "input" not in body:
+        raise InvalidRequest("'input' is required", param="input")
+    return EmbedRequest(model, svc.name, parse_inputs(body["input"], svc), "float", "ollama")
+
+
+def _service(gw: Gateway, model: str) -> EmbeddingsService:
+    served = gw.registry.resolve(model, "embeddings")
+    return gw.services[served.id]
+
+
+def _headers(rid: str, res: EmbedResult | None, model: str, reason: str | None = None) -> dict[str, str]:
+    route = res.lane if res else "none"
+    h = {
+        "X-Spillover-Request-Id": rid,
+        "X-Spillover-Route": route,
+        "X-Spillover-Degraded": "1" if res is not None and res.lane != "gpu" else "0",
+        "X-Spillover-Model": model,
+        "X-Spillover-Attempts": str(res.attempts if res else 0),
+    }
+    why = res.reason if res else reason
+    if why:
+        h["X-Spillover-Reason"] = why
+    return h
+
+
+def encode_answer(rid: str, req: EmbedRequest, res: EmbedResult) -> Encoded:
+    """Rules 2-4: the whole answer."""
+    rows = [res.data[i * res.dim * 4 : (i + 1) * res.dim * 4] for i in range(res.n)]
+    sp = {
+        "request_id": rid,
+        "route": res.lane,
+        "degraded": res.lane != "gpu",
+        "reason": res.reason,
+        "model": req.service,
+        "attempts": res.attempts,
+    }
+    if req.shape == "ollama":
+        doc: dict[str, Any] = {
+            "model": req.model,
+            "embeddings": [list(struct.unpack(f"<{res.dim}f", r)) for r in rows],
+            "prompt_eval_count": res.prompt_tokens,
+            "spillover": sp,
+        }
+    else:
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": (
+                    base64.b64encode(r).decode("ascii")
+                    if req.encoding_format == "base64"
+                    else list(struct.unpack(f"<{res.dim}f", r))
+                ),
+            }
+            for i, r in enumerate(rows)
+        ]
+        doc = {
+            "object": "list",
+            "data": data,
+            "model": req.service,
+            "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens},
+            "spillover": sp,
+        }
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return Encoded(200, [body], _headers(rid, res, req.service), JSON)
+
+
+def encode_error(err: SpilloverError, rid: str, *, shape: str) -> Encoded:
+    from spillover.http.ollama import ollama_error_body
+
+    e = to_http(err, rid)
+    body = e.body if shape == "openai" else ollama_error_body(err)
+    headers = {"X-Spillover-Request-Id": rid, "X-Spillover-Route": "none", **e.headers}
+    return Encoded(e.status, [json.dumps(body).encode()], headers, JSON, error=e.body)
+
+
+async def _execute(gw: Gateway, rid: str, req: EmbedRequest, attempt: int, on_move: OnMove) -> Encoded:
+    svc = gw.services[req.service]
+    res = await svc.embed(rid, req.inputs, attempt=attempt, on_move=on_move)
+    return encode_answer(rid, req, res)
+
+
+def embedding_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
+    """The unary endpoints the request service runs (and replays after a restart)."""
+    out = []
+    for name, parse, shape in (("embeddings", parse_openai, "openai"), ("ollama-embed", parse_ollama, "ollama")):
+        out.append(
+            UnaryEndpoint(
+                name=name,
+                kind="embeddings",
+                parse=functools.partial(parse, gw=gw),
+                stored=(lambda body: stored(body, "embeddings")) if shape == "openai" else dict,
+                check_room=lambda req: gw.services[req.service].check_room_nowait(),
+                execute=functools.partial(_execute, gw),
+                error=functools.partial(encode_error, shape=shape),
+            )
+        )
+    return out

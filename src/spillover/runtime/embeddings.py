@@ -1,0 +1,449 @@
+"""The embeddings service: its workers on the one device and on the CPU, its queue, and the
+run of one request from dispatch to vectors.
+
+Rules:
+
+1. Its GPU worker charges the gateway's one ``DeviceLedger`` (the chat model's too): the
+   weights when it loads (a load that does not fit waits, and its requests go to the CPU
+   path meanwhile; never a load into an OOM), and each request's predicted bytes
+   (``core.embed_memory``) before it starts. Chat admission sees those bytes at once.
+2. A queued request starts on whichever lane can start it first, the GPU preferred
+   (``core.placement``: late binding). The queue is bounded (503 at once when full) and a
+   request waits at most ``queue_max_age_s``.
+3. A request that fails on the GPU (the worker died, an allocation failed, an OOM) is
+   replayed on the CPU path at its request boundary: nothing of it was delivered, and the
+   same inputs give the same vectors (``engine.embedder`` rule 2). Attempts are bounded by
+   ``[failover].max_attempts`` and the gateway's retry budget.
+4. Each attempt's lease (worker slot + device reservation) is released exactly once, when
+   the worker has stopped working on it (its last event, or its exit), however the
+   attempt ends (done, error, cancel).
+5. A breaker per GPU worker (``core.breaker``) takes the GPU out of placement after
+   repeated failures, as for chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spillover.config import ServiceConfig
+from spillover.core.breaker import BreakerEvent, BreakerPolicy, BreakerState, Circuit, advance
+from spillover.core.embed_memory import EmbedMemoryModel
+from spillover.core.placement import PlacementView, place
+from spillover.core.reasons import FailoverReason, Reason
+from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
+from spillover.runtime.events import Done, Failed, Interrupted, Started, SupervisorEvent, Vectors, WorkerGone
+from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+if TYPE_CHECKING:
+    from spillover.engine.embedder import EmbedModelInfo, EmbedTokenizer
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["EmbedResult", "EmbeddingsService", "ServiceStatistics"]
+
+log = logging.getLogger("spillover.embeddings")
+IDLE_WAKE_S = 0.5
+STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
+
+
+@dataclass(eq=False)
+class _Job:
+    rid: str
+    nbytes: int
+    enqueued_s: float
+    future: asyncio.Future[_Dispatch]
+    avoid_gpu: bool = False
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    worker: WorkerClient
+    lane: str
+    reason: Reason
+    queued_s: float
+    nbytes: int  # charged to the device (0 off the GPU)
+    probe_round: int | None = None
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    """A finished request's vectors and where they were computed."""
+
+    data: bytes  # n x dim float32, little-endian
+    n: int
+    dim: int
+    lane: str
+    reason: str
+    attempts: int
+    prompt_tokens: int
+    queued_s: float
+
+
+@dataclass(frozen=True)
+class ServiceStatistics:
+    """A frozen snapshot of one service for /v1/status, /metrics and the status page."""
+
+    name: str
+    kind: str
+    priority: str
+    aliases: tuple[str, ...]
+    where: str  # "gpu" | "cpu" | "none": where a request would start now
+    why: str
+    queued: int
+    running: int
+    eta_s: float
+    served: dict[str, int]
+    failovers: int
+    breaker: str
+    weights_bytes: int
+    reserved_bytes: int
+    load_waiting: bool
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+
+class EmbeddingsService:
+    """One ``[[services]]`` entry of kind ``embeddings`` (rules in the module docstring)."""
+
+    kind = "embeddings"
+
+    def __init__(self, gw: Gateway, cfg: ServiceConfig) -> None:
+        self.gw = gw
+        self.cfg = cfg
+        self.name = cfg.name
+        self.model_dir = ""
+        self.info: EmbedModelInfo | None = None
+        self.tokenizer: EmbedTokenizer | None = None
+        self.memory: EmbedMemoryModel | None = None
+        self.gpu: Supervisor | None = None
+        self.cpu: Supervisor | None = None
+        self.queue: deque[_Job] = deque()
+        self.breaker = BreakerState()
+        self.breaker_policy = BreakerPolicy(**dataclasses.asdict(gw.cfg.breaker))
+        self.served = {"gpu": 0, "cpu": 0}
+        self.failovers = 0
+        self.shed = 0
+        self.load_waiting = False
+        self.last_choice = ("none", "starting")
+        self._seconds = {"gpu": 0.05, "cpu": 0.1}  # running mean per request, for the ETA
+        self._reserved: dict[str, int] = {}  # rid -> device bytes held by a running GPU attempt
+        self._wake = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<EmbeddingsService {self.name} queued={len(self.queue)} breaker={self.breaker.circuit.value}>"
+
+    # -- life -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops)."""
+        from spillover.engine.embedder import EmbedTokenizer, default_embed_model_dir, read_embed_model_info
+
+        self.model_dir = self.cfg.path or await asyncio.to_thread(default_embed_model_dir)
+        self.info = await asyncio.to_thread(read_embed_model_info, self.model_dir, self.name)
+        self.tokenizer = await asyncio.to_thread(EmbedTokenizer, self.model_dir)
+        self.memory = EmbedMemoryModel(self.info, fragmentation_ratio=self.gw.cfg.admission.fragmentation_ratio)
+        gw = self.gw
+        if self.cfg.gpu and gw.device is not None and gw.ledger is not None:
+            spec = self._spec("gpu", gw.device.spec)
+            self.gpu = Supervisor(
+                spec, gw.cfg.supervisor, device=gw.device, on_change=self._worker_event, before_start=self._admit_load
+            )
+        if self.cfg.cpu == "replica":
+            self.cpu = Supervisor(self._spec("cpu", "cpu"), gw.cfg.supervisor, on_change=self._worker_event)
+        for sup in self.supervisors():
+            gw.loops.add(f"sup-{sup.worker.spec.worker_id}", sup.run)
+        gw.loops.add(f"pump-{self.name}", self._pump_loop)
+
+    def supervisors(self) -> list[Supervisor]:
+        return [s for s in (self.gpu, self.cpu) if s is not None]
+
+    def _spec(self, lane: str, device: str) -> WorkerSpec:
+        assert self.memory is not None
+        return WorkerSpec(
+            worker_id=f"{self.name}-{lane}",
+            lane=lane,
+            device=device,
+            model_path=self.model_dir,
+            state_dir=str(self.gw.cfg.state_path()),
+            slots=self.cfg.gpu_slots if lane == "gpu" else self.cfg.cpu_slots,
+            n_ctx=self.info.max_tokens if self.info else 512,
+            n_threads=self.cfg.n_threads,
+            n_batch=self.cfg.batch_size,
+            weights_bytes=self.memory.weights_bytes() if device.startswith("sim") else 0,
+            kind="embeddings",
+            batch_size=self.cfg.batch_size,
+        )
+
+    async def _admit_load(self, worker: WorkerClient) -> None:
+        """Rule 1: the GPU worker's weights are reserved before it loads; until they fit,
+        the load waits (its requests go to the CPU path)."""
+        ledger = self.gw.ledger
+        assert ledger is not None
+        holder = f"weights:{worker.spec.worker_id}"
+        while not ledger.holds(holder):
+            if ledger.reserve_nowait(holder, worker.spec.weights_bytes, time.monotonic(), kind="weights") is None:
+                if not self.load_waiting:
+                    self.load_waiting = True
+                    why = f"load waiting: its {worker.spec.weights_bytes} bytes of weights do not fit the device now"
+                    self.gw.note_event(worker.spec.worker_id, why)
+                await asyncio.sleep(0.25)
+        self.load_waiting = False
+
+    def _worker_event(self, worker: WorkerClient, ev: SupervisorEvent) -> None:
+        self.gw.worker_event(worker, ev)
+        self.kick()
+
+    # -- requests ---------------------------------------------------------------------
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        assert self.tokenizer is not None
+        return self.tokenizer.encode(texts)
+
+    def check_room_nowait(self) -> None:
+        """503 at once when the queue is full (rule 2)."""
+        if len(self.queue) >= self.cfg.queue_depth and self._free_slots() == 0:
+            self.shed += 1
+            raise QueueFull(
+                f"the {self.name} queue is full ({self.cfg.queue_depth} waiting)", retry_after_s=self.eta_s()
+            )
+
+    def predicted_bytes(self, inputs: list[list[int]]) -> int:
+        assert self.memory is not None
+        return self.memory.request_bytes([len(ids) for ids in inputs], self.cfg.batch_size)
+
+    async def embed(
+        self,
+        rid: str,
+        inputs: list[list[int]],
+        *,
+        attempt: int,
+        on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+    ) -> EmbedResult:
+        """Compute ``inputs`` (wrapped ids): dispatch, run, and replay on the CPU path after a
+        GPU failure (rule 3). ``on_move(state, fields)`` journals each step."""
+        nbytes = self.predicted_bytes(inputs)
+        fault: str | None = None
+        max_attempts = self.gw.cfg.failover.max_attempts
+        while True:
+            attempt += 1
+            d = await self._dispatch(rid, nbytes, avoid_gpu=fault is not None)
+            reason = str(FailoverReason(fault)) if fault else str(d.reason)
+            await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
+            try:
+                got = await self._run_on(d, rid, inputs, on_move)
+            finally:
+                self._release(rid, d)
+            if isinstance(got, Vectors):
+                self.served[d.lane] += 1
+                return EmbedResult(
+                    got.data, got.n, got.dim, d.lane, reason, attempt, sum(len(i) for i in inputs), d.queued_s
+                )
+            kind, message = got
+            if d.lane != "gpu" or self.cpu is None or attempt >= max_attempts or not self.gw.budget.take():
+                raise WorkerFailed(f"the {d.lane} worker failed this request ({kind}: {message})", retry_after_s=1.0)
+            fault = kind
+            self.failovers += 1
+            self.gw.metrics.failovers.labels(kind).inc()
+            await on_move("queued", {"route": "cpu", "reason": str(FailoverReason(kind)), "attempts": attempt})
+
+    async def _dispatch(self, rid: str, nbytes: int, *, avoid_gpu: bool) -> _Dispatch:
+        job = _Job(rid, nbytes, time.monotonic(), asyncio.get_running_loop().create_future(), avoid_gpu)
+        self.queue.append(job)
+        self.pump_once()
+        try:
+            return await job.future
+        finally:
+            if job in self.queue:
+                self.queue.remove(job)
+
+    async def _run_on(
+        self,
+        d: _Dispatch,
+        rid: str,
+        inputs: list[list[int]],
+        on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+    ) -> Vectors | tuple[str, str]:
+        """One attempt: the vectors, or the failure (kind, message). Cancellation stops the
+        worker and waits (bounded) until it has let go of the request (rule 4)."""
+        msg = {"rid": rid, "inputs": inputs, "batch_size": self.cfg.batch_size, "reserve_bytes": d.nbytes}
+        t0 = time.monotonic()
+        vectors: Vectors | None = None
+        events = d.worker.request("embed", msg)
+        try:
+            async for ev in events:
+                if isinstance(ev, Started):
+                    if d.lane == "gpu" and self.gw.ledger is not None:
+                        self.gw.ledger.confirm(rid, time.monotonic())
+                    await on_move("running", {})
+                elif isinstance(ev, Vectors):
+                    vectors = ev
+                elif isinstance(ev, Done):
+                    if vectors is None:
+                        return ("engine", "the worker ended without vectors")
+                    self._note(d, "ok", time.monotonic() - t0)
+                    return vectors
+                elif isinstance(ev, Failed):
+                    self._note(d, "severe" if ev.kind in ("alloc_failed", "oom") else "failed", 0.0)
+                    return (ev.kind, ev.message)
+                elif isinstance(ev, WorkerGone):
+                    self._note(d, "severe", 0.0)
+                    return (ev.kind, ev.message)
+                elif isinstance(ev, Interrupted):
+                    raise RequestCancelled(f"request {rid} was cancelled")
+            return ("exited", "the worker channel ended")
+        except BaseException:
+            d.worker.interrupt(rid)
+            stopped = d.worker.when_stopped(rid)
+            if stopped is not None:
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(stopped), STOP_WAIT_S)
+            self._note(d, "cancelled", 0.0)
+            raise
+        finally:
+            await events.aclose()
+
+    def _note(self, d: _Dispatch, outcome: str, seconds: float) -> None:
+        """Feed the breaker (GPU) and the ETA."""
+        if outcome == "ok":
+            self._seconds[d.lane] = 0.8 * self._seconds[d.lane] + 0.2 * seconds
+        if d.lane != "gpu":
+            return
+        ev = {
+            "ok": BreakerEvent.SUCCESS,
+            "failed": BreakerEvent.FAILURE,
+            "severe": BreakerEvent.SEVERE_FAILURE,
+            "cancelled": BreakerEvent.PROBE_RELEASED,
+        }[outcome]
+        current_probe = d.probe_round is not None and d.probe_round == self.breaker.opens
+        stale = self.breaker.circuit is Circuit.HALF_OPEN and not current_probe
+        if stale and ev in (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED):
+            return  # admitted before this round: says nothing of the probes (as for chat)
+        self.breaker = advance(self.breaker, ev, time.monotonic(), self.breaker_policy)
+
+    def _release(self, rid: str, d: _Dispatch) -> None:
+        """Rule 4: the attempt's slot and device reservation go back, once."""
+        d.worker.release_slot(rid)
+        ledger = self.gw.ledger
+        if d.lane == "gpu" and ledger is not None and ledger.holds(rid):
+            ledger.release(rid, time.monotonic())
+        self._reserved.pop(rid, None)
+        self.gw.kick_scheduler()
+        self.kick()
+
+    # -- the pump -----------------------------------------------------------------------
+    def kick(self) -> None:
+        self._wake.set()
+
+    async def _pump_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                self.pump_once()
+            except Exception:
+                log.exception("%s: pump pass failed", self.name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+
+    def _view(self, nbytes: int, avoid_gpu: bool, now: float) -> PlacementView:
+        g = self.gpu.worker if self.gpu is not None else None
+        c = self.cpu.worker if self.cpu is not None else None
+        ledger = self.gw.ledger
+        host_ok = True
+        if c is not None and self.gw.cfg.device.host_guard and self.gw.host.observed_bytes:
+            host_ok = self.gw.host.observed_bytes < self.gw.host.budget_bytes
+        return PlacementView(
+            gpu_configured=g is not None,
+            gpu_ready=g is not None and g.state is WorkerState.READY,
+            gpu_free_slots=g.free_slots if g is not None else 0,
+            breaker_allows=self.breaker.circuit is not Circuit.OPEN
+            and not (self.breaker.circuit is Circuit.HALF_OPEN and self.breaker.probes_in_flight > 0),
+            headroom_bytes=ledger.headroom(now) if ledger is not None else None,
+            nbytes=nbytes,
+            cpu_ready=c is not None and c.state is WorkerState.READY,
+            cpu_free_slots=c.free_slots if c is not None else 0,
+            host_allows=host_ok,
+            avoid_gpu=avoid_gpu,
+        )
+
+    def pump_once(self) -> None:
+        """Expire old jobs; start each queued job on the first lane that can take it (rule 2)."""
+        now = time.monotonic()
+        self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.breaker_policy)
+        for job in [j for j in self.queue if j.future.done()]:
+            self.queue.remove(job)
+        for job in [j for j in self.queue if now - j.enqueued_s > self.cfg.queue_max_age_s]:
+            self.queue.remove(job)
+            job.future.set_exception(
+                CapacityError(
+                    f"waited {self.cfg.queue_max_age_s:.0f}s for an {self.name} worker",
+                    retry_after_s=self.eta_s(),
+                    code="queue_timeout",
+                )
+            )
+            job.future.exception()
+        for job in list(self.queue):
+            choice = place(self._view(job.nbytes, job.avoid_gpu, now))
+            self.last_choice = (choice.lane, str(choice.reason))
+            if choice.lane == "wait":
+                continue
+            worker = self.gpu.worker if choice.lane == "gpu" and self.gpu else self.cpu.worker if self.cpu else None
+            assert worker is not None
+            probe_round = None
+            if choice.lane == "gpu":
+                assert self.gw.ledger is not None
+                if self.gw.ledger.reserve_nowait(job.rid, job.nbytes, now) is None:
+                    continue
+                self._reserved[job.rid] = job.nbytes
+                if self.breaker.circuit is Circuit.HALF_OPEN:
+                    self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.breaker_policy)
+                    probe_round = self.breaker.opens
+                self.gw.kick_scheduler()  # chat admission sees the bytes at once
+            worker.claim_slot(job.rid)
+            self.queue.remove(job)
+            nbytes = job.nbytes if choice.lane == "gpu" else 0
+            job.future.set_result(
+                _Dispatch(worker, choice.lane, choice.reason, now - job.enqueued_s, nbytes, probe_round)
+            )
+
+    def _free_slots(self) -> int:
+        return sum(s.worker.free_slots for s in self.supervisors())
+
+    def eta_s(self) -> float:
+        """Seconds until a request queued now would likely start and end: the queue ahead of
+        it spread over the lanes' slots at their measured speed (never under 1 s)."""
+        slots = sum(s.worker.spec.slots for s in self.supervisors() if s.worker.state is WorkerState.READY)
+        per = min(self._seconds.values())
+        return max(1.0, math.ceil((len(self.queue) + 1) / max(1, slots)) * per * 2)
+
+    def statistics(self) -> ServiceStatistics:
+        from dataclasses import asdict
+
+        lane, why = self.last_choice
+        if not self.queue:  # nothing waits: say where a request would start now
+            small = self.memory.request_bytes([16], 1) if self.memory else 0
+            c = place(self._view(small, False, time.monotonic()))
+            lane, why = c.lane, str(c.reason if c.lane != "cpu" else c.gpu_reason)
+        return ServiceStatistics(
+            name=self.name,
+            kind=self.kind,
+            priority=self.cfg.priority,
+            aliases=tuple(self.cfg.aliases),
+            where="none" if lane == "wait" and not self._free_slots() else lane,
+            why=why,
+            queued=len(self.queue),
+            running=sum(s.worker.busy for s in self.supervisors()),
+            eta_s=round(self.eta_s(), 3),
+            served=dict(self.served),
+            failovers=self.failovers,
+            breaker=self.breaker.circuit.value,
+            weights_bytes=self.memory.weights_bytes() if self.memory else 0,
+            reserved_bytes=sum(self._reserved.values()),
+            load_waiting=self.load_waiting,
+            workers=[asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in self.supervisors()],
+        )

@@ -1,0 +1,148 @@
+"""Requests with one whole answer and no token stream (embeddings; transcription next): the
+same ownership rules as a generation (``runtime.requests``), without the stream machinery.
+
+Rules:
+
+1. Accepted means journaled (ACCEPTED, fsync) before anything is queued; the Idempotency-Key
+   rules are the request service's (one execution per key at a time; a finished key answers
+   from the journal, byte for byte).
+2. A ``UnaryRun`` owns the request from acceptance to its one terminal state, journaled with
+   its whole answer (status, body, headers) before the answer is returned, on every path:
+   done, an error, a bug, DELETE, the server stopping.
+3. The endpoint's ``execute`` does the work and reports each step through ``on_move``
+   (admitted, running, queued again for a failover), which the run journals.
+4. After a restart an orphan is run again through its endpoint (its stored body), as for a
+   generation; its answer is journaled for its key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spillover.core.lifecycle import State
+from spillover.errors import RequestCancelled, SpilloverError
+from spillover.runtime.outcomes import classify_error
+from spillover.runtime.run import Answer, Encoded, as_error
+
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["UnaryEndpoint", "UnaryRun"]
+
+log = logging.getLogger("spillover.request")
+
+OnMove = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class UnaryEndpoint:
+    """One route whose answer is a whole body (given by the HTTP layer).
+
+    ``parse`` validates a body into a request (with its ``model``), or raises InvalidRequest;
+    ``check_room`` raises QueueFull at once when the request's queue is full; ``execute``
+    answers it (rule 3) or raises a SpilloverError, which ``error`` encodes."""
+
+    name: str
+    kind: str
+    parse: Callable[[Any], Any]
+    stored: Callable[[dict[str, Any]], dict[str, Any]]
+    check_room: Callable[[Any], None]
+    execute: Callable[[str, Any, int, OnMove], Coroutine[Any, Any, Encoded]]
+    error: Callable[[SpilloverError, str], Encoded]
+
+
+@dataclass(eq=False)
+class UnaryRun:
+    """One accepted unary request while it runs (rule 2)."""
+
+    gw: Gateway
+    ep: UnaryEndpoint
+    rid: str
+    req: Any
+    attempt: int = 0
+    route: str | None = None
+    started_s: float = field(default_factory=time.monotonic)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled_by_user: bool = False
+    _task: asyncio.Task[Encoded] | None = None
+
+    def __repr__(self) -> str:
+        return f"<UnaryRun {self.ep.name} {self.rid} route={self.route} attempt={self.attempt}>"
+
+    def brief(self) -> dict[str, Any]:
+        """Its line in /v1/status ``running``."""
+        return {"rid": self.rid, "route": self.route, "attempt": self.attempt, "endpoint": self.ep.name}
+
+    def cancel(self) -> None:
+        """DELETE /v1/requests/{id}, or the server stopping: the work stops; it ends CANCELLED."""
+        self.cancelled_by_user = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _move(self, state: str, fields: dict[str, Any]) -> None:
+        if "route" in fields:
+            self.route = fields["route"]
+        if "attempts" in fields:
+            self.attempt = int(fields["attempts"])
+        if self.gw.journal is not None:
+            await self.gw.journal.move(self.rid, State(state), **fields)
+
+    async def reply(self) -> Answer:
+        """Run it to its end and journal the outcome before answering (rule 2)."""
+        self._task = asyncio.create_task(self.ep.execute(self.rid, self.req, self.attempt, self._move))
+        try:
+            outcome = await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            cancelled = RequestCancelled(f"request {self.rid} was cancelled")
+            if me is not None and me.cancelling():  # our caller is cancelled (the server stops)
+                await asyncio.shield(self._settle(cancelled))
+                raise
+            return _answer(await asyncio.shield(self._settle(cancelled)))  # the work was (DELETE)
+        except Exception as exc:  # the request's own error, or (a bug) a 500: journaled too
+            err = RequestCancelled(f"request {self.rid} was cancelled") if self.cancelled_by_user else None
+            return _answer(await asyncio.shield(self._settle(err or as_error(exc, self.rid))))
+        await asyncio.shield(self._store(State.COMPLETED, outcome))
+        return _answer(outcome)
+
+    async def _settle(self, err: SpilloverError) -> Encoded:
+        """The task has ended (or is made to); journal ``err`` as the outcome."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        outcome = self.ep.error(err, self.rid)
+        await self._store(classify_error(err), outcome)
+        return outcome
+
+    async def _store(self, state: State, outcome: Encoded) -> None:
+        try:
+            self.gw.metrics.request_done(
+                self.route or "none", state.value, outcome.headers.get("X-Spillover-Reason", "none"),
+                time.monotonic() - self.started_s, 0,
+            )  # fmt: skip
+            if state is State.COMPLETED and self.route is not None:
+                self.gw.degraded.note(time.monotonic(), self.route, outcome.headers.get("X-Spillover-Reason"))
+            await self.gw.store_outcome(
+                self.rid,
+                state,
+                status_code=outcome.status,
+                response=b"".join(outcome.frames),
+                content_type=outcome.content_type,
+                headers=json.dumps(outcome.headers),
+                error=json.dumps(outcome.error) if outcome.error else None,
+                route=self.route,
+                attempts=self.attempt,
+                reason=outcome.headers.get("X-Spillover-Reason"),
+            )
+        finally:
+            self.ended.set()
+
+
+def _answer(o: Encoded) -> Answer:
+    return Answer(o.status, b"".join(o.frames), o.headers, o.content_type)

@@ -1,0 +1,76 @@
+"""runtime.registry and [[services]] config: model ids, aliases, kinds and their errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spillover.config import load_config
+from spillover.errors import ConfigError, InvalidRequest, NotFound
+from spillover.runtime.registry import ModelRegistry
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_default_serves_chat_and_embeddings_with_aliases() -> None:
+    """With no config, chat and the embeddings service are served, each under its aliases."""
+    reg = ModelRegistry(load_config())
+    assert [(m["id"], m["spillover"]["kind"]) for m in reg.listing()] == [  # type: ignore[index]
+        ("smollm2-135m-instruct", "chat"),
+        ("bge-small-en", "embeddings"),
+    ]
+    assert reg.resolve("smollm2", "chat").id == "smollm2-135m-instruct"
+    assert reg.resolve("bge-small", "embeddings").id == "bge-small-en"
+
+
+def test_unknown_model_is_404_listing_every_served_id() -> None:
+    """An unknown id is model_not_found, and the message names every id and alias served."""
+    with pytest.raises(NotFound) as e:
+        ModelRegistry(load_config()).resolve("gpt-9", "chat")
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    for name in ("smollm2-135m-instruct", "smollm2", "bge-small-en", "bge-small"):
+        assert repr(name) in e.value.message
+
+
+def test_a_model_of_another_kind_is_a_400_naming_the_endpoint() -> None:
+    """An embeddings model sent to chat (and the reverse) names the endpoint that serves it."""
+    reg = ModelRegistry(load_config())
+    with pytest.raises(InvalidRequest, match="/v1/embeddings"):
+        reg.resolve("bge-small-en", "chat")
+    with pytest.raises(InvalidRequest, match="/v1/chat/completions"):
+        reg.resolve("smollm2", "embeddings")
+
+
+def test_services_can_be_turned_off(tmp_path: Path) -> None:
+    """``services = []`` serves the chat model alone."""
+    cfg = load_config(_write(tmp_path, "services = []\n"))
+    assert cfg.services == ()
+    assert [m.id for m in ModelRegistry(cfg).models] == ["smollm2-135m-instruct"]
+
+
+@pytest.mark.parametrize(
+    ("toml", "match"),
+    [
+        ('[[services]]\nname = "smollm2"\n', "already served"),
+        ('[[services]]\nname = "a"\n[[services]]\nname = "b"\naliases = ["a"]\n', "already served"),
+        ('[[services]]\nkind = "chat"\nname = "x"\n', "not built"),
+        ('[[services]]\nkind = "transcription"\nname = "x"\n', "not built"),
+        ('[[services]]\nkind = "music"\nname = "x"\n', "kind must be"),
+        ('[[services]]\npriority = "urgent"\n', "priority"),
+        ('[[services]]\ncpu = "fallback"\n', "cpu must be"),
+        ('[[services]]\ncpu = "none"\ngpu = false\n', "needs a GPU worker or a CPU path"),
+        ("[[services]]\nbatch_size = 0\n", ">= 1"),
+        ('[[services]]\npath = "/nonexistent"\n', "no model.onnx"),
+        ("[[services]]\nunknown = 1\n", "unknown setting"),
+        ("services = 3\n", "list of tables"),
+    ],
+)
+def test_bad_services_are_refused_at_start(tmp_path: Path, toml: str, match: str) -> None:
+    """Every wrong [[services]] entry is a ConfigError naming what is wrong."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(_write(tmp_path, toml))

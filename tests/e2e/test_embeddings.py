@@ -1,0 +1,315 @@
+"""The embeddings service beside chat on one (sim) device: the OpenAI and Ollama shapes, one
+device budget, failover at request boundaries, idempotency, cancel and recovery."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from spillover.config import load_config
+from spillover.core.embed_memory import EmbedMemoryModel
+from spillover.engine.embedder import EmbedTokenizer, default_embed_model_dir, read_embed_model_info
+from spillover.engine.sim import SimDevice
+from spillover.testing import GatewayProcess
+from tests.e2e.helpers import wait_for
+
+pytestmark = pytest.mark.e2e
+
+MIB = 1024 * 1024
+LONG_TEXT = "lorem ipsum dolor sit amet " * 50  # about 450 tokens: big activations, slow (~10 s a chunk)
+MEDIUM_TEXT = "lorem ipsum dolor sit amet " * 10  # about 90 tokens
+PARAPHRASES = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Quarterly tax filings are due in April."]
+
+
+def _service(gw: GatewayProcess, name: str = "bge-small-en") -> dict[str, Any]:
+    return next(s for s in gw.status()["services"] if s["name"] == name)
+
+
+def _service_worker(gw: GatewayProcess, lane: str) -> dict[str, Any]:
+    return next(w for w in _service(gw)["workers"] if w["lane"] == lane)
+
+
+def _vectors(doc: dict[str, Any]) -> np.ndarray:
+    rows = []
+    for d in doc["data"]:
+        e = d["embedding"]
+        rows.append(np.frombuffer(base64.b64decode(e), dtype="<f4") if isinstance(e, str) else np.array(e))
+    return np.array(rows, dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    with GatewayProcess(["--gpu", "sim:1024"], services=True) as g:
+        yield g
+
+
+def test_openai_client_embeddings_and_a_paraphrase_scores_higher(gw: GatewayProcess) -> None:
+    """The official client's embeddings.create (base64 by default, and float) returns
+    normalised 384-d vectors; a paraphrase is closer than an unrelated sentence."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    got = client.embeddings.create(model="bge-small-en", input=PARAPHRASES)
+    v = np.array([d.embedding for d in got.data])
+    assert v.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
+    sim = v @ v.T
+    assert sim[0, 1] > sim[0, 2] + 0.2 and sim[0, 1] > sim[1, 2] + 0.2
+    assert got.usage.prompt_tokens == got.usage.total_tokens > 3 * 2
+    floats = client.embeddings.create(model="bge-small", input=PARAPHRASES, encoding_format="float")
+    assert np.array_equal(np.array([d.embedding for d in floats.data], dtype=np.float32), v.astype(np.float32))
+    assert floats.model == "bge-small-en"
+
+
+def test_models_lists_every_service_with_its_kind_and_aliases(gw: GatewayProcess) -> None:
+    """/v1/models lists chat and embeddings once each, with kind and aliases."""
+    data = gw.get("/v1/models")["data"]
+    assert [(m["id"], m["spillover"]["kind"], m["spillover"]["aliases"]) for m in data] == [
+        ("smollm2-135m-instruct", "chat", ["smollm2"]),
+        ("bge-small-en", "embeddings", ["bge-small"]),
+    ]
+
+
+def test_token_arrays_give_the_same_vectors_as_their_text(gw: GatewayProcess) -> None:
+    """Token ids of the model's own vocabulary (no [CLS]/[SEP]) embed like the text they spell."""
+    tok = EmbedTokenizer(default_embed_model_dir())
+    ids = tok.encode(PARAPHRASES[:2])
+    with httpx.Client(base_url=gw.url, timeout=60) as c:
+        text = c.post("/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES[:2]}).json()
+        arrays = c.post("/v1/embeddings", json={"model": "bge-small-en", "input": ids}).json()
+        single = c.post("/v1/embeddings", json={"model": "bge-small-en", "input": ids[0]}).json()
+    assert np.array_equal(_vectors(text), _vectors(arrays))
+    assert len(single["data"]) == 1 and single["usage"]["prompt_tokens"] == len(ids[0]) + 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ({"model": "nope", "input": "x"}, 404, "model", "model_not_found"),
+        ({"model": "smollm2", "input": "x"}, 400, "model", "model_not_supported"),
+        ({"model": "bge-small-en"}, 400, "input", None),
+        ({"model": "bge-small-en", "input": ""}, 400, "input", None),
+        ({"model": "bge-small-en", "input": []}, 400, "input", None),
+        ({"model": "bge-small-en", "input": [[]]}, 400, "input", None),
+        ({"model": "bge-small-en", "input": [1, "a"]}, 400, "input", None),
+        ({"model": "bge-small-en", "input": [True]}, 400, "input", None),
+        ({"model": "bge-small-en", "input": [[1, 2, 99999]]}, 400, "input", None),
+        ({"model": "bge-small-en", "input": [-1]}, 400, "input", None),
+        ({"model": "bge-small-en", "input": ["x"] * 257}, 400, "input", None),
+        ({"model": "bge-small-en", "input": "word " * 600}, 400, "input", "context_length_exceeded"),
+        ({"model": "bge-small-en", "input": "x", "dimensions": 128}, 400, "dimensions", None),
+        ({"model": "bge-small-en", "input": "x", "encoding_format": "hex"}, 400, "encoding_format", None),
+        ({"model": "bge-small-en", "input": "x", "user": 5}, 400, "user", None),
+        ({"model": "bge-small-en", "input": "x", "frobnicate": 1}, 400, "frobnicate", None),
+    ],
+)
+def test_bad_embeddings_requests_get_a_clear_openai_error(
+    gw: GatewayProcess, body: dict[str, Any], status: int, param: str, code: str | None
+) -> None:
+    """Each malformed request is refused before anything runs, naming the field."""
+    r = httpx.post(gw.url + "/v1/embeddings", json=body, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (status, param), err
+    if code is not None:
+        assert err["code"] == code
+    assert r.headers["x-should-retry"] == "false"
+
+
+def test_dimensions_equal_to_the_model_size_is_accepted(gw: GatewayProcess) -> None:
+    """``dimensions`` naming the model's own size is honoured as a no-op."""
+    r = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "x", "dimensions": 384})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+
+
+def test_idempotency_key_replays_the_same_bytes(gw: GatewayProcess) -> None:
+    """The same key and body answer byte-identically from the journal; another body is 422."""
+    body = {"model": "bge-small-en", "input": PARAPHRASES}
+    with httpx.Client(base_url=gw.url, timeout=60) as c:
+        first = c.post("/v1/embeddings", json=body, headers={"Idempotency-Key": "emb-1"})
+        again = c.post("/v1/embeddings", json=body, headers={"Idempotency-Key": "emb-1"})
+        other = c.post("/v1/embeddings", json={**body, "input": "x"}, headers={"Idempotency-Key": "emb-1"})
+        doc = c.get(f"/v1/requests/{first.headers['x-spillover-request-id']}").json()
+    assert first.status_code == again.status_code == 200
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert other.status_code == 422
+    assert doc["state"] == "completed" and doc["route"] in ("gpu", "cpu")
+
+
+def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
+    """/api/embed answers the ollama client with the same vectors as /v1/embeddings."""
+    import ollama
+
+    client = ollama.Client(host=gw.url, timeout=60)
+    try:
+        got = client.embed(model="bge-small", input=PARAPHRASES)
+        with pytest.raises(ollama.ResponseError) as e:
+            client.embed(model="nope", input="x")
+    finally:
+        client._client.close()
+    ref = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES}).json()
+    assert np.array_equal(np.array(got.embeddings, dtype=np.float32), _vectors(ref))
+    assert e.value.status_code == 404
+
+
+def test_delete_of_a_running_embeddings_request_ends_it_cancelled(gw: GatewayProcess) -> None:
+    """DELETE stops a long request; it answers 409 request_cancelled and is journaled cancelled."""
+    body = {"model": "bge-small-en", "input": [MEDIUM_TEXT] * 256}
+    out: dict[str, httpx.Response] = {}
+    with httpx.Client(base_url=gw.url, timeout=300) as c:
+        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(gw.url + "/v1/embeddings", json=body)))
+        t.start()
+        running = wait_for(lambda: gw.status()["running"], 30, "running")
+        rid = running[0]["rid"]
+        assert c.delete(f"/v1/requests/{rid}").status_code in (200, 202, 204)
+        t.join(60)
+        r = out["r"]
+        assert r.status_code == 409 and r.json()["error"]["code"] == "request_cancelled"
+        assert r.headers["x-should-retry"] == "false"
+        assert c.get(f"/v1/requests/{rid}").json()["state"] == "cancelled"
+    wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
+
+
+def test_a_gpu_worker_kill_mid_request_replays_on_cpu_with_the_same_vectors(gw: GatewayProcess) -> None:
+    """SIGKILL of the GPU embeddings worker mid-request: the request is replayed on the CPU
+    path at its boundary and answers exactly the vectors a GPU run gives."""
+    inputs = [f"{MEDIUM_TEXT} {i}" for i in range(256)]
+    body = {"model": "bge-small-en", "input": inputs}
+    with httpx.Client(base_url=gw.url, timeout=300) as c:
+        ref = c.post("/v1/embeddings", json=body)
+        assert ref.headers["x-spillover-route"] == "gpu"
+        out: dict[str, httpx.Response] = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", httpx.post(gw.url + "/v1/embeddings", json=body, timeout=300))
+        )
+        t.start()
+        wait_for(lambda: _service_worker(gw, "gpu")["busy"] >= 1, 30, "running on the gpu")
+        time.sleep(0.3)
+        os.kill(int(_service_worker(gw, "gpu")["pid"]), signal.SIGKILL)
+        t.join(120)
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-degraded"] == "1"
+    assert r.headers["x-spillover-reason"].startswith("failover:")
+    assert r.json()["spillover"]["attempts"] == 2
+    assert np.array_equal(_vectors(r.json()), _vectors(ref.json()))
+    wait_for(lambda: _service_worker(gw, "gpu")["state"] == "ready", 60, "gpu worker back")
+
+
+def _chat_model() -> Any:
+    from spillover.core.memory import MemoryModel
+    from spillover.engine.gguf_meta import read_model_spec
+
+    cfg = load_config()
+    return MemoryModel(read_model_spec(cfg.model_path()), n_ubatch=cfg.gpu_lane.n_batch_tokens)
+
+
+def _weights_bytes() -> tuple[int, int]:
+    """(chat, embeddings) weights the sim device is charged for, from the memory models."""
+    return _chat_model().weights_bytes(), EmbedMemoryModel(
+        read_embed_model_info(default_embed_model_dir())
+    ).weights_bytes()
+
+
+def test_an_embedding_burst_pushes_a_long_chat_to_cpu_before_any_allocation_fails() -> None:
+    """With embeddings holding most of the device, a long chat request is routed to the CPU
+    lane by admission (one budget), and the device never refuses an allocation."""
+    d = default_embed_model_dir()
+    emb = EmbedMemoryModel(read_embed_model_info(d))
+    lengths = [len(ids) + 2 for ids in EmbedTokenizer(d).encode([LONG_TEXT])] * 32
+    burst_bytes = emb.request_bytes(lengths, 32)
+    chat_bytes = _chat_model().request_footprint(300, 100).total_bytes
+    body = {"model": "bge-small-en", "input": [LONG_TEXT] * 40}
+    with GatewayProcess(["--gpu", "sim:4096"], services=True) as g:
+        # Room for the loaded weights, one burst request and half of the chat request beside it.
+        weights = g.status()["device"]["ledger"]["predicted_bytes"]
+        capacity = weights + 32 * MIB + burst_bytes + chat_bytes // 2
+        SimDevice(g.state_dir).set_capacity(capacity)
+        wait_for(lambda: g.status()["device"]["ledger"]["capacity_bytes"] == capacity, 10, "capacity seen")
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(httpx.post(g.url + "/v1/embeddings", json=body, timeout=300)))
+        t.start()
+        wait_for(lambda: _service_worker(g, "gpu")["busy"] >= 1, 30, "burst on the gpu")
+        chat = httpx.post(
+            g.url + "/v1/chat/completions",
+            json={
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": "Tell me about dragons. " * 50}],
+                "max_tokens": 100,
+                "temperature": 0,
+            },
+            timeout=300,
+        )
+        t.join(300)
+        st = g.status()
+    assert chat.status_code == 200, chat.text
+    assert chat.headers["x-spillover-route"] == "cpu", chat.headers
+    assert out and out[0].status_code == 200 and out[0].headers["x-spillover-route"] == "gpu"
+    assert st["device"]["alloc_failures"] == 0
+    assert all(w["alloc_failures"] == 0 for w in st["workers"] + st["services"][1]["workers"])
+
+
+def _ready_but_waiting(g: GatewayProcess) -> bool:
+    try:
+        st = g.status()
+    except OSError:
+        return False
+    svc = next(s for s in st["services"] if s["name"] == "bge-small-en")
+    cpu = next(w for w in svc["workers"] if w["lane"] == "cpu")
+    return bool(svc["load_waiting"]) and cpu["state"] == "ready" and all(w["state"] == "ready" for w in st["workers"])
+
+
+def test_a_model_load_that_does_not_fit_waits_and_its_requests_go_to_cpu() -> None:
+    """With no room for the embeddings weights, the GPU worker's load waits (never an OOM);
+    requests are served on the CPU path; once room appears, it loads and serves on the GPU."""
+    capacity_mib = (_chat_model().weights_bytes() + 32 * MIB + 8 * MIB) // MIB
+    with GatewayProcess(["--gpu", f"sim:{capacity_mib}"], services=True, wait_all_workers=False) as g:
+        wait_for(lambda: _ready_but_waiting(g), 90, "chat ready, embeddings load waiting")
+        r = httpx.post(g.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "hello"}, timeout=60)
+        assert r.status_code == 200 and r.headers["x-spillover-route"] == "cpu"
+        assert r.headers["x-spillover-reason"] == "gpu_unavailable"
+        assert _service_worker(g, "gpu")["starts"] == 0  # never attempted
+        SimDevice(g.state_dir).set_capacity((capacity_mib + 256) * MIB)
+        wait_for(lambda: _service_worker(g, "gpu")["state"] == "ready", 60, "loaded once room appeared")
+        r = httpx.post(g.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "hello"}, timeout=60)
+        assert r.headers["x-spillover-route"] == "gpu"
+        assert g.status()["device"]["alloc_failures"] == 0
+
+
+def test_an_embeddings_request_survives_a_gateway_sigkill(tmp_path: Any) -> None:
+    """Accepted then SIGKILLed with the gateway: after a restart it is replayed once and its
+    key answers the journaled vectors."""
+    state = str(tmp_path / "state")
+    body = {"model": "bge-small-en", "input": [MEDIUM_TEXT] * 256}
+    g = GatewayProcess(["--gpu", "sim:1024"], state_dir=state, services=True).start()
+    try:
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the gateway dies under it
+                httpx.post(g.url + "/v1/embeddings", json=body, headers={"Idempotency-Key": "survive"}, timeout=60)
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        wait_for(lambda: g.status()["running"], 30, "running")
+        g.kill9()
+        g.restart()
+        with httpx.Client(base_url=g.url, timeout=120) as c:
+
+            def finished() -> httpx.Response | None:
+                r = c.post("/v1/embeddings", json=body, headers={"Idempotency-Key": "survive"})
+                return r if r.status_code == 200 else None
+
+            r = wait_for(finished, 120, "replayed")
+            assert r.headers["idempotent-replayed"] == "true"
+            assert len(r.json()["data"]) == 256
+            assert g.status()["recovered"]["replayed"] == 1
+    finally:
+        g.stop()
