@@ -185,6 +185,17 @@ class AdmissionConfig:
     delay_max_s: float = _doc(2.0, "longest admission may wait for pages to come back")
     pressure_ratio: float = _doc(0.95, "observed/usable above which the GPU is under pressure")
     allow_cpu_route: bool = _doc(True, "route to the CPU lane when the GPU cannot take a request")
+    demote_batch_services: bool = _doc(
+        True,
+        "when an interactive request does not fit the GPU, unload an idle batch-priority service's GPU "
+        "worker (its requests go to its CPU path) before routing the request to the CPU",
+    )
+    promote_after_s: float = _doc(
+        30.0, "a demoted service goes back on the GPU once its weights have fitted with room to spare this long"
+    )
+    promote_headroom_mib: int = _doc(
+        64, "room that must stay free beside a promoted service's weights (hysteresis against flapping)"
+    )
     shrink_by_default: bool = _doc(
         False,
         "shrink max_tokens to fit (GPU memory, the CPU lane's context) for requests that do not say "
@@ -353,6 +364,8 @@ def _validate(cfg: Config) -> None:
     a = cfg.admission
     if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:
         raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")
+    if a.promote_after_s < 0 or a.promote_headroom_mib < 0:
+        raise ConfigError("[admission] promote_after_s and promote_headroom_mib must be >= 0")
     if not 0 < a.pressure_ratio <= 1:
         raise ConfigError("[admission].pressure_ratio must be in (0, 1]")
     if cfg.device.margin_mib < 0 or cfg.device.host_budget_mib <= 0:

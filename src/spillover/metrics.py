@@ -77,7 +77,17 @@ class _StateCollector(Collector):
         for w in st["workers"]:
             up.add_metric([w["worker_id"], w["lane"]], 1.0 if w["state"] == "ready" else 0.0)
             restarts.add_metric([w["worker_id"]], w["restarts"])
-        yield from (up, restarts)
+        svc_where = GaugeMetricFamily(
+            "spillover_service_on_gpu", "1 when a service's requests start on the GPU now", labels=["service", "kind"]
+        )
+        svc_queue = GaugeMetricFamily("spillover_service_queue_depth", "requests waiting", labels=["service"])
+        for svc in st.get("services", []):
+            svc_where.add_metric([svc["name"], svc["kind"]], 1.0 if svc["where"] == "gpu" else 0.0)
+            svc_queue.add_metric([svc["name"]], svc["queued"])
+            for w in svc.get("workers", []):
+                up.add_metric([w["worker_id"], w["lane"]], 1.0 if w["state"] == "ready" else 0.0)
+                restarts.add_metric([w["worker_id"]], w["restarts"])
+        yield from (up, restarts, svc_where, svc_queue)
         dec = CounterMetricFamily("spillover_admission_decisions", "admission decisions", labels=["decision", "reason"])
         for key, n in st["decision_counts"].items():
             decision, _, reason = key.partition(":")
@@ -118,6 +128,12 @@ class Metrics:
         self.requests = Counter("spillover_requests", "finished requests", ["route", "outcome", "reason"], registry=r)
         self.tokens = Counter("spillover_generated_tokens", "tokens generated", ["route"], registry=r)
         self.failovers = Counter("spillover_failovers", "GPU attempts that failed over", ["kind"], registry=r)
+        self.service_ladder = Counter(
+            "spillover_service_ladder_events",
+            "services demoted from the GPU for interactive work, and promoted back",
+            ["service", "event"],
+            registry=r,
+        )
         self.degraded = Counter(
             "spillover_degraded_responses", "responses served degraded (CPU or fallback)", registry=r
         )

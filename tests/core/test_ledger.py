@@ -301,12 +301,13 @@ def test_recently_released_forgets_the_oldest_first() -> None:
     [
         ("request", 5.0, 8 * MIB),
         ("request", None, 0),  # a release without a time is not remembered
-        ("weights", 5.0, 0),  # only requests' bytes are coming back
-        ("tenant", 5.0, 0),
+        ("weights", 5.0, 8 * MIB),  # an unloaded model's weights are coming back too
+        ("weights", None, 0),
+        ("tenant", 5.0, 0),  # another tenant's memory is not ours
     ],
 )
 def test_which_releases_are_remembered(kind: str, now: float | None, remembered: int) -> None:
-    """Only request reservations released with a time count as recently released."""
+    """Request and weights reservations released with a time count as recently released."""
     led = make()
     led.force_reserve("a", 8 * MIB, 0.0, kind)
     led.release("a", now)

@@ -31,6 +31,8 @@ ROWS = [
     ({"breaker_allows": False}, "cpu", Reason.BREAKER_OPEN, Reason.BREAKER_OPEN),
     ({"gpu_configured": False}, "cpu", Reason.GPU_NOT_CONFIGURED, Reason.GPU_NOT_CONFIGURED),
     ({"avoid_gpu": True}, "cpu", Reason.GPU_UNAVAILABLE, Reason.GPU_UNAVAILABLE),
+    ({"demoted": True}, "cpu", Reason.DEMOTED, Reason.DEMOTED),
+    ({"demoted": True, "gpu_ready": False}, "cpu", Reason.DEMOTED, Reason.DEMOTED),
     ({"gpu_free_slots": 0, "cpu_free_slots": 0}, "wait", Reason.NO_LANE_FREE, Reason.GPU_BUSY),
     ({"nbytes": 2000, "cpu_ready": False}, "wait", Reason.NO_LANE_FREE, Reason.NO_DEVICE_ROOM),
     ({"nbytes": 2000, "host_allows": False}, "wait", Reason.NO_LANE_FREE, Reason.NO_DEVICE_ROOM),

@@ -313,3 +313,53 @@ def test_an_embeddings_request_survives_a_gateway_sigkill(tmp_path: Any) -> None
             assert g.status()["recovered"]["replayed"] == 1
     finally:
         g.stop()
+
+
+def test_an_idle_batch_service_is_demoted_for_interactive_chat_and_promoted_back() -> None:
+    """The ladder's service step: a long chat request that does not fit beside the idle
+    embeddings weights unloads them (journaled, counted, shown), runs on the GPU, embeddings
+    meanwhile go to their CPU path (reason demoted), and once room has lasted the service is
+    loaded back on the GPU."""
+    import sqlite3
+
+    emb_w = EmbedMemoryModel(read_embed_model_info(default_embed_model_dir())).weights_bytes()
+    chat_bytes = _chat_model().request_footprint(300, 400).total_bytes
+    config = {"admission": {"promote_after_s": 2.0, "promote_headroom_mib": 4}}
+    with GatewayProcess(["--gpu", "sim:4096"], services=True, config=config) as g:
+        weights = g.status()["device"]["ledger"]["predicted_bytes"]
+        # The chat request misses half of the embeddings weights' size.
+        capacity = weights + 32 * MIB + chat_bytes - emb_w // 2
+        SimDevice(g.state_dir).set_capacity(capacity)
+        wait_for(lambda: g.status()["device"]["ledger"]["capacity_bytes"] == capacity, 10, "capacity seen")
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": "Tell me about dragons. " * 50}],
+            "max_tokens": 400,
+            "temperature": 0,
+        }
+        out: list[httpx.Response] = []
+        t = threading.Thread(
+            target=lambda: out.append(httpx.post(g.url + "/v1/chat/completions", json=body, timeout=300))
+        )
+        t.start()
+        svc = wait_for(lambda: (s := _service(g))["demoted"] and s, 30, "demoted")
+        assert svc["demotions"] == 1 and "interactive chat" in svc["ladder"][-1]["reason"]
+        during = httpx.post(g.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "hi"}, timeout=60)
+        t.join(300)
+        assert out[0].status_code == 200 and out[0].headers["x-spillover-route"] == "gpu", out[0].headers
+        assert during.status_code == 200 and during.headers["x-spillover-route"] == "cpu"
+        assert during.headers["x-spillover-reason"] == "demoted"
+        back = wait_for(lambda: (s := _service(g))["promotions"] == 1 and not s["demoted"] and s, 60, "promoted")
+        assert back["ladder"][-1]["event"] == "promoted"
+        wait_for(lambda: _service_worker(g, "gpu")["state"] == "ready", 60, "reloaded")
+        after = httpx.post(g.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "hi"}, timeout=60)
+        assert after.headers["x-spillover-route"] == "gpu"
+        metrics = httpx.get(g.url + "/metrics").text
+        assert 'spillover_service_ladder_events_total{event="demoted",service="bge-small-en"} 1.0' in metrics
+        assert g.status()["device"]["alloc_failures"] == 0
+        db = sqlite3.connect(f"{g.state_dir}/journal.sqlite3")
+        try:
+            events = [r[0] for r in db.execute("SELECT event FROM service_events ORDER BY seq")]
+        finally:
+            db.close()
+        assert events == ["demoted", "promoted"]

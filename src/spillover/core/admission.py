@@ -19,7 +19,11 @@ Rules, applied in order (the first that matches wins):
       recently that a reading may still show them), would make room and the wait is
       within ``delay_max_s``: Delay;
    b. if the client allowed shrinking and a smaller ``max_tokens`` fits: Shrink;
-   c. else route to CPU.
+   c. if unloading an idle batch-priority service's GPU weights (``lanes.demotable``) would
+      make room, and the wait is within ``delay_max_s``: ``Demote`` the smallest one that
+      is enough (the runtime unloads it; its requests go to its CPU path) and ask again;
+      memory of a demotion under way (``lanes.demoting_bytes``) counts as returning (a);
+   d. else route to CPU.
 7. Routing to CPU needs room in the CPU lane; otherwise ``Reject`` with a Retry-After. A
    ``Reject`` keeps the cause (the reason it left the GPU) and the CPU lane's refusal
    (``cpu_unavailable``, ``too_long_for_cpu``, ``cpu_queue_full``) apart.
@@ -43,6 +47,7 @@ __all__ = [
     "Admit",
     "Decision",
     "Delay",
+    "Demote",
     "LaneView",
     "Reject",
     "Route",
@@ -74,6 +79,8 @@ class LaneView:
     cpu_queue_free: int
     cpu_ctx_cap_tokens: int
     cpu_retry_after_s: float = 1.0
+    demotable: tuple[tuple[str, int], ...] = ()  # idle batch services on the GPU: (name, weights bytes)
+    demoting_bytes: int = 0  # weights of demotions under way, not yet released
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,16 @@ class Shrink:
     max_tokens: int
     nbytes: int
     kv_tokens: int
+    reason: Reason
+    route: str = "gpu"
+
+
+@dataclass(frozen=True)
+class Demote:
+    """Unload ``service``'s GPU worker to make room, then ask again by ``until_s`` (rule 6c)."""
+
+    service: str
+    until_s: float
     reason: Reason
     route: str = "gpu"
 
@@ -141,7 +158,7 @@ class Reject:
         return f"{self.cause}+{self.refusal}"
 
 
-Decision = Admit | Shrink | Delay | Route | Reject
+Decision = Admit | Shrink | Delay | Demote | Route | Reject
 
 
 def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: Reason, p: AdmissionPolicy) -> Decision:
@@ -214,7 +231,7 @@ def decide(
         return _to_cpu(req, lanes, Reason.GPU_BUSY, p)
 
     observed = ledger.observed_fresh(now_s) or 0
-    returning = ledger.reserved_by_kind("request") + ledger.recently_released(now_s)
+    returning = ledger.reserved_by_kind("request") + ledger.recently_released(now_s) + lanes.demoting_bytes
     if fp.total_bytes <= room + ledger.margin_bytes:
         reason = Reason.MARGIN
     elif observed > ledger.predicted_bytes + ledger.recently_released(now_s):
@@ -229,4 +246,15 @@ def decide(
         shrink = _shrunk(req, room, lanes.gpu_ctx_cap_tokens, p)
         if shrink is not None:
             return shrink
+    victim = _demotion(fp.total_bytes - room - returning, lanes)
+    if victim is not None:
+        until = _may_wait(req, now_s, p)
+        if until is not None:
+            return Demote(victim, until, reason)
     return _to_cpu(req, lanes, reason, p)
+
+
+def _demotion(short_bytes: int, lanes: LaneView) -> str | None:
+    """The idle batch service with the least weights that still covers ``short_bytes``."""
+    enough = [(nbytes, name) for name, nbytes in lanes.demotable if nbytes >= short_bytes]
+    return min(enough)[1] if enough else None

@@ -20,7 +20,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceLedger", "LedgerStatistics", "Reservation"]
+__all__ = ["RETURNING_KINDS", "DeviceLedger", "LedgerStatistics", "Reservation"]
+
+# Releases remembered as memory coming back (``recently_released``): a request's pages, and
+# an unloaded model's weights (a demoted service, a worker that died). A tenant is not ours.
+RETURNING_KINDS = frozenset({"request", "weights"})
 
 
 @dataclass(frozen=True)
@@ -152,13 +156,13 @@ class DeviceLedger:
         res = self._reservations.pop(holder)
         self._confirmed.pop(holder, None)
         self._released_total += 1
-        if now_s is not None and res.kind == "request":
+        if now_s is not None and res.kind in RETURNING_KINDS:
             self._recent_releases.append((now_s, res.nbytes))
         return res
 
     def recently_released(self, now_s: float) -> int:
-        """Request bytes released within ``freshness_s``: memory a reading may still show
-        as used, and that is coming back (not another tenant's pressure)."""
+        """Request (and weights) bytes released within ``freshness_s``: memory a reading may
+        still show as used, and that is coming back (not another tenant's pressure)."""
         while self._recent_releases and now_s - self._recent_releases[0][0] > self.freshness_s:
             self._recent_releases.popleft()
         return sum(b for _, b in self._recent_releases)

@@ -11,7 +11,9 @@ Rules:
    replayed on the CPU path at a request boundary.
 3. The reason names what decided: ``fits`` on the GPU; on the CPU, why not the GPU
    (``gpu_busy``, ``no_device_room``, ``observation_stale``, ``breaker_open``,
-   ``gpu_unavailable``, ``gpu_not_configured``, or the failover).
+   ``gpu_unavailable``, ``gpu_not_configured``, ``demoted``, or the failover).
+5. A demoted service is promoted back (``promote_due``) only once its weights have fitted
+   with ``reserve_bytes`` to spare, continuously, for ``hold_s``: hysteresis, no flapping.
 4. Pure: no I/O, no clock; ``runtime`` gathers the view and acts on the result.
 """
 
@@ -22,7 +24,7 @@ from typing import Literal
 
 from spillover.core.reasons import Reason
 
-__all__ = ["LaneChoice", "PlacementView", "place"]
+__all__ = ["LaneChoice", "PlacementView", "place", "promote_due"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class PlacementView:
     cpu_free_slots: int
     host_allows: bool = True
     avoid_gpu: bool = False
+    demoted: bool = False  # the service is demoted from the GPU (the pressure ladder)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class LaneChoice:
 def _gpu_verdict(v: PlacementView) -> Reason:
     if not v.gpu_configured:
         return Reason.GPU_NOT_CONFIGURED
+    if v.demoted:
+        return Reason.DEMOTED
     if not v.gpu_ready:
         return Reason.GPU_UNAVAILABLE
     if not v.breaker_allows:
@@ -74,3 +79,14 @@ def place(v: PlacementView) -> LaneChoice:
     if v.cpu_ready and v.cpu_free_slots > 0 and v.host_allows:
         return LaneChoice("cpu", gpu, gpu)
     return LaneChoice("wait", Reason.NO_LANE_FREE, gpu)
+
+
+def promote_due(
+    *, headroom_bytes: int | None, weights_bytes: int, reserve_bytes: int, low_since_s: float | None, now_s: float,
+    hold_s: float,
+) -> tuple[bool, float | None]:  # fmt: skip
+    """Rule 5: (promote now?, the moment room has been there since, or None)."""
+    if headroom_bytes is None or headroom_bytes < weights_bytes + reserve_bytes:
+        return False, None
+    since = now_s if low_since_s is None else low_since_s
+    return now_s - since >= hold_s, since

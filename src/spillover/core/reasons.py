@@ -53,6 +53,7 @@ class Reason(StrEnum):
     NO_DEVICE_ROOM = "no_device_room"  # its memory does not fit the one device budget now
     GPU_NOT_CONFIGURED = "gpu_not_configured"  # the service has no GPU worker
     NO_LANE_FREE = "no_lane_free"  # every lane it may use is busy: it waits
+    DEMOTED = "demoted"  # a batch service unloaded from the GPU to make room for interactive work
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,12 @@ Rules:
    attempt ends (done, error, cancel).
 5. A breaker per GPU worker (``core.breaker``) takes the GPU out of placement after
    repeated failures, as for chat.
+6. The pressure ladder: a batch-priority service whose GPU worker is idle may be demoted
+   for an interactive request that does not fit (chat admission's ``Demote``). Demoted, its
+   requests go to its CPU path (reason ``demoted``) and its GPU worker is unloaded; it is
+   never demoted with work in flight on the GPU. It is promoted back once its weights have
+   fitted with room to spare for ``promote_after_s`` (``core.placement.promote_due``).
+   Both are journaled, counted in /metrics and shown in /v1/status with their reason.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from spillover.config import ServiceConfig
 from spillover.core.breaker import BreakerEvent, BreakerPolicy, BreakerState, Circuit, advance
 from spillover.core.embed_memory import EmbedMemoryModel
-from spillover.core.placement import PlacementView, place
+from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
 from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
 from spillover.runtime.events import Done, Failed, Interrupted, Started, SupervisorEvent, Vectors, WorkerGone
@@ -107,6 +113,10 @@ class ServiceStatistics:
     weights_bytes: int
     reserved_bytes: int
     load_waiting: bool
+    demoted: bool
+    demotions: int
+    promotions: int
+    ladder: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -135,6 +145,11 @@ class EmbeddingsService:
         self.last_choice = ("none", "starting")
         self._seconds = {"gpu": 0.05, "cpu": 0.1}  # running mean per request, for the ETA
         self._reserved: dict[str, int] = {}  # rid -> device bytes held by a running GPU attempt
+        self.demoted = False
+        self.demotions = 0
+        self.promotions = 0
+        self.ladder: list[dict[str, Any]] = []  # the last demotions and promotions, with their reason
+        self._room_since: float | None = None
         self._wake = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -336,6 +351,78 @@ class EmbeddingsService:
         self.gw.kick_scheduler()
         self.kick()
 
+    # -- the pressure ladder (rule 6) -----------------------------------------------------
+    def _weights_holder(self) -> str:
+        return f"weights:{self.name}-gpu"
+
+    def demotable_bytes(self) -> int | None:
+        """Its GPU weights when it may be demoted now (batch, loaded, idle), else None."""
+        g = self.gpu.worker if self.gpu is not None else None
+        ledger = self.gw.ledger
+        if self.cfg.priority != "batch" or g is None or ledger is None or self.demoted:
+            return None
+        if g.state is not WorkerState.READY or g.busy > 0 or not ledger.holds(self._weights_holder()):
+            return None
+        if not self.gw.cfg.admission.demote_batch_services:
+            return None
+        return self.memory.weights_bytes() if self.memory else None
+
+    def demoting_bytes(self) -> int:
+        """Weights of a demotion under way (not yet given back)."""
+        ledger = self.gw.ledger
+        if self.demoted and ledger is not None and ledger.holds(self._weights_holder()) and self.memory:
+            return self.memory.weights_bytes()
+        return 0
+
+    def demote(self, why: str) -> bool:
+        """Unload the GPU worker for interactive work (rule 6); False when it may not be now."""
+        if self.demotable_bytes() is None or self.gpu is None:
+            return False
+        self.demoted = True  # placement stops sending work to the GPU at once (no await before)
+        self._room_since = None
+        self.demotions += 1
+        self._ladder_event("demoted", why)
+        self.gw.loops.spawn(f"demote-{self.name}", self.gpu.park(f"demoted: {why}"))
+        return True
+
+    def _promote_if_due(self, now: float) -> None:
+        ledger = self.gw.ledger
+        if not self.demoted or self.gpu is None or ledger is None or self.memory is None:
+            return
+        if ledger.holds(self._weights_holder()):
+            return  # still unloading
+        a = self.gw.cfg.admission
+        due, self._room_since = promote_due(
+            headroom_bytes=ledger.headroom(now),
+            weights_bytes=self.memory.weights_bytes(),
+            reserve_bytes=a.promote_headroom_mib * 1024 * 1024,
+            low_since_s=self._room_since,
+            now_s=now,
+            hold_s=a.promote_after_s,
+        )
+        if due:
+            self.demoted = False
+            self.promotions += 1
+            why = f"its weights fitted with {a.promote_headroom_mib} MiB to spare for {a.promote_after_s:.0f}s"
+            self._ladder_event("promoted", why)
+            self.gpu.resume(f"promoted: {why}")
+
+    def _ladder_event(self, event: str, why: str) -> None:
+        self.ladder.append({"t_s": round(time.monotonic() - self.gw.started_s, 3), "event": event, "reason": why})
+        del self.ladder[:-20]
+        self.gw.metrics.service_ladder.labels(self.name, event).inc()
+        self.gw.note_event(f"{self.name}-gpu", f"{event}: {why}")
+        if self.gw.journal is not None:
+            self.gw.loops.spawn(f"journal-{event}-{self.name}", self._journal_event(event, why))
+        self.kick()
+
+    async def _journal_event(self, event: str, why: str) -> None:
+        assert self.gw.journal is not None
+        try:
+            await self.gw.journal.record_service_event(self.name, event, why)
+        except Exception as exc:  # a full disk: the event is still counted and shown
+            log.warning("%s: could not journal %s: %s", self.name, event, exc)
+
     # -- the pump -----------------------------------------------------------------------
     def kick(self) -> None:
         self._wake.set()
@@ -345,6 +432,7 @@ class EmbeddingsService:
             self._wake.clear()
             try:
                 self.pump_once()
+                self._promote_if_due(time.monotonic())
             except Exception:
                 log.exception("%s: pump pass failed", self.name)
             with contextlib.suppress(TimeoutError):
@@ -369,6 +457,7 @@ class EmbeddingsService:
             cpu_free_slots=c.free_slots if c is not None else 0,
             host_allows=host_ok,
             avoid_gpu=avoid_gpu,
+            demoted=self.demoted,
         )
 
     def pump_once(self) -> None:
@@ -445,5 +534,9 @@ class EmbeddingsService:
             weights_bytes=self.memory.weights_bytes() if self.memory else 0,
             reserved_bytes=sum(self._reserved.values()),
             load_waiting=self.load_waiting,
+            demoted=self.demoted,
+            demotions=self.demotions,
+            promotions=self.promotions,
+            ladder=list(self.ladder),
             workers=[asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in self.supervisors()],
         )

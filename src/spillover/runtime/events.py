@@ -155,6 +155,9 @@ class SupervisorEventKind(str, Enum):
     NOT_RELEASED = "not_released"  # its device memory was not seen released in time
     UNHEALTHY = "unhealthy"  # no pong: killed
     STALLED = "stalled"  # no token progress: killed by the gateway
+    PARKED = "parked"  # its owner stops it for now (a demoted service): not restarted
+    UNLOADED = "unloaded"  # a parked worker's process has ended: its memory is given back
+    RESUMED = "resumed"  # its owner lets it start again
     SUPERVISOR_ERROR = "supervisor_error"
 
 

@@ -22,6 +22,7 @@ from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.lifecycle import IllegalTransition, State
 from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.core.reasons import Reason
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
 from spillover.runtime.devices import GpuDevice, cuda_available
@@ -45,6 +46,7 @@ __all__ = ["Gateway", "resolve_gpu"]
 log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
 MAX_PENDING_OUTCOMES = 10_000
+_GONE = (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED, SupervisorEventKind.UNLOADED)
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 
 
@@ -190,6 +192,9 @@ class Gateway:
         self.loops.add("scheduler", self.scheduler.run)
         for svc in self.services.values():  # after the chat model's: its GPU worker loads first
             await svc.start()
+        self.scheduler.demotable = self._demotable
+        self.scheduler.demoting_bytes = lambda: sum(s.demoting_bytes() for s in self.services.values())
+        self.scheduler.demote = self._demote
         if self.device is not None:
             self.loops.add("observe", self._observe_loop)
         self.loops.add("host-observe", self.host.run)
@@ -216,6 +221,13 @@ class Gateway:
             weights_bytes=weights,
         )
 
+    def _demotable(self) -> tuple[tuple[str, int], ...]:
+        """The pressure ladder's candidates: idle batch services on the GPU, with their weights."""
+        return tuple((n, b) for n, svc in self.services.items() if (b := svc.demotable_bytes()) is not None)
+
+    def _demote(self, name: str, why: Reason) -> None:
+        self.services[name].demote(f"room for interactive chat ({why})")
+
     def note_event(self, worker_id: str, event: str) -> None:
         """An event for /v1/status (the last 100 are kept)."""
         self.events.append({"t_s": round(time.monotonic() - self.started_s, 3), "worker": worker_id, "event": event})
@@ -238,8 +250,8 @@ class Gateway:
                 self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")
             elif ev.kind is SupervisorEventKind.READY:
                 self.ledger.confirm(holder, now)
-            elif ev.kind in (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED) and self.ledger.holds(holder):
-                self.ledger.release(holder)
+            elif ev.kind in _GONE and self.ledger.holds(holder):
+                self.ledger.release(holder, now)  # remembered: this memory is coming back
         if self.scheduler is not None:
             self.scheduler.kick()
 

@@ -55,6 +55,7 @@ from spillover.runtime.journal_bounds import SizeBounds, disk_full_marker, set_d
 from spillover.runtime.journal_records import (
     COLS,
     SCHEMA,
+    SERVICE_EVENTS_KEPT,
     TERMINAL_MARKS,
     TERMINAL_VALUES,
     JournalRecord,
@@ -282,6 +283,26 @@ class Journal:
             db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
         self.writes += 1
 
+    def _service_event(self, t_s: float, service: str, event: str, reason: str) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO service_events (t_s, service, event, reason) VALUES (?, ?, ?, ?)",
+                (t_s, service, event, reason),
+            )
+            db.execute(
+                "DELETE FROM service_events WHERE seq <= (SELECT MAX(seq) FROM service_events) - ?",
+                (SERVICE_EVENTS_KEPT,),
+            )
+        self.writes += 1
+
+    def _service_events(self, limit: int) -> list[dict[str, Any]]:
+        rows = (
+            self._db_()
+            .execute("SELECT t_s, service, event, reason FROM service_events ORDER BY seq DESC LIMIT ?", (limit,))
+            .fetchall()
+        )
+        return [dict(zip(("t_s", "service", "event", "reason"), r, strict=True)) for r in reversed(rows)]
+
     def _one(self, column: str, value: str) -> JournalRecord | None:
         row = self._db_().execute(f"SELECT {COLS} FROM requests WHERE {column}=?", (value,)).fetchone()
         return record(row) if row else None
@@ -377,6 +398,15 @@ class Journal:
 
     async def history(self, rid: str) -> list[dict[str, Any]]:
         return await self._run(self._history, rid)
+
+    async def record_service_event(self, service: str, event: str, reason: str) -> None:
+        """Journal a service's demotion or promotion (wall-clock ``t_s``; the newest
+        ``SERVICE_EVENTS_KEPT`` are kept)."""
+        await self._write(self._service_event, time.time(), service, event, reason)
+
+    async def service_events(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest service events, oldest first."""
+        return await self._run(self._service_events, limit)
 
     async def unfinished(self) -> list[JournalRecord]:
         return await self._run(self._unfinished)

@@ -16,6 +16,7 @@ from spillover.core.lifecycle import TERMINAL, State
 __all__ = [
     "COLS",
     "SCHEMA",
+    "SERVICE_EVENTS_KEPT",
     "TERMINAL_MARKS",
     "TERMINAL_VALUES",
     "JournalRecord",
@@ -62,7 +63,15 @@ CREATE TABLE IF NOT EXISTS transitions (
   reason TEXT
 );
 CREATE INDEX IF NOT EXISTS transitions_rid ON transitions(rid);
+CREATE TABLE IF NOT EXISTS service_events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  t_s REAL NOT NULL,
+  service TEXT NOT NULL,
+  event TEXT NOT NULL,
+  reason TEXT
+);
 """
+SERVICE_EVENTS_KEPT = 1000  # the newest service events kept (demotions, promotions)
 
 COLS = (  # a ``requests`` row as ``JournalRecord`` holds it, in its field order
     "id, idem_key, body_hash, kind, stream, body, model, state, route, attempts, reason, "

@@ -27,6 +27,7 @@ from spillover.core.admission import (
     Admit,
     Decision,
     Delay,
+    Demote,
     LaneView,
     Reject,
     Route,
@@ -80,6 +81,11 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._delay_due = math.inf  # the earliest end of an admission delay seen by the last pass
         self._host_held = False  # the last pass held CPU work back for host memory
+        # The pressure ladder's demotion step (set by the gateway when it has batch services):
+        # idle batch services on the GPU, weights of demotions under way, and the action.
+        self.demotable: Callable[[], tuple[tuple[str, int], ...]] = tuple
+        self.demoting_bytes: Callable[[], int] = int
+        self.demote: Callable[[str, Reason], None] = lambda name, why: None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=50)
         self.decision_counts: dict[str, int] = {}
 
@@ -225,6 +231,8 @@ class Scheduler:
             cpu_queue_free=self.cpu.free(),
             cpu_ctx_cap_tokens=self.cpu.cfg.ctx_cap_tokens,
             cpu_retry_after_s=self._retry_after_s(),
+            demotable=self.demotable(),
+            demoting_bytes=self.demoting_bytes(),
         )
 
     def pump_once(self) -> None:
@@ -326,6 +334,9 @@ class Scheduler:
                 ),
             )
         elif isinstance(d, Delay):  # leave it queued; a pass asks again at the latest then
+            self._delay_due = min(self._delay_due, d.until_s)
+        elif isinstance(d, Demote):  # unload a batch service; the job waits for its memory
+            self.demote(d.service, d.reason)
             self._delay_due = min(self._delay_due, d.until_s)
 
     def _dispatch_cpu(self, now: float) -> None:

@@ -10,6 +10,8 @@ Rules:
 4. Nothing here touches another worker or lane.
 6. A start may wait for a condition given by the owner (``before_start``): a GPU worker's
    load is a device reservation, and it is not attempted before its weights fit.
+7. The owner may park a worker (``park``: it is stopped, its memory given back, and not
+   restarted) and resume it later (``resume``): a demoted batch service's GPU worker.
 5. The loop never ends by accident: an exception in one round (a device that cannot be
    read, a spawn that raises) is logged with its traceback and the round is retried after
    the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
@@ -60,6 +62,8 @@ class Supervisor:
         self.events: list[tuple[float, str]] = []
         self.errors = 0  # supervisor rounds that raised (rule 5)
         self._stopping = False
+        self._may_run = asyncio.Event()  # cleared while parked (rule 7)
+        self._may_run.set()
 
     def __repr__(self) -> str:
         return f"<Supervisor {self.worker.spec.worker_id} restarts={self.restarts}>"
@@ -74,10 +78,31 @@ class Supervisor:
         except Exception:  # the listener's bug must not end supervision (rule 5)
             log.exception("worker %s: listener failed on %s", self.worker.spec.worker_id, ev)
 
+    @property
+    def parked(self) -> bool:
+        return not self._may_run.is_set()
+
+    async def park(self, why: str) -> None:
+        """Rule 7: stop the worker (its device memory is given back) and do not restart it
+        until ``resume()``."""
+        if self.parked:
+            return
+        self._may_run.clear()
+        self._event(K.PARKED, why)
+        await self._end_worker()
+
+    def resume(self, why: str) -> None:
+        """Rule 7: start the worker again (through ``before_start``, as any start)."""
+        if self.parked:
+            self._event(K.RESUMED, why)
+            self._may_run.set()
+
     def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:
         self._exited.set()
-        if not self._stopping:
+        if not self._stopping and not self.parked:
             self._event(K.DIED, f"{gone.kind}: {gone.message}")
+        elif self.parked:
+            self._event(K.UNLOADED, f"{gone.kind}: {gone.message}")
 
     async def run(self) -> None:
         """Start, watch and restart the worker until stopped or cancelled (rule 5)."""
@@ -102,6 +127,7 @@ class Supervisor:
 
     async def _run_once(self) -> None:
         """One life of the worker: wait for the device, start, watch until it exits, back off."""
+        await self._may_run.wait()
         self._exited.clear()
         pid_before = self.worker.pid
         if pid_before is not None and self.device is not None:
@@ -127,7 +153,7 @@ class Supervisor:
             health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await health
-        if self._stopping:
+        if self._stopping or self.parked:
             return
         self.restarts += 1
         await self._sleep_backoff(time.monotonic() - up_since)
