@@ -316,6 +316,8 @@ def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
         exc = SpilloverError(f"internal error: {type(exc).__name__}")
     headers: dict[str, str] = {"x-should-retry": "true" if should_retry(exc) else "false"}
     retry = getattr(exc, "retry_after_s", None)
+    if isinstance(exc, CapacityError) and exc.code:
+        headers["X-Spillover-Reason"] = exc.code  # why there was no room, like every other answer
     if isinstance(exc, CapacityError | IdempotencyInFlight) and retry is not None:
         retry_s = max(0.0, float(retry))
         headers["Retry-After"] = str(max(1, math.ceil(retry_s)))

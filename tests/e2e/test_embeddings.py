@@ -145,12 +145,14 @@ def test_idempotency_key_replays_the_same_bytes(gw: GatewayProcess) -> None:
 
 
 def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
-    """/api/embed answers the ollama client with the same vectors as /v1/embeddings."""
+    """/api/embed answers the ollama client with the same vectors as /v1/embeddings, and
+    list() names both services."""
     import ollama
 
     client = ollama.Client(host=gw.url, timeout=60)
     try:
         got = client.embed(model="bge-small", input=PARAPHRASES)
+        listed = [m.model for m in client.list().models]
         with pytest.raises(ollama.ResponseError) as e:
             client.embed(model="nope", input="x")
     finally:
@@ -158,6 +160,7 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
     ref = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES}).json()
     assert np.array_equal(np.array(got.embeddings, dtype=np.float32), _vectors(ref))
     assert e.value.status_code == 404
+    assert listed == ["smollm2-135m-instruct", "bge-small-en"]
 
 
 def test_delete_of_a_running_embeddings_request_ends_it_cancelled(gw: GatewayProcess) -> None:

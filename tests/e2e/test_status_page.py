@@ -37,17 +37,26 @@ def gw() -> Iterator[GatewayProcess]:
 
 
 @pytest.fixture(scope="module")
-def page(gw: GatewayProcess) -> Iterator[object]:
+def browser() -> Iterator[object]:
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
         raise RuntimeError("Debian's chromium is required (apt-get install chromium); scripts/test-all installs it")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        pg = browser.new_page(viewport={"width": 1100, "height": 1300})
-        pg.goto(gw.url + "/")
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(gw: GatewayProcess, browser: object) -> Iterator[object]:
+    from playwright.sync_api import Browser
+
+    assert isinstance(browser, Browser)
+    pg = browser.new_page(viewport={"width": 1100, "height": 1300})
+    pg.goto(gw.url + "/")
+    yield pg
+    pg.close()
 
 
 def test_page_shows_normal_mode_ledger_and_workers(gw: GatewayProcess, page: object) -> None:
@@ -113,3 +122,97 @@ def test_cancel_a_queued_request_from_the_page(gw: GatewayProcess, page: object)
     for t in ts:
         t.join(120)
     assert sorted(r.status_code for r in results) == [200, 409]
+
+
+def test_page_lists_each_service_where_it_runs_and_why(browser: object) -> None:
+    """With the embeddings service on, the Services table has a row for the chat model and one
+    for bge-small-en, which runs on the GPU because it fits; a screenshot is saved as an artifact."""
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    with GatewayProcess(["--gpu", "sim:1024"], services=True) as g:
+        pg = browser.new_page(viewport={"width": 1100, "height": 1300})
+        try:
+            pg.goto(g.url + "/")
+            table = pg.locator("#services")
+            expect(table).to_be_visible(timeout=10_000)
+            expect(table.locator("tbody tr")).to_have_count(2)
+            chat = table.locator("tbody tr", has_text="smollm2-135m-instruct")
+            expect(chat).to_have_count(1)
+            expect(chat).to_contain_text("chat · interactive")
+            bge = table.locator("tbody tr", has_text="bge-small-en")
+            expect(bge).to_have_count(1)
+            expect(bge).to_contain_text("embeddings · batch")
+            expect(bge.locator("td.where")).to_have_text("GPU")
+            expect(bge).to_contain_text("the GPU has room for it")
+            expect(bge).to_contain_text("not demoted")
+            expect(pg.locator("#workers tbody tr")).to_have_count(4)  # the chat model's two and the service's two
+            ARTIFACTS.mkdir(exist_ok=True)
+            pg.screenshot(path=str(ARTIFACTS / "status-page-services.png"), full_page=True)
+        finally:
+            pg.close()
+
+
+def test_services_section_hides_without_the_key_and_escapes_its_text(gw: GatewayProcess, browser: object) -> None:
+    """Fed an older gateway's status (no services key) the page still renders and hides the
+    Services table; fed a demoted service whose name is markup, it shows the name as text and
+    the demotion with its reason and 'waiting for room to load'."""
+    from playwright.sync_api import Browser, Route, expect
+
+    assert isinstance(browser, Browser)
+    evil = '<img src=x onerror="window.pwned=1">'
+    demoted = {
+        "name": evil,
+        "kind": "embeddings",
+        "priority": "batch",
+        "aliases": [],
+        "where": "cpu",
+        "why": "demoted",
+        "queued": 3,
+        "running": 1,
+        "eta_s": 2.5,
+        "served": {"gpu": 7, "cpu": 2},
+        "failovers": 0,
+        "breaker": "closed",
+        "weights_bytes": 0,
+        "reserved_bytes": 0,
+        "load_waiting": True,
+        "demoted": True,
+        "demotions": 1,
+        "promotions": 0,
+        "ladder": [{"t_s": 1.0, "event": "demoted", "reason": "chat needed 64 MiB"}],
+        "workers": [],
+    }
+    services: list[list[dict[str, object]] | None] = [None]
+
+    def fake_status(route: Route) -> None:
+        doc = route.fetch().json()
+        doc.pop("services", None)
+        if services[0] is not None:
+            doc["services"] = services[0]
+        route.fulfill(json=doc)
+
+    pg = browser.new_page()
+    try:
+        pg.route("**/v1/status", fake_status)
+        pg.goto(gw.url + "/")
+        expect(pg.locator("#mode")).not_to_have_text("…", timeout=10_000)
+        expect(pg.locator("#workers tbody tr")).to_have_count(2)
+        expect(pg.locator("#services-section")).to_be_hidden()
+
+        services[0] = [demoted]
+        row = pg.locator("#services tbody tr")
+        expect(row).to_have_count(1, timeout=5_000)
+        expect(row.locator("td").first).to_contain_text(evil)
+        expect(row.locator("td.where")).to_have_text("CPU")
+        expect(row).to_contain_text("moved off the GPU to make room for interactive work")
+        expect(row).to_contain_text("demoted (off the GPU)")
+        expect(row).to_contain_text("waiting for room to load")
+        expect(row).to_contain_text("last demoted")
+        expect(row).to_contain_text("chat needed 64 MiB")
+        assert pg.locator("#services img").count() == 0
+        assert pg.evaluate("window.pwned") is None
+        ARTIFACTS.mkdir(exist_ok=True)
+        pg.locator("#services").screenshot(path=str(ARTIFACTS / "status-page-services-demoted.png"))
+    finally:
+        pg.close()

@@ -33,6 +33,7 @@ from spillover.http.routes import Handler, plain_json
 from spillover.runtime.requests import Endpoint
 
 if TYPE_CHECKING:
+    from spillover.runtime.embeddings import EmbeddingsService
     from spillover.runtime.gateway import Gateway
 
 __all__ = ["ollama_endpoints", "ollama_error", "ollama_routes"]
@@ -120,9 +121,23 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
     async def gen(request: Request) -> Response:
         return await generate(request, "ollama-generate", ollama_error)
 
+    async def service_entry(svc: EmbeddingsService) -> dict[str, Any]:
+        onnx = os.path.join(svc.model_dir, "model.onnx")
+        digest = await asyncio.to_thread(_digest, onnx)
+        mtime = dt.datetime.fromtimestamp(os.stat(onnx).st_mtime, dt.UTC)
+        return {
+            "name": svc.name,
+            "model": svc.name,
+            "modified_at": mtime.isoformat().replace("+00:00", "Z"),
+            "size": svc.info.file_bytes if svc.info else 0,
+            "digest": digest,
+            "details": {"format": "onnx", "family": "bert", "families": ["bert"], "quantization_level": "int8"},
+        }
+
     @guarded
     async def tags(request: Request) -> Response:
-        return plain_json({"models": [await model_entry()]})
+        extra = [await service_entry(svc) for svc in gw.services.values() if svc.model_dir]
+        return plain_json({"models": [await model_entry(), *extra]})
 
     @guarded
     async def ps(request: Request) -> Response:

@@ -324,13 +324,19 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._journal_wake.wait(), 1.0 if self.pending_outcomes else 60.0)
 
+    def _ready_to_replay(self) -> bool:
+        """The chat workers are up, and each service can serve somewhere (a GPU worker whose
+        load waits for room does not hold recovery back: its CPU path serves)."""
+        chat = all(s.worker.state is WorkerState.READY for s in self.supervisors)
+        return chat and all(
+            any(s.worker.state is WorkerState.READY for s in svc.supervisors()) for svc in self.services.values()
+        )
+
     async def _recover(self, orphans: list[JournalRecord]) -> None:
         """After a restart the journal is the truth: once the workers are up (bounded wait),
         replay what can be (through the request service's endpoints) and end the rest."""
         deadline = time.monotonic() + self.cfg.supervisor.load_timeout_s
-        while time.monotonic() < deadline and not all(
-            s.worker.state is WorkerState.READY for s in self.all_supervisors()
-        ):
+        while time.monotonic() < deadline and not self._ready_to_replay():
             await asyncio.sleep(0.1)
         try:
             self.recovered = await recover(self, orphans, self.loops.spawn)

@@ -38,6 +38,7 @@ class Job:
     estimated_delay_ms: int = 0
     deadline_s: float | None = None  # monotonic; the client's deadline for completion
     running: bool = False  # the attempt was sent to its worker
+    movable: bool = False  # sent to the CPU lane by admission (not pinned there): the GPU may still take it
     released: bool = False  # its lease (slot, reservation) was given back
 
     @property

@@ -47,6 +47,16 @@ class Encoded:
     content_type: str
     error: dict[str, Any] | None = None  # the error object of a failed request
 
+    def journaled(self, response: bytes) -> dict[str, Any]:
+        """The journal's fields for this answer, whose bytes (all frames sent) are ``response``."""
+        return {
+            "status_code": self.status,
+            "response": response,
+            "content_type": self.content_type,
+            "headers": json.dumps(self.headers),
+            "error": json.dumps(self.error) if self.error else None,
+        }
+
 
 class Encoding(Protocol):
     """One request's answer in its wire format (an OpenAI JSON body, an SSE stream, ...).
@@ -290,11 +300,7 @@ class Run:
         await self.gw.store_outcome(
             self.rid,
             state,
-            status_code=outcome.status,
-            response=b"".join(self._kept),
-            content_type=outcome.content_type,
-            headers=json.dumps(outcome.headers),
-            error=json.dumps(outcome.error) if outcome.error else None,
+            **outcome.journaled(b"".join(self._kept)),
             route=i.route if i else None,
             attempts=self.exe.attempt,
             reason=reason,

@@ -88,6 +88,7 @@ class Scheduler:
         self.demote: Callable[[str, Reason], None] = lambda name, why: None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=50)
         self.decision_counts: dict[str, int] = {}
+        self.rebound_total = 0  # jobs routed to the CPU lane that the GPU took after all (late binding)
 
     def __repr__(self) -> str:
         g = len(self.gpu.queue) if self.gpu else "-"
@@ -113,7 +114,7 @@ class Scheduler:
             lane.shed_total += 1
             raise QueueFull(
                 f"the {lane.name} queue is full ({lane.cfg.queue_depth} waiting)",
-                retry_after_s=self._retry_after_s(),
+                retry_after_s=self._retry_after_s(lane),
             )
 
     def _enqueue_nowait(self, job: Job, lane: Lane) -> None:
@@ -251,7 +252,7 @@ class Scheduler:
                     job,
                     CapacityError(
                         f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue",
-                        retry_after_s=self._retry_after_s(),
+                        retry_after_s=self._retry_after_s(lane),
                         code="queue_timeout",
                     ),
                 )
@@ -260,6 +261,7 @@ class Scheduler:
         if self.gpu is not None and self.ledger is not None and self.policy is not None:
             for job in list(self.gpu.queue):
                 self._decide_gpu(job, now)
+            self._rebind_to_gpu(now)
         self._dispatch_cpu(now)
 
     def _record(self, job: Job, d: Decision, now: float) -> None:
@@ -274,8 +276,9 @@ class Scheduler:
             {"t_s": round(now, 3), "rid": job.rid, "decision": name, "reason": str(d.reason), "route": d.route}
         )
 
-    def _decide_gpu(self, job: Job, now: float) -> None:
-        assert self.gpu is not None and self.ledger is not None and self.policy is not None
+    def _admission(self, job: Job, now: float) -> Decision:
+        """``core.admission.decide`` for a queued job, on the lanes as they are now."""
+        assert self.ledger is not None and self.policy is not None
         req = AdmissionRequest(
             request_id=job.rid,
             prompt_tokens=job.prompt_tokens,
@@ -283,35 +286,14 @@ class Scheduler:
             arrived_s=job.arrived_s,
             allow_shrink=job.allow_shrink,
         )
-        d = decide(req, self.ledger, self.lane_view(), self.breaker, now, self.policy)
+        return decide(req, self.ledger, self.lane_view(), self.breaker, now, self.policy)
+
+    def _decide_gpu(self, job: Job, now: float) -> None:
+        assert self.gpu is not None and self.ledger is not None and self.policy is not None
+        d = self._admission(job, now)
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
-            worker = next((w for w in self.gpu_workers if w.free_slots > 0), None)
-            if worker is None or self.ledger.reserve_nowait(job.rid, d.nbytes, now) is None:
-                return
-            probe_round = None
-            if self.breaker.circuit is Circuit.HALF_OPEN:
-                self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.policy.breaker)
-                probe_round = self.breaker.opens
-            self.gpu.queue.remove(job)
-            self.gpu.admitted_total += 1
-            max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
-            worker.claim_slot(job.rid)
-            job.future.set_result(
-                Dispatch(
-                    worker,
-                    "gpu",
-                    d.reason,
-                    max_tokens,
-                    d.kv_tokens,
-                    d.nbytes,
-                    isinstance(d, Shrink),
-                    now - job.enqueued_s,
-                    job.position,
-                    job.estimated_delay_ms,
-                    probe_round,
-                )
-            )
+            self._dispatch_gpu(job, d, now, self.gpu)
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
             try:
@@ -321,6 +303,7 @@ class Scheduler:
                 self._fail(job, exc)
                 return
             job.last_reason = d.reason
+            job.movable = True
             self.cpu.append(job)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
@@ -338,6 +321,53 @@ class Scheduler:
         elif isinstance(d, Demote):  # unload a batch service; the job waits for its memory
             self.demote(d.service, d.reason)
             self._delay_due = min(self._delay_due, d.until_s)
+
+    def _dispatch_gpu(self, job: Job, d: Admit | Shrink, now: float, lane: Lane) -> bool:
+        """Reserve the admitted job's pages and hand it a GPU slot (taking it off ``lane``);
+        False when no slot or the pages are no longer there (it stays queued)."""
+        assert self.gpu is not None and self.ledger is not None and self.policy is not None
+        worker = next((w for w in self.gpu_workers if w.free_slots > 0), None)
+        if worker is None or self.ledger.reserve_nowait(job.rid, d.nbytes, now) is None:
+            return False
+        probe_round = None
+        if self.breaker.circuit is Circuit.HALF_OPEN:
+            self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.policy.breaker)
+            probe_round = self.breaker.opens
+        lane.queue.remove(job)
+        self.gpu.admitted_total += 1
+        max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
+        worker.claim_slot(job.rid)
+        job.future.set_result(
+            Dispatch(
+                worker,
+                "gpu",
+                d.reason,
+                max_tokens,
+                d.kv_tokens,
+                d.nbytes,
+                isinstance(d, Shrink),
+                now - job.enqueued_s,
+                job.position,
+                job.estimated_delay_ms,
+                probe_round,
+            )
+        )
+        return True
+
+    def _rebind_to_gpu(self, now: float) -> None:
+        """Late binding: a job admission sent to the CPU lane that has not started yet runs on
+        the GPU when the GPU can take it now (a free slot, and admission admits it there), so
+        the GPU never idles while such work waits on the CPU lane. Jobs pinned to the CPU (a
+        failover, the client's choice, the canary) stay."""
+        if self.gpu is None or self.ledger is None or self.policy is None:
+            return
+        for job in [j for j in self.cpu.queue if j.movable]:
+            if not any(w.free_slots > 0 for w in self.gpu_workers):
+                return
+            d = self._admission(job, now)
+            if isinstance(d, Admit | Shrink) and self._dispatch_gpu(job, d, now, self.cpu):
+                self._record(job, d, now)
+                self.rebound_total += 1
 
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""
@@ -389,8 +419,11 @@ class Scheduler:
             job.future.set_exception(exc)
             job.future.exception()
 
-    def _retry_after_s(self) -> float:
-        return max(1.0, self.breaker.retry_after_s(self.clock()))
+    def _retry_after_s(self, lane: Lane | None = None) -> float:
+        """Retry-After for a refusal: when the lane's queued work is likely done (its ETA from
+        measured speed), or the breaker's cooldown, never under a second."""
+        eta = (lane or self.cpu).estimated_delay_s()
+        return max(1.0, self.breaker.retry_after_s(self.clock()), eta)
 
     def statistics(self) -> list[LaneStatistics]:
         """A frozen snapshot of each lane, the GPU lane first."""

@@ -18,7 +18,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -131,11 +130,7 @@ class UnaryRun:
             await self.gw.store_outcome(
                 self.rid,
                 state,
-                status_code=outcome.status,
-                response=b"".join(outcome.frames),
-                content_type=outcome.content_type,
-                headers=json.dumps(outcome.headers),
-                error=json.dumps(outcome.error) if outcome.error else None,
+                **outcome.journaled(b"".join(outcome.frames)),
                 route=self.route,
                 attempts=self.attempt,
                 reason=outcome.headers.get("X-Spillover-Reason"),

@@ -1,0 +1,94 @@
+"""The scheduler's late binding and its Retry-After: a job admission sent to the CPU lane
+that has not started runs on the GPU as soon as the GPU can take it (pinned jobs stay), and a
+full queue's Retry-After is the lane's ETA, not a constant second."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spillover.config import LaneConfig
+from spillover.core.admission import AdmissionPolicy
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
+from spillover.errors import QueueFull
+from spillover.runtime.scheduler import Job, Scheduler
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.testing import FakeClock
+
+MIB = 1024 * 1024
+
+
+def _ready_worker(wid: str, lane: str) -> WorkerClient:
+    """A worker the scheduler sees as ready with one slot (no process: nothing is sent to it)."""
+    w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 4096, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    return w
+
+
+def _scheduler(
+    memory: MemoryModel, clock: FakeClock, cpu_depth: int = 8
+) -> tuple[Scheduler, WorkerClient, WorkerClient]:
+    ledger = DeviceLedger("sim", 4096 * MIB, 16 * MIB, freshness_s=1e9)
+    ledger.observe(0, clock())
+    s = Scheduler(
+        gpu_lane=LaneConfig(slots=1),
+        cpu_lane=LaneConfig(slots=1, queue_depth=cpu_depth),
+        ledger=ledger,
+        policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
+        clock=clock,
+    )
+    gpu, cpu = _ready_worker("gpu0", "gpu"), _ready_worker("cpu0", "cpu")
+    s.gpu_workers.append(gpu)
+    s.cpu_workers.append(cpu)
+    return s, gpu, cpu
+
+
+def test_a_job_routed_to_a_busy_cpu_lane_goes_back_to_the_gpu_when_it_frees(memory: MemoryModel) -> None:
+    """GPU busy past the delay bound: B is routed to the CPU lane, where it waits (CPU busy
+    too). When the GPU frees first, B starts there (route gpu); a job pinned to the CPU stays."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, cpu = _scheduler(memory, clock)
+        a = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(a)
+        assert (await a.future).route == "gpu"
+        cpu.claim_slot("someone")  # the CPU lane is busy as well
+        b = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        pinned = Job(rid="p", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(b)
+        s.submit_nowait(pinned, lane="cpu")
+        clock.advance(3.0)  # past the delay bound: B is routed to the CPU lane
+        s.pump_once()
+        assert sorted(j.rid for j in s.cpu.queue) == ["b", "p"] and not b.future.done()
+        gpu.release_slot("a")
+        s.finished("a", a.dispatch, "ok")  # type: ignore[arg-type]
+        s.pump_once()
+        d = await asyncio.wait_for(b.future, 1)
+        assert d.route == "gpu" and d.reserve_bytes > 0
+        assert [j.rid for j in s.cpu.queue] == ["p"] and not pinned.future.done()
+        assert s.rebound_total == 1
+        assert s.decisions[-1]["rid"] == "b" and s.decisions[-1]["route"] == "gpu"
+
+    asyncio.run(main())
+
+
+def test_a_full_queue_says_retry_after_its_eta(memory: MemoryModel) -> None:
+    """Retry-After of a full CPU queue is when its queued work is likely done (from the lane's
+    measured speed), growing with the backlog, not a constant second."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _gpu, cpu = _scheduler(memory, clock, cpu_depth=3)
+        cpu.claim_slot("someone")
+        s.record_timing("cpu", prompt_tokens=100, completion_tokens=100, prefill_s=1.0, total_s=11.0)
+        for i in range(3):
+            s.submit_nowait(Job(rid=f"j{i}", prompt_tokens=100, max_tokens=100, arrived_s=clock()), lane="cpu")
+        with pytest.raises(QueueFull) as e:
+            s.check_room_nowait("cpu")
+        eta = s.cpu.estimated_delay_s()
+        assert eta > 10 and e.value.retry_after_s == pytest.approx(eta)
+
+    asyncio.run(main())
