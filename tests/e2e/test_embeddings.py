@@ -110,6 +110,8 @@ def test_token_arrays_give_the_same_vectors_as_their_text(gw: GatewayProcess) ->
         ({"model": "bge-small-en", "input": "x", "encoding_format": "hex"}, 400, "encoding_format", None),
         ({"model": "bge-small-en", "input": "x", "user": 5}, 400, "user", None),
         ({"model": "bge-small-en", "input": "x", "frobnicate": 1}, 400, "frobnicate", None),
+        ({"model": "bge-small-en", "input": "x", "encoding_format": 0}, 400, "encoding_format", None),
+        ({"model": "bge-small-en", "input": "x", "dimensions": 384.0}, 400, "dimensions", None),
     ],
 )
 def test_bad_embeddings_requests_get_a_clear_openai_error(
@@ -122,6 +124,13 @@ def test_bad_embeddings_requests_get_a_clear_openai_error(
     if code is not None:
         assert err["code"] == code
     assert r.headers["x-should-retry"] == "false"
+
+
+def test_a_lone_surrogate_is_a_400_not_a_500(gw: GatewayProcess) -> None:
+    """Text with a lone surrogate (valid JSON, not valid Unicode) is refused naming the field."""
+    raw = '{"model": "bge-small-en", "input": ["ok", "\\ud800"]}'
+    r = httpx.post(gw.url + "/v1/embeddings", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 def test_dimensions_equal_to_the_model_size_is_accepted(gw: GatewayProcess) -> None:

@@ -79,7 +79,10 @@ def parse_inputs(value: Any, svc: EmbeddingsService) -> list[list[int]]:
     if isinstance(got[0], str):
         if any(t == "" for t in got):
             raise InvalidRequest("'input' must not contain an empty string", param="input")
-        ids = svc.tokenize([str(t) for t in got])
+        try:
+            ids = svc.tokenize([str(t) for t in got])
+        except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800"): JSON, not text
+            raise InvalidRequest("'input' contains text that is not valid Unicode", param="input") from exc
     else:
         ids = [list(map(int, x)) for x in got]
         for row in ids:
@@ -108,12 +111,13 @@ def parse_openai(body: Any, gw: Gateway) -> EmbedRequest:
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required", param="model")
     svc = _service(gw, model)
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
+    fmt = body.get("encoding_format")
+    fmt = "float" if fmt is None else fmt
+    if not isinstance(fmt, str) or fmt not in ("float", "base64"):
         raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
     dims = body.get("dimensions")
     assert svc.info is not None
-    if dims is not None and (isinstance(dims, bool) or dims != svc.info.dim):
+    if dims is not None and (type(dims) is not int or dims != svc.info.dim):
         raise InvalidRequest(
             f"'dimensions' is not supported by {svc.name} except its own size ({svc.info.dim}): "
             "its vectors are not trained to be truncated",
@@ -129,12 +133,18 @@ def parse_openai(body: Any, gw: Gateway) -> EmbedRequest:
 
 def parse_ollama(body: Any, gw: Gateway) -> EmbedRequest:
     """Ollama's ``/api/embed``: ``model``, ``input`` (string or list), ``truncate: false`` only,
-    ``keep_alive`` and ``options`` accepted as no-ops (the service is always loaded)."""
+    ``keep_alive`` accepted as a no-op (the ladder, not the client, moves the service), and no
+    ``options``."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     for name in body:
         if name not in ("model", "input", "truncate", "keep_alive", "options", "dimensions"):
             raise InvalidRequest(f"unknown field '{name}'", param=name)
+    if body.get("options") not in (None, {}):
+        raise InvalidRequest(
+            "'options' are not supported for embeddings (the service's placement and batching are spillover's)",
+            param="options",
+        )
     if body.get("truncate") not in (None, False):
         raise InvalidRequest(
             "'truncate' is not supported: an input longer than the window is refused, never cut", param="truncate"
@@ -144,7 +154,8 @@ def parse_ollama(body: Any, gw: Gateway) -> EmbedRequest:
         raise InvalidRequest("'model' is required", param="model")
     svc = _service(gw, model)
     assert svc.info is not None
-    if body.get("dimensions") not in (None, svc.info.dim):
+    dims = body.get("dimensions")
+    if dims is not None and (type(dims) is not int or dims != svc.info.dim):
         raise InvalidRequest(f"'dimensions' must be {svc.info.dim} for {svc.name}", param="dimensions")
     if "input" not in body:
         raise InvalidRequest("'input' is required", param="input")

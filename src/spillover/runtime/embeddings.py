@@ -22,8 +22,9 @@ Rules:
 6. The pressure ladder: a batch-priority service whose GPU worker is idle may be demoted
    for an interactive request that does not fit (chat admission's ``Demote``). Demoted, its
    requests go to its CPU path (reason ``demoted``) and its GPU worker is unloaded; it is
-   never demoted with work in flight on the GPU. It is promoted back once its weights have
-   fitted with room to spare for ``promote_after_s`` (``core.placement.promote_due``).
+   never demoted with work in flight on the GPU, nor without a CPU path. It is promoted back
+   once its weights have fitted with room to spare for ``promote_after_s``
+   (``core.placement.promote_due``), and not demoted again for as long (no flapping).
    Both are journaled, counted in /metrics and shown in /v1/status with their reason.
 """
 
@@ -150,6 +151,7 @@ class EmbeddingsService:
         self.promotions = 0
         self.ladder: list[dict[str, Any]] = []  # the last demotions and promotions, with their reason
         self._room_since: float | None = None
+        self._promoted_s = -math.inf
         self._wake = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -202,11 +204,12 @@ class EmbeddingsService:
         ledger = self.gw.ledger
         assert ledger is not None
         holder = f"weights:{worker.spec.worker_id}"
+        weights = self.memory.weights_bytes() if self.memory else worker.spec.weights_bytes  # on any GPU
         while not ledger.holds(holder):
-            if ledger.reserve_nowait(holder, worker.spec.weights_bytes, time.monotonic(), kind="weights") is None:
+            if ledger.reserve_nowait(holder, weights, time.monotonic(), kind="weights") is None:
                 if not self.load_waiting:
                     self.load_waiting = True
-                    why = f"load waiting: its {worker.spec.weights_bytes} bytes of weights do not fit the device now"
+                    why = f"load waiting: its {weights} bytes of weights do not fit the device now"
                     self.gw.note_event(worker.spec.worker_id, why)
                 await asyncio.sleep(0.25)
         self.load_waiting = False
@@ -222,7 +225,7 @@ class EmbeddingsService:
 
     def check_room_nowait(self) -> None:
         """503 at once when the queue is full (rule 2)."""
-        if len(self.queue) >= self.cfg.queue_depth and self._free_slots() == 0:
+        if len(self.queue) >= self.cfg.queue_depth:
             self.shed += 1
             raise QueueFull(
                 f"the {self.name} queue is full ({self.cfg.queue_depth} waiting)", retry_after_s=self.eta_s()
@@ -249,8 +252,8 @@ class EmbeddingsService:
             attempt += 1
             d = await self._dispatch(rid, nbytes, avoid_gpu=fault is not None)
             reason = str(FailoverReason(fault)) if fault else str(d.reason)
-            await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
-            try:
+            try:  # the lease is ours from here: released once, however the attempt ends (rule 4)
+                await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
                 got = await self._run_on(d, rid, inputs, on_move)
             finally:
                 self._release(rid, d)
@@ -273,6 +276,13 @@ class EmbeddingsService:
         self.pump_once()
         try:
             return await job.future
+        except asyncio.CancelledError:
+            # Dispatched (slot claimed, bytes reserved) just as its request was cancelled:
+            # nobody will run it, so its lease goes back here (rule 4).
+            f = job.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                self._release(rid, f.result())
+            raise
         finally:
             if job in self.queue:
                 self.queue.remove(job)
@@ -314,14 +324,25 @@ class EmbeddingsService:
             return ("exited", "the worker channel ended")
         except BaseException:
             d.worker.interrupt(rid)
-            stopped = d.worker.when_stopped(rid)
-            if stopped is not None:
-                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(stopped), STOP_WAIT_S)
+            await self._until_stopped(d, rid)
             self._note(d, "cancelled", 0.0)
             raise
         finally:
             await events.aclose()
+
+    async def _until_stopped(self, d: _Dispatch, rid: str) -> None:
+        """Rule 4: the lease goes back only once the worker has let go of the request. One that
+        does not stop within ``STOP_WAIT_S`` (a hang) is killed, and its exit is awaited."""
+        stopped = d.worker.when_stopped(rid)
+        if stopped is None:
+            return
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stopped), STOP_WAIT_S)
+            return
+        self.gw.note_event(d.worker.spec.worker_id, f"did not stop {rid} within {STOP_WAIT_S:.0f}s: killing it")
+        await d.worker.kill()
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
 
     def _note(self, d: _Dispatch, outcome: str, seconds: float) -> None:
         """Feed the breaker (GPU) and the ETA."""
@@ -359,8 +380,10 @@ class EmbeddingsService:
         """Its GPU weights when it may be demoted now (batch, loaded, idle), else None."""
         g = self.gpu.worker if self.gpu is not None else None
         ledger = self.gw.ledger
-        if self.cfg.priority != "batch" or g is None or ledger is None or self.demoted:
-            return None
+        if self.cfg.priority != "batch" or g is None or ledger is None or self.demoted or self.cpu is None:
+            return None  # a service without a CPU path is never demoted: its requests need a lane
+        if time.monotonic() - self._promoted_s < self.gw.cfg.admission.promote_after_s:
+            return None  # just promoted: it stays at least as long as it had to wait (no flapping)
         if g.state is not WorkerState.READY or g.busy > 0 or not ledger.holds(self._weights_holder()):
             return None
         if not self.gw.cfg.admission.demote_batch_services:
@@ -402,6 +425,7 @@ class EmbeddingsService:
         )
         if due:
             self.demoted = False
+            self._promoted_s = now
             self.promotions += 1
             why = f"its weights fitted with {a.promote_headroom_mib} MiB to spare for {a.promote_after_s:.0f}s"
             self._ladder_event("promoted", why)

@@ -152,6 +152,7 @@ class RequestService:
 
     async def _submit_unary(self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None) -> Answer:
         """Rule 1 for a request with one whole answer (``runtime.unary``)."""
+        failed: SpilloverError | None = None
         try:
             req = ep.parse(body)
             body_hash = _body_hash(ep.name, body)
@@ -177,19 +178,24 @@ class RequestService:
                         )
                     except KeyConflict as exc:
                         raise _in_flight(exc.existing.id) from exc
-                return await self._run_unary(run)
+                failed = await self._queue_unary(run)  # live from here: a retry with its key gets 409
         except SpilloverError as exc:
             raise Refused(exc, rid) from exc
-
-    async def _run_unary(self, run: UnaryRun) -> Answer:
-        """Queue an accepted (or resumed, or recovered) unary request and run it to its end."""
-        self.live[run.rid] = run
-        try:
-            if self.gw.journal is not None:
-                await self.gw.journal.move(run.rid, State.QUEUED, attempts=run.attempt + 1)
-            return await run.reply()
+        try:  # outside the key's lock, like a generation: its execution is the run's
+            return await run.fail_now(failed) if failed is not None else await run.reply()
         finally:
             self.live.pop(run.rid, None)
+
+    async def _queue_unary(self, run: UnaryRun) -> SpilloverError | None:
+        """Make an accepted (or resumed) unary request live and QUEUED; the error that ends it
+        at once when the QUEUED move cannot be journaled (it must not stay ACCEPTED)."""
+        self.live[run.rid] = run
+        if self.gw.journal is not None:
+            try:
+                await self.gw.journal.move(run.rid, State.QUEUED, attempts=run.attempt + 1)
+            except SpilloverError as exc:
+                return exc
+        return None
 
     async def _begin(
         self,

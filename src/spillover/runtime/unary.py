@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
-from spillover.errors import RequestCancelled, SpilloverError
+from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.outcomes import classify_error
 from spillover.runtime.run import Answer, Encoded, as_error
 
@@ -94,7 +94,10 @@ class UnaryRun:
 
     async def reply(self) -> Answer:
         """Run it to its end and journal the outcome before answering (rule 2)."""
-        self._task = asyncio.create_task(self.ep.execute(self.rid, self.req, self.attempt, self._move))
+        if self.cancelled_by_user:  # DELETE came while it was being queued
+            return _answer(await asyncio.shield(self._settle(RequestCancelled(f"request {self.rid} was cancelled"))))
+        timeout_s = self.gw.cfg.server.request_timeout_s
+        self._task = asyncio.create_task(self._bounded(timeout_s))
         try:
             outcome = await asyncio.shield(self._task)
         except asyncio.CancelledError:
@@ -109,6 +112,18 @@ class UnaryRun:
             return _answer(await asyncio.shield(self._settle(err or as_error(exc, self.rid))))
         await asyncio.shield(self._store(State.COMPLETED, outcome))
         return _answer(outcome)
+
+    async def _bounded(self, timeout_s: float) -> Encoded:
+        """The work, within ``[server].request_timeout_s`` (a hung worker cannot hold it forever)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self.ep.execute(self.rid, self.req, self.attempt, self._move)
+        except TimeoutError as exc:
+            raise RequestTimedOut(f"request {self.rid} ran past request_timeout_s ({timeout_s:.0f}s)") from exc
+
+    async def fail_now(self, err: SpilloverError) -> Answer:
+        """End it before it ran (its QUEUED move could not be journaled): journaled, answered."""
+        return _answer(await asyncio.shield(self._settle(err)))
 
     async def _settle(self, err: SpilloverError) -> Encoded:
         """The task has ended (or is made to); journal ``err`` as the outcome."""

@@ -1,0 +1,63 @@
+"""The embeddings service's lease: a request cancelled in the instant after it was dispatched
+(slot claimed, device bytes reserved) gives both back; nobody is left holding them."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from spillover.config import load_config
+from spillover.core.ledger import DeviceLedger
+from spillover.runtime.embeddings import EmbeddingsService
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+MIB = 1024 * 1024
+
+
+def _ready_worker(wid: str, lane: str) -> WorkerClient:
+    """A worker seen as ready with one slot (no process: nothing is sent to it)."""
+    w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    return w
+
+
+def _service(ledger: DeviceLedger) -> EmbeddingsService:
+    cfg = load_config()
+    gw = SimpleNamespace(
+        cfg=cfg,
+        ledger=ledger,
+        host=SimpleNamespace(observed_bytes=0, budget_bytes=1 << 40),
+        kick_scheduler=lambda: None,
+        note_event=lambda *a: None,
+    )
+    svc = EmbeddingsService(gw, cfg.services[0])  # type: ignore[arg-type]
+    return svc
+
+
+def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes() -> None:
+    """GPU busy: the job waits; the slot frees and a pass dispatches it (slot claimed, bytes
+    reserved), then its request is cancelled before it runs: both come back at once."""
+
+    async def main() -> None:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        ledger.observe(0, 0.0)
+        svc = _service(ledger)
+        gpu = _ready_worker("emb-gpu", "gpu")
+        svc.gpu = SimpleNamespace(worker=gpu)  # type: ignore[assignment]
+        gpu.claim_slot("someone")
+        task = asyncio.create_task(svc._dispatch("r1", 10 * MIB, avoid_gpu=False))
+        await asyncio.sleep(0)
+        assert len(svc.queue) == 1 and not ledger.holds("r1")
+        gpu.release_slot("someone")
+        svc.pump_once()  # dispatched: the future holds a result, the task has not woken yet
+        assert gpu.busy == 1 and ledger.holds("r1")
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        else:  # pragma: no cover - the cancel must win
+            raise AssertionError("the dispatch was not cancelled")
+        assert gpu.busy == 0 and not ledger.holds("r1") and not svc.queue
+
+    asyncio.run(main())
