@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 
-__all__ = ["median", "p95", "sse_token_times"]
+__all__ = ["at_once", "median", "p95", "sse_token_times"]
+
+
+def at_once(calls: list[Callable[[], None]]) -> None:
+    """Run the calls concurrently, one thread each, and wait for all of them."""
+    threads = [threading.Thread(target=call) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def median(xs: list[float]) -> float:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from collections import Counter
 
 import httpx
 
+from benchmarks._common import at_once
 from spillover.config import default_model_path
 from spillover.core.memory import MemoryModel
 from spillover.engine.gguf_meta import read_model_spec
@@ -79,11 +79,7 @@ def main() -> int:
                 got.append(r.headers.get("x-spillover-route", "?") if r.status_code == 200 else f"http{r.status_code}")
                 reasons[r.headers.get("x-spillover-reason", "?")] += 1
 
-            ts = [threading.Thread(target=one) for _ in range(level)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            at_once([one] * level)
             cnt = Counter(got)
             routes.update(cnt)
             per_level.append((level, cnt["gpu"], cnt["cpu"], sum(v for k, v in cnt.items() if k not in ("gpu", "cpu"))))

@@ -20,6 +20,7 @@ from collections import Counter
 
 import httpx
 
+from benchmarks._common import at_once
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
 
@@ -67,12 +68,7 @@ def main() -> int:
                 r = c.post("/v1/embeddings", json={"model": "bge-small-en", "input": [TEXT] * 32})
                 got.append(("emb-" + r.headers.get("x-spillover-route", "?")) if r.status_code == 200 else "err")
 
-            ts = [threading.Thread(target=chat) for _ in range(level)]
-            ts += [threading.Thread(target=embed) for _ in range(level // 2 + 1)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            at_once([chat] * level + [embed] * (level // 2 + 1))
             cnt = Counter(got)
             routes.update(cnt)
             per_level.append((level, cnt))

@@ -3,9 +3,12 @@ hand (not derived from the table under test)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from spillover.core.breaker import (
+    ATTEMPT_OUTCOMES,
     TABLE,
     BreakerEvent,
     BreakerPolicy,
@@ -13,6 +16,8 @@ from spillover.core.breaker import (
     Circuit,
     advance,
     allows,
+    attempt_ended,
+    probe_started,
 )
 
 P = BreakerPolicy(
@@ -393,3 +398,49 @@ def test_allows(circuit: Circuit, in_flight: int, allowed: bool) -> None:
     """CLOSED lets work through, OPEN does not, HALF_OPEN while probes are below half_open_probes (2)."""
     two = BreakerPolicy(half_open_probes=2)
     assert allows(BreakerState(circuit=circuit, probes_in_flight=in_flight), two) is allowed
+
+
+# Rule 7: an attempt's start and end. (circuit, opens, probes_in_flight) before; the attempt's
+# outcome and probe round; the (circuit, probes_in_flight, probe_successes) after.
+HALF = BreakerState(circuit=Circuit.HALF_OPEN, opens=2, opened_at_s=0.0, cooldown_s=2.0, probes_in_flight=1)
+
+
+@pytest.mark.parametrize(
+    ("why", "start", "outcome", "probe_round", "after"),
+    [
+        ("a probe of this round succeeds", HALF, "ok", 2, (Circuit.HALF_OPEN, 0, 1)),
+        ("a probe of this round is released", HALF, "cancelled", 2, (Circuit.HALF_OPEN, 0, 0)),
+        ("a client's own fault releases the probe", HALF, "client", 2, (Circuit.HALF_OPEN, 0, 0)),
+        ("an older round's success says nothing", HALF, "ok", 1, (Circuit.HALF_OPEN, 1, 0)),
+        ("an attempt from before half-open says nothing", HALF, "ok", None, (Circuit.HALF_OPEN, 1, 0)),
+        ("an older round's release says nothing", HALF, "cancelled", 1, (Circuit.HALF_OPEN, 1, 0)),
+        ("any failure re-opens, probe or not", HALF, "failed", None, (Circuit.OPEN, 0, 0)),
+        ("a severe failure re-opens", HALF, "severe", 1, (Circuit.OPEN, 0, 0)),
+        ("closed: a success clears", BreakerState(failures=2, first_failure_s=4.0), "ok", None, (Circuit.CLOSED, 0, 0)),
+        ("closed: a severe failure opens", BreakerState(), "severe", None, (Circuit.OPEN, 0, 0)),
+    ],
+)
+def test_attempt_ended(
+    why: str, start: BreakerState, outcome: str, probe_round: int | None, after: tuple[Circuit, int, int]
+) -> None:
+    """Each row: how an attempt's end moves the breaker (rule 7)."""
+    b = attempt_ended(start, outcome, probe_round, 5.0, P)
+    assert (b.circuit, b.probes_in_flight, b.probe_successes) == after, why
+    if outcome == "ok" and start.circuit is Circuit.CLOSED:
+        assert b.failures == 0
+
+
+def test_an_unknown_outcome_is_a_bug() -> None:
+    """Only the listed outcomes feed the breaker."""
+    assert set(ATTEMPT_OUTCOMES) == {"ok", "failed", "severe", "cancelled", "client"}
+    with pytest.raises(KeyError):
+        attempt_ended(BreakerState(), "maybe", None, 0.0, P)
+
+
+def test_probe_started_only_while_half_open() -> None:
+    """A start while half-open is a probe of round ``opens``; otherwise nothing changes."""
+    b, round_ = probe_started(replace(HALF, probes_in_flight=0), 5.0, P)
+    assert (round_, b.probes_in_flight, b.probe_started_s) == (2, 1, 5.0)
+    for state in (BreakerState(), BreakerState(circuit=Circuit.OPEN, opens=1)):
+        same, none = probe_started(state, 5.0, P)
+        assert (same, none) == (state, None)

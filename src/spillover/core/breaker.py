@@ -15,6 +15,10 @@ Rules:
    bad schema); a released probe frees its place and counts neither way.
 6. HALF_OPEN is bounded: a probe still in flight ``probe_timeout_s`` after it started
    re-opens the breaker (``tick``), so no lost probe pins it half-open.
+7. A GPU attempt that starts while HALF_OPEN is a probe of that round (``probe_started``:
+   the round is ``opens``). When an attempt ends (``attempt_ended``), its outcome is an
+   event (``ATTEMPT_OUTCOMES``); while HALF_OPEN only the current round's probes report
+   success or their release, and any failure counts, probe or not.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
-__all__ = ["BreakerEvent", "BreakerPolicy", "BreakerState", "Circuit", "advance", "allows"]
+__all__ = [
+    "ATTEMPT_OUTCOMES",
+    "BreakerEvent",
+    "BreakerPolicy",
+    "BreakerState",
+    "Circuit",
+    "advance",
+    "allows",
+    "attempt_ended",
+    "probe_started",
+]
 
 
 class Circuit(str, Enum):
@@ -173,3 +187,41 @@ def allows(b: BreakerState, p: BreakerPolicy) -> bool:
     if b.circuit is Circuit.HALF_OPEN:
         return b.probes_in_flight < p.half_open_probes
     return False
+
+
+# Rule 7: how a GPU attempt's end feeds the breaker. ``ok`` | ``failed`` | ``severe`` count;
+# ``cancelled`` and ``client`` (the request's own fault) only end a probe.
+ATTEMPT_OUTCOMES: dict[str, BreakerEvent] = {
+    "ok": BreakerEvent.SUCCESS,
+    "failed": BreakerEvent.FAILURE,
+    "severe": BreakerEvent.SEVERE_FAILURE,
+    "cancelled": BreakerEvent.PROBE_RELEASED,
+    "client": BreakerEvent.PROBE_RELEASED,
+}
+
+
+_PROBE_ENDS = (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED)
+
+
+def probe_started(b: BreakerState, now_s: float, p: BreakerPolicy) -> tuple[BreakerState, int | None]:
+    """Rule 7: a GPU attempt starts now; while HALF_OPEN it is a probe of round ``opens``
+    (returned), else it is no probe (None)."""
+    if b.circuit is not Circuit.HALF_OPEN:
+        return b, None
+    b = advance(b, BreakerEvent.PROBE, now_s, p)
+    return b, b.opens
+
+
+def attempt_ended(
+    b: BreakerState, outcome: str, probe_round: int | None, now_s: float, p: BreakerPolicy
+) -> BreakerState:
+    """Rule 7: a GPU attempt (a probe of ``probe_round``, or None) ended with ``outcome``."""
+    ev = ATTEMPT_OUTCOMES[outcome]
+    current_probe = probe_round is not None and probe_round == b.opens
+    if (
+        b.circuit is Circuit.HALF_OPEN
+        and not current_probe
+        and ev in (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED)
+    ):
+        return b  # admitted before this round: says nothing of the probes
+    return advance(b, ev, now_s, p)

@@ -35,18 +35,16 @@ class EmbedWorker(DeviceWorker):
     request_op = "embed"
 
     def load(self) -> None:
-        import hashlib
+        from pathlib import Path
 
         from spillover.engine.embedder import Embedder
+        from spillover.engine.llama_engine import file_digest
 
         device = self.args.device if self.kind == "cuda" else "cpu"
         self.embedder = Embedder(self.args.model, n_threads=self.args.n_threads, device=device)
-        digest = hashlib.sha256()
-        with open(f"{self.args.model}/model.onnx", "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
+        digest = file_digest(f"{self.args.model}/model.onnx", cache_dir=Path(self.args.state_dir))
         self.fingerprint = {
-            "model": digest.hexdigest()[:16],
+            "model": digest[:16],
             "batch_size": str(self.args.batch_size),
             "backend": "cuda" if self.kind == "cuda" else "cpu",
         }

@@ -37,6 +37,7 @@ token progress while pings are still answered.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import os
@@ -76,7 +77,7 @@ class Channel:
                 os._exit(0)
 
 
-class DeviceWorker:
+class DeviceWorker(abc.ABC):
     """What every worker kind shares: the channel, the device handle (the sim ledger's weights
     charge, its watcher), per-request cancel flags and the op loop. A kind loads its engine
     in ``load()`` and runs one request in ``run_request()``."""
@@ -116,11 +117,13 @@ class DeviceWorker:
         self.load_s = time.monotonic() - t0
         self.pool = ThreadPoolExecutor(max_workers=args.slots, thread_name_prefix="slot")
 
+    @abc.abstractmethod
     def load(self) -> None:
-        raise NotImplementedError
+        """Load the kind's engine (sets ``fingerprint``)."""
 
+    @abc.abstractmethod
     def run_request(self, msg: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Run one request op; its last event is sent through ``finish``."""
 
     def contexts(self) -> int:
         """Slot contexts created so far (reported in pongs)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from spillover.errors import ContextLengthExceeded, InvalidRequest, SpilloverError, to_http
 from spillover.http.fields import check_fields, stored
+from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import OnMove, UnaryEndpoint
 
@@ -167,21 +168,6 @@ def _service(gw: Gateway, model: str) -> EmbeddingsService:
     return gw.services[served.id]
 
 
-def _headers(rid: str, res: EmbedResult | None, model: str, reason: str | None = None) -> dict[str, str]:
-    route = res.lane if res else "none"
-    h = {
-        "X-Spillover-Request-Id": rid,
-        "X-Spillover-Route": route,
-        "X-Spillover-Degraded": "1" if res is not None and res.lane != "gpu" else "0",
-        "X-Spillover-Model": model,
-        "X-Spillover-Attempts": str(res.attempts if res else 0),
-    }
-    why = res.reason if res else reason
-    if why:
-        h["X-Spillover-Reason"] = why
-    return h
-
-
 def encode_answer(rid: str, req: EmbedRequest, res: EmbedResult) -> Encoded:
     """Rules 2-4: the whole answer."""
     rows = [res.data[i * res.dim * 4 : (i + 1) * res.dim * 4] for i in range(res.n)]
@@ -221,7 +207,7 @@ def encode_answer(rid: str, req: EmbedRequest, res: EmbedResult) -> Encoded:
             "spillover": sp,
         }
     body = json.dumps(doc, separators=(",", ":")).encode()
-    return Encoded(200, [body], _headers(rid, res, req.service), JSON)
+    return Encoded(200, [body], signal_headers(sp), JSON)
 
 
 def encode_error(err: SpilloverError, rid: str, *, shape: str) -> Encoded:

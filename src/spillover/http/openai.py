@@ -14,6 +14,7 @@ from typing import Any
 
 from spillover.errors import SpilloverError, WorkerFailed, to_http
 from spillover.http.notice import notice
+from spillover.http.routes import signal_headers
 from spillover.runtime.events import TokenLogprob
 from spillover.runtime.executor import TokenOut
 from spillover.runtime.run import Encoded, Run
@@ -71,17 +72,10 @@ class AnswerShapes:
 
     def headers(self) -> dict[str, str]:
         sp = self.spillover_object()
-        h = {
-            "X-Spillover-Request-Id": self.run.rid,
-            "X-Spillover-Route": sp["route"],
-            "X-Spillover-Degraded": "1" if sp["degraded"] else "0",
-            "X-Spillover-Model": sp["model"],
-            "X-Spillover-Attempts": str(sp["attempts"]),
+        h = signal_headers(sp) | {
             "X-Spillover-Queue-Position": str(sp["queue_position"]),
             "X-Spillover-Estimated-Delay-Ms": str(sp["estimated_delay_ms"]),
         }
-        if sp["reason"]:
-            h["X-Spillover-Reason"] = sp["reason"]
         if (i := self.run.info) is not None:
             h["X-Spillover-Limits"] = f"max_tokens={i.max_tokens};ctx={i.kv_tokens}"
         return h

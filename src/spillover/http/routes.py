@@ -1,5 +1,5 @@
-"""What every route shares: its plain JSON answer, and the guard that checks the API key and
-shapes its errors (OpenAI's, or Ollama's)."""
+"""What every route shares: its plain JSON answer, the signal headers of a served answer, and
+the guard that checks the API key and shapes its errors (OpenAI's, or Ollama's)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from spillover.errors import SpilloverError
 from spillover.runtime.prepare import new_request_id
 
-__all__ = ["Handler", "guard", "plain_json"]
+__all__ = ["Handler", "guard", "plain_json", "signal_headers"]
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -21,6 +21,21 @@ def plain_json(data: Any, status: int = 200) -> JSONResponse:
     """A JSON answer that is not a generation (still with the request-id and route headers)."""
     headers = {"X-Spillover-Request-Id": new_request_id(), "X-Spillover-Route": "none"}
     return JSONResponse(data, status_code=status, headers=headers)
+
+
+def signal_headers(sp: dict[str, Any]) -> dict[str, str]:
+    """The ``X-Spillover-*`` headers every served answer carries, from its ``spillover``
+    object (request id, route, degraded, model, attempts, and the reason when there is one)."""
+    h = {
+        "X-Spillover-Request-Id": sp["request_id"],
+        "X-Spillover-Route": sp["route"],
+        "X-Spillover-Degraded": "1" if sp["degraded"] else "0",
+        "X-Spillover-Model": sp["model"],
+        "X-Spillover-Attempts": str(sp["attempts"]),
+    }
+    if sp["reason"]:
+        h["X-Spillover-Reason"] = sp["reason"]
+    return h
 
 
 def guard(

@@ -42,7 +42,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.config import ServiceConfig
-from spillover.core.breaker import BreakerEvent, BreakerPolicy, BreakerState, Circuit, advance
+from spillover.core.breaker import (
+    BreakerEvent,
+    BreakerPolicy,
+    BreakerState,
+    advance,
+    allows,
+    attempt_ended,
+    probe_started,
+)
 from spillover.core.embed_memory import EmbedMemoryModel
 from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
@@ -76,7 +84,6 @@ class _Dispatch:
     worker: WorkerClient
     lane: str
     reason: Reason
-    queued_s: float
     nbytes: int  # charged to the device (0 off the GPU)
     probe_round: int | None = None
 
@@ -92,7 +99,6 @@ class EmbedResult:
     reason: str
     attempts: int
     prompt_tokens: int
-    queued_s: float
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class ServiceStatistics:
     eta_s: float
     served: dict[str, int]
     failovers: int
+    shed: int  # requests refused at once because its queue was full
     breaker: str
     weights_bytes: int
     reserved_bytes: int
@@ -202,9 +209,9 @@ class EmbeddingsService:
         """Rule 1: the GPU worker's weights are reserved before it loads; until they fit,
         the load waits (its requests go to the CPU path)."""
         ledger = self.gw.ledger
-        assert ledger is not None
-        holder = f"weights:{worker.spec.worker_id}"
-        weights = self.memory.weights_bytes() if self.memory else worker.spec.weights_bytes  # on any GPU
+        assert ledger is not None and self.memory is not None
+        holder = worker.spec.weights_holder
+        weights = self.memory.weights_bytes()  # predicted on any GPU (a sim worker charges exactly this)
         while not ledger.holds(holder):
             if ledger.reserve_nowait(holder, weights, time.monotonic(), kind="weights") is None:
                 if not self.load_waiting:
@@ -259,9 +266,7 @@ class EmbeddingsService:
                 self._release(rid, d)
             if isinstance(got, Vectors):
                 self.served[d.lane] += 1
-                return EmbedResult(
-                    got.data, got.n, got.dim, d.lane, reason, attempt, sum(len(i) for i in inputs), d.queued_s
-                )
+                return EmbedResult(got.data, got.n, got.dim, d.lane, reason, attempt, sum(len(i) for i in inputs))
             kind, message = got
             if d.lane != "gpu" or self.cpu is None or attempt >= max_attempts or not self.gw.budget.take():
                 raise WorkerFailed(f"the {d.lane} worker failed this request ({kind}: {message})", retry_after_s=1.0)
@@ -348,19 +353,8 @@ class EmbeddingsService:
         """Feed the breaker (GPU) and the ETA."""
         if outcome == "ok":
             self._seconds[d.lane] = 0.8 * self._seconds[d.lane] + 0.2 * seconds
-        if d.lane != "gpu":
-            return
-        ev = {
-            "ok": BreakerEvent.SUCCESS,
-            "failed": BreakerEvent.FAILURE,
-            "severe": BreakerEvent.SEVERE_FAILURE,
-            "cancelled": BreakerEvent.PROBE_RELEASED,
-        }[outcome]
-        current_probe = d.probe_round is not None and d.probe_round == self.breaker.opens
-        stale = self.breaker.circuit is Circuit.HALF_OPEN and not current_probe
-        if stale and ev in (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED):
-            return  # admitted before this round: says nothing of the probes (as for chat)
-        self.breaker = advance(self.breaker, ev, time.monotonic(), self.breaker_policy)
+        if d.lane == "gpu":
+            self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, time.monotonic(), self.breaker_policy)
 
     def _release(self, rid: str, d: _Dispatch) -> None:
         """Rule 4: the attempt's slot and device reservation go back, once."""
@@ -373,18 +367,19 @@ class EmbeddingsService:
         self.kick()
 
     # -- the pressure ladder (rule 6) -----------------------------------------------------
-    def _weights_holder(self) -> str:
-        return f"weights:{self.name}-gpu"
+    def _holds_weights(self) -> bool:
+        """Whether the device ledger holds its GPU worker's weights (loaded, or still unloading)."""
+        ledger = self.gw.ledger
+        return self.gpu is not None and ledger is not None and ledger.holds(self.gpu.worker.spec.weights_holder)
 
     def demotable_bytes(self) -> int | None:
         """Its GPU weights when it may be demoted now (batch, loaded, idle), else None."""
         g = self.gpu.worker if self.gpu is not None else None
-        ledger = self.gw.ledger
-        if self.cfg.priority != "batch" or g is None or ledger is None or self.demoted or self.cpu is None:
+        if self.cfg.priority != "batch" or g is None or self.demoted or self.cpu is None:
             return None  # a service without a CPU path is never demoted: its requests need a lane
         if time.monotonic() - self._promoted_s < self.gw.cfg.admission.promote_after_s:
             return None  # just promoted: it stays at least as long as it had to wait (no flapping)
-        if g.state is not WorkerState.READY or g.busy > 0 or not ledger.holds(self._weights_holder()):
+        if g.state is not WorkerState.READY or g.busy > 0 or not self._holds_weights():
             return None
         if not self.gw.cfg.admission.demote_batch_services:
             return None
@@ -392,8 +387,7 @@ class EmbeddingsService:
 
     def demoting_bytes(self) -> int:
         """Weights of a demotion under way (not yet given back)."""
-        ledger = self.gw.ledger
-        if self.demoted and ledger is not None and ledger.holds(self._weights_holder()) and self.memory:
+        if self.demoted and self._holds_weights() and self.memory:
             return self.memory.weights_bytes()
         return 0
 
@@ -412,7 +406,7 @@ class EmbeddingsService:
         ledger = self.gw.ledger
         if not self.demoted or self.gpu is None or ledger is None or self.memory is None:
             return
-        if ledger.holds(self._weights_holder()):
+        if self._holds_weights():
             return  # still unloading
         a = self.gw.cfg.admission
         due, self._room_since = promote_due(
@@ -473,8 +467,7 @@ class EmbeddingsService:
             gpu_configured=g is not None,
             gpu_ready=g is not None and g.state is WorkerState.READY,
             gpu_free_slots=g.free_slots if g is not None else 0,
-            breaker_allows=self.breaker.circuit is not Circuit.OPEN
-            and not (self.breaker.circuit is Circuit.HALF_OPEN and self.breaker.probes_in_flight > 0),
+            breaker_allows=allows(self.breaker, self.breaker_policy),
             headroom_bytes=ledger.headroom(now) if ledger is not None else None,
             nbytes=nbytes,
             cpu_ready=c is not None and c.state is WorkerState.READY,
@@ -513,16 +506,12 @@ class EmbeddingsService:
                 if self.gw.ledger.reserve_nowait(job.rid, job.nbytes, now) is None:
                     continue
                 self._reserved[job.rid] = job.nbytes
-                if self.breaker.circuit is Circuit.HALF_OPEN:
-                    self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.breaker_policy)
-                    probe_round = self.breaker.opens
+                self.breaker, probe_round = probe_started(self.breaker, now, self.breaker_policy)
                 self.gw.kick_scheduler()  # chat admission sees the bytes at once
             worker.claim_slot(job.rid)
             self.queue.remove(job)
             nbytes = job.nbytes if choice.lane == "gpu" else 0
-            job.future.set_result(
-                _Dispatch(worker, choice.lane, choice.reason, now - job.enqueued_s, nbytes, probe_round)
-            )
+            job.future.set_result(_Dispatch(worker, choice.lane, choice.reason, nbytes, probe_round))
 
     def _free_slots(self) -> int:
         return sum(s.worker.free_slots for s in self.supervisors())
@@ -554,6 +543,7 @@ class EmbeddingsService:
             eta_s=round(self.eta_s(), 3),
             served=dict(self.served),
             failovers=self.failovers,
+            shed=self.shed,
             breaker=self.breaker.circuit.value,
             weights_bytes=self.memory.weights_bytes() if self.memory else 0,
             reserved_bytes=sum(self._reserved.values()),

@@ -244,7 +244,7 @@ class Gateway:
         until it dies."""
         self.note_event(worker.spec.worker_id, str(ev))
         if self.ledger is not None and worker.spec.lane == "gpu":
-            holder = f"weights:{worker.spec.worker_id}"
+            holder = worker.spec.weights_holder
             now = time.monotonic()
             if ev.kind is SupervisorEventKind.STARTING and not self.ledger.holds(holder):
                 self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")

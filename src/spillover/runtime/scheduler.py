@@ -34,7 +34,15 @@ from spillover.core.admission import (
     Shrink,
     decide,
 )
-from spillover.core.breaker import BreakerEvent, BreakerState, Circuit, advance
+from spillover.core.breaker import (
+    ATTEMPT_OUTCOMES,
+    BreakerEvent,
+    BreakerState,
+    Circuit,
+    advance,
+    attempt_ended,
+    probe_started,
+)
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.reasons import Reason
@@ -46,7 +54,6 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
-_PROBE_ENDS = (BreakerEvent.SUCCESS, BreakerEvent.PROBE_RELEASED)
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
 MIN_WAKE_S = 0.001
@@ -167,25 +174,13 @@ class Scheduler:
 
     # -- completion ----------------------------------------------------------------
     def finished(self, rid: str, d: Dispatch, outcome: str) -> None:
-        """Return a job's reservation and feed the breaker: ``ok`` | ``failed`` | ``severe``
-        count; ``cancelled`` and ``client`` (the request's own fault) only end a probe.
-        While half-open only the current round's probes report success or their end; any GPU
-        failure is evidence against the device, probe or not."""
+        """Return a job's reservation and feed the breaker with the attempt's outcome
+        (``core.breaker`` rule 7: ``ok`` | ``failed`` | ``severe`` count; ``cancelled`` and
+        ``client`` only end a probe)."""
         if d.route == "gpu" and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
-        if d.route == "gpu" and self.policy is not None:
-            ev = {
-                "ok": BreakerEvent.SUCCESS,
-                "failed": BreakerEvent.FAILURE,
-                "severe": BreakerEvent.SEVERE_FAILURE,
-                "cancelled": BreakerEvent.PROBE_RELEASED,
-                "client": BreakerEvent.PROBE_RELEASED,
-            }.get(outcome)
-            current_probe = d.probe_round is not None and d.probe_round == self.breaker.opens
-            if self.breaker.circuit is Circuit.HALF_OPEN and not current_probe and ev in _PROBE_ENDS:
-                ev = None  # admitted before this round: says nothing of the probes
-            if ev is not None:
-                self.breaker = advance(self.breaker, ev, self.clock(), self.policy.breaker)
+        if d.route == "gpu" and self.policy is not None and outcome in ATTEMPT_OUTCOMES:
+            self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, self.clock(), self.policy.breaker)
         self.kick()
 
     # -- the pump ------------------------------------------------------------------
@@ -329,10 +324,7 @@ class Scheduler:
         worker = next((w for w in self.gpu_workers if w.free_slots > 0), None)
         if worker is None or self.ledger.reserve_nowait(job.rid, d.nbytes, now) is None:
             return False
-        probe_round = None
-        if self.breaker.circuit is Circuit.HALF_OPEN:
-            self.breaker = advance(self.breaker, BreakerEvent.PROBE, now, self.policy.breaker)
-            probe_round = self.breaker.opens
+        self.breaker, probe_round = probe_started(self.breaker, now, self.policy.breaker)
         lane.queue.remove(job)
         self.gpu.admitted_total += 1
         max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens

@@ -69,6 +69,11 @@ class WorkerSpec:
     kind: str = "chat"  # "chat" | "embeddings"
     batch_size: int = 32  # embeddings: inputs per encoder run
 
+    @property
+    def weights_holder(self) -> str:
+        """The device ledger's holder of this worker's weights (a GPU worker's)."""
+        return f"weights:{self.worker_id}"
+
     def argv(self) -> list[str]:
         """Command line of the worker process."""
         return [
