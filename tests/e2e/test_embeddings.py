@@ -375,3 +375,37 @@ def test_an_idle_batch_service_is_demoted_for_interactive_chat_and_promoted_back
         finally:
             db.close()
         assert events == ["demoted", "promoted"]
+
+
+def test_exact_count_embeddings_queue_sheds_k_before_accepting() -> None:
+    """An embeddings service with one CPU slot and queue depth 2 (no GPU worker): 2 + 1 + k
+    requests at once give exactly k 503s with Retry-After, each refused before acceptance
+    (its id is unknown: a promised place is counted, so none races for the last one)."""
+    q, c, k = 2, 1, 3
+    svc = {"name": "bge-small-en", "gpu": False, "cpu_slots": c, "queue_depth": q}
+    with GatewayProcess(["--gpu", "none"], services=True, config={"services": [svc]}) as g:
+        body = {"model": "bge-small-en", "input": [LONG_TEXT] * 4}
+        results: list[httpx.Response] = []
+        lock = threading.Lock()
+        go = threading.Barrier(q + c + k)
+
+        def one() -> None:
+            with httpx.Client(base_url=g.url, timeout=300) as cl:
+                go.wait()
+                r = cl.post("/v1/embeddings", json=body)
+                with lock:
+                    results.append(r)
+
+        ts = [threading.Thread(target=one) for _ in range(q + c + k)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(300)
+        shed = [r for r in results if r.status_code == 503]
+        assert len(shed) == k, [r.status_code for r in results]
+        assert sum(r.status_code == 200 for r in results) == q + c
+        for r in shed:
+            assert r.json()["error"]["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1
+            rid = r.headers["x-spillover-request-id"]
+            assert httpx.get(f"{g.url}/v1/requests/{rid}", timeout=10).status_code == 404
+        assert _service(g)["shed"] == k

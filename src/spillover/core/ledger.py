@@ -167,6 +167,11 @@ class DeviceLedger:
             self._recent_releases.popleft()
         return sum(b for _, b in self._recent_releases)
 
+    def held_bytes(self, holder: str) -> int:
+        """Bytes ``holder`` holds now (0: no reservation)."""
+        res = self._reservations.get(holder)
+        return res.nbytes if res is not None else 0
+
     def holds(self, holder: str) -> bool:
         """Whether ``holder`` has a live reservation."""
         return holder in self._reservations

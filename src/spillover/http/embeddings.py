@@ -235,7 +235,8 @@ def embedding_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
                 kind="embeddings",
                 parse=functools.partial(parse, gw=gw),
                 stored=(lambda body: stored(body, "embeddings")) if shape == "openai" else dict,
-                check_room=lambda req: gw.services[req.service].check_room_nowait(),
+                hold_place=lambda req, rid: gw.services[req.service].hold_place(rid),
+                release_place=lambda req, rid: gw.services[req.service].release_place(rid),
                 execute=functools.partial(_execute, gw),
                 error=functools.partial(encode_error, shape=shape),
             )

@@ -56,6 +56,7 @@ from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
 from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
 from spillover.runtime.events import Done, Failed, Interrupted, Started, SupervisorEvent, Vectors, WorkerGone
+from spillover.runtime.lanes import places_promised
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
@@ -120,6 +121,7 @@ class ServiceStatistics:
     breaker: str
     weights_bytes: int
     reserved_bytes: int
+    device_bytes: int  # what it holds in the device ledger now: loaded weights and its requests'
     load_waiting: bool
     demoted: bool
     demotions: int
@@ -149,6 +151,7 @@ class EmbeddingsService:
         self.served = {"gpu": 0, "cpu": 0}
         self.failovers = 0
         self.shed = 0
+        self.promised: set[str] = set()  # requests being accepted that were promised a place
         self.load_waiting = False
         self.last_choice = ("none", "starting")
         self._seconds = {"gpu": 0.05, "cpu": 0.1}  # running mean per request, for the ETA
@@ -230,13 +233,20 @@ class EmbeddingsService:
         assert self.tokenizer is not None
         return self.tokenizer.encode(texts)
 
-    def check_room_nowait(self) -> None:
-        """503 at once when the queue is full (rule 2)."""
-        if len(self.queue) >= self.cfg.queue_depth:
+    def hold_place(self, rid: str) -> None:
+        """Promise request ``rid``, about to be accepted, a place; 503 at once when the queue
+        is full or every place left (queue room and free slots) is promised already (rule 2).
+        The promise ends when its job is queued or ``release_place``."""
+        if places_promised(self.cfg.queue_depth, len(self.queue), len(self.promised), self._free_slots()):
             self.shed += 1
             raise QueueFull(
                 f"the {self.name} queue is full ({self.cfg.queue_depth} waiting)", retry_after_s=self.eta_s()
             )
+        self.promised.add(rid)
+
+    def release_place(self, rid: str) -> None:
+        """Request ``rid`` no longer needs the place it was promised (idempotent)."""
+        self.promised.discard(rid)
 
     def predicted_bytes(self, inputs: list[list[int]]) -> int:
         assert self.memory is not None
@@ -277,6 +287,7 @@ class EmbeddingsService:
 
     async def _dispatch(self, rid: str, nbytes: int, *, avoid_gpu: bool) -> _Dispatch:
         job = _Job(rid, nbytes, time.monotonic(), asyncio.get_running_loop().create_future(), avoid_gpu)
+        self.release_place(rid)  # its job takes the place it was promised
         self.queue.append(job)
         self.pump_once()
         try:
@@ -371,6 +382,14 @@ class EmbeddingsService:
         """Whether the device ledger holds its GPU worker's weights (loaded, or still unloading)."""
         ledger = self.gw.ledger
         return self.gpu is not None and ledger is not None and ledger.holds(self.gpu.worker.spec.weights_holder)
+
+    def device_bytes(self) -> int:
+        """What it holds in the device ledger now: its GPU weights (loaded, loading or still
+        unloading) and its running requests' reservations."""
+        ledger = self.gw.ledger
+        if ledger is None or self.gpu is None:
+            return 0
+        return ledger.held_bytes(self.gpu.worker.spec.weights_holder) + sum(self._reserved.values())
 
     def demotable_bytes(self) -> int | None:
         """Its GPU weights when it may be demoted now (batch, loaded, idle), else None."""
@@ -547,6 +566,7 @@ class EmbeddingsService:
             breaker=self.breaker.circuit.value,
             weights_bytes=self.memory.weights_bytes() if self.memory else 0,
             reserved_bytes=sum(self._reserved.values()),
+            device_bytes=self.device_bytes(),
             load_waiting=self.load_waiting,
             demoted=self.demoted,
             demotions=self.demotions,

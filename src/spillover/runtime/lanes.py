@@ -18,7 +18,7 @@ from spillover.config import LaneConfig
 from spillover.core.reasons import RouteReason
 from spillover.runtime.worker_client import WorkerClient
 
-__all__ = ["Dispatch", "Job", "Lane", "LaneStatistics"]
+__all__ = ["Dispatch", "Job", "Lane", "LaneStatistics", "places_promised"]
 
 
 @dataclass
@@ -67,6 +67,14 @@ class Dispatch:
     probe_round: int | None = None  # a half-open probe of this breaker round (``opens``), else None
 
 
+def places_promised(depth: int, queued: int, promised: int, takers: int) -> bool:
+    """Whether every place of a queue is taken or promised: ``queued`` jobs wait, ``promised``
+    requests are still being accepted (tokenized, journaled) with a place held for them, and at
+    most ``takers`` jobs would leave the queue at once (free slots). A request arriving now is
+    refused at once instead of racing the promised ones for the last place."""
+    return queued + promised >= depth + takers
+
+
 @dataclass(frozen=True)
 class LaneStatistics:
     """Frozen snapshot of one lane."""
@@ -97,6 +105,7 @@ class Lane:
         self.admitted_total = 0
         self.shed_total = 0
         self.expired_total = 0
+        self.promised: set[str] = set()  # requests being accepted that were promised a place
         # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
         self.prefill_tps = 400.0
         self.decode_tps = 40.0

@@ -109,13 +109,14 @@ class RequestService:
                         return stored_answer(rec)
                     resume = rec.attempts
                     req = _with_stored_seed(req, json.loads(rec.body))  # it samples as before
-                if self.gw.scheduler is not None:  # rule 3 at once: a full queue costs no tokenizing
-                    self.gw.scheduler.check_room_nowait("cpu" if req.prefer_cpu else None)
-                prep = await prepare(self.gw, req, rid)
-                # The seed it runs with is journaled beside its body (any endpoint's shape): a
-                # replay after a restart, or a resume with its key, samples exactly the same way.
-                body_json = dumps({"endpoint": endpoint, "body": stored, "seed": prep.seed})
+                sched = self.gw.scheduler
+                if sched is not None:  # rule 3 at once: a full queue costs no tokenizing
+                    sched.hold_place(rid, "cpu" if req.prefer_cpu else None)
                 try:
+                    prep = await prepare(self.gw, req, rid)
+                    # The seed it runs with is journaled beside its body (any endpoint's shape): a
+                    # replay after a restart, or a resume with its key, samples exactly the same way.
+                    body_json = dumps({"endpoint": endpoint, "body": stored, "seed": prep.seed})
                     return await self._begin(
                         ep,
                         prep,
@@ -127,6 +128,9 @@ class RequestService:
                     )
                 except KeyConflict as exc:
                     raise _in_flight(exc.existing.id) from exc
+                finally:
+                    if sched is not None:
+                        sched.release_place(rid)  # its job took it, or it ended before
         except SpilloverError as exc:
             raise Refused(exc, rid) from exc
 
@@ -153,38 +157,44 @@ class RequestService:
     async def _submit_unary(self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None) -> Answer:
         """Rule 1 for a request with one whole answer (``runtime.unary``)."""
         failed: SpilloverError | None = None
+        held: tuple[Any, str] | None = None  # the request promised a place, and its id
         try:
-            req = ep.parse(body)
-            body_hash = _body_hash(ep.name, body)
-            stored = ep.stored(body)
-            async with self.gw.keys.hold(idem_key):
-                rec = await self._keyed(idem_key, body_hash)
-                if rec is not None and rec.state not in RESUMABLE:
-                    return stored_answer(rec)
-                if rec is not None:
-                    rid = rec.id
-                ep.check_room(req)  # rule 3: a full queue answers at once, nothing journaled
-                run = UnaryRun(self.gw, ep, rid, req, attempt=rec.attempts if rec is not None else 0)
-                if self.gw.journal is not None and rec is None:
-                    try:
-                        await self.gw.journal.accept(
-                            rid=rid,
-                            idem_key=idem_key,
-                            body_hash=body_hash,
-                            kind=ep.kind,
-                            stream=False,
-                            body=dumps({"endpoint": ep.name, "body": stored}),
-                            model=str(req.model),
-                        )
-                    except KeyConflict as exc:
-                        raise _in_flight(exc.existing.id) from exc
-                failed = await self._queue_unary(run)  # live from here: a retry with its key gets 409
-        except SpilloverError as exc:
-            raise Refused(exc, rid) from exc
-        try:  # outside the key's lock, like a generation: its execution is the run's
-            return await run.fail_now(failed) if failed is not None else await run.reply()
+            try:
+                req = ep.parse(body)
+                body_hash = _body_hash(ep.name, body)
+                stored = ep.stored(body)
+                async with self.gw.keys.hold(idem_key):
+                    rec = await self._keyed(idem_key, body_hash)
+                    if rec is not None and rec.state not in RESUMABLE:
+                        return stored_answer(rec)
+                    if rec is not None:
+                        rid = rec.id
+                    ep.hold_place(req, rid)  # rule 3: a full queue answers at once, nothing journaled
+                    held = (req, rid)
+                    run = UnaryRun(self.gw, ep, rid, req, attempt=rec.attempts if rec is not None else 0)
+                    if self.gw.journal is not None and rec is None:
+                        try:
+                            await self.gw.journal.accept(
+                                rid=rid,
+                                idem_key=idem_key,
+                                body_hash=body_hash,
+                                kind=ep.kind,
+                                stream=False,
+                                body=dumps({"endpoint": ep.name, "body": stored}),
+                                model=str(req.model),
+                            )
+                        except KeyConflict as exc:
+                            raise _in_flight(exc.existing.id) from exc
+                    failed = await self._queue_unary(run)  # live from here: a retry with its key gets 409
+            except SpilloverError as exc:
+                raise Refused(exc, rid) from exc
+            try:  # outside the key's lock, like a generation: its execution is the run's
+                return await run.fail_now(failed) if failed is not None else await run.reply()
+            finally:
+                self.live.pop(run.rid, None)
         finally:
-            self.live.pop(run.rid, None)
+            if held is not None:
+                ep.release_place(*held)  # its job took the place, or it ended before
 
     async def _queue_unary(self, run: UnaryRun) -> SpilloverError | None:
         """Make an accepted (or resumed) unary request live and QUEUED; the error that ends it

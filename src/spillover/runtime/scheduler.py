@@ -48,7 +48,7 @@ from spillover.core.ledger import DeviceLedger
 from spillover.core.reasons import Reason
 from spillover.core.routing import lane_max_tokens
 from spillover.errors import CapacityError, QueueFull
-from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics
+from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, places_promised
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
@@ -114,17 +114,50 @@ class Scheduler:
     def check_room_nowait(self, lane: str | None = None) -> None:
         """Raise QueueFull at once when the lane a job asking for ``lane`` would be queued on
         is full: a request is refused before it is accepted, not journaled and then shed."""
-        self._check_room(self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu)
+        self._check_room(self._lane(lane))
+
+    def hold_place(self, rid: str, lane: str | None = None) -> None:
+        """Promise request ``rid``, about to be accepted, a place on the lane a job asking for
+        ``lane`` would be queued on; raise QueueFull at once when the lane is full or every
+        place left (queue room and the slots that would take a job now) is promised already.
+        The promise ends when its job is queued or ``release_place``; the queue's own check
+        when the job is queued stays the exact bound."""
+        target = self._lane(lane)
+        self._check_room(target)
+        if places_promised(target.cfg.queue_depth, len(target.queue), len(target.promised), self._takers(target)):
+            self._shed(target)
+        target.promised.add(rid)
+
+    def release_place(self, rid: str) -> None:
+        """Request ``rid`` no longer needs the place it was promised (idempotent)."""
+        for lane in (self.gpu, self.cpu):
+            if lane is not None:
+                lane.promised.discard(rid)
+
+    def _lane(self, lane: str | None) -> Lane:
+        return self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu
+
+    def _takers(self, lane: Lane) -> int:
+        """At most how many jobs queued on ``lane`` now would leave its queue at once: the free
+        slots, and for the GPU lane also what the CPU lane takes when admission routes there."""
+        cpu = sum(w.free_slots for w in self.cpu_workers)
+        if lane is self.cpu:
+            return cpu
+        return sum(w.free_slots for w in self.gpu_workers) + cpu + max(0, self.cpu.free())
 
     def _check_room(self, lane: Lane) -> None:
         if lane.free() <= 0:
-            lane.shed_total += 1
-            raise QueueFull(
-                f"the {lane.name} queue is full ({lane.cfg.queue_depth} waiting)",
-                retry_after_s=self._retry_after_s(lane),
-            )
+            self._shed(lane)
+
+    def _shed(self, lane: Lane) -> None:
+        lane.shed_total += 1
+        raise QueueFull(
+            f"the {lane.name} queue is full ({lane.cfg.queue_depth} waiting)",
+            retry_after_s=self._retry_after_s(lane),
+        )
 
     def _enqueue_nowait(self, job: Job, lane: Lane) -> None:
+        self.release_place(job.rid)  # its job takes the place now (or is refused)
         if lane is self.cpu:
             self._check_deadline(job)
         self._check_room(lane)

@@ -44,14 +44,16 @@ class UnaryEndpoint:
     """One route whose answer is a whole body (given by the HTTP layer).
 
     ``parse`` validates a body into a request (with its ``model``), or raises InvalidRequest;
-    ``check_room`` raises QueueFull at once when the request's queue is full; ``execute``
+    ``hold_place`` promises the request (by id) a place in its queue or raises QueueFull at
+    once when none is left; ``release_place`` ends the promise (idempotent); ``execute``
     answers it (rule 3) or raises a SpilloverError, which ``error`` encodes."""
 
     name: str
     kind: str
     parse: Callable[[Any], Any]
     stored: Callable[[dict[str, Any]], dict[str, Any]]
-    check_room: Callable[[Any], None]
+    hold_place: Callable[[Any, str], None]
+    release_place: Callable[[Any, str], None]
     execute: Callable[[str, Any, int, OnMove], Coroutine[Any, Any, Encoded]]
     error: Callable[[SpilloverError, str], Encoded]
 

@@ -23,12 +23,14 @@ from spillover.runtime.devices import tree_rss
 __all__ = ["GatewayProcess", "free_port", "tree_rss"]
 
 
-def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
-    """Sections of scalar settings as TOML (all spillover's config needs)."""
+def to_toml(cfg: dict[str, Any]) -> str:
+    """Sections of scalar settings as TOML, a list of them as an array of tables
+    (``[[services]]``): all spillover's config needs."""
     lines = []
     for section, values in cfg.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        for table in values if isinstance(values, list) else [values]:
+            lines.append(f"[[{section}]]" if isinstance(values, list) else f"[{section}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -58,7 +60,7 @@ class GatewayProcess:
         state_dir: str | None = None,
         ready_timeout_s: float = 120.0,
         log_path: str | None = None,
-        config: dict[str, dict[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
         port: int | None = None,
         api_key: str | None = None,
         services: bool = False,

@@ -1,0 +1,83 @@
+"""Places promised while requests are accepted: a request that finds every place of its lane
+taken or promised is refused at once (before tokenizing or journaling), and a promise ends
+exactly when its job is queued or its request ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spillover.config import LaneConfig
+from spillover.errors import QueueFull
+from spillover.runtime.lanes import places_promised
+from spillover.runtime.scheduler import Job, Scheduler
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+
+def _cpu_only(depth: int, slots: int) -> tuple[Scheduler, WorkerClient]:
+    s = Scheduler(gpu_lane=None, cpu_lane=LaneConfig(slots=slots, queue_depth=depth), ledger=None, policy=None)
+    w = WorkerClient(WorkerSpec("cpu0", "cpu", "cpu", "", "", slots, 4096, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    s.cpu_workers.append(w)
+    return s, w
+
+
+@pytest.mark.parametrize(
+    ("depth", "queued", "promised", "takers", "full"),
+    [
+        (3, 0, 3, 1, False),  # the fourth place is the free slot
+        (3, 0, 4, 1, True),
+        (3, 3, 0, 0, True),
+        (3, 2, 0, 0, False),
+        (0, 0, 0, 1, False),  # no queue, one free slot
+        (0, 0, 1, 1, True),
+        (3, 1, 1, 0, False),
+    ],
+)
+def test_places_promised_counts_queue_promises_and_free_slots(
+    depth: int, queued: int, promised: int, takers: int, full: bool
+) -> None:
+    assert places_promised(depth, queued, promised, takers) is full
+
+
+def test_concurrent_acceptances_are_promised_exactly_queue_plus_free_slots() -> None:
+    """Depth 3, one free slot: four requests being accepted at once hold every place; the
+    fifth is refused at once (counted as shed). Queuing a job ends its promise; a request
+    that ends before queuing gives its place back."""
+
+    async def main() -> None:
+        s, _w = _cpu_only(depth=3, slots=1)
+        for i in range(4):
+            s.hold_place(f"r{i}")
+        with pytest.raises(QueueFull):
+            s.hold_place("r4")
+        assert s.cpu.shed_total == 1 and s.cpu.promised == {"r0", "r1", "r2", "r3"}
+        s.release_place("r3")  # it failed validation while tokenizing
+        s.release_place("r3")  # idempotent
+        s.hold_place("r5")
+        jobs = [Job(rid=r, prompt_tokens=8, max_tokens=8, arrived_s=0.0) for r in ("r0", "r1", "r2", "r5")]
+        for j in jobs:
+            s.submit_nowait(j)
+        assert not s.cpu.promised
+        assert jobs[0].future.done() and len(s.cpu.queue) == 3  # one runs, three wait: exact
+        with pytest.raises(QueueFull):
+            s.hold_place("r6")
+        assert s.cpu.shed_total == 2
+
+    asyncio.run(main())
+
+
+def test_a_promise_does_not_count_against_its_own_job() -> None:
+    """The last promised place: its own job is queued, not refused by its own promise."""
+
+    async def main() -> None:
+        s, w = _cpu_only(depth=1, slots=1)
+        w.claim_slot("busy")
+        s.hold_place("a")
+        with pytest.raises(QueueFull):
+            s.hold_place("b")
+        s.submit_nowait(Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=0.0))
+        assert [j.rid for j in s.cpu.queue] == ["a"] and not s.cpu.promised
+
+    asyncio.run(main())
