@@ -67,7 +67,18 @@ class DrillClient:
                 r = self.http.post(path, json=body, headers=hdrs)
                 res |= self._headers(r.headers) | {"status": r.status_code}
                 data = r.json()
-                if r.status_code == 200:
+                if r.status_code == 200 and "choices" not in data:  # an embeddings answer
+                    sp = data.get("spillover") or {}
+                    rows = data.get("data") or []
+                    res |= {
+                        "vectors": len(rows),
+                        # The first vector, to compare with a reference (the same input, any lane).
+                        "embedding0": [round(x, 7) for x in rows[0]["embedding"]] if rows else None,
+                        "attempts": sp.get("attempts"),
+                        "degraded_body": sp.get("degraded"),
+                        "model_fallback": False,
+                    }
+                elif r.status_code == 200:
                     sp = data.get("spillover") or {}
                     choice = data["choices"][0]
                     res |= {

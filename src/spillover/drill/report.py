@@ -86,6 +86,8 @@ def _plots(history: list[dict[str, Any]], overall: Figures) -> dict[str, bytes]:
     ax.legend(fontsize=7, loc="upper right", ncol=2)
     out["memory.png"] = _png(fig)
 
+    out["services.png"] = _services_plot(plt, samples, faults)
+
     fig, ax = plt.subplots(figsize=(7, 3.6))
     routes = sorted(overall.latency_by_route)
     if routes:
@@ -111,6 +113,39 @@ def _plots(history: list[dict[str, Any]], overall: Figures) -> dict[str, bytes]:
     out["queues.png"] = _png(fig)
     plt.close("all")
     return out
+
+
+def _services_plot(plt: Any, samples: list[dict[str, Any]], faults: list[dict[str, Any]]) -> bytes:
+    """Device memory per service (what each holds in the ledger: weights and its requests'
+    reservations), stacked, with what other tenants hold (observed beyond the ledger) on top,
+    the usable capacity, and each service's demoted spans shaded."""
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    samples = [s for s in samples if s.get("services")]
+    if samples:
+        t = [s["t"] for s in samples]
+        names = [x["name"] for x in samples[-1]["services"]]
+        layers = []
+        for name in names:
+            row: list[dict[str, Any]] = [next((x for x in s["services"] if x["name"] == name), {}) for s in samples]
+            layers.append([(x.get("device_bytes") or 0) / MIB for x in row])
+        others = [
+            max(0, (s["ledger"].get("observed_bytes") or 0) - s["ledger"]["predicted_bytes"]) / MIB for s in samples
+        ]
+        ax.stackplot(t, *layers, others, labels=[*names, "other tenants (observed beyond the ledger)"], alpha=0.8)
+        usable = [(s["ledger"]["capacity_bytes"] - s["ledger"]["margin_bytes"]) / MIB for s in samples]
+        ax.plot(t, usable, "k--", label="capacity - margin", linewidth=0.8)
+        for name in names:
+            demoted = [s["t"] for s in samples if any(x["name"] == name and x["demoted"] for x in s["services"])]
+            if demoted:
+                ax.scatter(demoted, [0] * len(demoted), marker="s", s=8, label=f"{name} demoted (off the GPU)")
+        for f in faults:
+            ax.axvline(f["t"], color="grey", alpha=0.3, linewidth=0.8)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("MiB")
+    ax.set_title("Device memory per service (ledger: weights + request reservations), stacked")
+    if samples:
+        ax.legend(fontsize=7, loc="upper right")
+    return _png(fig)
 
 
 def _png(fig: Any) -> bytes:
@@ -161,6 +196,8 @@ def write_report(
         "## Plots",
         "",
         "![device memory](memory.png)",
+        "",
+        "![device memory per service](services.png)",
         "",
         "![latency by route](latency.png)",
         "",

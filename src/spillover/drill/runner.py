@@ -30,6 +30,8 @@ DRILL_CONFIG: dict[str, dict[str, Any]] = {
     "breaker": {"cooldown_s": 1.0, "cooldown_max_s": 3.0, "close_after_successes": 1},
     "device": {"host_budget_mib": 3072},
     "cpu_lane": {"queue_depth": 32},
+    # A demoted batch service comes back after 3 s of room (30 s by default): the drill sees both moves.
+    "admission": {"promote_after_s": 3.0},
 }
 
 
@@ -89,7 +91,14 @@ class Drill:
                 self.client.http.post("/v1/completions", json={"prompt": "probe", "max_tokens": 2})
             st = self.client.status()
             gpu = next(w for w in st["workers"] if w["lane"] == "gpu")
-            return bool(gpu["state"] == "ready" and st["breaker"]["circuit"] == "closed")
+            # Every service is back on the device too (loaded, not demoted): a fault injected
+            # next (an allocation failure) meets the request it is meant for, not a load.
+            services = all(
+                not svc.get("demoted") and not svc.get("load_waiting")
+                and all(w["state"] == "ready" for w in svc.get("workers", []) if w["lane"] == "gpu")
+                for svc in st.get("services", [])
+            )  # fmt: skip
+            return bool(gpu["state"] == "ready" and st["breaker"]["circuit"] == "closed" and services)
 
         self.wait(serving, timeout_s)
 
@@ -176,6 +185,10 @@ def _sampler(d: Drill, stop: threading.Event, gateway: GatewayProcess | None) ->
                 host_rss=rss,
                 host_budget=st["host"]["budget_bytes"],
                 gpu_serving=bool(gpu and gpu["state"] == "ready" and st["breaker"]["circuit"] == "closed"),
+                services=[
+                    {"name": s["name"], "device_bytes": s.get("device_bytes", 0), "demoted": bool(s.get("demoted"))}
+                    for s in st.get("services", [])
+                ],
             )
             for dec in st["recent_decisions"]:
                 k = (dec["rid"], dec["reason"])
@@ -205,6 +218,7 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
             ["--gpu", opts.gpu, "--gpu-slots", "2", "--cpu-slots", "2", "--cpu-ctx", "2048", *fallback],
             config=DRILL_CONFIG,
             state_dir=str(opts.out / "gateway-state"),
+            services=True,  # chat and the embeddings service on one device, as `spillover serve` runs
         )
         gateway.start()
         state_dir = gateway.state_dir

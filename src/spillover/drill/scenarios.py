@@ -8,6 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from spillover.drill.mixed import MIXED_SCENARIOS
+
 if TYPE_CHECKING:
     from spillover.drill.runner import Drill
 
@@ -302,5 +304,6 @@ SCENARIOS: dict[str, Callable[[Drill, int], None]] = {
     "agent_negative_control": agent_negative_control,
     "gateway_restart": gateway_restart,
     "idempotency": idempotency,
+    **MIXED_SCENARIOS,
 }
 NEGATIVE_CONTROLS = frozenset({"agent_negative_control"})

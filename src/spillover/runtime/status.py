@@ -74,6 +74,7 @@ def service_rows(gw: Gateway) -> list[dict[str, Any]]:
     model's row comes from its scheduler (the GPU lane first)."""
     rows: list[dict[str, Any]] = []
     sched = gw.scheduler
+    others = [asdict(svc.statistics()) for svc in gw.services.values()]
     if sched is not None:
         lanes = sched.statistics()
         last = sched.decisions[-1] if sched.decisions else None
@@ -88,12 +89,11 @@ def service_rows(gw: Gateway) -> list[dict[str, Any]]:
                 "queued": sum(x.depth for x in lanes),
                 "running": sum(x.running for x in lanes),
                 "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
+                # The ledger holds the chat model's and the services' reservations only.
+                "device_bytes": gw.ledger.predicted_bytes - sum(o["device_bytes"] for o in others) if gw.ledger else 0,
             }
         )
-    for svc in gw.services.values():
-        st = svc.statistics()
-        rows.append(asdict(st))
-    return rows
+    return rows + others
 
 
 def status_document(gw: Gateway) -> dict[str, Any]:

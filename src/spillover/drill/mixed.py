@@ -1,0 +1,165 @@
+"""The drill's mixed-service scenarios: chat and the embeddings service on one device budget.
+
+``embedding_burst``: a burst of large embedding batches holds the device while a long chat
+arrives; chat admission sees the burst's reservation in the one ledger and routes the chat to
+the CPU lane before any allocation fails. ``service_demotion``: another tenant leaves room for
+a long chat only if the idle batch service's weights go; the chat demotes the service (its
+weights are unloaded) and runs on the GPU, an embeddings request meanwhile is served on the
+service's CPU path flagged ``demoted``, and the service is promoted back once the room has
+lasted ``promote_after_s``. Both check that the device never refused an allocation.
+
+The room figures are chosen for the default models (SmolLM2-135M chat, bge-small-en
+embeddings); each scenario records what it set so a report reader can see the arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spillover.drill.runner import Drill
+
+__all__ = ["MIXED_SCENARIOS"]
+
+MIB = 1024 * 1024
+EMB_LONG = "lorem ipsum dolor sit amet " * 50  # about 450 tokens an input: large activations
+EMB_SHORT = "The cat sits on the mat."
+CHAT_LONG = {"prompt": "The quick brown fox jumps over the lazy dog. " * 60, "max_tokens": 120, "temperature": 0}
+# Room left beside a burst: a short chat fits (about 51 MiB predicted), the long one (about 117 MiB) does not.
+BURST_ROOM_MIB = 60
+# Room a tenant leaves: under the long chat's need, but over it once the embeddings weights
+# (about 47 MiB predicted) are unloaded.
+DEMOTION_ROOM_MIB = 90
+
+
+def _embeddings_service(d: Drill, scenario: str) -> dict[str, Any] | None:
+    """The first embeddings service with a GPU worker, or None (recorded: the scenario is skipped)."""
+    for svc in d.client.status().get("services", []):
+        if svc.get("kind") == "embeddings" and any(w["lane"] == "gpu" for w in svc.get("workers", [])):
+            return dict(svc)
+    d.rec.write("info", scenario=scenario, op=0, note="skipped: no embeddings service with a GPU worker")
+    return None
+
+
+def _service(d: Drill, name: str) -> dict[str, Any]:
+    return next(s for s in d.client.status()["services"] if s["name"] == name)
+
+
+def _promoted_since(d: Drill, name: str, promotions: int) -> bool:
+    row = _service(d, name)
+    return bool(row["promotions"] > promotions and not row["demoted"])
+
+
+def _capacity_seen(d: Drill, capacity_bytes: int) -> bool:
+    return bool(d.client.status()["device"]["ledger"]["capacity_bytes"] == capacity_bytes)
+
+
+def _alloc_failures(d: Drill) -> tuple[int, int]:
+    """Allocation failures the device reported, and those its workers (every service's) saw."""
+    st = d.client.status()
+    workers = st["workers"] + [w for s in st.get("services", []) for w in s.get("workers", [])]
+    return int((st.get("device") or {}).get("alloc_failures", 0)), sum(int(w.get("alloc_failures", 0)) for w in workers)
+
+
+def _cosine(a: list[float] | None, b: list[float] | None) -> float:
+    if not a or not b or len(a) != len(b):
+        return 0.0
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)
+
+
+def _embed(d: Drill, scenario: str, name: str, model: str, inputs: list[str]) -> dict[str, Any]:
+    return d.client.op(scenario, name, {"model": model, "input": inputs}, path="/v1/embeddings")
+
+
+def _background(fn: Callable[[], dict[str, Any]]) -> tuple[threading.Thread, list[dict[str, Any]]]:
+    """Run one operation in a thread; its outcome lands in the list."""
+    out: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    return t, out
+
+
+def embedding_burst(d: Drill, n: int) -> None:
+    """A burst of large embedding batches on the GPU pushes a long chat to the CPU lane."""
+    svc = _embeddings_service(d, "embedding_burst")
+    if svc is None:
+        return
+    model = svc["name"]
+    for i in range(n):
+        d.await_gpu()
+        ref = _embed(d, "embedding_burst", f"reference-{i}", model, [EMB_LONG])
+        before = _alloc_failures(d)
+        sim = d.sim()
+        full = sim.snapshot().capacity_bytes
+        burst, out = _background(functools.partial(_embed, d, "embedding_burst", f"burst-{i}", model, [EMB_LONG] * 40))
+        try:
+            d.wait(lambda: _service(d, model)["reserved_bytes"] > 0, 60)  # the burst holds its bytes on the GPU
+            ledger = d.client.status()["device"]["ledger"]
+            cap = ledger["predicted_bytes"] + ledger["margin_bytes"] + BURST_ROOM_MIB * MIB
+            sim.set_capacity(cap)
+            d.rec.write("fault", scenario="embedding_burst", kind="capacity", capacity_bytes=cap)
+            # The gateway has read the new capacity (as it would a tenant's allocation) before the chat comes.
+            d.wait(functools.partial(_capacity_seen, d, cap), 10)
+            chat = d.client.op("embedding_burst", f"long-chat-{i}", CHAT_LONG)
+            d.expect("embedding_burst", "long chat routed to cpu", chat.get("route") == "cpu", chat.get("headers"))
+            burst.join(300)
+        finally:
+            burst.join(300)
+            sim.set_capacity(full)
+            d.rec.write("fault", scenario="embedding_burst", kind="capacity_restored", capacity_bytes=full)
+        got = out[0] if out else {}
+        d.expect("embedding_burst", "burst served on the gpu", got.get("route") == "gpu", got.get("headers"))
+        same = _cosine(got.get("embedding0"), ref.get("embedding0"))
+        d.expect("embedding_burst", "same input, same vector (cosine >= 0.9999)", same >= 0.9999, round(same, 6))
+        after = _alloc_failures(d)
+        d.expect("embedding_burst", "no allocation failure", after == before, f"{before} -> {after}")
+
+
+def service_demotion(d: Drill, n: int) -> None:
+    """Interactive chat demotes the idle batch service under pressure; it is promoted back."""
+    svc = _embeddings_service(d, "service_demotion")
+    if svc is None:
+        return
+    model = svc["name"]
+    if svc.get("priority") != "batch":
+        d.rec.write("info", scenario="service_demotion", op=0, note=f"skipped: {model} is not a batch service")
+        return
+    for i in range(n):
+        d.await_gpu()
+        before = _alloc_failures(d)
+        demotions, promotions = svc_counts = (_service(d, model)["demotions"], _service(d, model)["promotions"])
+        with d.tenant(leave_mib=DEMOTION_ROOM_MIB):
+            chat, out = _background(functools.partial(d.client.op, "service_demotion", f"chat-{i}", CHAT_LONG))
+            try:
+                d.wait(lambda: _service(d, model)["demoted"], 60)
+                e = _embed(d, "service_demotion", f"while-demoted-{i}", model, [EMB_SHORT])
+                reason = (e.get("headers") or {}).get("x-spillover-reason")
+                d.expect(
+                    "service_demotion",
+                    "embeddings served on its cpu path while demoted",
+                    e.get("route") == "cpu" and reason == "demoted",
+                    e.get("headers"),
+                )
+            finally:
+                chat.join(300)
+            got = out[0] if out else {}
+            d.expect("service_demotion", "long chat ran on the gpu", got.get("route") == "gpu", got.get("headers"))
+        d.wait(functools.partial(_promoted_since, d, model, promotions), 120)
+        row = _service(d, model)
+        d.expect("service_demotion", "demoted once", row["demotions"] == demotions + 1, svc_counts)
+        d.expect(
+            "service_demotion",
+            "ladder journaled with its reasons",
+            [x["event"] for x in row["ladder"][-2:]] == ["demoted", "promoted"],
+            row["ladder"][-2:],
+        )
+        after = _alloc_failures(d)
+        d.expect("service_demotion", "no allocation failure", after == before, f"{before} -> {after}")
+
+
+MIXED_SCENARIOS = {"embedding_burst": embedding_burst, "service_demotion": service_demotion}
