@@ -71,6 +71,18 @@ def test_release_exactly_once() -> None:
         led.release("a")
 
 
+def test_held_bytes_is_what_a_holder_holds_now() -> None:
+    """A holder's bytes while it holds them; 0 before and after (no KeyError)."""
+    led = make()
+    led.observe(0, 0.0)
+    assert led.held_bytes("w") == 0
+    led.force_reserve("w", 7 * MIB, 0.0, kind="weights")
+    led.reserve_nowait("r", 3 * MIB, 0.0)
+    assert (led.held_bytes("w"), led.held_bytes("r")) == (7 * MIB, 3 * MIB)
+    led.release("w")
+    assert led.held_bytes("w") == 0 and led.held_bytes("r") == 3 * MIB
+
+
 ops = st.lists(
     st.tuples(st.sampled_from(["reserve", "release", "observe"]), st.integers(0, 120), st.integers(0, 9)),
     max_size=60,
