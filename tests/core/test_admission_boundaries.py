@@ -181,6 +181,24 @@ def test_recently_released_bytes_are_not_pressure_and_are_waited_for(policy: Adm
     assert d == Delay(NOW + 0.05, Reason.KV_PAGES_EXHAUSTED)
 
 
+def test_a_model_that_just_loaded_is_waited_for_not_routed(policy: AdmissionPolicy) -> None:
+    """Weights confirmed after the last reading are counted twice (the reading shows them, and
+    they are still unconfirmed) until the next reading: the request waits for that reading
+    instead of going to the CPU, and is admitted once it comes."""
+    fp = policy.memory.request_footprint(40, 60).total_bytes  # req()
+    weights = 300 * MIB
+    led = DeviceLedger("sim", CAP, MARGIN, freshness_s=1.0)
+    led.force_reserve("weights", weights, NOW - 1, kind="weights")
+    led.observe(CAP - MARGIN - fp - weights // 2, NOW - 0.2)  # the device shows the weights loaded
+    led.confirm("weights", NOW - 0.1)  # the worker said READY after that reading
+    assert led.settling_bytes() == weights
+    d = decide(req(), led, LANES, CLOSED, NOW, policy)
+    assert isinstance(d, Delay)
+    led.observe(CAP - MARGIN - fp - weights // 2, NOW)  # the next reading: counted once
+    assert led.settling_bytes() == 0
+    assert isinstance(decide(req(), led, LANES, CLOSED, NOW, policy), Admit)
+
+
 def test_unexplained_bytes_in_the_reading_are_pressure(policy: AdmissionPolicy) -> None:
     """The same reading, with nothing known to be coming back: someone else holds the memory."""
     d = decide(req(), released_ledger(remembered=False), LANES, CLOSED, NOW, policy)

@@ -83,6 +83,23 @@ def test_held_bytes_is_what_a_holder_holds_now() -> None:
     assert led.held_bytes("w") == 0 and led.held_bytes("r") == 3 * MIB
 
 
+def test_settling_bytes_are_confirmed_since_the_last_reading() -> None:
+    """Confirmed at or after the last reading: counted twice until the next one (settling);
+    unconfirmed ones are not settling (no reading shows them yet); a later reading ends it."""
+    led = make()
+    led.observe(0, 0.0)
+    led.force_reserve("w", 7 * MIB, 0.0, kind="weights")
+    assert led.reserve_nowait("r", 3 * MIB, 0.0) is not None
+    assert led.settling_bytes() == 0  # neither is confirmed
+    led.observe(5 * MIB, 1.0)
+    led.confirm("w", 1.0)  # at the reading's own time: it may or may not be in it
+    assert led.settling_bytes() == 7 * MIB == led.unconfirmed_bytes() - 3 * MIB
+    led.observe(10 * MIB, 1.5)
+    assert led.settling_bytes() == 0
+    led.confirm("r", 2.0)
+    assert led.settling_bytes() == 3 * MIB
+
+
 ops = st.lists(
     st.tuples(st.sampled_from(["reserve", "release", "observe"]), st.integers(0, 120), st.integers(0, 9)),
     max_size=60,

@@ -16,8 +16,9 @@ Rules, applied in order (the first that matches wins):
    ``observed_pressure`` when what is observed exceeds what we predicted (someone else
    holds memory), and ``kv_pages_exhausted`` otherwise. Then:
    a. if our own request reservations, once returned (live ones, and ones released so
-      recently that a reading may still show them), would make room and the wait is
-      within ``delay_max_s``: Delay;
+      recently that a reading may still show them), and allocations counted twice until the
+      next reading (confirmed after the last one was taken, e.g. a model that just loaded:
+      ``ledger.settling_bytes``) would make room and the wait is within ``delay_max_s``: Delay;
    b. if the client allowed shrinking and a smaller ``max_tokens`` fits: Shrink;
    c. if unloading an idle batch-priority service's GPU weights (``lanes.demotable``) would
       make room, and the wait is within ``delay_max_s``: ``Demote`` the smallest one that
@@ -231,7 +232,12 @@ def decide(
         return _to_cpu(req, lanes, Reason.GPU_BUSY, p)
 
     observed = ledger.observed_fresh(now_s) or 0
-    returning = ledger.reserved_by_kind("request") + ledger.recently_released(now_s) + lanes.demoting_bytes
+    returning = (
+        ledger.reserved_by_kind("request")
+        + ledger.recently_released(now_s)
+        + ledger.settling_bytes()
+        + lanes.demoting_bytes
+    )
     if fp.total_bytes <= room + ledger.margin_bytes:
         reason = Reason.MARGIN
     elif observed > ledger.predicted_bytes + ledger.recently_released(now_s):

@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -115,6 +116,13 @@ class DeviceLedger:
         return sum(
             r.nbytes for h, r in self._reservations.items() if h not in self._confirmed or self._confirmed[h] >= taken
         )
+
+    def settling_bytes(self) -> int:
+        """Confirmed bytes the last reading may show *and* that are still counted as
+        unconfirmed (confirmed after it was taken): counted twice until the next reading, so
+        they are room coming back within one reading (e.g. a model that just loaded)."""
+        taken = self._observed_at_s if self._observed_at_s is not None else float("-inf")
+        return sum(r.nbytes for h, r in self._reservations.items() if self._confirmed.get(h, -math.inf) >= taken)
 
     def headroom(self, now_s: float) -> int | None:
         """Bytes that may still be reserved, or None when usage cannot be trusted."""
