@@ -40,7 +40,7 @@ __all__ = [
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_ALIASES = ("smollm2",)
 SERVICE_KINDS = ("chat", "embeddings", "transcription")
-BUILT_SERVICE_KINDS = ("embeddings",)  # kinds [[services]] can hold today (chat is [model])
+BUILT_SERVICE_KINDS = ("chat", "embeddings")  # kinds [[services]] can hold today (transcription is not built)
 
 
 def _doc(default: Any, doc: str) -> Any:
@@ -135,9 +135,16 @@ class ServiceConfig:
     """One more service beside the chat model ([model]): a ``[[services]]`` table."""
 
     name: str = _doc("bge-small-en", "model id clients send for this service and /v1/models lists")
-    kind: str = _doc("embeddings", "what it serves: embeddings (chat is [model]; transcription is not built yet)")
+    kind: str = _doc(
+        "embeddings",
+        "what it serves: embeddings, or chat (a second chat model beside [model]); transcription is not built yet",
+    )
     aliases: tuple[str, ...] = _doc(("bge-small",), "other model ids clients may send for this service")
-    path: str = _doc("", "model folder (model.onnx, tokenizer.json, config.json); empty = the packaged default")
+    path: str = _doc(
+        "",
+        "embeddings: model folder (model.onnx, tokenizer.json, config.json); chat: a GGUF file; "
+        "empty = the packaged default of its kind",
+    )
     priority: str = _doc("batch", "interactive | batch: which work the device is kept for first")
     gpu: bool = _doc(True, "run a worker on the shared GPU device (charged to the one device budget)")
     cpu: str = _doc("replica", "its CPU path: replica (the same model on the CPU) | none")
@@ -464,6 +471,9 @@ def _services(values: Any) -> tuple[ServiceConfig, ...]:
     out = []
     for i, table in enumerate(values):
         defaults = dataclasses.asdict(ServiceConfig())
+        if isinstance(table, dict) and table.get("kind", "embeddings") != "embeddings":
+            defaults["aliases"] = ()  # the default entry's aliases name the default embeddings model
+            defaults["priority"] = "interactive"  # a chat model answers people unless told otherwise
         out.append(_coerce(f"services.{i}", ServiceConfig, {**defaults, **table}))
     return tuple(out)
 
@@ -480,10 +490,7 @@ def _validate_services(cfg: Config) -> None:
         if svc.kind not in SERVICE_KINDS:
             raise ConfigError(f"{where}: kind must be one of {', '.join(SERVICE_KINDS)}")
         if svc.kind not in BUILT_SERVICE_KINDS:
-            raise ConfigError(
-                f"{where}: kind {svc.kind!r} cannot be a [[services]] entry yet "
-                "(the chat model is [model]; a second chat model and transcription are not built)"
-            )
+            raise ConfigError(f"{where}: kind {svc.kind!r} cannot be a [[services]] entry yet (it is not built)")
         if svc.priority not in ("interactive", "batch"):
             raise ConfigError(f"{where}: priority must be interactive or batch")
         if svc.cpu not in ("replica", "none"):
@@ -494,8 +501,10 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: slots, n_threads, batch_size and max_inputs must be >= 1")
         if svc.queue_depth < 0 or svc.queue_max_age_s <= 0:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
-        if svc.path and not Path(svc.path, "model.onnx").is_file():
+        if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
+        if svc.kind == "chat" and svc.path and not Path(svc.path).is_file():
+            raise ConfigError(f"{where}: no GGUF file at path {svc.path}")
         for mid in (svc.name, *svc.aliases):
             if not mid or mid in seen:
                 raise ConfigError(f"{where}: model id {mid!r} is already served by {seen.get(mid, 'another')}")

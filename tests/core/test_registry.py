@@ -53,12 +53,24 @@ def test_services_can_be_turned_off(tmp_path: Path) -> None:
     assert [m.id for m in ModelRegistry(cfg).models] == ["smollm2-135m-instruct"]
 
 
+def test_a_second_chat_model_is_a_chat_service_without_the_embeddings_aliases(tmp_path: Path) -> None:
+    """A [[services]] chat entry is served by its id; the default entry's aliases (which name
+    the embeddings model) are not given to it."""
+    cfg = load_config(_write(tmp_path, '[[services]]\nkind = "chat"\nname = "tiny"\n'))
+    assert cfg.services[0].aliases == ()
+    reg = ModelRegistry(cfg)
+    assert reg.resolve("tiny", "chat").id == "tiny"
+    with pytest.raises(InvalidRequest, match="/v1/chat/completions"):
+        reg.resolve("tiny", "embeddings")
+
+
 @pytest.mark.parametrize(
     ("toml", "match"),
     [
         ('[[services]]\nname = "smollm2"\n', "already served"),
         ('[[services]]\nname = "a"\n[[services]]\nname = "b"\naliases = ["a"]\n', "already served"),
-        ('[[services]]\nkind = "chat"\nname = "x"\n', "not built"),
+        ('[[services]]\nkind = "chat"\nname = "x"\npath = "/nonexistent.gguf"\n', "no GGUF file"),
+        ('[[services]]\nkind = "chat"\nname = "x"\naliases = ["smollm2"]\n', "already served"),
         ('[[services]]\nkind = "transcription"\nname = "x"\n', "not built"),
         ('[[services]]\nkind = "music"\nname = "x"\n', "kind must be"),
         ('[[services]]\npriority = "urgent"\n', "priority"),

@@ -138,3 +138,26 @@ def healthy_client(gw: GatewayProcess) -> Iterator[httpx.Client]:
 
         wait_for(closed, 60, "breaker closed")
         yield c
+
+
+def replay_after_sigkill(g: GatewayProcess, path: str, body: dict[str, Any], key: str) -> httpx.Response:
+    """Send ``body`` with Idempotency-Key ``key``; SIGKILL the gateway while it runs; restart
+    it; return the answer its key gives once the replayed request has finished."""
+    import threading
+
+    def send() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the gateway dies under it
+            httpx.post(g.url + path, json=body, headers={"Idempotency-Key": key}, timeout=60)
+
+    threading.Thread(target=send, daemon=True).start()
+    wait_for(lambda: g.status()["running"], 30, "running")
+    g.kill9()
+    g.restart()
+    with httpx.Client(base_url=g.url, timeout=120) as c:
+
+        def finished() -> httpx.Response | None:
+            r = c.post(path, json=body, headers={"Idempotency-Key": key})
+            return r if r.status_code == 200 else None
+
+        result: httpx.Response = wait_for(finished, 120, "replayed")
+        return result

@@ -4,7 +4,6 @@ device budget, failover at request boundaries, idempotency, cancel and recovery.
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import signal
 import threading
@@ -22,7 +21,7 @@ from spillover.core.embed_memory import EmbedMemoryModel
 from spillover.engine.embedder import EmbedTokenizer, default_embed_model_dir, read_embed_model_info
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
-from tests.e2e.helpers import wait_for
+from tests.e2e.helpers import replay_after_sigkill, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -303,26 +302,10 @@ def test_an_embeddings_request_survives_a_gateway_sigkill(tmp_path: Any) -> None
     body = {"model": "bge-small-en", "input": [MEDIUM_TEXT] * 256}
     g = GatewayProcess(["--gpu", "sim:1024"], state_dir=state, services=True).start()
     try:
-
-        def send() -> None:
-            with contextlib.suppress(httpx.HTTPError):  # the gateway dies under it
-                httpx.post(g.url + "/v1/embeddings", json=body, headers={"Idempotency-Key": "survive"}, timeout=60)
-
-        t = threading.Thread(target=send, daemon=True)
-        t.start()
-        wait_for(lambda: g.status()["running"], 30, "running")
-        g.kill9()
-        g.restart()
-        with httpx.Client(base_url=g.url, timeout=120) as c:
-
-            def finished() -> httpx.Response | None:
-                r = c.post("/v1/embeddings", json=body, headers={"Idempotency-Key": "survive"})
-                return r if r.status_code == 200 else None
-
-            r = wait_for(finished, 120, "replayed")
-            assert r.headers["idempotent-replayed"] == "true"
-            assert len(r.json()["data"]) == 256
-            assert g.status()["recovered"]["replayed"] == 1
+        r = replay_after_sigkill(g, "/v1/embeddings", body, "survive")
+        assert r.headers["idempotent-replayed"] == "true"
+        assert len(r.json()["data"]) == 256
+        assert g.status()["recovered"]["replayed"] == 1
     finally:
         g.stop()
 

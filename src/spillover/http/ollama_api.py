@@ -33,6 +33,7 @@ from spillover.http.routes import Handler, plain_json
 from spillover.runtime.requests import Endpoint
 
 if TYPE_CHECKING:
+    from spillover.runtime.chat import ChatModel
     from spillover.runtime.embeddings import EmbeddingsService
     from spillover.runtime.gateway import Gateway
 
@@ -68,11 +69,11 @@ def ollama_endpoints(gw: Gateway) -> list[Endpoint]:
     ]
 
 
-def _details(gw: Gateway) -> dict[str, Any]:
+def _details(chat: ChatModel) -> dict[str, Any]:
     import gguf
 
-    spec = gw.spec
-    meta = gw.tokenizer.metadata if gw.tokenizer is not None else {}
+    spec = chat.spec
+    meta = chat.tokenizer.metadata if chat.tokenizer is not None else {}
     quant = ""
     if spec is not None and spec.file_type >= 0:
         try:
@@ -100,19 +101,18 @@ def _digest(path: str) -> str:
 def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], Handler]) -> list[Route]:
     """The /api routes; ``generate`` runs a request through the service, ``guarded`` checks
     the API key as on every other route and answers errors in Ollama's shape."""
-    name = gw.cfg.model.name
 
-    async def model_entry() -> dict[str, Any]:
-        digest = await asyncio.to_thread(_digest, gw.model_path)
-        spec = gw.spec
-        mtime = dt.datetime.fromtimestamp(os.stat(gw.model_path).st_mtime, dt.UTC)
+    async def model_entry(chat: ChatModel) -> dict[str, Any]:
+        digest = await asyncio.to_thread(_digest, chat.model_path)
+        spec = chat.spec
+        mtime = dt.datetime.fromtimestamp(os.stat(chat.model_path).st_mtime, dt.UTC)
         return {
-            "name": name,
-            "model": name,
+            "name": chat.name,
+            "model": chat.name,
             "modified_at": mtime.isoformat().replace("+00:00", "Z"),
             "size": spec.file_bytes if spec else 0,
             "digest": digest,
-            "details": _details(gw),
+            "details": _details(chat),
         }
 
     async def chat(request: Request) -> Response:
@@ -137,37 +137,36 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
     @guarded
     async def tags(request: Request) -> Response:
         extra = [await service_entry(svc) for svc in gw.services.values() if svc.model_dir]
-        return plain_json({"models": [await model_entry(), *extra]})
+        return plain_json({"models": [*[await model_entry(c) for c in gw.chats], *extra]})
 
-    @guarded
-    async def ps(request: Request) -> Response:
+    async def running(chat: ChatModel) -> dict[str, Any] | None:
+        """A chat model's /api/ps entry: where its workers hold it (None: nowhere loaded)."""
         workers = []
         vram = host = 0
-        for s in gw.supervisors:
+        for s in chat.supervisors:
             w = s.worker.statistics()
             on_gpu = w.lane == "gpu"
-            size = (gw.memory.weights_bytes() if gw.memory else 0) if on_gpu else gw.host.slot_bytes
+            size = (chat.memory.weights_bytes() if chat.memory else 0) if on_gpu else chat.cpu_slot_bytes
             ready = w.state == "ready"
             if ready:
                 vram += size if on_gpu else 0
                 host += 0 if on_gpu else size
             workers.append({"worker_id": w.worker_id, "lane": w.lane, "device": w.device, "state": w.state,
                             "size": size if ready else 0})  # fmt: skip
-        models = []
-        if vram or host:
-            entry = await model_entry()
-            placement = "split" if vram and host else ("gpu" if vram else "cpu")
-            models.append(
-                entry
-                | {
-                    "size": vram + host,
-                    "size_vram": vram,
-                    "expires_at": FAR_FUTURE,
-                    "context_length": gw.context_cap_tokens(),
-                    "spillover": {"placement": placement, "workers": workers, "mode": gw.status()["mode"]},
-                }
-            )
-        return plain_json({"models": models})
+        if not (vram or host):
+            return None
+        placement = "split" if vram and host else ("gpu" if vram else "cpu")
+        return await model_entry(chat) | {
+            "size": vram + host,
+            "size_vram": vram,
+            "expires_at": FAR_FUTURE,
+            "context_length": chat.context_cap_tokens(gw.device is not None),
+            "spillover": {"placement": placement, "workers": workers, "mode": gw.status()["mode"]},
+        }
+
+    @guarded
+    async def ps(request: Request) -> Response:
+        return plain_json({"models": [e for c in gw.chats if (e := await running(c)) is not None]})
 
     @guarded
     async def show(request: Request) -> Response:
@@ -176,18 +175,20 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
         except ValueError:
             body = None
         asked = body.get("model") or body.get("name") if isinstance(body, dict) else None
-        if asked != name:
-            raise NotFound(f"model {asked!r} not found; this server serves {name!r}", code="model_not_found")
-        meta = gw.tokenizer.metadata if gw.tokenizer is not None else {}
+        chat = next((c for c in gw.chats if asked in c.ids), None)
+        if chat is None:
+            served = ", ".join(repr(c.name) for c in gw.chats)
+            raise NotFound(f"model {asked!r} not found; this server's chat models are {served}", code="model_not_found")
+        meta = chat.tokenizer.metadata if chat.tokenizer is not None else {}
         info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
         return plain_json(
             {
-                "modelfile": f"FROM {gw.model_path}\n",
+                "modelfile": f"FROM {chat.model_path}\n",
                 "parameters": "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9))),
-                "template": gw.tokenizer.chat_template if gw.tokenizer is not None else "",
-                "details": _details(gw),
+                "template": chat.tokenizer.chat_template if chat.tokenizer is not None else "",
+                "details": _details(chat),
                 "model_info": info,
-                "capabilities": ["completion", "tools"],
+                "capabilities": ["completion", "tools"] if chat.has_template() else ["completion"],
                 "modified_at": created_at(),
             }
         )

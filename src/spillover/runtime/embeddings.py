@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -180,7 +181,13 @@ class EmbeddingsService:
         if self.cfg.gpu and gw.device is not None and gw.ledger is not None:
             spec = self._spec("gpu", gw.device.spec)
             self.gpu = Supervisor(
-                spec, gw.cfg.supervisor, device=gw.device, on_change=self._worker_event, before_start=self._admit_load
+                spec,
+                gw.cfg.supervisor,
+                device=gw.device,
+                on_change=self._worker_event,
+                before_start=functools.partial(
+                    gw.reserve_weights, nbytes=self.memory.weights_bytes(), on_wait=self._load_waits
+                ),
             )
         if self.cfg.cpu == "replica":
             self.cpu = Supervisor(self._spec("cpu", "cpu"), gw.cfg.supervisor, on_change=self._worker_event)
@@ -208,21 +215,10 @@ class EmbeddingsService:
             batch_size=self.cfg.batch_size,
         )
 
-    async def _admit_load(self, worker: WorkerClient) -> None:
-        """Rule 1: the GPU worker's weights are reserved before it loads; until they fit,
-        the load waits (its requests go to the CPU path)."""
-        ledger = self.gw.ledger
-        assert ledger is not None and self.memory is not None
-        holder = worker.spec.weights_holder
-        weights = self.memory.weights_bytes()  # predicted on any GPU (a sim worker charges exactly this)
-        while not ledger.holds(holder):
-            if ledger.reserve_nowait(holder, weights, time.monotonic(), kind="weights") is None:
-                if not self.load_waiting:
-                    self.load_waiting = True
-                    why = f"load waiting: its {weights} bytes of weights do not fit the device now"
-                    self.gw.note_event(worker.spec.worker_id, why)
-                await asyncio.sleep(0.25)
-        self.load_waiting = False
+    def _load_waits(self, waiting: bool) -> None:
+        """Rule 1: its GPU worker's load waits for room (its requests go to the CPU path)."""
+        self.load_waiting = waiting
+        self.kick()
 
     def _worker_event(self, worker: WorkerClient, ev: SupervisorEvent) -> None:
         self.gw.worker_event(worker, ev)

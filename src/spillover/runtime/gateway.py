@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -17,18 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from spillover.config import Config, parse_device
-from spillover.core.admission import AdmissionPolicy
-from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.lifecycle import IllegalTransition, State
-from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.core.reasons import Reason
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
+from spillover.runtime.chat import ChatModel, chat_models
 from spillover.runtime.devices import GpuDevice, cuda_available
 from spillover.runtime.embeddings import EmbeddingsService
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
-from spillover.runtime.executor import Execution, RetryBudget
+from spillover.runtime.executor import RetryBudget
 from spillover.runtime.hostmem import HostMemory
 from spillover.runtime.journal import Journal, JournalRecord
 from spillover.runtime.keylocks import KeyLocks
@@ -39,7 +36,7 @@ from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.status import DegradedAnswers, status_document
 from spillover.runtime.supervisor import Supervisor
-from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["Gateway", "resolve_gpu"]
 
@@ -47,6 +44,7 @@ log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
 MAX_PENDING_OUTCOMES = 10_000
 _GONE = (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED, SupervisorEventKind.UNLOADED)
+LOAD_RECHECK_S = 0.25  # how often a load waiting for room looks at the ledger again
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 
 
@@ -68,19 +66,13 @@ class Gateway:
         # Every loop and replay has one owner; a loop that keeps failing takes the gateway
         # down (``on_fatal``: the server stops and exits non-zero), never silently.
         self.loops = LoopGroup(on_fatal=on_fatal or (lambda why: None))
-        self.model_path = cfg.model_path()
-        # The CPU lane serves the fallback model when one is configured, else a replica.
-        self.fallback_name = cfg.fallback_model_name()
-        self.cpu_model_path = cfg.model.fallback_path or self.model_path
+        # Every chat model (``runtime.chat``): the [model] one first (the primary), then each
+        # [[services]] chat entry. The CPU lane serves the fallback model when one is
+        # configured, else a replica.
+        self.chats: list[ChatModel] = chat_models(cfg)
         self.started_s = time.monotonic()
-        self.tokenizer: Any = None
-        self.cpu_tokenizer: Any = None  # the fallback model's, or None (the CPU lane uses ``tokenizer``)
-        self.spec: ModelSpec | None = None
-        self.memory: MemoryModel | None = None
         self.device: GpuDevice | None = None
         self.ledger: DeviceLedger | None = None
-        self.scheduler: Scheduler | None = None
-        self.supervisors: list[Supervisor] = []
         self.device_epoch = 0
         self.alloc_failures = 0
         self.device_hang = False
@@ -88,7 +80,9 @@ class Gateway:
         self.journal: Journal | None = None
         self.requests = RequestService(self)  # owns every request from accepted to terminal
         self.registry = ModelRegistry(cfg)  # every model id (and alias) served, and its kind
-        self.services: dict[str, EmbeddingsService] = {s.name: EmbeddingsService(self, s) for s in cfg.services}
+        self.services: dict[str, EmbeddingsService] = {
+            s.name: EmbeddingsService(self, s) for s in cfg.services if s.kind == "embeddings"
+        }
         self.degraded = DegradedAnswers()  # recent answers served off the GPU, for the mode
         self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
@@ -101,24 +95,32 @@ class Gateway:
         self._journal_wake = asyncio.Event()
         self.recovered: dict[str, int] = {}
         self.host = HostMemory(
-            self.supervisors,
+            self.all_supervisors,
             budget_bytes=cfg.device.host_budget_mib * 1024 * 1024,
             min_free_bytes=cfg.device.host_min_free_mib * 1024 * 1024,
-            others=lambda: [s for svc in self.services.values() for s in svc.supervisors()],
         )
-        self._canary_n = 0
         from spillover.metrics import Metrics
 
         self.metrics = Metrics(self.status)
 
     def __repr__(self) -> str:
-        return f"<Gateway model={self.cfg.model.name} device={self.device}>"
+        return f"<Gateway models={[c.name for c in self.chats]} device={self.device}>"
+
+    # -- chat models ----------------------------------------------------------------
+    @property
+    def chat(self) -> ChatModel:
+        """The primary chat model ([model])."""
+        return self.chats[0]
+
+    def chat_model(self, model_id: str) -> ChatModel:
+        """The chat model a request names (``registry.resolve`` has checked it is chat)."""
+        return next((c for c in self.chats if model_id in c.ids), self.chat)
+
+    def schedulers(self) -> list[Scheduler]:
+        return [c.scheduler for c in self.chats if c.scheduler is not None]
 
     # -- life ----------------------------------------------------------------------
     async def start(self) -> None:
-        from spillover.engine.gguf_meta import read_model_spec
-        from spillover.engine.llama_engine import Tokenizer
-
         state = self.cfg.state_path()
         self.state_lock = statelock.acquire(state)  # one gateway per folder, before anything touches it
         state.mkdir(parents=True, exist_ok=True)
@@ -129,22 +131,7 @@ class Gateway:
             max_bytes=self.cfg.journal.max_mib * 1024 * 1024,
         )
         await self.journal.open()
-        self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
-        self.spec = await asyncio.to_thread(read_model_spec, self.model_path)
-        cpu_spec = self.spec
-        if self.fallback_name is not None:
-            self.cpu_tokenizer = await asyncio.to_thread(Tokenizer, self.cpu_model_path)
-            cpu_spec = await asyncio.to_thread(read_model_spec, self.cpu_model_path)
-            log.info("CPU lane serves the fallback model %s (%s), labelled degraded", self.fallback_name, cpu_spec)
-        a = self.cfg.admission
-        self.memory = MemoryModel(
-            self.spec,
-            page_tokens=a.kv_page_tokens,
-            fragmentation_ratio=a.fragmentation_ratio,
-            n_ubatch=self.cfg.gpu_lane.n_batch_tokens,
-        )
         gpu = resolve_gpu(self.cfg)
-        policy = None
         if gpu is not None:
             self.device = GpuDevice(gpu[0], gpu[1], str(state))
             await asyncio.to_thread(self.device.init)
@@ -152,13 +139,7 @@ class Gateway:
                 device=self.device.spec,
                 capacity_bytes=self.device.initial_capacity_bytes,
                 margin_bytes=self.cfg.device.margin_mib * 1024 * 1024,
-                freshness_s=a.observed_freshness_s,
-            )
-            policy = AdmissionPolicy(
-                memory=self.memory,
-                delay_max_s=a.delay_max_s,
-                allow_cpu_route=a.allow_cpu_route,
-                breaker=BreakerPolicy(**dataclasses.asdict(self.cfg.breaker)),
+                freshness_s=self.cfg.admission.observed_freshness_s,
             )
             log.info(
                 "GPU lane on %s%s",
@@ -167,34 +148,20 @@ class Gateway:
             )
         else:
             log.info("no GPU lane (device.gpu=%s): CPU only", self.cfg.device.gpu)
-        cpu_mm = MemoryModel(cpu_spec, n_ubatch=self.cfg.cpu_lane.n_batch_tokens, cpu_repack=True)
-        self.host.slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cfg.cpu_lane.ctx_cap_tokens)
-        self.scheduler = Scheduler(
-            gpu_lane=self.cfg.gpu_lane if gpu else None,
-            cpu_lane=self.cfg.cpu_lane,
-            ledger=self.ledger,
-            policy=policy,
-            host_view=self.host.view,
-            host_guard=self.cfg.device.host_guard,
-        )
-        self.host.scheduler = self.scheduler
-        if gpu is not None and self.device is not None:
-            spec = self._worker_spec("gpu0", "gpu", self.device.spec)
-            sup = Supervisor(spec, self.cfg.supervisor, device=self.device, on_change=self.worker_event)
-            self.supervisors.append(sup)
-            self.scheduler.gpu_workers.append(sup.worker)
-        spec = dataclasses.replace(self._worker_spec("cpu0", "cpu", "cpu"), lazy_slots=True)
-        sup = Supervisor(spec, self.cfg.supervisor, on_change=self.worker_event)
-        self.supervisors.append(sup)
-        self.scheduler.cpu_workers.append(sup.worker)
-        for s in self.supervisors:
-            self.loops.add(f"sup-{s.worker.spec.worker_id}", s.run)
-        self.loops.add("scheduler", self.scheduler.run)
+        for chat in self.chats:  # the primary's GPU worker loads first; the others' loads are reservations
+            await chat.start(self)
+            for s in chat.supervisors:
+                self.loops.add(f"sup-{s.worker.spec.worker_id}", s.run)
+            assert chat.scheduler is not None
+            self.loops.add("scheduler" if chat is self.chat else f"scheduler-{chat.name}", chat.scheduler.run)
         for svc in self.services.values():  # after the chat model's: its GPU worker loads first
             await svc.start()
-        self.scheduler.demotable = self._demotable
-        self.scheduler.demoting_bytes = lambda: sum(s.demoting_bytes() for s in self.services.values())
-        self.scheduler.demote = self._demote
+        for chat in self.chats:  # interactive chat of any model may demote a batch service
+            if chat.priority != "interactive" or (sched := chat.scheduler) is None:
+                continue
+            sched.demotable = self._demotable
+            sched.demoting_bytes = lambda: sum(s.demoting_bytes() for s in self.services.values())
+            sched.demote = self._demote
         if self.device is not None:
             self.loops.add("observe", self._observe_loop)
         self.loops.add("host-observe", self.host.run)
@@ -203,23 +170,6 @@ class Gateway:
         orphans = await self.journal.unfinished()
         await self.loops.start()
         self.loops.spawn("recover", self._recover(orphans))
-
-    def _worker_spec(self, wid: str, lane: str, device: str) -> WorkerSpec:
-        lc = self.cfg.gpu_lane if lane == "gpu" else self.cfg.cpu_lane
-        assert self.memory is not None
-        weights = self.memory.weights_bytes() if device.startswith("sim") else 0
-        return WorkerSpec(
-            worker_id=wid,
-            lane=lane,
-            device=device,
-            model_path=self.model_path if lane == "gpu" else self.cpu_model_path,
-            state_dir=str(self.cfg.state_path()),
-            slots=lc.slots,
-            n_ctx=lc.ctx_cap_tokens,
-            n_threads=lc.n_threads,
-            n_batch=lc.n_batch_tokens,
-            weights_bytes=weights,
-        )
 
     def _demotable(self) -> tuple[tuple[str, int], ...]:
         """The pressure ladder's candidates: idle batch services on the GPU, with their weights."""
@@ -234,9 +184,9 @@ class Gateway:
         del self.events[:-100]
 
     def kick_scheduler(self) -> None:
-        """Device bytes changed outside the chat scheduler (another service): it looks again."""
-        if self.scheduler is not None:
-            self.scheduler.kick()
+        """Device bytes changed outside a chat scheduler (another service or model): each looks again."""
+        for sched in self.schedulers():
+            sched.kick()
 
     def worker_event(self, worker: Any, ev: SupervisorEvent) -> None:
         """A supervisor event of any service's worker: logged, and a GPU worker's weights are
@@ -252,18 +202,33 @@ class Gateway:
                 self.ledger.confirm(holder, now)
             elif ev.kind in _GONE and self.ledger.holds(holder):
                 self.ledger.release(holder, now)  # remembered: this memory is coming back
-        if self.scheduler is not None:
-            self.scheduler.kick()
+        self.kick_scheduler()
+
+    async def reserve_weights(self, worker: WorkerClient, *, nbytes: int, on_wait: Callable[[bool], None]) -> None:
+        """A GPU worker's ``before_start``: its weights are reserved in the device ledger
+        before it loads; until they fit the load waits (``on_wait(True)``; its model's
+        requests go to its CPU path), never attempted into an allocation failure."""
+        assert self.ledger is not None
+        holder = worker.spec.weights_holder
+        waiting = False
+        while not self.ledger.holds(holder):
+            if self.ledger.reserve_nowait(holder, nbytes, time.monotonic(), kind="weights") is None:
+                if not waiting:
+                    waiting = True
+                    on_wait(True)
+                    self.note_event(worker.spec.worker_id, f"load waiting: its {nbytes} bytes of weights do not fit")
+                await asyncio.sleep(LOAD_RECHECK_S)
+        on_wait(False)
 
     async def _observe_loop(self) -> None:
-        assert self.device is not None and self.ledger is not None and self.scheduler is not None
+        assert self.device is not None and self.ledger is not None
         while True:
             try:
                 taken = time.monotonic()
                 r = await asyncio.to_thread(self.device.read)
                 self.ledger.observe(r.used_bytes, taken, r.capacity_bytes)
                 self.device_epoch, self.alloc_failures, self.device_hang = r.epoch, r.alloc_failures, r.hang
-                self.scheduler.kick()
+                self.kick_scheduler()
             except Exception as exc:  # a failed reading goes stale; admission stops trusting it
                 log.warning("device reading failed: %s", exc)
             await asyncio.sleep(OBSERVE_INTERVAL_S)
@@ -325,9 +290,10 @@ class Gateway:
                 await asyncio.wait_for(self._journal_wake.wait(), 1.0 if self.pending_outcomes else 60.0)
 
     def _ready_to_replay(self) -> bool:
-        """The chat workers are up, and each service can serve somewhere (a GPU worker whose
-        load waits for room does not hold recovery back: its CPU path serves)."""
-        chat = all(s.worker.state is WorkerState.READY for s in self.supervisors)
+        """The primary chat model's workers are up, and every other model and service can serve
+        somewhere (a GPU worker whose load waits for room does not hold recovery back: its CPU
+        path serves)."""
+        chat = self.chat.all_ready() and all(c.ready() for c in self.chats[1:])
         return chat and all(
             any(s.worker.state is WorkerState.READY for s in svc.supervisors()) for svc in self.services.values()
         )
@@ -344,41 +310,8 @@ class Gateway:
             log.exception("start-up recovery failed; unfinished requests stay as they are until the next start")
 
     # -- helpers for the request path -------------------------------------------------
-    def new_execution(
-        self,
-        rid: str,
-        tokens: list[int],
-        max_tokens: int,
-        params: dict[str, Any],
-        *,
-        incremental: bool,
-        allow_shrink: bool,
-        open_ended: bool = False,
-        attempt: int = 0,
-        cpu_tokens: list[int] | None = None,
-    ) -> Execution:
-        assert self.scheduler is not None
-        return Execution(
-            rid=rid,
-            tokens=tokens,
-            max_tokens=max_tokens,
-            params=params,
-            incremental=incremental,
-            allow_shrink=allow_shrink,
-            open_ended=open_ended,
-            scheduler=self.scheduler,
-            journal=self.journal,
-            failover=self.cfg.failover,
-            budget=self.budget,
-            kill_worker=self._kill_worker,
-            on_failover=lambda kind: self.metrics.failovers.labels(kind).inc(),
-            attempt=attempt,
-            cpu_tokens=cpu_tokens,
-            cpu_fallback=self.fallback_name is not None,
-            timeout_at_s=time.monotonic() + self.cfg.server.request_timeout_s,
-        )
-
-    async def _kill_worker(self, worker: WorkerClient) -> None:
+    async def kill_worker(self, worker: WorkerClient) -> None:
+        """A stalled worker (no token progress) is killed; its supervisor restarts it."""
         self.worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, "no token progress: killing it"))
         await worker.kill()
 
@@ -389,27 +322,10 @@ class Gateway:
                 return s.worker.info or {}
         return {}
 
-    def context_cap_tokens(self) -> int:
-        """The longest prompt + max_tokens any lane serves."""
-        caps = [self.cfg.cpu_lane.ctx_cap_tokens]
-        if self.device is not None:
-            caps.append(self.cfg.gpu_lane.ctx_cap_tokens)
-        n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps)
-        if self.cpu_tokenizer is not None:
-            caps[0] = min(caps[0], self.cpu_tokenizer.n_ctx_train)
-        return min(max(caps), n_train)
-
-    def canary_due(self) -> bool:
-        """Whether this request is the CPU canary (a fixed share of normal traffic)."""
-        ratio = self.cfg.cpu_lane.canary_ratio
-        if ratio <= 0 or self.device is None:
-            return False
-        self._canary_n += 1
-        return int(self._canary_n * ratio) > int((self._canary_n - 1) * ratio)
-
     def all_supervisors(self) -> list[Supervisor]:
-        """Every worker's supervisor: the chat model's, then each service's."""
-        return self.supervisors + [s for svc in self.services.values() for s in svc.supervisors()]
+        """Every worker's supervisor: the chat models', then each service's."""
+        chats = [s for c in self.chats for s in c.supervisors]
+        return chats + [s for svc in self.services.values() for s in svc.supervisors()]
 
     async def stop(self) -> None:
         self.requests.cancel_all()
@@ -425,8 +341,8 @@ class Gateway:
 
     # -- readiness and status --------------------------------------------------------
     def ready(self) -> bool:
-        """At least one worker for the model can serve."""
-        return self.loops.fatal is None and any(s.worker.state is WorkerState.READY for s in self.supervisors)
+        """At least one worker of the primary chat model can serve."""
+        return self.loops.fatal is None and self.chat.ready()
 
     def status(self) -> dict[str, Any]:
         """The /v1/status document (``runtime.status``)."""

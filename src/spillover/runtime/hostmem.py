@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from spillover.runtime.scheduler import Scheduler
     from spillover.runtime.supervisor import Supervisor
 
-__all__ = ["HOST_OBSERVE_INTERVAL_S", "HostMemory", "HostStatistics"]
+__all__ = ["HOST_OBSERVE_INTERVAL_S", "CpuLaneHost", "HostMemory", "HostStatistics"]
 
 HOST_OBSERVE_INTERVAL_S = 0.25
 
@@ -38,28 +38,39 @@ class HostStatistics:
     budget_bytes: int
 
 
+@dataclass(frozen=True)
+class CpuLaneHost:
+    """One chat model's CPU lane as the guard sees it: its scheduler (whose CPU worker and
+    peak concurrency count) and what one of its contexts costs."""
+
+    scheduler: Callable[[], Scheduler | None]
+    slot_bytes: int
+
+    def worker(self) -> WorkerClient | None:
+        sched = self.scheduler()
+        return sched.cpu_workers[0] if sched is not None and sched.cpu_workers else None
+
+
 class HostMemory:
     """Observes the host RAM of the gateway and its workers. ``run`` until cancelled;
-    ``view`` is the scheduler's ``host_view``."""
+    ``lane_view`` gives each chat model's scheduler its ``host_view``. With several chat
+    models, what the guard predicts is the baseline plus every CPU lane's open contexts."""
 
     def __init__(
         self,
-        supervisors: list[Supervisor],
+        supervisors: Callable[[], list[Supervisor]],
         *,
         budget_bytes: int,
         min_free_bytes: int,
-        others: Callable[[], list[Supervisor]] = list,
     ) -> None:
-        self.supervisors = supervisors  # the gateway's own list, filled in as it starts them
-        self.others = others  # the other services' workers: their RSS counts too
+        self.supervisors = supervisors  # every worker of the gateway: their RSS counts
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
-        self.scheduler: Scheduler | None = None  # set once the gateway has made it
-        self.slot_bytes = 0  # set at start, from the CPU lane's memory model
+        self.lanes: list[CpuLaneHost] = []  # the chat models' CPU lanes, the primary's first
         self.observed_bytes = 0
         self.peak_bytes = 0
         self.base_bytes = 0
-        self._cpu_worker_starts = 0
+        self._cpu_worker_starts: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         mib = 1024 * 1024
@@ -67,6 +78,11 @@ class HostMemory:
             f"<HostMemory rss={self.observed_bytes / mib:.0f}MiB peak={self.peak_bytes / mib:.0f}MiB"
             f" budget={self.budget_bytes / mib:.0f}MiB>"
         )
+
+    @property
+    def slot_bytes(self) -> int:
+        """What one context of the primary chat model's CPU lane costs (memory model)."""
+        return self.lanes[0].slot_bytes if self.lanes else 0
 
     def statistics(self) -> HostStatistics:
         return HostStatistics(
@@ -77,52 +93,61 @@ class HostMemory:
             budget_bytes=self.budget_bytes,
         )
 
-    def _cpu_worker(self) -> WorkerClient | None:
-        return next((s.worker for s in self.supervisors if s.worker.spec.lane == "cpu"), None)
-
     async def run(self) -> None:
-        """Read the processes' RSS until cancelled; take the baseline once a (fresh) CPU
-        worker is ready with no context and every worker is ready."""
+        """Read the processes' RSS until cancelled; take the baseline once the (fresh) CPU
+        workers are ready with no context and every worker is ready."""
         while True:
-            every = self.supervisors + self.others()
+            every = self.supervisors()
             pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
             rss = await asyncio.to_thread(processes_rss, pids)  # the gateway and its workers
             self.observed_bytes = rss
             self.peak_bytes = max(self.peak_bytes, rss)
-            cpu = self._cpu_worker()
-            if cpu is not None and cpu.state is WorkerState.READY:
-                if cpu.starts != self._cpu_worker_starts:  # a fresh CPU worker: no contexts yet
-                    self._cpu_worker_starts = cpu.starts
+            cpus = [(lane, lane.worker()) for lane in self.lanes]
+            if cpus and all(w is not None and w.state is WorkerState.READY for _, w in cpus):
+                starts = tuple(w.starts for _, w in cpus if w is not None)
+                if starts != self._cpu_worker_starts:  # a fresh CPU worker: no contexts yet
+                    self._cpu_worker_starts = starts
                     self.base_bytes = 0
                 if (
                     self.base_bytes == 0
-                    and self.cpu_contexts(cpu) == 0
+                    and all(self.cpu_contexts(lane, w) == 0 for lane, w in cpus if w is not None)
                     and all(s.worker.state is WorkerState.READY for s in every)
                 ):
                     self.base_bytes = rss  # everything loaded, no CPU context yet
             await asyncio.sleep(HOST_OBSERVE_INTERVAL_S)
 
-    def cpu_contexts(self, worker: WorkerClient) -> int:
-        """Contexts the CPU worker holds: its own report, or (sooner) the peak concurrency
-        the scheduler gave it since it started, since each concurrent request opens one."""
-        assert self.scheduler is not None
-        return max(worker.contexts, self.scheduler.peak_running(worker))
+    @staticmethod
+    def cpu_contexts(lane: CpuLaneHost, worker: WorkerClient) -> int:
+        """Contexts a CPU worker holds: its own report, or (sooner) the peak concurrency its
+        scheduler gave it since it started, since each concurrent request opens one."""
+        sched = lane.scheduler()
+        return max(worker.contexts, sched.peak_running(worker) if sched is not None else 0)
 
-    def view(self, running: int) -> HostView:
-        """What the host guard is shown for a CPU dispatch with ``running`` requests running."""
+    def lane_view(self, scheduler: Callable[[], Scheduler | None], slot_bytes: int) -> Callable[[int], HostView]:
+        """Register a chat model's CPU lane; its scheduler's ``host_view``."""
+        lane = CpuLaneHost(scheduler, slot_bytes)
+        self.lanes.append(lane)
+        return lambda running: self._view(lane, running)
+
+    def _view(self, lane: CpuLaneHost, running: int) -> HostView:
+        """What the host guard is shown for a dispatch on ``lane`` with ``running`` requests running."""
         import psutil
 
-        cpu = self._cpu_worker()
+        cpu = lane.worker()
         assert cpu is not None, "no CPU worker"
-        contexts = self.cpu_contexts(cpu)
+        open_bytes = 0
+        for other in self.lanes:
+            w = other.worker()
+            if w is not None:
+                open_bytes += self.cpu_contexts(other, w) * other.slot_bytes
         base = self.base_bytes or self.observed_bytes
         return HostView(
             running=running,
-            contexts=contexts,
+            contexts=self.cpu_contexts(lane, cpu),
             slots=cpu.spec.slots,
-            predicted_bytes=base + contexts * self.slot_bytes,
+            predicted_bytes=base + open_bytes,
             observed_bytes=self.observed_bytes,
-            slot_bytes=self.slot_bytes,
+            slot_bytes=lane.slot_bytes,
             budget_bytes=self.budget_bytes,
             available_bytes=int(psutil.virtual_memory().available),
             min_free_bytes=self.min_free_bytes,

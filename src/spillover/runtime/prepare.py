@@ -20,6 +20,7 @@ from spillover.engine.grammar import GrammarRefused, schema_to_grammar
 from spillover.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
+    from spillover.runtime.chat import ChatModel
     from spillover.runtime.gateway import Gateway
 
 __all__ = ["GenerationRequest", "Prepared", "choose_seed", "new_request_id", "prepare", "render", "tool_schema"]
@@ -112,6 +113,7 @@ class Prepared:
     # meaning). Such a request may always be shrunk to fit: it asked for no particular length.
     open_ended: bool = False
     allow_shrink: bool = False
+    chat: ChatModel | None = None  # the chat model that serves it (None: the gateway's primary)
 
 
 def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
@@ -170,18 +172,18 @@ def _output_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> 
         raise InvalidRequest(exc.message, param=f"{param}.{exc.path}" if exc.path else param) from exc
 
 
-def _check_logit_bias(gw: Gateway, req: GenerationRequest) -> None:
+def _check_logit_bias(chat: ChatModel, req: GenerationRequest) -> None:
     """Token ids of ``logit_bias`` exist in the served model's vocabulary, and mean the same
     tokens on every lane (not so with a fallback model of another vocabulary)."""
     if not req.logit_bias:
         return
-    if gw.cpu_tokenizer is not None:
+    if chat.cpu_tokenizer is not None:
         raise InvalidRequest(
             "logit_bias names token ids of one model, and this server's CPU lane serves another "
-            f"(the fallback {gw.fallback_name!r}); send the request without logit_bias",
+            f"(the fallback {chat.fallback_name!r}); send the request without logit_bias",
             param="logit_bias",
         )
-    n_vocab = gw.tokenizer.n_vocab
+    n_vocab = chat.tokenizer.n_vocab
     for token, _ in req.logit_bias:
         if token >= n_vocab:
             raise InvalidRequest(
@@ -200,19 +202,31 @@ async def _render_or_400(tok: Any, req: GenerationRequest) -> list[int]:
 
 async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     """Check the model, tokenize, and apply the context limits (400 when too long)."""
-    gw.registry.resolve(req.model, "chat")  # 404 listing what is served, or 400 for another kind
+    served = gw.registry.resolve(req.model, "chat")  # 404 listing what is served, or 400 for another kind
+    chat = gw.chat_model(served.id)
+    if req.prefer_cpu and not chat.cpu_path:
+        raise InvalidRequest(
+            f'model {served.id!r} has no CPU path on this server (cpu = "none"); send it without prefer: cpu',
+            param="spillover.prefer",
+        )
+    if req.kind == "chat" and not chat.has_template():
+        raise InvalidRequest(
+            f"model {served.id!r} has no chat template: it serves completions only; send a prompt to /v1/completions",
+            param="model",
+            code="model_not_supported",
+        )
     m = gw.cfg.model
     grammar = None
     if req.forced_tool is not None or req.response_format is not None:  # building one takes a while
         grammar = await asyncio.to_thread(_output_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
-    _check_logit_bias(gw, req)
-    tokens = await _render_or_400(gw.tokenizer, req)
+    _check_logit_bias(chat, req)
+    tokens = await _render_or_400(chat.tokenizer, req)
     cpu_tokens = None
-    if gw.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
-        cpu_tokens = await _render_or_400(gw.cpu_tokenizer, req)
+    if chat.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
+        cpu_tokens = await _render_or_400(chat.cpu_tokenizer, req)
         if cpu_tokens == tokens:
             cpu_tokens = None
-    cap = gw.context_cap_tokens()
+    cap = chat.context_cap_tokens(gw.device is not None)
     if req.ctx_limit is not None:
         cap = min(cap, req.ctx_limit)
     n = max(len(tokens), len(cpu_tokens or ()))
@@ -244,6 +258,7 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         cpu_tokens,
         open_ended=open_ended,
         allow_shrink=allow_shrink or open_ended,
+        chat=chat,
     )
 
 

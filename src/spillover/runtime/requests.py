@@ -109,7 +109,8 @@ class RequestService:
                         return stored_answer(rec)
                     resume = rec.attempts
                     req = _with_stored_seed(req, json.loads(rec.body))  # it samples as before
-                sched = self.gw.scheduler
+                # The model's own lanes (a 404 or wrong kind is the client's error, before any place).
+                sched = self.gw.chat_model(self.gw.registry.resolve(req.model, "chat").id).scheduler
                 if sched is not None:  # rule 3 at once: a full queue costs no tokenizing
                     sched.hold_place(rid, "cpu" if req.prefer_cpu else None)
                 try:
@@ -221,12 +222,14 @@ class RequestService:
         """Make the request durable (ACCEPTED, or resumed from its record) and only then
         queue it. A request whose queue is already full is refused before anything is journaled."""
         gw = self.gw
-        assert gw.scheduler is not None
-        exe = gw.new_execution(
+        chat = prep.chat or gw.chat
+        assert chat.scheduler is not None
+        exe = chat.new_execution(
+            gw,
             prep.rid,
             prep.tokens,
             prep.max_tokens,
-            prep.req.sampling() | {"seed": prep.seed, "grammar": prep.grammar},
+            params=prep.req.sampling() | {"seed": prep.seed, "grammar": prep.grammar},
             incremental=prep.req.stream and prep.req.forced_tool is None,
             allow_shrink=prep.allow_shrink,
             open_ended=prep.open_ended,
@@ -235,7 +238,7 @@ class RequestService:
         )
         if prep.req.prefer_cpu:
             exe.prefer_cpu()  # 400 (before anything is journaled) when the CPU lane cannot take it
-        elif gw.canary_due():
+        elif chat.canary_due(gw.device is not None):
             exe.prefer_cpu(Reason.CANARY)
         if deadline_ms is not None:
             exe.deadline_s = time.monotonic() + deadline_ms / 1000
@@ -255,7 +258,7 @@ class RequestService:
         self.live[prep.rid] = run  # visible to DELETE as soon as it is accepted
         try:
             if gw.journal is not None:
-                lane = gw.scheduler.entry_lane(exe.next_lane)
+                lane = chat.scheduler.entry_lane(exe.next_lane)
                 await gw.journal.move(prep.rid, State.QUEUED, route=lane, attempts=exe.attempt + 1)
             exe.submit_nowait()
         except BaseException as exc:

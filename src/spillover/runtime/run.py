@@ -30,6 +30,7 @@ from spillover.runtime.executor import Execution, Finished, RouteInfo, TokenOut,
 from spillover.runtime.prepare import GenerationRequest, Prepared
 
 if TYPE_CHECKING:
+    from spillover.runtime.chat import ChatModel
     from spillover.runtime.gateway import Gateway
 
 __all__ = ["Answer", "Encoded", "Encoding", "Run", "Streaming", "as_error"]
@@ -136,17 +137,23 @@ class Run:
     def req(self) -> GenerationRequest:
         return self.prep.req
 
+    @property
+    def chat(self) -> ChatModel:
+        """The chat model that serves it."""
+        return self.prep.chat or self.gw.chat
+
     # -- what the answer says about itself ------------------------------------------------
     def degraded(self) -> bool:
         return self.info is not None and self.info.route != "gpu"
 
     def on_fallback(self) -> bool:
         """Whether the CPU lane's fallback model (not a replica) serves this request."""
-        return self.gw.fallback_name is not None and self.info is not None and self.info.route == "cpu"
+        return self.chat.fallback_name is not None and self.info is not None and self.info.route == "cpu"
 
     def served_model(self) -> str:
         """The model that serves the request: the fallback's name when the CPU lane's fallback does."""
-        return self.gw.fallback_name if self.on_fallback() and self.gw.fallback_name else self.gw.cfg.model.name
+        fallback = self.chat.fallback_name
+        return fallback if self.on_fallback() and fallback else self.chat.name
 
     def reason(self) -> str | None:
         """Why it runs where it runs (``failover:<kind>`` after a failover)."""

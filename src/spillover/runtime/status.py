@@ -70,37 +70,18 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
 
 
 def service_rows(gw: Gateway) -> list[dict[str, Any]]:
-    """A row per service: where its requests start now and why, its queue and ETA. The chat
-    model's row comes from its scheduler (the GPU lane first)."""
-    rows: list[dict[str, Any]] = []
-    sched = gw.scheduler
-    others = [asdict(svc.statistics()) for svc in gw.services.values()]
-    if sched is not None:
-        lanes = sched.statistics()
-        last = sched.decisions[-1] if sched.decisions else None
-        rows.append(
-            {
-                "name": gw.cfg.model.name,
-                "kind": "chat",
-                "priority": "interactive",
-                "aliases": list(gw.cfg.model.aliases),
-                "where": last["route"] if last else ("gpu" if gw.device is not None else "cpu"),
-                "why": last["reason"] if last else "",
-                "queued": sum(x.depth for x in lanes),
-                "running": sum(x.running for x in lanes),
-                "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
-                # The ledger holds the chat model's and the services' reservations only.
-                "device_bytes": gw.ledger.predicted_bytes - sum(o["device_bytes"] for o in others) if gw.ledger else 0,
-            }
-        )
-    return rows + others
+    """A row per service: where its requests start now and why, its queue and ETA; the chat
+    models' rows first, each from its scheduler."""
+    rows = [c.status_row(gw.ledger) for c in gw.chats if c.scheduler is not None]
+    return rows + [asdict(svc.statistics()) for svc in gw.services.values()]
 
 
 def status_document(gw: Gateway) -> dict[str, Any]:
     """The /v1/status document."""
     now = time.monotonic()
-    sched = gw.scheduler
-    workers = [asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in gw.supervisors]
+    sched = gw.chat.scheduler
+    # The primary chat model's workers; every other model's and service's are in its row.
+    workers = [asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in gw.chat.supervisors]
     breaker = sched.breaker.circuit.value if sched else "closed"
     mode, reasons = serving_mode(gw, workers, breaker)
     device: dict[str, Any] | None = None
@@ -120,9 +101,11 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "mode": mode,
         "reasons": reasons,
         "model": gw.cfg.model.name,
-        "model_path": gw.model_path,
+        "model_path": gw.chat.model_path,
         "fallback_model": (
-            {"name": gw.fallback_name, "path": gw.cpu_model_path, "lane": "cpu"} if gw.fallback_name else None
+            {"name": gw.chat.fallback_name, "path": gw.chat.cpu_model_path, "lane": "cpu"}
+            if gw.chat.fallback_name
+            else None
         ),
         "device": device,
         "note": (

@@ -162,6 +162,11 @@ class WorkerClient:
     def busy(self) -> int:
         return len(self._claimed)
 
+    @property
+    def claimed(self) -> frozenset[str]:
+        """The request ids holding its slots."""
+        return frozenset(self._claimed)
+
     def claim_slot(self, rid: str) -> None:
         """Hold a slot for ``rid`` from dispatch until ``release_slot``."""
         if self.free_slots <= 0:

@@ -1,0 +1,298 @@
+"""One chat model the gateway serves: its tokenizers, memory model, lanes and workers.
+
+The gateway serves the ``[model]`` chat model (the *primary*: its workers are ``gpu0`` and
+``cpu0``, its lanes ``[gpu_lane]`` and ``[cpu_lane]``) and any ``[[services]]`` entry of kind
+``chat`` (a GGUF each, workers ``<name>-gpu`` and ``<name>-cpu``, lanes sized by the entry).
+
+Rules:
+
+1. Each chat model has its own ``Scheduler`` (its bounded lanes, its breaker) and its own
+   workers, and every one of them admits against the gateway's one ``DeviceLedger``: a
+   request of one model sees the other's weights and reservations, and a model's GPU weights
+   are reserved before its worker loads (``Supervisor(before_start=...)``), so a load that
+   does not fit waits while the model's CPU lane serves.
+2. A model without a chat template serves completions only: ``/v1/chat/completions`` for it
+   is a 400 naming ``/v1/completions``.
+3. Its CPU path is an exact replica (same GGUF) or none (``cpu = "none"``: admission never
+   routes it to the CPU; a request that does not fit waits or is refused with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spillover.config import LaneConfig, ServiceConfig
+from spillover.core.admission import AdmissionPolicy
+from spillover.core.breaker import BreakerPolicy
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.errors import ConfigError
+from spillover.runtime.executor import Execution
+from spillover.runtime.scheduler import Scheduler
+from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["ChatModel", "chat_models"]
+
+log = logging.getLogger("spillover.chat")
+
+
+@dataclass(eq=False)
+class ChatModel:
+    """One chat model (rules in the module docstring); ``start`` makes its parts."""
+
+    name: str
+    aliases: tuple[str, ...]
+    priority: str
+    model_path: str
+    gpu_lane: LaneConfig | None  # None: no GPU worker (or no GPU)
+    cpu_lane: LaneConfig
+    cpu_path: bool = True  # False: ``cpu = "none"``, no CPU worker
+    cpu_model_path: str = ""  # the CPU lane's GGUF: the fallback's, or the model's own (a replica)
+    fallback_name: str | None = None  # the CPU lane serves this fallback model (primary only)
+    worker_ids: tuple[str, str] = ("gpu0", "cpu0")
+    tokenizer: Any = None
+    cpu_tokenizer: Any = None  # the fallback model's, or None (the CPU lane uses ``tokenizer``)
+    spec: ModelSpec | None = None
+    memory: MemoryModel | None = None
+    scheduler: Scheduler | None = None
+    supervisors: list[Supervisor] = field(default_factory=list)
+    load_waiting: bool = False  # its GPU worker's load waits for room on the device
+    cpu_slot_bytes: int = 0  # host memory one CPU context costs (memory model)
+    _canary_n: int = 0
+
+    def __repr__(self) -> str:
+        return f"<ChatModel {self.name} gpu={self.gpu_lane is not None} cpu={self.cpu_path}>"
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    # -- life ----------------------------------------------------------------------------
+    async def start(self, gw: Gateway) -> None:
+        """Read the model, make its scheduler and supervisors (rule 1); the loops are the gateway's."""
+        from spillover.engine.gguf_meta import read_model_spec
+        from spillover.engine.llama_engine import Tokenizer
+
+        self.cpu_model_path = self.cpu_model_path or self.model_path
+        self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
+        self.spec = await asyncio.to_thread(read_model_spec, self.model_path)
+        cpu_spec = self.spec
+        if self.fallback_name is not None:
+            self.cpu_tokenizer = await asyncio.to_thread(Tokenizer, self.cpu_model_path)
+            cpu_spec = await asyncio.to_thread(read_model_spec, self.cpu_model_path)
+            log.info("CPU lane serves the fallback model %s (%s), labelled degraded", self.fallback_name, cpu_spec)
+        a = gw.cfg.admission
+        gpu_batch = self.gpu_lane.n_batch_tokens if self.gpu_lane else gw.cfg.gpu_lane.n_batch_tokens
+        self.memory = MemoryModel(
+            self.spec, page_tokens=a.kv_page_tokens, fragmentation_ratio=a.fragmentation_ratio, n_ubatch=gpu_batch
+        )
+        gpu = self.gpu_lane is not None and gw.device is not None and gw.ledger is not None
+        if not gpu and not self.cpu_path:
+            raise ConfigError(
+                f'chat model {self.name!r} has cpu = "none" and no GPU worker here (device.gpu = '
+                f"{gw.cfg.device.gpu!r}): it could serve nothing"
+            )
+        policy = None
+        if gpu:
+            policy = AdmissionPolicy(
+                memory=self.memory,
+                delay_max_s=a.delay_max_s,
+                allow_cpu_route=a.allow_cpu_route and self.cpu_path,
+                breaker=BreakerPolicy(**dataclasses.asdict(gw.cfg.breaker)),
+            )
+        cpu_mm = MemoryModel(cpu_spec, n_ubatch=self.cpu_lane.n_batch_tokens, cpu_repack=True)
+        self.cpu_slot_bytes = slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cpu_lane.ctx_cap_tokens)
+        self.scheduler = Scheduler(
+            gpu_lane=self.gpu_lane if gpu else None,
+            cpu_lane=self.cpu_lane,
+            ledger=gw.ledger if gpu else None,
+            policy=policy,
+            host_view=gw.host.lane_view(lambda: self.scheduler, slot_bytes) if self.cpu_path else None,
+            host_guard=gw.cfg.device.host_guard,
+        )
+        if gpu and gw.device is not None:
+            spec = self._worker_spec(gw, "gpu", gw.device.spec)
+            # Another model's load is a reservation that must fit first; the primary loads first.
+            nbytes = self.memory.weights_bytes()  # predicted on any GPU (a sim worker charges exactly this)
+            before = functools.partial(gw.reserve_weights, nbytes=nbytes, on_wait=self._load_waits)
+            sup = Supervisor(
+                spec,
+                gw.cfg.supervisor,
+                device=gw.device,
+                on_change=gw.worker_event,
+                before_start=None if self is gw.chat else before,
+            )
+            self.supervisors.append(sup)
+            self.scheduler.gpu_workers.append(sup.worker)
+        if self.cpu_path:
+            spec = dataclasses.replace(self._worker_spec(gw, "cpu", "cpu"), lazy_slots=True)
+            sup = Supervisor(spec, gw.cfg.supervisor, on_change=gw.worker_event)
+            self.supervisors.append(sup)
+            self.scheduler.cpu_workers.append(sup.worker)
+
+    def _load_waits(self, waiting: bool) -> None:
+        self.load_waiting = waiting
+        if self.scheduler is not None:
+            self.scheduler.kick()
+
+    def _worker_spec(self, gw: Gateway, lane: str, device: str) -> WorkerSpec:
+        lc = self.gpu_lane if lane == "gpu" and self.gpu_lane is not None else self.cpu_lane
+        assert self.memory is not None
+        return WorkerSpec(
+            worker_id=self.worker_ids[0 if lane == "gpu" else 1],
+            lane=lane,
+            device=device,
+            model_path=self.model_path if lane == "gpu" else self.cpu_model_path,
+            state_dir=str(gw.cfg.state_path()),
+            slots=lc.slots,
+            n_ctx=lc.ctx_cap_tokens,
+            n_threads=lc.n_threads,
+            n_batch=lc.n_batch_tokens,
+            weights_bytes=self.memory.weights_bytes() if device.startswith("sim") else 0,
+        )
+
+    # -- the request path ------------------------------------------------------------------
+    def has_template(self) -> bool:
+        return bool(self.tokenizer is not None and self.tokenizer.chat_template)
+
+    def context_cap_tokens(self, gpu: bool) -> int:
+        """The longest prompt + max_tokens any of its lanes serves."""
+        caps = [self.cpu_lane.ctx_cap_tokens] if self.cpu_path else []
+        if gpu and self.gpu_lane is not None:
+            caps.append(self.gpu_lane.ctx_cap_tokens)
+        if self.cpu_tokenizer is not None and caps:
+            caps[0] = min(caps[0], self.cpu_tokenizer.n_ctx_train)
+        n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps, default=0)
+        return min(max(caps, default=0), n_train)
+
+    def canary_due(self, gpu: bool) -> bool:
+        """Whether this request is the CPU canary (a fixed share of normal traffic)."""
+        ratio = self.cpu_lane.canary_ratio
+        if ratio <= 0 or not gpu or not self.cpu_path:
+            return False
+        self._canary_n += 1
+        return int(self._canary_n * ratio) > int((self._canary_n - 1) * ratio)
+
+    def new_execution(self, gw: Gateway, rid: str, tokens: list[int], max_tokens: int, **kw: Any) -> Execution:
+        assert self.scheduler is not None
+        return Execution(
+            rid=rid,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            scheduler=self.scheduler,
+            journal=gw.journal,
+            failover=gw.cfg.failover,
+            budget=gw.budget,
+            kill_worker=gw.kill_worker,
+            on_failover=lambda kind: gw.metrics.failovers.labels(kind).inc(),
+            cpu_fallback=self.fallback_name is not None,
+            timeout_at_s=time.monotonic() + gw.cfg.server.request_timeout_s,
+            **kw,
+        )
+
+    # -- status ------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return any(s.worker.state is WorkerState.READY for s in self.supervisors)
+
+    def all_ready(self) -> bool:
+        return all(s.worker.state is WorkerState.READY for s in self.supervisors)
+
+    def workers(self) -> list[WorkerClient]:
+        return [s.worker for s in self.supervisors]
+
+    def device_bytes(self, ledger: DeviceLedger | None) -> int:
+        """What it holds in the device ledger now: its GPU weights and its running requests'."""
+        if ledger is None or self.scheduler is None:
+            return 0
+        gpu = self.scheduler.gpu_workers
+        return sum(ledger.held_bytes(w.spec.weights_holder) + sum(map(ledger.held_bytes, w.claimed)) for w in gpu)
+
+    def status_row(self, ledger: DeviceLedger | None) -> dict[str, Any]:
+        """Its row in /v1/status ``services``: where a request starts now and why (the last
+        admission decision), its queue, ETA and device bytes; a [[services]] entry's row has
+        its workers and load state too."""
+        assert self.scheduler is not None
+        lanes = self.scheduler.statistics()
+        last = self.scheduler.decisions[-1] if self.scheduler.decisions else None
+        row: dict[str, Any] = {
+            "name": self.name,
+            "kind": "chat",
+            "priority": self.priority,
+            "aliases": list(self.aliases),
+            "where": last["route"] if last else ("gpu" if self.scheduler.gpu is not None else "cpu"),
+            "why": last["reason"] if last else "",
+            "queued": sum(x.depth for x in lanes),
+            "running": sum(x.running for x in lanes),
+            "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
+            "device_bytes": self.device_bytes(ledger),
+        }
+        if self.worker_ids != ("gpu0", "cpu0"):  # the primary's workers and lanes are the document's own
+            sups = self.supervisors
+            row |= {
+                "breaker": self.scheduler.breaker.circuit.value,
+                "load_waiting": self.load_waiting,
+                "weights_bytes": self.memory.weights_bytes() if self.memory else 0,
+                "lanes": [dataclasses.asdict(x) for x in lanes],
+                "workers": [dataclasses.asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in sups],
+            }
+        return row
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "chat"
+
+
+def chat_models(cfg: Any) -> list[ChatModel]:
+    """The primary chat model (``[model]``) and each ``[[services]]`` chat entry."""
+    from spillover.config import default_model_path
+
+    primary = ChatModel(
+        name=cfg.model.name,
+        aliases=tuple(cfg.model.aliases),
+        priority="interactive",
+        model_path=cfg.model_path(),
+        gpu_lane=cfg.gpu_lane,
+        cpu_lane=cfg.cpu_lane,
+        cpu_model_path=cfg.model.fallback_path or "",
+        fallback_name=cfg.fallback_model_name(),
+    )
+    out = [primary]
+    for s in cfg.services:
+        if s.kind == "chat":
+            out.append(_from_service(cfg, s, default_model_path))
+    return out
+
+
+def _from_service(cfg: Any, s: ServiceConfig, default_path: Any) -> ChatModel:
+    def lane(base: LaneConfig, slots: int) -> LaneConfig:
+        return dataclasses.replace(
+            base,
+            slots=slots,
+            n_threads=s.n_threads,
+            queue_depth=s.queue_depth,
+            queue_max_age_s=s.queue_max_age_s,
+            canary_ratio=0.0,
+        )
+
+    slug = _slug(s.name)
+    return ChatModel(
+        name=s.name,
+        aliases=tuple(s.aliases),
+        priority=s.priority,
+        model_path=s.path or default_path(),
+        gpu_lane=lane(cfg.gpu_lane, s.gpu_slots) if s.gpu else None,
+        cpu_lane=lane(cfg.cpu_lane, s.cpu_slots),
+        cpu_path=s.cpu == "replica",
+        worker_ids=(f"{slug}-gpu", f"{slug}-cpu"),
+    )
