@@ -87,10 +87,14 @@ def test_settling_bytes_are_confirmed_since_the_last_reading() -> None:
     """Confirmed at or after the last reading: counted twice until the next one (settling);
     unconfirmed ones are not settling (no reading shows them yet); a later reading ends it."""
     led = make()
-    led.observe(0, 0.0)
     led.force_reserve("w", 7 * MIB, 0.0, kind="weights")
+    led.confirm("w", 0.0)
+    assert led.settling_bytes() == 0  # no reading yet: nothing can be counted twice
+    led.observe(0, 0.0)
     assert led.reserve_nowait("r", 3 * MIB, 0.0) is not None
-    assert led.settling_bytes() == 0  # neither is confirmed
+    assert led.settling_bytes() == 7 * MIB  # confirmed at the reading's own time
+    led.observe(0, 0.5)
+    assert led.settling_bytes() == 0  # w's confirmation is in this reading; r is unconfirmed
     led.observe(5 * MIB, 1.0)
     led.confirm("w", 1.0)  # at the reading's own time: it may or may not be in it
     assert led.settling_bytes() == 7 * MIB == led.unconfirmed_bytes() - 3 * MIB

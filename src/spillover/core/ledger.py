@@ -121,7 +121,9 @@ class DeviceLedger:
         """Confirmed bytes the last reading may show *and* that are still counted as
         unconfirmed (confirmed after it was taken): counted twice until the next reading, so
         they are room coming back within one reading (e.g. a model that just loaded)."""
-        taken = self._observed_at_s if self._observed_at_s is not None else float("-inf")
+        taken = self._observed_at_s
+        if taken is None:
+            return 0  # no reading yet: nothing is counted twice
         return sum(r.nbytes for h, r in self._reservations.items() if self._confirmed.get(h, -math.inf) >= taken)
 
     def headroom(self, now_s: float) -> int | None:
