@@ -107,7 +107,6 @@ def embedding_burst(d: Drill, n: int) -> None:
             d.wait(functools.partial(_capacity_seen, d, cap), 10)
             chat = d.client.op("embedding_burst", f"long-chat-{i}", CHAT_LONG)
             d.expect("embedding_burst", "long chat routed to cpu", chat.get("route") == "cpu", chat.get("headers"))
-            burst.join(300)
         finally:
             burst.join(300)
             sim.set_capacity(full)
@@ -132,7 +131,8 @@ def service_demotion(d: Drill, n: int) -> None:
     for i in range(n):
         d.await_gpu()
         before = _alloc_failures(d)
-        demotions, promotions = svc_counts = (_service(d, model)["demotions"], _service(d, model)["promotions"])
+        start = _service(d, model)
+        demotions, promotions = svc_counts = (start["demotions"], start["promotions"])
         with d.tenant(leave_mib=DEMOTION_ROOM_MIB):
             chat, out = _background(functools.partial(d.client.op, "service_demotion", f"chat-{i}", CHAT_LONG))
             try:

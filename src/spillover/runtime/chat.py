@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spillover.config import LaneConfig, ServiceConfig
+from spillover.config import Config, LaneConfig, ServiceConfig, default_model_path
 from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
@@ -37,7 +37,7 @@ from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
-from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.runtime.worker_client import WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -208,9 +208,6 @@ class ChatModel:
     def all_ready(self) -> bool:
         return all(s.worker.state is WorkerState.READY for s in self.supervisors)
 
-    def workers(self) -> list[WorkerClient]:
-        return [s.worker for s in self.supervisors]
-
     def device_bytes(self, ledger: DeviceLedger | None) -> int:
         """What it holds in the device ledger now: its GPU weights and its running requests'."""
         if ledger is None or self.scheduler is None:
@@ -218,7 +215,7 @@ class ChatModel:
         gpu = self.scheduler.gpu_workers
         return sum(ledger.held_bytes(w.spec.weights_holder) + sum(map(ledger.held_bytes, w.claimed)) for w in gpu)
 
-    def status_row(self, ledger: DeviceLedger | None) -> dict[str, Any]:
+    def status_row(self, ledger: DeviceLedger | None, *, primary: bool) -> dict[str, Any]:
         """Its row in /v1/status ``services``: where a request starts now and why (the last
         admission decision), its queue, ETA and device bytes; a [[services]] entry's row has
         its workers and load state too."""
@@ -237,14 +234,13 @@ class ChatModel:
             "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
             "device_bytes": self.device_bytes(ledger),
         }
-        if self.worker_ids != ("gpu0", "cpu0"):  # the primary's workers and lanes are the document's own
-            sups = self.supervisors
+        if not primary:  # the primary's workers and lanes are the document's own
             row |= {
                 "breaker": self.scheduler.breaker.circuit.value,
                 "load_waiting": self.load_waiting,
                 "weights_bytes": self.memory.weights_bytes() if self.memory else 0,
                 "lanes": [dataclasses.asdict(x) for x in lanes],
-                "workers": [dataclasses.asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in sups],
+                "workers": [s.status_row() for s in self.supervisors],
             }
         return row
 
@@ -253,10 +249,8 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "chat"
 
 
-def chat_models(cfg: Any) -> list[ChatModel]:
+def chat_models(cfg: Config) -> list[ChatModel]:
     """The primary chat model (``[model]``) and each ``[[services]]`` chat entry."""
-    from spillover.config import default_model_path
-
     primary = ChatModel(
         name=cfg.model.name,
         aliases=tuple(cfg.model.aliases),
@@ -267,14 +261,10 @@ def chat_models(cfg: Any) -> list[ChatModel]:
         cpu_model_path=cfg.model.fallback_path or "",
         fallback_name=cfg.fallback_model_name(),
     )
-    out = [primary]
-    for s in cfg.services:
-        if s.kind == "chat":
-            out.append(_from_service(cfg, s, default_model_path))
-    return out
+    return [primary, *(_from_service(cfg, s) for s in cfg.services if s.kind == "chat")]
 
 
-def _from_service(cfg: Any, s: ServiceConfig, default_path: Any) -> ChatModel:
+def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
     def lane(base: LaneConfig, slots: int) -> LaneConfig:
         return dataclasses.replace(
             base,
@@ -290,7 +280,7 @@ def _from_service(cfg: Any, s: ServiceConfig, default_path: Any) -> ChatModel:
         name=s.name,
         aliases=tuple(s.aliases),
         priority=s.priority,
-        model_path=s.path or default_path(),
+        model_path=s.path or default_model_path(),
         gpu_lane=lane(cfg.gpu_lane, s.gpu_slots) if s.gpu else None,
         cpu_lane=lane(cfg.cpu_lane, s.cpu_slots),
         cpu_path=s.cpu == "replica",

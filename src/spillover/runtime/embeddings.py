@@ -539,7 +539,6 @@ class EmbeddingsService:
         return max(1.0, math.ceil((len(self.queue) + 1) / max(1, slots)) * per * 2)
 
     def statistics(self) -> ServiceStatistics:
-        from dataclasses import asdict
 
         lane, why = self.last_choice
         if not self.queue:  # nothing waits: say where a request would start now
@@ -568,5 +567,5 @@ class EmbeddingsService:
             demotions=self.demotions,
             promotions=self.promotions,
             ladder=list(self.ladder),
-            workers=[asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in self.supervisors()],
+            workers=[s.status_row() for s in self.supervisors()],
         )

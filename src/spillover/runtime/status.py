@@ -72,7 +72,7 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
 def service_rows(gw: Gateway) -> list[dict[str, Any]]:
     """A row per service: where its requests start now and why, its queue and ETA; the chat
     models' rows first, each from its scheduler."""
-    rows = [c.status_row(gw.ledger) for c in gw.chats if c.scheduler is not None]
+    rows = [c.status_row(gw.ledger, primary=c is gw.chat) for c in gw.chats if c.scheduler is not None]
     return rows + [asdict(svc.statistics()) for svc in gw.services.values()]
 
 
@@ -81,7 +81,7 @@ def status_document(gw: Gateway) -> dict[str, Any]:
     now = time.monotonic()
     sched = gw.chat.scheduler
     # The primary chat model's workers; every other model's and service's are in its row.
-    workers = [asdict(s.worker.statistics()) | {"restarts": s.restarts} for s in gw.chat.supervisors]
+    workers = [s.status_row() for s in gw.chat.supervisors]
     breaker = sched.breaker.circuit.value if sched else "closed"
     mode, reasons = serving_mode(gw, workers, breaker)
     device: dict[str, Any] | None = None

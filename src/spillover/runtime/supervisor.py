@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from spillover.config import SupervisorConfig
 from spillover.runtime.devices import GpuDevice
@@ -67,6 +69,10 @@ class Supervisor:
 
     def __repr__(self) -> str:
         return f"<Supervisor {self.worker.spec.worker_id} restarts={self.restarts}>"
+
+    def status_row(self) -> dict[str, Any]:
+        """Its worker's line in /v1/status: the worker's statistics and its restarts."""
+        return dataclasses.asdict(self.worker.statistics()) | {"restarts": self.restarts}
 
     def _event(self, kind: SupervisorEventKind, detail: str = "") -> None:
         ev = SupervisorEvent(kind, detail)
