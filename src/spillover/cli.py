@@ -44,6 +44,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, services=())
+    if a.without:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, services=tuple(s for s in cfg.services if s.kind not in a.without))
     # One gateway per state folder: locked before anything touches the device, the journal or
     # a worker; a second gateway on the folder ends here (StateDirBusy, exit status 2).
     lock = statelock.acquire(cfg.state_path())
@@ -182,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve",
-        help="start the gateway: chat and embeddings services, each with a GPU (or sim) worker and a CPU path",
+        help="start the gateway: chat, embeddings and transcription services, each with a GPU (or sim) "
+        "worker and a CPU path",
         description="Start the OpenAI- and Ollama-compatible gateway: the chat model ([model]) and the "
         "[[services]] (by default bge-small-en embeddings) on one device budget. Settings come from "
         "defaults, then --config FILE (TOML, see `spillover config`), then these flags.",
@@ -202,7 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--chat-only",
         action="store_true",
-        help="serve the chat model alone: no [[services]] (by default the bge-small-en embeddings service too)",
+        help="serve the chat model alone: no [[services]] (by default the bge-small-en embeddings service "
+        "and the whisper-tiny.en transcription service too)",
+    )
+    s.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=("chat", "embeddings", "transcription"),
+        metavar="KIND",
+        help="leave out the [[services]] of this kind (chat, embeddings or transcription); repeatable",
     )
     s.add_argument(
         "--fallback-model",

@@ -40,7 +40,6 @@ __all__ = [
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_ALIASES = ("smollm2",)
 SERVICE_KINDS = ("chat", "embeddings", "transcription")
-BUILT_SERVICE_KINDS = ("chat", "embeddings")  # kinds [[services]] can hold today (transcription is not built)
 
 
 def _doc(default: Any, doc: str) -> Any:
@@ -137,13 +136,13 @@ class ServiceConfig:
     name: str = _doc("bge-small-en", "model id clients send for this service and /v1/models lists")
     kind: str = _doc(
         "embeddings",
-        "what it serves: embeddings, or chat (a second chat model beside [model]); transcription is not built yet",
+        "what it serves: embeddings, transcription (speech to text), or chat (a second chat model beside [model])",
     )
     aliases: tuple[str, ...] = _doc(("bge-small",), "other model ids clients may send for this service")
     path: str = _doc(
         "",
-        "embeddings: model folder (model.onnx, tokenizer.json, config.json); chat: a GGUF file; "
-        "empty = the packaged default of its kind",
+        "embeddings: model folder (model.onnx, tokenizer.json, config.json); transcription: a CTranslate2 "
+        "Whisper folder (model.bin, tokenizer.json); chat: a GGUF file; empty = the packaged default of its kind",
     )
     priority: str = _doc("batch", "interactive | batch: which work the device is kept for first")
     gpu: bool = _doc(True, "run a worker on the shared GPU device (charged to the one device budget)")
@@ -155,6 +154,9 @@ class ServiceConfig:
     max_inputs: int = _doc(256, "inputs one request may hold (400 above)")
     queue_depth: int = _doc(64, "requests that may wait for a worker; more are shed with 503")
     queue_max_age_s: float = _doc(60.0, "longest a request may wait for a worker")
+    beam_size: int = _doc(5, "transcription: beams the decoder keeps (memory grows with it)")
+    max_audio_s: float = _doc(1800.0, "transcription: longest audio one request may hold, in seconds (413 above)")
+    max_upload_mib: int = _doc(25, "transcription: largest upload, counted while it is read (413 above)")
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,12 @@ class Config:
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
-    services: tuple[ServiceConfig, ...] = field(default_factory=lambda: (ServiceConfig(),))
+    services: tuple[ServiceConfig, ...] = field(
+        default_factory=lambda: (
+            ServiceConfig(),
+            ServiceConfig(name="whisper-tiny.en", kind="transcription", aliases=("whisper-1",), priority="interactive"),
+        )
+    )
 
     def model_path(self) -> str:
         """The GGUF file to load."""
@@ -489,8 +496,6 @@ def _validate_services(cfg: Config) -> None:
         where = f"[[services]] #{i + 1} ({svc.name})"
         if svc.kind not in SERVICE_KINDS:
             raise ConfigError(f"{where}: kind must be one of {', '.join(SERVICE_KINDS)}")
-        if svc.kind not in BUILT_SERVICE_KINDS:
-            raise ConfigError(f"{where}: kind {svc.kind!r} cannot be a [[services]] entry yet (it is not built)")
         if svc.priority not in ("interactive", "batch"):
             raise ConfigError(f"{where}: priority must be interactive or batch")
         if svc.cpu not in ("replica", "none"):
@@ -503,6 +508,10 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
         if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
+        if svc.kind == "transcription" and svc.path and not Path(svc.path, "model.bin").is_file():
+            raise ConfigError(f"{where}: no model.bin (a CTranslate2 Whisper model) under path {svc.path}")
+        if svc.kind == "transcription" and (svc.beam_size < 1 or svc.max_audio_s <= 0 or svc.max_upload_mib < 1):
+            raise ConfigError(f"{where}: beam_size and max_upload_mib must be >= 1 and max_audio_s > 0")
         if svc.kind == "chat" and svc.path and not Path(svc.path).is_file():
             raise ConfigError(f"{where}: no GGUF file at path {svc.path}")
         for mid in (svc.name, *svc.aliases):

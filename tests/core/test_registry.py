@@ -17,15 +17,18 @@ def _write(tmp_path: Path, text: str) -> str:
     return str(p)
 
 
-def test_default_serves_chat_and_embeddings_with_aliases() -> None:
-    """With no config, chat and the embeddings service are served, each under its aliases."""
+def test_default_serves_chat_embeddings_and_transcription_with_aliases() -> None:
+    """With no config, chat, the embeddings and the transcription service are served, each
+    under its aliases (OpenAI's "whisper-1" names the transcription model)."""
     reg = ModelRegistry(load_config())
     assert [(m["id"], m["spillover"]["kind"]) for m in reg.listing()] == [  # type: ignore[index]
         ("smollm2-135m-instruct", "chat"),
         ("bge-small-en", "embeddings"),
+        ("whisper-tiny.en", "transcription"),
     ]
     assert reg.resolve("smollm2", "chat").id == "smollm2-135m-instruct"
     assert reg.resolve("bge-small", "embeddings").id == "bge-small-en"
+    assert reg.resolve("whisper-1", "transcription").id == "whisper-tiny.en"
 
 
 def test_unknown_model_is_404_listing_every_served_id() -> None:
@@ -71,7 +74,8 @@ def test_a_second_chat_model_is_a_chat_service_without_the_embeddings_aliases(tm
         ('[[services]]\nname = "a"\n[[services]]\nname = "b"\naliases = ["a"]\n', "already served"),
         ('[[services]]\nkind = "chat"\nname = "x"\npath = "/nonexistent.gguf"\n', "no GGUF file"),
         ('[[services]]\nkind = "chat"\nname = "x"\naliases = ["smollm2"]\n', "already served"),
-        ('[[services]]\nkind = "transcription"\nname = "x"\n', "not built"),
+        ('[[services]]\nkind = "transcription"\nname = "x"\npath = "/nonexistent"\n', "no model.bin"),
+        ('[[services]]\nkind = "transcription"\nname = "x"\nbeam_size = 0\n', "beam_size"),
         ('[[services]]\nkind = "music"\nname = "x"\n', "kind must be"),
         ('[[services]]\npriority = "urgent"\n', "priority"),
         ('[[services]]\ncpu = "fallback"\n', "cpu must be"),

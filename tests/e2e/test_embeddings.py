@@ -49,7 +49,7 @@ def _vectors(doc: dict[str, Any]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def gw() -> Iterator[GatewayProcess]:
-    with GatewayProcess(["--gpu", "sim:1024"], services=True) as g:
+    with GatewayProcess(["--gpu", "sim:1024"], services=("chat", "embeddings")) as g:
         yield g
 
 
@@ -239,7 +239,7 @@ def test_an_embedding_burst_pushes_a_long_chat_to_cpu_before_any_allocation_fail
     burst_bytes = emb.request_bytes(lengths, 32)
     chat_bytes = _chat_model().request_footprint(300, 100).total_bytes
     body = {"model": "bge-small-en", "input": [LONG_TEXT] * 40}
-    with GatewayProcess(["--gpu", "sim:4096"], services=True) as g:
+    with GatewayProcess(["--gpu", "sim:4096"], services=("chat", "embeddings")) as g:
         # Room for the loaded weights, one burst request and half of the chat request beside it.
         weights = g.status()["device"]["ledger"]["predicted_bytes"]
         capacity = weights + 32 * MIB + burst_bytes + chat_bytes // 2
@@ -282,7 +282,7 @@ def test_a_model_load_that_does_not_fit_waits_and_its_requests_go_to_cpu() -> No
     """With no room for the embeddings weights, the GPU worker's load waits (never an OOM);
     requests are served on the CPU path; once room appears, it loads and serves on the GPU."""
     capacity_mib = (_chat_model().weights_bytes() + 32 * MIB + 8 * MIB) // MIB
-    with GatewayProcess(["--gpu", f"sim:{capacity_mib}"], services=True, wait_all_workers=False) as g:
+    with GatewayProcess(["--gpu", f"sim:{capacity_mib}"], services=("chat", "embeddings"), wait_all_workers=False) as g:
         wait_for(lambda: _ready_but_waiting(g), 90, "chat ready, embeddings load waiting")
         r = httpx.post(g.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "hello"}, timeout=60)
         assert r.status_code == 200 and r.headers["x-spillover-route"] == "cpu"
@@ -300,7 +300,7 @@ def test_an_embeddings_request_survives_a_gateway_sigkill(tmp_path: Any) -> None
     key answers the journaled vectors."""
     state = str(tmp_path / "state")
     body = {"model": "bge-small-en", "input": [MEDIUM_TEXT] * 256}
-    g = GatewayProcess(["--gpu", "sim:1024"], state_dir=state, services=True).start()
+    g = GatewayProcess(["--gpu", "sim:1024"], state_dir=state, services=("chat", "embeddings")).start()
     try:
         r = replay_after_sigkill(g, "/v1/embeddings", body, "survive")
         assert r.headers["idempotent-replayed"] == "true"
@@ -320,7 +320,7 @@ def test_an_idle_batch_service_is_demoted_for_interactive_chat_and_promoted_back
     emb_w = EmbedMemoryModel(read_embed_model_info(default_embed_model_dir())).weights_bytes()
     chat_bytes = _chat_model().request_footprint(300, 400).total_bytes
     config = {"admission": {"promote_after_s": 2.0, "promote_headroom_mib": 4}}
-    with GatewayProcess(["--gpu", "sim:4096"], services=True, config=config) as g:
+    with GatewayProcess(["--gpu", "sim:4096"], services=("chat", "embeddings"), config=config) as g:
         weights = g.status()["device"]["ledger"]["predicted_bytes"]
         # The chat request misses half of the embeddings weights' size.
         capacity = weights + 32 * MIB + chat_bytes - emb_w // 2
@@ -366,7 +366,7 @@ def test_exact_count_embeddings_queue_sheds_k_before_accepting() -> None:
     (its id is unknown: a promised place is counted, so none races for the last one)."""
     q, c, k = 2, 1, 3
     svc = {"name": "bge-small-en", "gpu": False, "cpu_slots": c, "queue_depth": q}
-    with GatewayProcess(["--gpu", "none"], services=True, config={"services": [svc]}) as g:
+    with GatewayProcess(["--gpu", "none"], services=("chat", "embeddings"), config={"services": [svc]}) as g:
         body = {"model": "bge-small-en", "input": [LONG_TEXT] * 4}
         results: list[httpx.Response] = []
         lock = threading.Lock()

@@ -130,7 +130,7 @@ def test_page_lists_each_service_where_it_runs_and_why(browser: object) -> None:
     from playwright.sync_api import Browser, expect
 
     assert isinstance(browser, Browser)
-    with GatewayProcess(["--gpu", "sim:1024"], services=True) as g:
+    with GatewayProcess(["--gpu", "sim:1024"], services=("chat", "embeddings")) as g:
         pg = browser.new_page(viewport={"width": 1100, "height": 1300})
         try:
             pg.goto(g.url + "/")

@@ -47,7 +47,9 @@ def _config(tiny: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def gw(tiny: Path) -> Iterator[GatewayProcess]:
-    with GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1"], services=True, config=_config(tiny)) as g:
+    with GatewayProcess(
+        ["--gpu", "sim:1024", "--gpu-slots", "1"], services=("chat", "embeddings"), config=_config(tiny)
+    ) as g:
         yield g
 
 
@@ -161,7 +163,9 @@ def test_a_second_model_request_survives_a_gateway_sigkill(tiny: Path, tmp_path:
     replayed once, on the second model (its journaled body names it), and its key answers."""
     body = {"model": SECOND, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
     args = ["--gpu", "sim:1024", "--gpu-slots", "1"]
-    g = GatewayProcess(args, state_dir=str(tmp_path / "state"), services=True, config=_config(tiny)).start()
+    g = GatewayProcess(
+        args, state_dir=str(tmp_path / "state"), services=("chat", "embeddings"), config=_config(tiny)
+    ).start()
     try:
         r = replay_after_sigkill(g, "/v1/completions", body, "second-survives")
         assert r.headers["idempotent-replayed"] == "true" and r.json()["model"] == SECOND
@@ -175,14 +179,14 @@ def test_a_second_model_without_a_cpu_path(tiny: Path) -> None:
     for a lane nobody serves). Without a GPU such a model could serve nothing: the gateway
     refuses to start, loudly."""
     cfg = {"services": [{"name": SECOND, "kind": "chat", "path": str(tiny), "cpu": "none", "gpu_slots": 1}]}
-    with GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1"], services=True, config=cfg) as g:
+    with GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1"], services=("chat", "embeddings"), config=cfg) as g:
         assert [w["lane"] for w in _row(g.status(), SECOND)["workers"]] == ["gpu"]
         with httpx.Client(base_url=g.url, timeout=60) as cl:
             r = cl.post("/v1/completions", json={**PROMPT, "model": SECOND, "spillover": {"prefer": "cpu"}})
             assert r.status_code == 400 and "no CPU path" in r.json()["error"]["message"], r.text
             r = cl.post("/v1/completions", json={**PROMPT, "model": SECOND})
             assert r.status_code == 200 and r.headers["x-spillover-route"] == "gpu"
-    bad = GatewayProcess(["--gpu", "none"], services=True, config=cfg, ready_timeout_s=60)
+    bad = GatewayProcess(["--gpu", "none"], services=("chat", "embeddings"), config=cfg, ready_timeout_s=60)
     try:
         with pytest.raises(RuntimeError, match="could serve nothing"):
             bad.start()

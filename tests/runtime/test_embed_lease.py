@@ -45,7 +45,7 @@ def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes()
         gpu = _ready_worker("emb-gpu", "gpu")
         svc.gpu = SimpleNamespace(worker=gpu)  # type: ignore[assignment]
         gpu.claim_slot("someone")
-        task = asyncio.create_task(svc._dispatch("r1", 10 * MIB, avoid_gpu=False))
+        task = asyncio.create_task(svc._dispatch("r1", 10 * MIB, 1.0, avoid_gpu=False))
         await asyncio.sleep(0)
         assert len(svc.queue) == 1 and not ledger.holds("r1")
         gpu.release_slot("someone")

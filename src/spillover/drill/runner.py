@@ -218,7 +218,8 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
             ["--gpu", opts.gpu, "--gpu-slots", "2", "--cpu-slots", "2", "--cpu-ctx", "2048", *fallback],
             config=DRILL_CONFIG,
             state_dir=str(opts.out / "gateway-state"),
-            services=True,  # chat and the embeddings service on one device, as `spillover serve` runs
+            # chat and the embeddings service on one device (transcription is not in the drill yet)
+            services=("chat", "embeddings"),
         )
         gateway.start()
         state_dir = gateway.state_dir

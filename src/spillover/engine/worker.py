@@ -1,8 +1,9 @@
 """The worker process: one engine instance (one model on one device).
 
 ``DeviceWorker`` is what every kind shares (the channel, the device, the op loop); ``Worker``
-is the chat kind (llama.cpp); ``engine.embed_worker.EmbedWorker`` the embeddings kind, whose
-ops and events are in its own docstring.
+is the chat kind (llama.cpp); ``engine.embed_worker.EmbedWorker`` the embeddings kind and
+``engine.transcribe_worker.TranscribeWorker`` the transcription kind, whose ops and events
+are in their own docstrings.
 
 Channel: newline-delimited JSON over the process's stdin (gateway -> worker) and a private
 duplicate of its original stdout (worker -> gateway). File descriptor 1 is pointed at
@@ -346,7 +347,9 @@ class Worker(DeviceWorker):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spillover-worker", description=__doc__.split("\n")[0])
     p.add_argument("--worker-id", required=True)
-    p.add_argument("--kind", default="chat", choices=("chat", "embeddings"), help="what the worker serves")
+    p.add_argument(
+        "--kind", default="chat", choices=("chat", "embeddings", "transcription"), help="what the worker serves"
+    )
     p.add_argument("--batch-size", type=int, default=32, help="embeddings: inputs per encoder run")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu", help="cpu | cuda:N | sim:<capacity_mib>")
@@ -374,6 +377,10 @@ def main(argv: list[str] | None = None) -> None:
             from spillover.engine.embed_worker import EmbedWorker
 
             worker = EmbedWorker(args, chan)
+        elif args.kind == "transcription":
+            from spillover.engine.transcribe_worker import TranscribeWorker
+
+            worker = TranscribeWorker(args, chan)
         else:
             worker = Worker(args, chan)
     except SystemExit:

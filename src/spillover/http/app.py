@@ -11,7 +11,7 @@ import contextlib
 import functools
 import hmac
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -32,6 +32,7 @@ from spillover.errors import (
     Unauthorized,
     to_http,
 )
+from spillover.http.audio import audio_endpoints, form_reader, sweep_uploads
 from spillover.http.embeddings import embedding_endpoints
 from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
@@ -127,7 +128,7 @@ def create_app(gw: Gateway) -> Starlette:
     cfg = gw.cfg
     for ep in ollama_endpoints(gw):
         gw.requests.register(ep)
-    for unary in embedding_endpoints(gw):
+    for unary in (*embedding_endpoints(gw), *audio_endpoints(gw)):
         gw.requests.register(unary)
     for name, parse in (("chat", parse_chat), ("text", parse_completion)):  # also what recovery replays
         gw.requests.register(
@@ -150,14 +151,21 @@ def create_app(gw: Gateway) -> Starlette:
 
     guarded = guard(authorize, _error_response)  # the API key, and errors OpenAI-shaped
 
+    async def _json_body(request: Request) -> Any:
+        return await _read_json(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
+
     async def generate(
-        request: Request, endpoint: str, refuse: Callable[[SpilloverError, str], Response] = _error_response
+        request: Request,
+        endpoint: str,
+        refuse: Callable[[SpilloverError, str], Response] = _error_response,
+        read: Callable[[Request], Awaitable[Any]] = _json_body,
     ) -> Response:
         """HTTP in, the request service's answer out: nothing here decides anything.
-        ``refuse`` shapes an error before acceptance (OpenAI's, or Ollama's)."""
+        ``refuse`` shapes an error before acceptance (OpenAI's, or Ollama's); ``read`` turns
+        the body into the request's (JSON, or an audio form)."""
         try:
             authorize(request)
-            body = await _read_json(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
+            body = await read(request)
             key = _idempotency_key(request)
             deadline_ms = _deadline_header(request)
         except SpilloverError as exc:
@@ -199,6 +207,12 @@ def create_app(gw: Gateway) -> Starlette:
 
     async def embeddings(request: Request) -> Response:
         return await generate(request, "embeddings")
+
+    async def transcriptions(request: Request) -> Response:
+        return await generate(request, "transcriptions", read=form_reader(gw, "transcribe"))
+
+    async def translations(request: Request) -> Response:
+        return await generate(request, "translations", read=form_reader(gw, "translate"))
 
     async def health(request: Request) -> Response:
         return plain_json({"status": "ok"})
@@ -285,6 +299,8 @@ def create_app(gw: Gateway) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+        Route("/v1/audio/translations", translations, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST", "GET"]),
         Route("/v1/responses/{rest:path}", responses, methods=["POST", "GET", "DELETE"]),
         Route("/v1/status", status, methods=["GET"]),
@@ -300,6 +316,7 @@ def create_app(gw: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.start()
+        await asyncio.to_thread(sweep_uploads, gw)
         try:
             yield
         finally:

@@ -164,8 +164,11 @@ def parse_ollama(body: Any, gw: Gateway) -> EmbedRequest:
 
 
 def _service(gw: Gateway, model: str) -> EmbeddingsService:
-    served = gw.registry.resolve(model, "embeddings")
-    return gw.services[served.id]
+    from spillover.runtime.embeddings import EmbeddingsService
+
+    svc = gw.services[gw.registry.resolve(model, "embeddings").id]
+    assert isinstance(svc, EmbeddingsService)
+    return svc
 
 
 def encode_answer(rid: str, req: EmbedRequest, res: EmbedResult) -> Encoded:
@@ -220,7 +223,7 @@ def encode_error(err: SpilloverError, rid: str, *, shape: str) -> Encoded:
 
 
 async def _execute(gw: Gateway, rid: str, req: EmbedRequest, attempt: int, on_move: OnMove) -> Encoded:
-    svc = gw.services[req.service]
+    svc = _service(gw, req.model)
     res = await svc.embed(rid, req.inputs, attempt=attempt, on_move=on_move)
     return encode_answer(rid, req, res)
 
@@ -235,7 +238,7 @@ def embedding_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
                 kind="embeddings",
                 parse=functools.partial(parse, gw=gw),
                 stored=(lambda body: stored(body, "embeddings")) if shape == "openai" else dict,
-                hold_place=lambda req, rid: gw.services[req.service].hold_place(rid),
+                hold_place=lambda req, rid, deadline_s: gw.services[req.service].hold_place(rid, deadline_s=deadline_s),
                 release_place=lambda req, rid: gw.services[req.service].release_place(rid),
                 execute=functools.partial(_execute, gw),
                 error=functools.partial(encode_error, shape=shape),

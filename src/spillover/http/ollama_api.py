@@ -136,7 +136,7 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
 
     @guarded
     async def tags(request: Request) -> Response:
-        extra = [await service_entry(svc) for svc in gw.services.values() if svc.model_dir]
+        extra = [await service_entry(svc) for svc in gw.embedding_services() if svc.model_dir]
         return plain_json({"models": [*[await model_entry(c) for c in gw.chats], *extra]})
 
     async def running(chat: ChatModel) -> dict[str, Any] | None:

@@ -20,7 +20,10 @@ separate check made by the routes):
    ``Content-Length`` or any ``Transfer-Encoding``) must say ``Content-Type:
    application/json``, else 415 ``unsupported_media_type``. A browser sends ``text/plain``,
    a form type or no type at all without a CORS preflight; JSON always needs one. A DELETE
-   without a body needs no type (rule 2 still applies to it).
+   without a body needs no type (rule 2 still applies to it). The audio routes
+   (``/v1/audio/...``) take OpenAI's ``multipart/form-data`` instead: a browser sends that
+   cross-site without a preflight, but always with an ``Origin`` header, so rule 2 (and the
+   API key, when one is set) guards them.
 
 ``HostPolicy.refusal`` decides (no I/O, table-tested); ``OriginGuard`` acts on it.
 """
@@ -104,6 +107,9 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+FORM_PATHS = ("/v1/audio/",)  # rule 3: routes whose body is multipart/form-data
+
+
 @dataclass(frozen=True)
 class HostPolicy:
     """Which Hosts and Origins a gateway answers (see the module's rules)."""
@@ -130,7 +136,7 @@ class HostPolicy:
         """Rule 1 for a parsed host name (no port)."""
         return self.any_host or host in self.hosts or (self.any_ip_literal and _is_ip(host))
 
-    def refusal(self, method: str, headers: list[tuple[bytes, bytes]]) -> SpilloverError | None:
+    def refusal(self, method: str, headers: list[tuple[bytes, bytes]], path: str = "") -> SpilloverError | None:
         """The error that refuses this request, or None to let it through."""
         seen: dict[bytes, list[str]] = {b"host": [], b"origin": [], b"content-type": []}
         has_body = False
@@ -167,10 +173,11 @@ class HostPolicy:
                 )
         if method.upper() in BODY_METHODS and has_body:
             media = types[0].partition(";")[0].strip().lower() if len(types) == 1 else ""
-            if media != "application/json":
+            wanted = "multipart/form-data" if path.startswith(FORM_PATHS) else "application/json"
+            if media != wanted:
                 got = _show(types[0]) if len(types) == 1 else "none"
                 return UnsupportedMediaType(
-                    f"a request body must be sent with 'Content-Type: application/json' (got {got})",
+                    f"a request body must be sent with 'Content-Type: {wanted}' (got {got})",
                     param="Content-Type",
                 )
         return None
@@ -191,7 +198,7 @@ class OriginGuard:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        error = self.policy.refusal(scope.get("method", "GET"), scope["headers"])
+        error = self.policy.refusal(scope.get("method", "GET"), scope["headers"], scope.get("path", ""))
         if error is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":

@@ -4,8 +4,8 @@ worker channel looks at raw JSON or matches free text.
 
 Rules:
 
-1. A request's stream is ``Started``, then ``Token``s (chat) or one ``Vectors``
-   (embeddings), then exactly one of ``Done`` or
+1. A request's stream is ``Started``, then ``Token``s (chat), one ``Vectors``
+   (embeddings) or one ``AudioInfo`` and ``Segment``s (transcription), then exactly one of ``Done`` or
    ``Failed`` (the worker's own last word, sent once its slot and device memory are free),
    or ``WorkerGone`` when the process ends first. ``Interrupted`` is put in the stream by
    the gateway itself when it stops the request; the worker's last word still follows.
@@ -20,10 +20,12 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "AudioInfo",
     "Done",
     "Failed",
     "Interrupted",
     "RequestEvent",
+    "Segment",
     "Started",
     "SupervisorEvent",
     "SupervisorEventKind",
@@ -75,6 +77,21 @@ class Vectors:
 
 
 @dataclass(frozen=True)
+class AudioInfo:
+    """A transcription's language (heard or given) and its audio's length in seconds."""
+
+    language: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One decoded transcription segment, as OpenAI's ``verbose_json`` names its fields."""
+
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Done:
     """The request ended normally; the worker's timings feed the lane's speed estimate."""
 
@@ -105,7 +122,7 @@ class WorkerGone:
     message: str
 
 
-RequestEvent = Started | Token | Vectors | Done | Failed | Interrupted | WorkerGone
+RequestEvent = Started | Token | Vectors | AudioInfo | Segment | Done | Failed | Interrupted | WorkerGone
 FINAL = (Done, Failed, WorkerGone)  # rule 1: what ends a request's stream
 
 
@@ -129,6 +146,13 @@ def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
             if len(data) != n * dim * 4:
                 return None
             return Vectors(n, dim, data)
+        if ev == "audio":
+            return AudioInfo(str(msg["language"]), float(msg["duration"]))
+        if ev == "segment":
+            seg = msg["seg"]
+            if not isinstance(seg, dict) or not isinstance(seg.get("text"), str):
+                return None
+            return Segment(seg)
         if ev == "done":
             timings = msg.get("timings") or {}
             return Done(

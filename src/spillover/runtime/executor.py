@@ -52,7 +52,18 @@ from spillover.errors import (
     SpilloverError,
     WorkerFailed,
 )
-from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, Token, Vectors, WorkerGone
+from spillover.runtime.events import (
+    AudioInfo,
+    Done,
+    Failed,
+    Interrupted,
+    RequestEvent,
+    Segment,
+    Started,
+    Token,
+    Vectors,
+    WorkerGone,
+)
 from spillover.runtime.outcomes import Event, Finished, RetryBudget, RouteInfo, TokenOut, classify_error, final_error
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient
@@ -345,8 +356,8 @@ class Execution:
             raise _Stopped
         if isinstance(item, Failed):
             raise _Failure(item.kind, item.message)
-        if isinstance(item, Vectors):  # a chat worker never sends vectors
-            raise _Failure("engine", "a chat worker sent vectors")
+        if isinstance(item, (Vectors, AudioInfo, Segment)):  # another kind's events, never a chat worker's
+            raise _Failure("engine", f"a chat worker sent {type(item).__name__}")
         return item
 
     async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncGenerator[Event, None]:

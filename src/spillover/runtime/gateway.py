@@ -34,8 +34,10 @@ from spillover.runtime.recovery import recover
 from spillover.runtime.registry import ModelRegistry
 from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
+from spillover.runtime.service import DeviceService
 from spillover.runtime.status import DegradedAnswers, status_document
 from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.transcription import TranscriptionService
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["Gateway", "resolve_gpu"]
@@ -80,8 +82,9 @@ class Gateway:
         self.journal: Journal | None = None
         self.requests = RequestService(self)  # owns every request from accepted to terminal
         self.registry = ModelRegistry(cfg)  # every model id (and alias) served, and its kind
-        self.services: dict[str, EmbeddingsService] = {
-            s.name: EmbeddingsService(self, s) for s in cfg.services if s.kind == "embeddings"
+        kinds: dict[str, type[DeviceService]] = {"embeddings": EmbeddingsService, "transcription": TranscriptionService}
+        self.services: dict[str, DeviceService] = {
+            s.name: kinds[s.kind](self, s) for s in cfg.services if s.kind in kinds
         }
         self.degraded = DegradedAnswers()  # recent answers served off the GPU, for the mode
         self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
@@ -120,6 +123,10 @@ class Gateway:
         return [c.scheduler for c in self.chats if c.scheduler is not None]
 
     # -- life ----------------------------------------------------------------------
+    def embedding_services(self) -> list[EmbeddingsService]:
+        """The services of kind embeddings (Ollama's /api/tags lists them)."""
+        return [s for s in self.services.values() if isinstance(s, EmbeddingsService)]
+
     async def start(self) -> None:
         state = self.cfg.state_path()
         self.state_lock = statelock.acquire(state)  # one gateway per folder, before anything touches it

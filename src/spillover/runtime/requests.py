@@ -95,7 +95,7 @@ class RequestService:
         ep = self.endpoints[endpoint]
         rid = new_request_id()
         if isinstance(ep, UnaryEndpoint):
-            return await self._submit_unary(ep, body, rid, idem_key)
+            return await self._submit_unary(ep, body, rid, idem_key, deadline_ms)
         try:
             req = ep.parse(body)
             body_hash = _body_hash(endpoint, body)
@@ -155,7 +155,9 @@ class RequestService:
             raise Refused(_in_flight(rec.id), rec.id)
         return rec
 
-    async def _submit_unary(self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None) -> Answer:
+    async def _submit_unary(
+        self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None, deadline_ms: int | None = None
+    ) -> Answer:
         """Rule 1 for a request with one whole answer (``runtime.unary``)."""
         failed: SpilloverError | None = None
         held: tuple[Any, str] | None = None  # the request promised a place, and its id
@@ -170,7 +172,8 @@ class RequestService:
                         return stored_answer(rec)
                     if rec is not None:
                         rid = rec.id
-                    ep.hold_place(req, rid)  # rule 3: a full queue answers at once, nothing journaled
+                    deadline_s = deadline_ms / 1000 if deadline_ms is not None else None
+                    ep.hold_place(req, rid, deadline_s)  # rule 3: a full queue answers at once, nothing journaled
                     held = (req, rid)
                     run = UnaryRun(self.gw, ep, rid, req, attempt=rec.attempts if rec is not None else 0)
                     if self.gw.journal is not None and rec is None:

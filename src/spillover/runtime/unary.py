@@ -45,14 +45,15 @@ class UnaryEndpoint:
 
     ``parse`` validates a body into a request (with its ``model``), or raises InvalidRequest;
     ``hold_place`` promises the request (by id) a place in its queue or raises QueueFull at
-    once when none is left; ``release_place`` ends the promise (idempotent); ``execute``
+    once when none is left (or a CapacityError when the client's deadline, in seconds from
+    now, cannot be met); ``release_place`` ends the promise (idempotent); ``execute``
     answers it (rule 3) or raises a SpilloverError, which ``error`` encodes."""
 
     name: str
     kind: str
     parse: Callable[[Any], Any]
     stored: Callable[[dict[str, Any]], dict[str, Any]]
-    hold_place: Callable[[Any, str], None]
+    hold_place: Callable[[Any, str, float | None], None]
     release_place: Callable[[Any, str], None]
     execute: Callable[[str, Any, int, OnMove], Coroutine[Any, Any, Encoded]]
     error: Callable[[SpilloverError, str], Encoded]

@@ -46,7 +46,8 @@ class GatewayProcess:
 
     By default the gateway serves its chat model alone (``--chat-only``), so a test's device
     budget is the chat model's; ``services=True`` serves the configured ``[[services]]``
-    too (by default the bge-small-en embeddings service), as ``spillover serve`` does.
+    too (by default the bge-small-en embeddings service and the whisper-tiny.en transcription
+    service), as ``spillover serve`` does; a tuple of kinds serves only those kinds' services.
 
     Set ``GatewayProcess.log_archive`` to a folder to keep every gateway's log there.
     """
@@ -63,13 +64,19 @@ class GatewayProcess:
         config: dict[str, Any] | None = None,
         port: int | None = None,
         api_key: str | None = None,
-        services: bool = False,
+        services: bool | tuple[str, ...] = False,
         wait_all_workers: bool = True,
     ) -> None:
         self.wait_all_workers = wait_all_workers  # False: start() returns once the gateway answers
-        self.args = (
-            list(args or []) + (["--api-key", api_key] if api_key else []) + ([] if services else ["--chat-only"])
+        kinds = ("chat", "embeddings", "transcription")
+        scope = (
+            ["--chat-only"]
+            if not services
+            else [f"--without={k}" for k in kinds if k not in services]
+            if isinstance(services, tuple)
+            else []
         )
+        self.args = list(args or []) + (["--api-key", api_key] if api_key else []) + scope
         self.api_key = api_key  # sent by get()/status() when the gateway requires one
         self.config = config
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="spillover-")

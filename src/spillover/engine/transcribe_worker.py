@@ -1,0 +1,162 @@
+"""The transcription worker: one faster-whisper (CTranslate2) model serving ``transcribe`` ops.
+
+Gateway -> worker::
+
+    {"op": "transcribe", "rid", "path", "task", "language", "prompt", "temperature", "seed",
+     "beam_size", "words", "max_s", "reserve_bytes"}
+
+Worker -> gateway (besides ``ready``, ``pong`` and ``fatal``, as for chat)::
+
+    {"ev": "started", "rid"}                          its device memory is granted
+    {"ev": "audio", "rid", "language", "duration"}    the language heard (or given), the seconds
+    {"ev": "segment", "rid", "seg": {...}}            one decoded segment, in order
+    {"ev": "done", "rid", "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens", "timings"}
+    {"ev": "error", "rid", "kind", "message"}         alloc_failed | oom | engine | cancelled | bad_audio
+
+Rules:
+
+1. The audio is decoded here from the stored upload by ``engine.audio.decode``, the
+   gateway's own check, so every worker hears the same samples.
+2. Decoding is deterministic: the given ``temperature`` only (no fallback ladder), no
+   previous-text conditioning, no VAD, and at a temperature above 0 CTranslate2's sampler is
+   seeded with the request's ``seed``. The same file with the same fields gives the same
+   segments on the GPU worker and its CPU replica (same compute type on ``sim``; ``cuda``
+   runs float16, so a failover there may word a segment differently: nothing of it was
+   delivered, so the replay is still a whole, fresh answer).
+3. Between segments the worker checks for a cancel, a device hang (progress stops) and, on
+   ``sim``, an injected running fault (``oom``), as the embeddings worker does between chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from spillover.engine.worker import DeviceWorker, _error
+
+__all__ = ["TranscribeWorker", "compute_type"]
+
+
+def compute_type(kind: str) -> str:
+    """CTranslate2's compute type for a worker on device ``kind`` (rule 2)."""
+    return "float16" if kind == "cuda" else "int8"
+
+
+class TranscribeWorker(DeviceWorker):
+    """A transcription worker (``--kind transcription``)."""
+
+    request_op = "transcribe"
+
+    def load(self) -> None:
+        from pathlib import Path
+
+        from faster_whisper import WhisperModel
+
+        from spillover.engine.llama_engine import file_digest
+
+        index = int(self.args.device.split(":", 1)[1]) if self.kind == "cuda" else 0
+        self.model = WhisperModel(
+            self.args.model,
+            device="cuda" if self.kind == "cuda" else "cpu",
+            device_index=index,
+            compute_type=compute_type(self.kind),
+            cpu_threads=self.args.n_threads,
+            num_workers=1,
+            local_files_only=True,
+        )
+        digest = file_digest(f"{self.args.model}/model.bin", cache_dir=Path(self.args.state_dir))
+        self.fingerprint = {
+            "model": digest[:16],
+            "compute_type": compute_type(self.kind),
+            "backend": "cuda" if self.kind == "cuda" else "cpu",
+        }
+
+    def run_request(self, msg: dict[str, Any]) -> None:
+        rid = str(msg["rid"])
+        final = _error(rid, "engine", "worker interrupted")
+        reserve = int(msg.get("reserve_bytes") or 0)
+        charged = False
+        try:
+            if not self.charge(rid, reserve):
+                final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
+                return
+            charged = True
+            final = self._transcribe(rid, msg)
+        except Exception as exc:  # engine failure: report, keep serving
+            final = _error(rid, "engine", f"{type(exc).__name__}: {exc}")
+        finally:
+            if charged:
+                self.uncharge(rid)
+            self.finish(rid, final)
+
+    def _transcribe(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        from spillover.engine.audio import BadAudio, decode
+
+        self.chan.send({"ev": "started", "rid": rid})
+        t0 = time.monotonic()
+        try:
+            audio = decode(str(msg["path"]), max_s=float(msg["max_s"]))
+        except BadAudio as exc:
+            return _error(rid, "bad_audio", str(exc))
+        except OSError as exc:
+            return _error(rid, "engine", f"the stored upload cannot be read: {exc}")
+        temperature = float(msg.get("temperature") or 0.0)
+        if temperature > 0:
+            import ctranslate2
+
+            ctranslate2.set_random_seed(int(msg.get("seed") or 0))
+        segments, info = self.model.transcribe(
+            audio.samples,
+            task=str(msg.get("task") or "transcribe"),
+            language=msg.get("language") or None,
+            initial_prompt=msg.get("prompt") or None,
+            beam_size=max(1, int(msg.get("beam_size") or 1)),
+            temperature=[temperature],
+            condition_on_previous_text=False,
+            vad_filter=False,
+            word_timestamps=bool(msg.get("words")),
+        )
+        self.chan.send({"ev": "audio", "rid": rid, "language": info.language, "duration": round(audio.duration_s, 3)})
+        t_first: float | None = None
+        tokens = 0
+        for seg in segments:  # decoded lazily: one window per step
+            while self.hang.is_set() and rid not in self.cancelled:
+                time.sleep(0.01)
+            if rid in self.cancelled:
+                return _error(rid, "cancelled", "cancelled")
+            if self.sim is not None and self.oom_armed.is_set() and self.sim.take_running_fault():
+                return _error(rid, "oom", "device out of memory in the decoder")
+            t_first = t_first or time.monotonic()
+            tokens += len(seg.tokens)
+            self.progress += 1
+            self.chan.send({"ev": "segment", "rid": rid, "seg": _segment(seg)})
+        total = time.monotonic() - t0
+        return {
+            "ev": "done",
+            "rid": rid,
+            "finish_reason": "stop",
+            "prompt_tokens": 0,
+            "completion_tokens": tokens,
+            "timings": {"prefill_s": round((t_first or t0) - t0, 6), "total_s": round(total, 6)},
+        }
+
+
+def _segment(seg: Any) -> dict[str, Any]:
+    """A faster-whisper segment as OpenAI's ``verbose_json`` segment (plus its words)."""
+    out: dict[str, Any] = {
+        "id": int(seg.id) - 1,
+        "seek": int(seg.seek),
+        "start": round(float(seg.start), 3),
+        "end": round(float(seg.end), 3),
+        "text": str(seg.text),
+        "tokens": [int(t) for t in seg.tokens],
+        "temperature": float(seg.temperature or 0.0),
+        "avg_logprob": float(seg.avg_logprob),
+        "compression_ratio": float(seg.compression_ratio),
+        "no_speech_prob": float(seg.no_speech_prob),
+    }
+    if seg.words:
+        out["words"] = [
+            {"word": str(w.word), "start": round(float(w.start), 3), "end": round(float(w.end), 3)} for w in seg.words
+        ]
+    return out

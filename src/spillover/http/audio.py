@@ -1,0 +1,414 @@
+"""``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` (OpenAI's shape) over the
+transcription service (``runtime.transcription``) through the request service's unary path.
+
+Rules:
+
+1. The body is ``multipart/form-data`` with one ``file`` and OpenAI's fields: ``model``,
+   ``language``, ``prompt``, ``response_format`` (json, text, srt, vtt, verbose_json),
+   ``temperature`` (0-1), ``timestamp_granularities[]`` (segment, word; verbose_json only)
+   and ``stream`` (false only: see the README). Any other field is a 400 naming it.
+2. The upload limit (the largest ``max_upload_mib`` of the transcription services, then the
+   chosen service's own) is counted while the body is read: reading stops at the limit (413).
+3. The upload is stored once, fsynced, under the state folder by its SHA-256
+   (``uploads/<sha256>``) before the request is accepted, and checked by the one decoder
+   (``engine.audio``): not audio, no samples, truncated is a 400 naming ``file``; longer
+   than ``max_audio_s`` a 413. The journaled body names the upload by its digest, so a
+   replay after a restart, or an Idempotency-Key retry, transcribes the same bytes, and a
+   key reused with another file is a 422.
+4. An upload is deleted once a request that used it has its answer (or a client error) and
+   no other live request uses it; what is left (a request that can still be resumed with its
+   key) is swept when older than ``[journal].retention_s``.
+5. Every answer carries ``X-Spillover-*`` headers; ``json`` and ``verbose_json`` also carry
+   the ``spillover`` object (route, degraded, reason, attempts). An answer computed on the
+   CPU path is degraded.
+6. ``/v1/audio/translations`` asks the model to translate into English: a 400
+   ``model_not_supported`` for an English-only model (``*.en``), which cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.types import Message
+
+from spillover.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, SpilloverError, to_http
+from spillover.http.routes import signal_headers
+from spillover.runtime.run import Encoded
+from spillover.runtime.unary import OnMove, UnaryEndpoint
+
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+    from spillover.runtime.transcription import Transcript, TranscriptionService
+
+__all__ = ["audio_endpoints", "read_audio_form", "sweep_uploads"]
+
+JSON = "application/json"
+FORMATS = {"json": JSON, "verbose_json": JSON, "text": "text/plain; charset=utf-8",
+           "srt": "application/x-subrip; charset=utf-8", "vtt": "text/vtt; charset=utf-8"}  # fmt: skip
+FIELDS = ("model", "language", "prompt", "response_format", "temperature", "timestamp_granularities", "stream")
+MAX_PROMPT_CHARS = 4000
+COPY_CHUNK = 1 << 20
+LANGUAGE_NAMES = {
+    "en": "english", "de": "german", "es": "spanish", "fr": "french", "it": "italian", "ja": "japanese",
+    "nl": "dutch", "pl": "polish", "pt": "portuguese", "ru": "russian", "zh": "chinese", "ko": "korean",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TranscribeRequest:
+    """A validated transcription request; ``upload`` is its audio's SHA-256."""
+
+    model: str
+    service: str
+    upload: str
+    seconds: float
+    task: str
+    language: str | None
+    prompt: str | None
+    temperature: float
+    response_format: str
+    granularities: tuple[str, ...]
+
+
+def uploads_dir(gw: Gateway) -> Path:
+    return gw.cfg.state_path() / "uploads"
+
+
+def _limit_bytes(gw: Gateway) -> int:
+    mibs = [s.max_upload_mib for s in gw.cfg.services if s.kind == "transcription"]
+    return max(mibs, default=25) * 1024 * 1024
+
+
+async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str, Any]:
+    """Rules 1-3: the multipart body as the journaled body (the upload stored by digest)."""
+    ctype = request.headers.get("content-type", "")
+    if not ctype.startswith("multipart/form-data"):
+        raise InvalidRequest("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
+    limit = _limit_bytes(gw)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the upload of {declared} bytes exceeds the {limit // (1024 * 1024)} MiB limit")
+    seen = 0
+
+    async def receive() -> Message:  # rule 2: counted as it arrives
+        nonlocal seen
+        msg = await request.receive()
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > limit:
+                raise PayloadTooLarge(f"the upload exceeds the {limit // (1024 * 1024)} MiB limit")
+        return msg
+
+    from starlette.formparsers import MultiPartException
+
+    try:
+        form = await Request(request.scope, receive).form(max_files=1, max_fields=32, max_part_size=64 * 1024)
+    except MultiPartException as exc:
+        raise InvalidRequest(f"the multipart body cannot be read: {exc.message}") from exc
+    try:
+        body: dict[str, Any] = {"task": task}
+        granularities: list[str] = []
+        for key, value in form.multi_items():
+            name = key.removesuffix("[]")
+            if name == "file":
+                continue
+            if name not in FIELDS:
+                raise InvalidRequest(f"unknown field '{key}'", param=key)
+            if not isinstance(value, str):
+                raise InvalidRequest(f"'{name}' must be a text field, not a file", param=name)
+            if name == "timestamp_granularities":
+                granularities.append(value)
+            elif name in body:
+                raise InvalidRequest(f"'{name}' is given twice", param=name)
+            else:
+                body[name] = value
+        if granularities:
+            body["timestamp_granularities"] = granularities
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise InvalidRequest("'file' is required: the audio, as a file part", param="file")
+        digest, size = await asyncio.to_thread(_store, upload, uploads_dir(gw))
+        if size == 0:
+            raise InvalidRequest("the file is empty (0 bytes): send the audio to transcribe", param="file")
+        body["file"] = {"sha256": digest, "bytes": size, "name": (upload.filename or "audio")[:200]}
+        model = body.get("model")
+        if isinstance(model, str) and model:
+            svc = _service(gw, model)
+            if size > svc.cfg.max_upload_mib * 1024 * 1024:
+                raise PayloadTooLarge(f"the upload exceeds {svc.name}'s {svc.cfg.max_upload_mib} MiB limit")
+            try:
+                body["duration_s"] = await _check_audio(gw, svc, digest)
+            except SpilloverError:
+                _forget_upload(gw, digest, "")  # never accepted: nothing will read it
+                raise
+        return body
+    finally:
+        await form.close()
+
+
+def _store(upload: UploadFile, folder: Path) -> tuple[str, int]:
+    """Rule 3: copy the upload to ``folder/<sha256>`` (fsynced, then renamed into place)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    size = 0
+    tmp = folder / f".part-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        with open(tmp, "wb") as out:
+            upload.file.seek(0)
+            while chunk := upload.file.read(COPY_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        digest = h.hexdigest()
+        os.replace(tmp, folder / digest)
+        os.utime(folder / digest)  # a reused upload is young again for the sweep (rule 4)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return digest, size
+
+
+async def _check_audio(gw: Gateway, svc: TranscriptionService, digest: str) -> float:
+    """Rule 3: decode once; its length in seconds, or the 400/413."""
+    from spillover.engine.audio import BadAudio, decode
+
+    try:
+        got = await asyncio.to_thread(decode, str(uploads_dir(gw) / digest), max_s=svc.cfg.max_audio_s)
+    except BadAudio as exc:
+        err: SpilloverError = InvalidRequest(f"the audio cannot be transcribed: {exc}", param="file")
+        if exc.reason == "too_long":
+            err = PayloadTooLarge(f"the audio is too long: {exc}", param="file")
+        raise err from exc
+    return round(got.duration_s, 3)
+
+
+def _service(gw: Gateway, model: str) -> TranscriptionService:
+    from spillover.runtime.transcription import TranscriptionService
+
+    served = gw.registry.resolve(model, "transcription")
+    svc = gw.services[served.id]
+    assert isinstance(svc, TranscriptionService)
+    return svc
+
+
+def parse(body: Any, gw: Gateway) -> TranscribeRequest:
+    """Rule 1 on a stored body (the upload must still be there)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a form")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required", param="model")
+    svc = _service(gw, model)
+    task = body.get("task", "transcribe")
+    if task == "translate" and svc.english_only:
+        raise InvalidRequest(
+            f"{svc.name} is an English-only model: it cannot translate; use /v1/audio/transcriptions",
+            param="model",
+            code="model_not_supported",
+        )
+    fmt = body.get("response_format", "json")
+    if fmt not in FORMATS:
+        raise InvalidRequest(f"'response_format' must be one of {', '.join(FORMATS)}", param="response_format")
+    language = body.get("language") or None
+    if language is not None:
+        if not (isinstance(language, str) and language.isascii() and language.isalpha() and 2 <= len(language) <= 3):
+            raise InvalidRequest("'language' must be an ISO-639-1 code such as 'en'", param="language")
+        language = language.lower()
+        if svc.english_only and language != "en":
+            raise InvalidRequest(f"{svc.name} is an English-only model: 'language' must be 'en'", param="language")
+    prompt = body.get("prompt") or None
+    if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", param="prompt")
+    temperature = _temperature(body.get("temperature"))
+    granularities = tuple(body.get("timestamp_granularities", ()))
+    for g in granularities:
+        if g not in ("word", "segment"):
+            raise InvalidRequest(
+                "'timestamp_granularities[]' values are 'word' and 'segment'", param="timestamp_granularities[]"
+            )
+    if granularities and fmt != "verbose_json":
+        raise InvalidRequest(
+            "'timestamp_granularities[]' needs response_format 'verbose_json'", param="timestamp_granularities[]"
+        )
+    if str(body.get("stream", "false")).lower() not in ("false", "0"):
+        raise InvalidRequest(
+            "'stream' is not supported for transcription yet: send it without, and the whole answer comes at once",
+            param="stream",
+        )
+    upload = body.get("file")
+    if not isinstance(upload, dict) or not isinstance(upload.get("sha256"), str):
+        raise InvalidRequest("'file' is required: the audio, as a file part", param="file")
+    if not (uploads_dir(gw) / upload["sha256"]).is_file():
+        raise InvalidRequest(
+            "the request's stored upload is gone (swept after retention_s): send it again", param="file"
+        )
+    seconds = body.get("duration_s")
+    if not isinstance(seconds, (int, float)):
+        raise InvalidRequest("'file' was not checked as audio", param="file")
+    return TranscribeRequest(model, svc.name, upload["sha256"], float(seconds), str(task), language, prompt,
+                             temperature, str(fmt), granularities)  # fmt: skip
+
+
+def _temperature(raw: Any) -> float:
+    if raw is None or raw == "":
+        return 0.0
+    try:
+        t = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest("'temperature' must be a number from 0 to 1", param="temperature") from exc
+    if not 0.0 <= t <= 1.0 or math.isnan(t):
+        raise InvalidRequest("'temperature' must be a number from 0 to 1", param="temperature")
+    return t
+
+
+def _timestamp(seconds: float, sep: str) -> str:
+    ms = round(seconds * 1000)
+    h, rest = divmod(ms, 3_600_000)
+    m, rest = divmod(rest, 60_000)
+    s, ms = divmod(rest, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
+    """SubRip (numbered cues, comma milliseconds) or WebVTT (a header, dot milliseconds)."""
+    cues = []
+    for i, s in enumerate(segments, start=1):
+        sep = "," if fmt == "srt" else "."
+        timing = f"{_timestamp(s['start'], sep)} --> {_timestamp(s['end'], sep)}"
+        text = str(s["text"]).strip().replace("-->", "->")
+        cues.append(f"{i}\n{timing}\n{text}\n" if fmt == "srt" else f"{timing}\n{text}\n")
+    return ("" if fmt == "srt" else "WEBVTT\n\n") + "\n".join(cues)
+
+
+def encode_answer(rid: str, req: TranscribeRequest, res: Transcript) -> Encoded:
+    """Rule 5: the whole answer in the asked format."""
+    sp = {"request_id": rid, "route": res.lane, "degraded": res.lane != "gpu", "reason": res.reason,
+          "model": req.service, "attempts": res.attempts}  # fmt: skip
+    headers = signal_headers(sp)
+    usage = {"type": "duration", "seconds": math.ceil(res.duration_s)}
+    if req.response_format == "text":
+        return Encoded(200, [(res.text + "\n").encode()], headers, FORMATS["text"])
+    if req.response_format in ("srt", "vtt"):
+        return Encoded(200, [subtitles(res.segments, req.response_format).encode()], headers,
+                       FORMATS[req.response_format])  # fmt: skip
+    doc: dict[str, Any] = {"text": res.text}
+    if req.response_format == "verbose_json":
+        doc = {
+            "task": req.task,
+            "language": LANGUAGE_NAMES.get(res.language, res.language),
+            "duration": res.duration_s,
+            "text": res.text,
+            "segments": [{k: v for k, v in s.items() if k != "words"} for s in res.segments],
+        }
+        if "word" in req.granularities:
+            doc["words"] = res.words
+    doc["usage"] = usage
+    doc["spillover"] = sp
+    return Encoded(200, [json.dumps(doc, separators=(",", ":")).encode()], headers, JSON)
+
+
+def encode_error(err: SpilloverError, rid: str) -> Encoded:
+    e = to_http(err, rid)
+    headers = {"X-Spillover-Request-Id": rid, "X-Spillover-Route": "none", **e.headers}
+    return Encoded(e.status, [json.dumps(e.body).encode()], headers, JSON, error=e.body)
+
+
+async def _execute(gw: Gateway, rid: str, req: TranscribeRequest, attempt: int, on_move: OnMove) -> Encoded:
+    svc = _service(gw, req.model)
+    fields = {
+        "path": str(uploads_dir(gw) / req.upload),
+        "task": req.task,
+        "language": req.language,
+        "prompt": req.prompt,
+        "temperature": req.temperature,
+        "seed": int(req.upload[:8], 16),  # a sampled decode is seeded by its audio: a replay is exact
+        "words": "word" in req.granularities,
+    }
+    try:
+        res = await svc.transcribe(rid, fields, req.seconds, attempt=attempt, on_move=on_move)
+    except InvalidRequest:
+        _forget_upload(gw, req.upload, rid)
+        raise
+    _forget_upload(gw, req.upload, rid)
+    return encode_answer(rid, req, res)
+
+
+def _forget_upload(gw: Gateway, digest: str, rid: str) -> None:
+    """Rule 4: delete an upload no live request (but ``rid``) uses."""
+    from spillover.runtime.unary import UnaryRun
+
+    for other, run in gw.requests.live.items():
+        if other != rid and isinstance(run, UnaryRun) and getattr(run.req, "upload", None) == digest:
+            return
+    with contextlib.suppress(FileNotFoundError):
+        (uploads_dir(gw) / digest).unlink()
+
+
+def sweep_uploads(gw: Gateway, now: float | None = None) -> int:
+    """Rule 4: delete uploads older than ``[journal].retention_s``; how many went."""
+    folder = uploads_dir(gw)
+    if not folder.is_dir():
+        return 0
+    cutoff = (now if now is not None else time.time()) - gw.cfg.journal.retention_s
+    gone = 0
+    for f in folder.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if f.stat().st_mtime < cutoff:
+                f.unlink()
+                gone += 1
+    return gone
+
+
+def audio_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
+    """The unary endpoints the request service runs (and replays after a restart)."""
+
+    def hold(req: TranscribeRequest, rid: str, deadline_s: float | None) -> None:
+        svc = _service(gw, req.model)
+        svc.hold_place(rid, nbytes=svc.predicted_bytes(req.seconds), work=req.seconds, deadline_s=deadline_s)
+
+    return [
+        UnaryEndpoint(
+            name=name,
+            kind="transcription",
+            parse=functools.partial(parse, gw=gw),
+            stored=dict,
+            hold_place=hold,
+            release_place=lambda req, rid: _service(gw, req.model).release_place(rid),
+            execute=functools.partial(_execute, gw),
+            error=encode_error,
+        )
+        for name in ("transcriptions", "translations")
+    ]
+
+
+Reader = Callable[[Request], Awaitable[Any]]
+
+
+def form_reader(gw: Gateway, task: str) -> Reader:
+    """The body reader of the route for ``task`` (``generate``'s ``read``)."""
+    return functools.partial(_read, gw=gw, task=task)
+
+
+async def _read(request: Request, *, gw: Gateway, task: str) -> Any:
+    """Within ``[server].body_timeout_s``, as a JSON body (a client that stalls its upload is a 408)."""
+    timeout_s = gw.cfg.server.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await read_audio_form(request, gw, task)
+    except TimeoutError as exc:
+        raise BodyTimeout(f"the upload did not arrive within {timeout_s:g}s") from exc

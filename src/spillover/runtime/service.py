@@ -1,0 +1,611 @@
+"""A service beside chat with one whole answer per request (embeddings, transcription): its
+workers on the one device and on the CPU, its queue, and the run of one request from
+dispatch to its answer. ``runtime.embeddings`` and ``runtime.transcription`` are its kinds:
+each loads its model, predicts a request's device bytes and shapes the worker's events
+into a result; everything below is shared.
+
+Rules:
+
+1. Its GPU worker charges the gateway's one ``DeviceLedger`` (the chat model's too): the
+   weights when it loads (a load that does not fit waits, and its requests go to the CPU
+   path meanwhile; never a load into an OOM), and each request's predicted bytes (its
+   kind's memory model) before it starts. Chat admission sees those bytes at once.
+2. A queued request starts on whichever lane can start it first, the GPU preferred
+   (``core.placement``: late binding). The queue is bounded (503 at once when full) and a
+   request waits at most ``queue_max_age_s``. The ETA of a request is the work queued ahead
+   of it (requests, or seconds of audio) at each lane's measured speed; a request whose
+   client deadline that ETA cannot meet is refused at once, with the ETA.
+3. A request that fails on the GPU (the worker died, an allocation failed, an OOM) is
+   replayed on the CPU path at its request boundary: nothing of it was delivered, and the
+   same inputs give the same answer (each kind's worker decodes deterministically).
+   Attempts are bounded by ``[failover].max_attempts`` and the gateway's retry budget.
+4. Each attempt's lease (worker slot + device reservation) is released exactly once, when
+   the worker has stopped working on it (its last event, or its exit), however the
+   attempt ends (done, error, cancel).
+5. A breaker per GPU worker (``core.breaker``) takes the GPU out of placement after
+   repeated failures, as for chat.
+6. The pressure ladder: a batch-priority service whose GPU worker is idle may be demoted
+   for an interactive request that does not fit (chat admission's ``Demote``). Demoted, its
+   requests go to its CPU path (reason ``demoted``) and its GPU worker is unloaded; it is
+   never demoted with work in flight on the GPU, nor without a CPU path. It is promoted back
+   once its weights have fitted with room to spare for ``promote_after_s``
+   (``core.placement.promote_due``), and not demoted again for as long (no flapping).
+   Both are journaled, counted in /metrics and shown in /v1/status with their reason.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spillover.config import ServiceConfig
+from spillover.core.breaker import (
+    BreakerEvent,
+    BreakerPolicy,
+    BreakerState,
+    advance,
+    allows,
+    attempt_ended,
+    probe_started,
+)
+from spillover.core.placement import PlacementView, place, promote_due
+from spillover.core.reasons import FailoverReason, Reason
+from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
+from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, SupervisorEvent, WorkerGone
+from spillover.runtime.lanes import places_promised
+from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+if TYPE_CHECKING:
+    from spillover.runtime.gateway import Gateway
+
+__all__ = ["DeviceService", "Served", "ServiceStatistics"]
+
+log = logging.getLogger("spillover.services")
+IDLE_WAKE_S = 0.5
+STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
+
+
+@dataclass(eq=False)
+class _Job:
+    rid: str
+    nbytes: int
+    enqueued_s: float
+    future: asyncio.Future[_Dispatch]
+    avoid_gpu: bool = False
+    work: float = 1.0  # in its kind's unit (a request, seconds of audio), for the ETA
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    worker: WorkerClient
+    lane: str
+    reason: Reason
+    nbytes: int  # charged to the device (0 off the GPU)
+    probe_round: int | None = None
+
+
+@dataclass(frozen=True)
+class Served:
+    """A finished request: its worker's answer events (between Started and Done), where it
+    was computed and after how many attempts."""
+
+    parts: list[RequestEvent]
+    done: Done
+    lane: str
+    reason: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class ServiceStatistics:
+    """A frozen snapshot of one service for /v1/status, /metrics and the status page."""
+
+    name: str
+    kind: str
+    priority: str
+    aliases: tuple[str, ...]
+    where: str  # "gpu" | "cpu" | "none": where a request would start now
+    why: str
+    queued: int
+    running: int
+    eta_s: float
+    served: dict[str, int]
+    failovers: int
+    shed: int  # requests refused at once because its queue was full
+    breaker: str
+    weights_bytes: int
+    reserved_bytes: int
+    device_bytes: int  # what it holds in the device ledger now: loaded weights and its requests'
+    load_waiting: bool
+    demoted: bool
+    demotions: int
+    promotions: int
+    ladder: list[dict[str, Any]] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+
+class DeviceService(abc.ABC):
+    """One ``[[services]]`` entry of a unary kind (rules in the module docstring)."""
+
+    kind = ""
+    op = ""  # the worker op that runs one request
+    unit = "requests"  # what ``work`` counts, for the ETA
+
+    def __init__(self, gw: Gateway, cfg: ServiceConfig) -> None:
+        self.gw = gw
+        self.cfg = cfg
+        self.name = cfg.name
+        self.model_dir = ""
+        self.gpu: Supervisor | None = None
+        self.cpu: Supervisor | None = None
+        self.queue: deque[_Job] = deque()
+        self.breaker = BreakerState()
+        self.breaker_policy = BreakerPolicy(**dataclasses.asdict(gw.cfg.breaker))
+        self.served = {"gpu": 0, "cpu": 0}
+        self.failovers = 0
+        self.shed = 0
+        self.promised: set[str] = set()  # requests being accepted that were promised a place
+        self.load_waiting = False
+        self.last_choice = ("none", "starting")
+        self._rate = dict(self.initial_rate)  # running mean seconds per unit of work, per lane
+        self._reserved: dict[str, int] = {}  # rid -> device bytes held by a running GPU attempt
+        self._running_work: dict[str, float] = {}  # rid -> work of a dispatched attempt, for the ETA
+        self.demoted = False
+        self.demotions = 0
+        self.promotions = 0
+        self.ladder: list[dict[str, Any]] = []  # the last demotions and promotions, with their reason
+        self._room_since: float | None = None
+        self._promoted_s = -math.inf
+        self._wake = asyncio.Event()
+
+    initial_rate = {"gpu": 0.05, "cpu": 0.1}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} queued={len(self.queue)} breaker={self.breaker.circuit.value}>"
+
+    # -- life -------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def load_model(self) -> None:
+        """Read the kind's model (sets ``model_dir`` and what ``weights_bytes`` needs)."""
+
+    @abc.abstractmethod
+    def weights_bytes(self) -> int:
+        """The device bytes its GPU worker's weights take (its kind's memory model)."""
+
+    @abc.abstractmethod
+    def probe_bytes(self) -> int:
+        """The device bytes of a small request: where one would start now, for /v1/status."""
+
+    def spec_fields(self) -> dict[str, Any]:
+        """Kind-specific ``WorkerSpec`` fields."""
+        return {}
+
+    async def start(self) -> None:
+        """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops)."""
+        await self.load_model()
+        gw = self.gw
+        if self.cfg.gpu and gw.device is not None and gw.ledger is not None:
+            spec = self._spec("gpu", gw.device.spec)
+            self.gpu = Supervisor(
+                spec,
+                gw.cfg.supervisor,
+                device=gw.device,
+                on_change=self._worker_event,
+                before_start=functools.partial(
+                    gw.reserve_weights, nbytes=self.weights_bytes(), on_wait=self._load_waits
+                ),
+            )
+        if self.cfg.cpu == "replica":
+            self.cpu = Supervisor(self._spec("cpu", "cpu"), gw.cfg.supervisor, on_change=self._worker_event)
+        for sup in self.supervisors():
+            gw.loops.add(f"sup-{sup.worker.spec.worker_id}", sup.run)
+        gw.loops.add(f"pump-{self.name}", self._pump_loop)
+
+    def supervisors(self) -> list[Supervisor]:
+        return [s for s in (self.gpu, self.cpu) if s is not None]
+
+    def _spec(self, lane: str, device: str) -> WorkerSpec:
+        fields: dict[str, Any] = {"n_ctx": 512, "n_batch": self.cfg.batch_size} | self.spec_fields()
+        return WorkerSpec(
+            worker_id=f"{self.name}-{lane}",
+            lane=lane,
+            device=device,
+            model_path=self.model_dir,
+            state_dir=str(self.gw.cfg.state_path()),
+            slots=self.cfg.gpu_slots if lane == "gpu" else self.cfg.cpu_slots,
+            n_threads=self.cfg.n_threads,
+            weights_bytes=self.weights_bytes() if device.startswith("sim") else 0,
+            kind=self.kind,
+            **fields,
+        )
+
+    def _load_waits(self, waiting: bool) -> None:
+        """Rule 1: its GPU worker's load waits for room (its requests go to the CPU path)."""
+        self.load_waiting = waiting
+        self.kick()
+
+    def _worker_event(self, worker: WorkerClient, ev: SupervisorEvent) -> None:
+        self.gw.worker_event(worker, ev)
+        self.kick()
+
+    # -- requests ---------------------------------------------------------------------
+    def hold_place(self, rid: str, *, nbytes: int = 0, work: float = 1.0, deadline_s: float | None = None) -> None:
+        """Promise request ``rid``, about to be accepted, a place; 503 at once when the queue
+        is full or every place left (queue room and free slots) is promised already, or when
+        the lane it would start on now cannot finish it within ``deadline_s`` seconds (rule 2).
+        The promise ends when its job is queued or ``release_place``."""
+        if places_promised(self.cfg.queue_depth, len(self.queue), len(self.promised), self._free_slots()):
+            self.shed += 1
+            raise QueueFull(
+                f"the {self.name} queue is full ({self.cfg.queue_depth} waiting)", retry_after_s=self.eta_s(work)
+            )
+        if deadline_s is not None:
+            lane = place(self._view(nbytes, False, time.monotonic())).lane
+            eta = self.lane_eta_s("gpu" if lane == "gpu" else "cpu", work)
+            if eta > deadline_s:
+                raise CapacityError(
+                    f"the {self.name} {lane if lane != 'wait' else 'CPU'} path would finish this request in "
+                    f"about {eta:.1f}s, after its deadline ({deadline_s:.1f}s)",
+                    retry_after_s=eta,
+                    code="deadline_exceeded",
+                )
+        self.promised.add(rid)
+
+    def release_place(self, rid: str) -> None:
+        """Request ``rid`` no longer needs the place it was promised (idempotent)."""
+        self.promised.discard(rid)
+
+    async def serve(
+        self,
+        rid: str,
+        msg: dict[str, Any],
+        *,
+        nbytes: int,
+        work: float,
+        attempt: int,
+        on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+    ) -> Served:
+        """Run request ``rid`` (its worker op's fields ``msg``, ``nbytes`` of device memory on
+        the GPU): dispatch, run, and replay on the CPU path after a GPU failure (rule 3).
+        ``on_move(state, fields)`` journals each step. A failure that is the request's own
+        (``bad_audio``) is raised at once as ``request_error`` makes it."""
+        fault: str | None = None
+        max_attempts = self.gw.cfg.failover.max_attempts
+        while True:
+            attempt += 1
+            d = await self._dispatch(rid, nbytes, work, avoid_gpu=fault is not None)
+            reason = str(FailoverReason(fault)) if fault else str(d.reason)
+            try:  # the lease is ours from here: released once, however the attempt ends (rule 4)
+                await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
+                got = await self._run_on(d, rid, msg, work, on_move)
+            finally:
+                self._release(rid, d)
+            if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], Done):
+                self.served[d.lane] += 1
+                return Served(got[0], got[1], d.lane, reason, attempt)
+            kind, message = got
+            self.request_error(kind, message)
+            if d.lane != "gpu" or self.cpu is None or attempt >= max_attempts or not self.gw.budget.take():
+                raise WorkerFailed(f"the {d.lane} worker failed this request ({kind}: {message})", retry_after_s=1.0)
+            fault = kind
+            self.failovers += 1
+            self.gw.metrics.failovers.labels(kind).inc()
+            await on_move("queued", {"route": "cpu", "reason": str(FailoverReason(kind)), "attempts": attempt})
+
+    def request_error(self, kind: str, message: str) -> None:
+        """Raise the client's error for a failure that is the request's own (not the lane's:
+        no failover would help); return for the rest. Every failure is the lane's by default."""
+        return None
+
+    async def _dispatch(self, rid: str, nbytes: int, work: float, *, avoid_gpu: bool) -> _Dispatch:
+        job = _Job(rid, nbytes, time.monotonic(), asyncio.get_running_loop().create_future(), avoid_gpu, work)
+        self.release_place(rid)  # its job takes the place it was promised
+        self.queue.append(job)
+        self.pump_once()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            # Dispatched (slot claimed, bytes reserved) just as its request was cancelled:
+            # nobody will run it, so its lease goes back here (rule 4).
+            f = job.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                self._release(rid, f.result())
+            raise
+        finally:
+            if job in self.queue:
+                self.queue.remove(job)
+
+    async def _run_on(
+        self,
+        d: _Dispatch,
+        rid: str,
+        msg: dict[str, Any],
+        work: float,
+        on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+    ) -> tuple[list[RequestEvent], Done] | tuple[str, str]:
+        """One attempt: its answer events and Done, or the failure (kind, message).
+        Cancellation stops the worker and waits (bounded) until it has let go of the request
+        (rule 4)."""
+        t0 = time.monotonic()
+        parts: list[RequestEvent] = []
+        events = d.worker.request(self.op, {"rid": rid, **msg, "reserve_bytes": d.nbytes})
+        try:
+            async for ev in events:
+                if isinstance(ev, Started):
+                    if d.lane == "gpu" and self.gw.ledger is not None:
+                        self.gw.ledger.confirm(rid, time.monotonic())
+                    await on_move("running", {})
+                elif isinstance(ev, Done):
+                    self._note(d, "ok", (time.monotonic() - t0) / max(work, 1e-3))
+                    return (parts, ev)
+                elif isinstance(ev, Failed):
+                    self._note(d, "severe" if ev.kind in ("alloc_failed", "oom") else "failed", 0.0)
+                    return (ev.kind, ev.message)
+                elif isinstance(ev, WorkerGone):
+                    self._note(d, "severe", 0.0)
+                    return (ev.kind, ev.message)
+                elif isinstance(ev, Interrupted):
+                    raise RequestCancelled(f"request {rid} was cancelled")
+                else:
+                    parts.append(ev)
+            return ("exited", "the worker channel ended")
+        except BaseException:
+            d.worker.interrupt(rid)
+            await self._until_stopped(d, rid)
+            self._note(d, "cancelled", 0.0)
+            raise
+        finally:
+            await events.aclose()
+
+    async def _until_stopped(self, d: _Dispatch, rid: str) -> None:
+        """Rule 4: the lease goes back only once the worker has let go of the request. One that
+        does not stop within ``STOP_WAIT_S`` (a hang) is killed, and its exit is awaited."""
+        stopped = d.worker.when_stopped(rid)
+        if stopped is None:
+            return
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stopped), STOP_WAIT_S)
+            return
+        self.gw.note_event(d.worker.spec.worker_id, f"did not stop {rid} within {STOP_WAIT_S:.0f}s: killing it")
+        await d.worker.kill()
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
+
+    def _note(self, d: _Dispatch, outcome: str, rate: float) -> None:
+        """Feed the breaker (GPU) and the ETA (``rate``: seconds per unit of work)."""
+        if outcome == "ok":
+            self._rate[d.lane] = 0.8 * self._rate[d.lane] + 0.2 * rate
+        if d.lane == "gpu":
+            self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, time.monotonic(), self.breaker_policy)
+
+    def _release(self, rid: str, d: _Dispatch) -> None:
+        """Rule 4: the attempt's slot and device reservation go back, once."""
+        d.worker.release_slot(rid)
+        ledger = self.gw.ledger
+        if d.lane == "gpu" and ledger is not None and ledger.holds(rid):
+            ledger.release(rid, time.monotonic())
+        self._reserved.pop(rid, None)
+        self._running_work.pop(rid, None)
+        self.gw.kick_scheduler()
+        self.kick()
+
+    # -- the pressure ladder (rule 6) -----------------------------------------------------
+    def _holds_weights(self) -> bool:
+        """Whether the device ledger holds its GPU worker's weights (loaded, or still unloading)."""
+        ledger = self.gw.ledger
+        return self.gpu is not None and ledger is not None and ledger.holds(self.gpu.worker.spec.weights_holder)
+
+    def device_bytes(self) -> int:
+        """What it holds in the device ledger now: its GPU weights (loaded, loading or still
+        unloading) and its running requests' reservations."""
+        ledger = self.gw.ledger
+        if ledger is None or self.gpu is None:
+            return 0
+        return ledger.held_bytes(self.gpu.worker.spec.weights_holder) + sum(self._reserved.values())
+
+    def demotable_bytes(self) -> int | None:
+        """Its GPU weights when it may be demoted now (batch, loaded, idle), else None."""
+        g = self.gpu.worker if self.gpu is not None else None
+        if self.cfg.priority != "batch" or g is None or self.demoted or self.cpu is None:
+            return None  # a service without a CPU path is never demoted: its requests need a lane
+        if time.monotonic() - self._promoted_s < self.gw.cfg.admission.promote_after_s:
+            return None  # just promoted: it stays at least as long as it had to wait (no flapping)
+        if g.state is not WorkerState.READY or g.busy > 0 or not self._holds_weights():
+            return None
+        if not self.gw.cfg.admission.demote_batch_services:
+            return None
+        return self.weights_bytes()
+
+    def demoting_bytes(self) -> int:
+        """Weights of a demotion under way (not yet given back)."""
+        if self.demoted and self._holds_weights():
+            return self.weights_bytes()
+        return 0
+
+    def demote(self, why: str) -> bool:
+        """Unload the GPU worker for interactive work (rule 6); False when it may not be now."""
+        if self.demotable_bytes() is None or self.gpu is None:
+            return False
+        self.demoted = True  # placement stops sending work to the GPU at once (no await before)
+        self._room_since = None
+        self.demotions += 1
+        self._ladder_event("demoted", why)
+        self.gw.loops.spawn(f"demote-{self.name}", self.gpu.park(f"demoted: {why}"))
+        return True
+
+    def _promote_if_due(self, now: float) -> None:
+        ledger = self.gw.ledger
+        if not self.demoted or self.gpu is None or ledger is None:
+            return
+        if self._holds_weights():
+            return  # still unloading
+        a = self.gw.cfg.admission
+        due, self._room_since = promote_due(
+            headroom_bytes=ledger.headroom(now),
+            weights_bytes=self.weights_bytes(),
+            reserve_bytes=a.promote_headroom_mib * 1024 * 1024,
+            low_since_s=self._room_since,
+            now_s=now,
+            hold_s=a.promote_after_s,
+        )
+        if due:
+            self.demoted = False
+            self._promoted_s = now
+            self.promotions += 1
+            why = f"its weights fitted with {a.promote_headroom_mib} MiB to spare for {a.promote_after_s:.0f}s"
+            self._ladder_event("promoted", why)
+            self.gpu.resume(f"promoted: {why}")
+
+    def _ladder_event(self, event: str, why: str) -> None:
+        self.ladder.append({"t_s": round(time.monotonic() - self.gw.started_s, 3), "event": event, "reason": why})
+        del self.ladder[:-20]
+        self.gw.metrics.service_ladder.labels(self.name, event).inc()
+        self.gw.note_event(f"{self.name}-gpu", f"{event}: {why}")
+        if self.gw.journal is not None:
+            self.gw.loops.spawn(f"journal-{event}-{self.name}", self._journal_event(event, why))
+        self.kick()
+
+    async def _journal_event(self, event: str, why: str) -> None:
+        assert self.gw.journal is not None
+        try:
+            await self.gw.journal.record_service_event(self.name, event, why)
+        except Exception as exc:  # a full disk: the event is still counted and shown
+            log.warning("%s: could not journal %s: %s", self.name, event, exc)
+
+    # -- the pump -----------------------------------------------------------------------
+    def kick(self) -> None:
+        self._wake.set()
+
+    async def _pump_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                self.pump_once()
+                self._promote_if_due(time.monotonic())
+            except Exception:
+                log.exception("%s: pump pass failed", self.name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+
+    def _view(self, nbytes: int, avoid_gpu: bool, now: float) -> PlacementView:
+        g = self.gpu.worker if self.gpu is not None else None
+        c = self.cpu.worker if self.cpu is not None else None
+        ledger = self.gw.ledger
+        host_ok = True
+        if c is not None and self.gw.cfg.device.host_guard and self.gw.host.observed_bytes:
+            host_ok = self.gw.host.observed_bytes < self.gw.host.budget_bytes
+        return PlacementView(
+            gpu_configured=g is not None,
+            gpu_ready=g is not None and g.state is WorkerState.READY,
+            gpu_free_slots=g.free_slots if g is not None else 0,
+            breaker_allows=allows(self.breaker, self.breaker_policy),
+            headroom_bytes=ledger.headroom(now) if ledger is not None else None,
+            nbytes=nbytes,
+            cpu_ready=c is not None and c.state is WorkerState.READY,
+            cpu_free_slots=c.free_slots if c is not None else 0,
+            host_allows=host_ok,
+            avoid_gpu=avoid_gpu,
+            demoted=self.demoted,
+        )
+
+    def pump_once(self) -> None:
+        """Expire old jobs; start each queued job on the first lane that can take it (rule 2)."""
+        now = time.monotonic()
+        self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.breaker_policy)
+        for job in [j for j in self.queue if j.future.done()]:
+            self.queue.remove(job)
+        for job in [j for j in self.queue if now - j.enqueued_s > self.cfg.queue_max_age_s]:
+            self.queue.remove(job)
+            job.future.set_exception(
+                CapacityError(
+                    f"waited {self.cfg.queue_max_age_s:.0f}s for an {self.name} worker",
+                    retry_after_s=self.eta_s(job.work),
+                    code="queue_timeout",
+                )
+            )
+            job.future.exception()
+        for job in list(self.queue):
+            choice = place(self._view(job.nbytes, job.avoid_gpu, now))
+            self.last_choice = (choice.lane, str(choice.reason))
+            if choice.lane == "wait":
+                continue
+            worker = self.gpu.worker if choice.lane == "gpu" and self.gpu else self.cpu.worker if self.cpu else None
+            assert worker is not None
+            probe_round = None
+            if choice.lane == "gpu":
+                assert self.gw.ledger is not None
+                if self.gw.ledger.reserve_nowait(job.rid, job.nbytes, now) is None:
+                    continue
+                self._reserved[job.rid] = job.nbytes
+                self.breaker, probe_round = probe_started(self.breaker, now, self.breaker_policy)
+                self.gw.kick_scheduler()  # chat admission sees the bytes at once
+            worker.claim_slot(job.rid)
+            self._running_work[job.rid] = job.work
+            self.queue.remove(job)
+            nbytes = job.nbytes if choice.lane == "gpu" else 0
+            job.future.set_result(_Dispatch(worker, choice.lane, choice.reason, nbytes, probe_round))
+
+    def _free_slots(self) -> int:
+        return sum(s.worker.free_slots for s in self.supervisors())
+
+    def eta_s(self, work: float = 1.0) -> float:
+        """Seconds until a request of ``work`` queued now would likely start and end: the work
+        queued ahead of it spread over the lanes' slots at their measured speed (never under 1 s)."""
+        slots = sum(s.worker.spec.slots for s in self.supervisors() if s.worker.state is WorkerState.READY)
+        per = min(self._rate.values())
+        return max(1.0, math.ceil((self._queued_work() + work) / max(1, slots)) * per * 2)
+
+    def lane_eta_s(self, lane: str, work: float) -> float:
+        """Rule 2: seconds until a request of ``work`` would end on ``lane`` alone: its queue
+        share and the work running there, at that lane's measured speed."""
+        sup = self.gpu if lane == "gpu" else self.cpu
+        if sup is None:
+            return math.inf
+        slots = max(1, sup.worker.spec.slots)
+        ahead = self._queued_work() + sum(w for rid, w in self._running_work.items() if rid in sup.worker.claimed)
+        return (ahead / slots + work) * self._rate[lane]
+
+    def _queued_work(self) -> float:
+        return sum(j.work for j in self.queue)
+
+    def statistics(self) -> ServiceStatistics:
+
+        lane, why = self.last_choice
+        if not self.queue:  # nothing waits: say where a request would start now
+            c = place(self._view(self.probe_bytes(), False, time.monotonic()))
+            lane, why = c.lane, str(c.reason if c.lane != "cpu" else c.gpu_reason)
+        return ServiceStatistics(
+            name=self.name,
+            kind=self.kind,
+            priority=self.cfg.priority,
+            aliases=tuple(self.cfg.aliases),
+            where="none" if lane == "wait" and not self._free_slots() else lane,
+            why=why,
+            queued=len(self.queue),
+            running=sum(s.worker.busy for s in self.supervisors()),
+            eta_s=round(self.eta_s(), 3),
+            served=dict(self.served),
+            failovers=self.failovers,
+            shed=self.shed,
+            breaker=self.breaker.circuit.value,
+            weights_bytes=self.weights_bytes() if self.model_dir else 0,
+            reserved_bytes=sum(self._reserved.values()),
+            device_bytes=self.device_bytes(),
+            load_waiting=self.load_waiting,
+            demoted=self.demoted,
+            demotions=self.demotions,
+            promotions=self.promotions,
+            ladder=list(self.ladder),
+            workers=[s.status_row() for s in self.supervisors()],
+        )

@@ -1,0 +1,272 @@
+"""The transcription service beside chat on one (sim) device: OpenAI's audio API through the
+official client, every response format, bad audio, failover at the request boundary,
+idempotency, deadlines, the CPU path when the device is full, and a gateway SIGKILL.
+
+The clip ``tests/data/speech.wav`` (5.9 s, 16 kHz mono) was made once with Debian's
+espeak-ng: ``espeak-ng -v en-us -s 150 -w s.wav "The quick brown fox jumps over the lazy
+dog. Spillover keeps every request." && sox s.wav -r 16000 -c 1 -b 16 tests/data/speech.wav``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import threading
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from spillover.engine.sim import SimDevice
+from spillover.testing import GatewayProcess
+from tests.e2e.helpers import wait_for
+
+pytestmark = pytest.mark.e2e
+
+CLIP = Path(__file__).resolve().parents[1] / "data" / "speech.wav"
+WORDS = ("quick", "brown", "fox", "lazy", "dog")
+
+
+def _long_clip(repeats: int) -> bytes:
+    """The clip ``repeats`` times over, with a second of silence between: a longer WAV."""
+    with wave.open(str(CLIP)) as w:
+        params = w.getparams()
+        frames = w.readframes(w.getnframes())
+    gap = b"\0\0" * params.framerate
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setparams(params)
+        w.writeframes((frames + gap) * repeats)
+    return out.getvalue()
+
+
+def _service(gw: GatewayProcess) -> dict[str, Any]:
+    return next(s for s in gw.status()["services"] if s["kind"] == "transcription")
+
+
+def _worker(gw: GatewayProcess, lane: str) -> dict[str, Any]:
+    return next(w for w in _service(gw)["workers"] if w["lane"] == lane)
+
+
+def _post(gw: GatewayProcess, data: dict[str, Any], content: bytes, **kw: Any) -> httpx.Response:
+    return httpx.post(
+        gw.url + "/v1/audio/transcriptions",
+        data={"model": "whisper-1", **data},
+        files={"file": ("clip.wav", content, "audio/wav")},
+        timeout=300,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayProcess]:
+    with GatewayProcess(["--gpu", "sim:1024"], services=("chat", "transcription")) as g:
+        yield g
+
+
+def test_the_openai_client_transcribes_the_clip_in_every_format(gw: GatewayProcess) -> None:
+    """audio.transcriptions.create: the text holds the spoken words; srt and vtt are valid
+    subtitle files; verbose_json has segments and, when asked, words; json carries the
+    spillover object."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    with open(CLIP, "rb") as f:
+        plain = client.audio.transcriptions.create(model="whisper-1", file=f)
+    text = plain.text.lower()
+    assert all(w in text for w in WORDS), plain.text
+    raw = client.audio.transcriptions.with_raw_response.create(model="whisper-tiny.en", file=CLIP.read_bytes())
+    assert raw.headers["x-spillover-route"] == "gpu" and raw.headers["x-spillover-degraded"] == "0"
+    assert raw.parse().text == plain.text
+    sp = httpx.Response(200, content=raw.http_response.content).json()["spillover"]
+    assert sp["route"] == "gpu" and sp["model"] == "whisper-tiny.en" and sp["attempts"] == 1
+
+    as_text = client.audio.transcriptions.create(model="whisper-1", file=CLIP.read_bytes(), response_format="text")
+    assert str(as_text).strip() == plain.text
+
+    srt = str(client.audio.transcriptions.create(model="whisper-1", file=CLIP.read_bytes(), response_format="srt"))
+    cues = [c for c in srt.strip().split("\n\n") if c]
+    stamp = r"(\d\d):(\d\d):(\d\d),(\d\d\d)"
+    last = -1.0
+    for n, cue in enumerate(cues, start=1):
+        lines = cue.split("\n")
+        assert lines[0] == str(n)
+        m = re.fullmatch(f"{stamp} --> {stamp}", lines[1])
+        assert m, lines[1]
+        g = [int(x) for x in m.groups()]
+        start = g[0] * 3600 + g[1] * 60 + g[2] + g[3] / 1000
+        end = g[4] * 3600 + g[5] * 60 + g[6] + g[7] / 1000
+        assert last <= start < end and lines[2:]
+        last = start
+    assert "quick brown fox" in srt.lower()
+
+    vtt = str(client.audio.transcriptions.create(model="whisper-1", file=CLIP.read_bytes(), response_format="vtt"))
+    assert vtt.startswith("WEBVTT\n\n")
+    assert re.search(r"^\d\d:\d\d:\d\d\.\d\d\d --> \d\d:\d\d:\d\d\.\d\d\d$", vtt, re.M)
+
+    verbose = client.audio.transcriptions.create(
+        model="whisper-1",
+        file=CLIP.read_bytes(),
+        response_format="verbose_json",
+        timestamp_granularities=["word", "segment"],
+    )
+    assert verbose.language == "english" and 5.5 < verbose.duration < 6.5
+    assert verbose.segments and verbose.segments[0].start == 0.0
+    assert verbose.words and any(w.word.strip().lower().startswith("fox") for w in verbose.words)
+    assert all(a.start <= b.start for a, b in zip(verbose.words, verbose.words[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("content", "data", "status", "param", "fragment"),
+    [
+        (b"this is not audio at all", {}, 400, "file", "not audio"),
+        (b"", {}, 400, "file", "empty"),
+        (CLIP.read_bytes()[: len(CLIP.read_bytes()) // 2], {}, 400, "file", "truncated"),
+        (CLIP.read_bytes(), {"response_format": "mp3"}, 400, "response_format", "response_format"),
+        (CLIP.read_bytes(), {"temperature": "2"}, 400, "temperature", "temperature"),
+        (CLIP.read_bytes(), {"language": "de"}, 400, "language", "English-only"),
+        (CLIP.read_bytes(), {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]", "verbose_json"),
+        (CLIP.read_bytes(), {"stream": "true"}, 400, "stream", "stream"),
+        (CLIP.read_bytes(), {"bogus": "1"}, 400, "bogus", "unknown field"),
+        (CLIP.read_bytes(), {"model": "nope"}, 404, "model", "nope"),
+        (CLIP.read_bytes(), {"model": "smollm2"}, 400, "model", "/v1/chat/completions"),
+    ],
+)
+def test_bad_audio_and_bad_fields_get_a_clear_openai_error(
+    gw: GatewayProcess, content: bytes, data: dict[str, Any], status: int, param: str, fragment: str
+) -> None:
+    r = _post(gw, data, content)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and fragment.lower() in err["message"].lower(), err
+
+
+def test_a_missing_file_a_json_body_and_translation_are_refused(gw: GatewayProcess) -> None:
+    """No file part is a 400 naming 'file'; a JSON body is a 415 naming the form type; the
+    English-only model cannot translate (400 model_not_supported)."""
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": "whisper-1"}, files={"x": ("a", b"b")})
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("file", "x")
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", json={"model": "whisper-1"})
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]["message"]
+    r = httpx.post(
+        gw.url + "/v1/audio/translations", data={"model": "whisper-1"}, files={"file": ("a.wav", CLIP.read_bytes())}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+
+
+def test_idempotency_key_replays_the_same_bytes_and_another_file_is_422(gw: GatewayProcess) -> None:
+    first = _post(gw, {"response_format": "verbose_json"}, CLIP.read_bytes(), headers={"Idempotency-Key": "tx-1"})
+    again = _post(gw, {"response_format": "verbose_json"}, CLIP.read_bytes(), headers={"Idempotency-Key": "tx-1"})
+    other = _post(gw, {"response_format": "verbose_json"}, _long_clip(2), headers={"Idempotency-Key": "tx-1"})
+    assert first.status_code == again.status_code == 200
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert other.status_code == 422
+    doc = httpx.get(f"{gw.url}/v1/requests/{first.headers['x-spillover-request-id']}").json()
+    assert doc["state"] == "completed" and doc["kind"] == "transcription"
+
+
+def test_a_deadline_the_service_cannot_meet_is_refused_at_once_with_the_eta(gw: GatewayProcess) -> None:
+    t0 = time.monotonic()
+    r = _post(gw, {}, _long_clip(4), headers={"X-Spillover-Deadline-Ms": "50"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+    assert float(r.headers["retry-after"]) >= 1 and time.monotonic() - t0 < 10
+    assert r.headers["x-should-retry"] == "true"
+
+
+def test_a_gpu_fault_mid_transcription_replays_on_cpu_with_the_same_text(gw: GatewayProcess) -> None:
+    """An OOM between two segments on the GPU worker: the request is replayed whole on the
+    CPU replica at its boundary (nothing was delivered) and gives the same text."""
+    audio = _long_clip(4)
+    ref = _post(gw, {"response_format": "verbose_json"}, audio)
+    assert ref.status_code == 200 and ref.headers["x-spillover-route"] == "gpu"
+    assert len(ref.json()["segments"]) >= 3
+    out: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", _post(gw, {"response_format": "verbose_json"}, audio)))
+    t.start()
+    wait_for(lambda: _worker(gw, "gpu")["busy"] >= 1, 60, "running on the gpu")
+    SimDevice(gw.state_dir).fail_running(1)
+    t.join(240)
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-degraded"] == "1"
+    assert r.headers["x-spillover-reason"] == "failover:oom"
+    assert r.json()["spillover"]["attempts"] == 2
+    assert r.json()["text"] == ref.json()["text"]
+    assert [s["text"] for s in r.json()["segments"]] == [s["text"] for s in ref.json()["segments"]]
+
+
+def test_a_model_load_that_does_not_fit_serves_on_the_cpu_path_flagged_degraded() -> None:
+    """With no room for the Whisper weights beside chat, its GPU load waits (never an OOM)
+    and transcriptions are answered on the CPU replica, flagged degraded with the reason."""
+    with GatewayProcess(["--gpu", "sim:160"], services=("chat", "transcription"), wait_all_workers=False) as g:
+        wait_for(lambda: _worker(g, "cpu")["state"] == "ready" and _service(g)["load_waiting"], 90, "cpu only")
+        r = _post(g, {}, CLIP.read_bytes())
+        assert r.status_code == 200, r.text
+        assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-degraded"] == "1"
+        assert r.json()["spillover"]["degraded"] is True and r.headers["x-spillover-reason"]
+        assert all(w in r.json()["text"].lower() for w in WORDS)
+        assert g.status()["device"]["alloc_failures"] == 0 and _worker(g, "gpu")["starts"] == 0
+
+
+def test_an_upload_over_the_limit_is_refused_while_it_is_read() -> None:
+    """max_upload_mib = 1: a 3 MiB upload is a 413 (with or without Content-Length), and
+    audio longer than max_audio_s is a 413 naming 'file'."""
+    svc = {"name": "whisper-tiny.en", "kind": "transcription", "aliases": ["whisper-1"], "gpu": False,
+           "max_upload_mib": 1, "max_audio_s": 8.0}  # fmt: skip
+    with GatewayProcess(["--gpu", "none"], services=("chat", "transcription"), config={"services": [svc]}) as g:
+        big = b"\0" * (3 * 1024 * 1024)
+        r = _post(g, {}, big)
+        assert r.status_code == 413, r.text
+
+        def chunks() -> Iterator[bytes]:
+            boundary = b"--xyz\r\n"
+            yield boundary + b'Content-Disposition: form-data; name="model"\r\n\r\nwhisper-1\r\n'
+            yield boundary + b'Content-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+            for _ in range(48):
+                yield b"\0" * 65536
+            yield b"\r\n--xyz--\r\n"
+
+        r = httpx.post(
+            g.url + "/v1/audio/transcriptions",
+            content=chunks(),
+            headers={"Content-Type": "multipart/form-data; boundary=xyz"},
+            timeout=60,
+        )
+        assert r.status_code == 413, r.text
+        r = _post(g, {}, _long_clip(2))
+        assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text
+        ok = _post(g, {}, CLIP.read_bytes())
+        assert ok.status_code == 200 and ok.headers["x-spillover-route"] == "cpu"
+
+
+def test_a_transcription_survives_a_gateway_sigkill(tmp_path: Path) -> None:
+    """Accepted then SIGKILLed with the gateway: after a restart it is replayed from the
+    stored upload and its key answers the journaled transcript."""
+    g = GatewayProcess(["--gpu", "sim:1024"], state_dir=str(tmp_path / "s"), services=("chat", "transcription"))
+    g.start()
+    try:
+        audio = _long_clip(4)
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the gateway dies under it
+                _post(g, {}, audio, headers={"Idempotency-Key": "survive-tx"})
+
+        threading.Thread(target=send, daemon=True).start()
+        wait_for(lambda: g.status()["running"], 60, "running")
+        g.kill9()
+        g.restart()
+
+        def finished() -> httpx.Response | None:
+            r = _post(g, {}, audio, headers={"Idempotency-Key": "survive-tx"})
+            return r if r.status_code == 200 else None
+
+        r: httpx.Response = wait_for(finished, 240, "replayed")
+        assert r.headers["idempotent-replayed"] == "true"
+        assert all(w in r.json()["text"].lower() for w in WORDS)
+        assert g.status()["recovered"]["replayed"] == 1
+    finally:
+        g.stop()
