@@ -7,7 +7,7 @@ are printed beside ``core.transcribe_memory``'s prediction.
     .venv/bin/python benchmarks/transcribe_estimate.py --write    # and record it in
                                                                   # tests/core/data/transcribe_memory_table.json
 
-The audio is ``tests/data/speech.wav`` repeated to length. On ``cuda:N`` this measures the
+The audio is ``spillover.testing.audio``'s clip repeated to length. On ``cuda:N`` this measures the
 CPU path only (NVML figures need a device; none was lent here).
 """
 
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CLIP = ROOT / "src" / "spillover" / "testing" / "data" / "speech.wav"
 TABLE = ROOT / "tests" / "core" / "data" / "transcribe_memory_table.json"
 CELLS = [(ct, beam, secs) for ct in ("int8", "float32") for beam in (1, 5) for secs in (10.0, 30.0, 90.0)]
 MIB = 1024 * 1024
@@ -50,7 +51,7 @@ print(json.dumps({"load": r1 - r0, "run": peak - r1, "segments": n}))
 
 def measure(ct: str, beam: int, secs: float, model_dir: str) -> dict[str, int]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, ct, str(beam), str(secs), model_dir, str(ROOT / "tests/data/speech.wav")],
+        [sys.executable, "-c", CHILD, ct, str(beam), str(secs), model_dir, str(CLIP)],
         capture_output=True,
         text=True,
         check=True,

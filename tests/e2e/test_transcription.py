@@ -1,20 +1,15 @@
 """The transcription service beside chat on one (sim) device: OpenAI's audio API through the
 official client, every response format, bad audio, failover at the request boundary,
-idempotency, deadlines, the CPU path when the device is full, and a gateway SIGKILL.
-
-The clip ``tests/data/speech.wav`` (5.9 s, 16 kHz mono) was made once with Debian's
-espeak-ng: ``espeak-ng -v en-us -s 150 -w s.wav "The quick brown fox jumps over the lazy
-dog. Spillover keeps every request." && sox s.wav -r 16000 -c 1 -b 16 tests/data/speech.wav``.
-"""
+idempotency, deadlines, cancellation, the CPU path when the device is full, and a gateway
+SIGKILL. The spoken clip is ``spillover.testing.audio``'s (espeak-ng, made once)."""
 
 from __future__ import annotations
 
 import contextlib
-import io
+import json
 import re
 import threading
 import time
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,25 +20,18 @@ import pytest
 
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
+from spillover.testing.audio import SPOKEN_WORDS, speech_clip, speech_of
 from tests.e2e.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
-CLIP = Path(__file__).resolve().parents[1] / "data" / "speech.wav"
-WORDS = ("quick", "brown", "fox", "lazy", "dog")
+CLIP = speech_clip()
+WORDS = SPOKEN_WORDS
 
 
 def _long_clip(repeats: int) -> bytes:
     """The clip ``repeats`` times over, with a second of silence between: a longer WAV."""
-    with wave.open(str(CLIP)) as w:
-        params = w.getparams()
-        frames = w.readframes(w.getnframes())
-    gap = b"\0\0" * params.framerate
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setparams(params)
-        w.writeframes((frames + gap) * repeats)
-    return out.getvalue()
+    return speech_of(repeats * 6.874)
 
 
 def _service(gw: GatewayProcess) -> dict[str, Any]:
@@ -75,20 +63,19 @@ def test_the_openai_client_transcribes_the_clip_in_every_format(gw: GatewayProce
     subtitle files; verbose_json has segments and, when asked, words; json carries the
     spillover object."""
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-    with open(CLIP, "rb") as f:
-        plain = client.audio.transcriptions.create(model="whisper-1", file=f)
+    plain = client.audio.transcriptions.create(model="whisper-1", file=("clip.wav", CLIP))
     text = plain.text.lower()
     assert all(w in text for w in WORDS), plain.text
-    raw = client.audio.transcriptions.with_raw_response.create(model="whisper-tiny.en", file=CLIP.read_bytes())
+    raw = client.audio.transcriptions.with_raw_response.create(model="whisper-tiny.en", file=CLIP)
     assert raw.headers["x-spillover-route"] == "gpu" and raw.headers["x-spillover-degraded"] == "0"
     assert raw.parse().text == plain.text
     sp = httpx.Response(200, content=raw.http_response.content).json()["spillover"]
     assert sp["route"] == "gpu" and sp["model"] == "whisper-tiny.en" and sp["attempts"] == 1
 
-    as_text = client.audio.transcriptions.create(model="whisper-1", file=CLIP.read_bytes(), response_format="text")
+    as_text = client.audio.transcriptions.create(model="whisper-1", file=CLIP, response_format="text")
     assert str(as_text).strip() == plain.text
 
-    srt = str(client.audio.transcriptions.create(model="whisper-1", file=CLIP.read_bytes(), response_format="srt"))
+    srt = str(client.audio.transcriptions.create(model="whisper-1", file=CLIP, response_format="srt"))
     cues = [c for c in srt.strip().split("\n\n") if c]
     stamp = r"(\d\d):(\d\d):(\d\d),(\d\d\d)"
     last = -1.0
@@ -104,13 +91,13 @@ def test_the_openai_client_transcribes_the_clip_in_every_format(gw: GatewayProce
         last = start
     assert "quick brown fox" in srt.lower()
 
-    vtt = str(client.audio.transcriptions.create(model="whisper-1", file=CLIP.read_bytes(), response_format="vtt"))
+    vtt = str(client.audio.transcriptions.create(model="whisper-1", file=CLIP, response_format="vtt"))
     assert vtt.startswith("WEBVTT\n\n")
     assert re.search(r"^\d\d:\d\d:\d\d\.\d\d\d --> \d\d:\d\d:\d\d\.\d\d\d$", vtt, re.M)
 
     verbose = client.audio.transcriptions.create(
         model="whisper-1",
-        file=CLIP.read_bytes(),
+        file=CLIP,
         response_format="verbose_json",
         timestamp_granularities=["word", "segment"],
     )
@@ -125,15 +112,16 @@ def test_the_openai_client_transcribes_the_clip_in_every_format(gw: GatewayProce
     [
         (b"this is not audio at all", {}, 400, "file", "not audio"),
         (b"", {}, 400, "file", "empty"),
-        (CLIP.read_bytes()[: len(CLIP.read_bytes()) // 2], {}, 400, "file", "truncated"),
-        (CLIP.read_bytes(), {"response_format": "mp3"}, 400, "response_format", "response_format"),
-        (CLIP.read_bytes(), {"temperature": "2"}, 400, "temperature", "temperature"),
-        (CLIP.read_bytes(), {"language": "de"}, 400, "language", "English-only"),
-        (CLIP.read_bytes(), {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]", "verbose_json"),
-        (CLIP.read_bytes(), {"stream": "true"}, 400, "stream", "stream"),
-        (CLIP.read_bytes(), {"bogus": "1"}, 400, "bogus", "unknown field"),
-        (CLIP.read_bytes(), {"model": "nope"}, 404, "model", "nope"),
-        (CLIP.read_bytes(), {"model": "smollm2"}, 400, "model", "/v1/chat/completions"),
+        (CLIP[: len(CLIP) // 2], {}, 400, "file", "truncated"),
+        (CLIP, {"response_format": "mp3"}, 400, "response_format", "response_format"),
+        (CLIP, {"temperature": "2"}, 400, "temperature", "temperature"),
+        (CLIP, {"language": "de"}, 400, "language", "English-only"),
+        (CLIP, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]", "verbose_json"),
+        (CLIP, {"stream": "maybe"}, 400, "stream", "stream"),
+        (CLIP, {"stream": "true", "response_format": "vtt"}, 400, "stream", "stream"),
+        (CLIP, {"bogus": "1"}, 400, "bogus", "unknown field"),
+        (CLIP, {"model": "nope"}, 404, "model", "nope"),
+        (CLIP, {"model": "smollm2"}, 400, "model", "/v1/chat/completions"),
     ],
 )
 def test_bad_audio_and_bad_fields_get_a_clear_openai_error(
@@ -152,15 +140,13 @@ def test_a_missing_file_a_json_body_and_translation_are_refused(gw: GatewayProce
     assert r.status_code == 400 and r.json()["error"]["param"] in ("file", "x")
     r = httpx.post(gw.url + "/v1/audio/transcriptions", json={"model": "whisper-1"})
     assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]["message"]
-    r = httpx.post(
-        gw.url + "/v1/audio/translations", data={"model": "whisper-1"}, files={"file": ("a.wav", CLIP.read_bytes())}
-    )
+    r = httpx.post(gw.url + "/v1/audio/translations", data={"model": "whisper-1"}, files={"file": ("a.wav", CLIP)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
 
 
 def test_idempotency_key_replays_the_same_bytes_and_another_file_is_422(gw: GatewayProcess) -> None:
-    first = _post(gw, {"response_format": "verbose_json"}, CLIP.read_bytes(), headers={"Idempotency-Key": "tx-1"})
-    again = _post(gw, {"response_format": "verbose_json"}, CLIP.read_bytes(), headers={"Idempotency-Key": "tx-1"})
+    first = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})
+    again = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})
     other = _post(gw, {"response_format": "verbose_json"}, _long_clip(2), headers={"Idempotency-Key": "tx-1"})
     assert first.status_code == again.status_code == 200
     assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
@@ -199,12 +185,53 @@ def test_a_gpu_fault_mid_transcription_replays_on_cpu_with_the_same_text(gw: Gat
     assert [s["text"] for s in r.json()["segments"]] == [s["text"] for s in ref.json()["segments"]]
 
 
+def test_delete_of_a_running_transcription_ends_it_cancelled(gw: GatewayProcess) -> None:
+    """DELETE stops a long transcription: 409 request_cancelled, journaled cancelled, and its
+    slot and device bytes come back."""
+    out: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", _post(gw, {}, _long_clip(8))))
+    t.start()
+    running = wait_for(lambda: gw.status()["running"], 60, "running")
+    rid = running[0]["rid"]
+    wait_for(lambda: _service(gw)["running"] >= 1, 60, "on a worker")
+    assert httpx.delete(f"{gw.url}/v1/requests/{rid}", timeout=60).status_code == 200
+    t.join(120)
+    r = out["r"]
+    assert r.status_code == 409 and r.json()["error"]["code"] == "request_cancelled"
+    assert r.headers["x-should-retry"] == "false"
+    assert httpx.get(f"{gw.url}/v1/requests/{rid}").json()["state"] == "cancelled"
+    wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
+
+
+def test_a_long_file_while_the_gpu_is_full_goes_to_the_cpu_path_before_any_allocation_fails(
+    gw: GatewayProcess,
+) -> None:
+    """Another tenant leaves less room than a long file's predicted bytes: the request is
+    routed to the CPU replica, flagged degraded; nothing was refused by the device."""
+    sim = SimDevice(gw.state_dir)
+    wait_for(lambda: _worker(gw, "gpu")["state"] == "ready" and _service(gw)["running"] == 0, 60, "idle")
+    before = sim.snapshot().alloc_failures
+    snap = sim.snapshot()
+    margin = gw.status()["device"]["ledger"]["margin_bytes"]
+    room = 40 * 1024 * 1024  # under any transcription's prediction (the 30 s window alone is ~94 MiB)
+    assert sim.allocate("tenant", snap.capacity_bytes - snap.used_bytes - margin - room, owner="test-tenant")
+    try:
+        time.sleep(0.5)  # the gateway reads the device (every 100 ms)
+        r = _post(gw, {}, _long_clip(3))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-degraded"] == "1"
+        assert all(w in r.json()["text"].lower() for w in WORDS)
+    finally:
+        sim.free("tenant")
+    assert sim.snapshot().alloc_failures == before
+
+
 def test_a_model_load_that_does_not_fit_serves_on_the_cpu_path_flagged_degraded() -> None:
     """With no room for the Whisper weights beside chat, its GPU load waits (never an OOM)
     and transcriptions are answered on the CPU replica, flagged degraded with the reason."""
     with GatewayProcess(["--gpu", "sim:160"], services=("chat", "transcription"), wait_all_workers=False) as g:
         wait_for(lambda: _worker(g, "cpu")["state"] == "ready" and _service(g)["load_waiting"], 90, "cpu only")
-        r = _post(g, {}, CLIP.read_bytes())
+        r = _post(g, {}, CLIP)
         assert r.status_code == 200, r.text
         assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-degraded"] == "1"
         assert r.json()["spillover"]["degraded"] is True and r.headers["x-spillover-reason"]
@@ -239,7 +266,7 @@ def test_an_upload_over_the_limit_is_refused_while_it_is_read() -> None:
         assert r.status_code == 413, r.text
         r = _post(g, {}, _long_clip(2))
         assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text
-        ok = _post(g, {}, CLIP.read_bytes())
+        ok = _post(g, {}, CLIP)
         assert ok.status_code == 200 and ok.headers["x-spillover-route"] == "cpu"
 
 
@@ -270,3 +297,69 @@ def test_a_transcription_survives_a_gateway_sigkill(tmp_path: Path) -> None:
         assert g.status()["recovered"]["replayed"] == 1
     finally:
         g.stop()
+
+
+def _sse(body: bytes) -> list[Any]:
+    out: list[Any] = []
+    for block in body.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_stream_sends_segments_as_decoded_and_replays_the_same_bytes(gw: GatewayProcess) -> None:
+    """stream=true: OpenAI's transcript.text.delta events (one per segment), then
+    transcript.text.done with the whole text and the spillover object, then [DONE]; the
+    openai client reads them; a retry with the key gets the same bytes."""
+    audio = _long_clip(3)
+    whole = _post(gw, {}, audio).json()["text"]
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    events = list(client.audio.transcriptions.create(model="whisper-1", file=("a.wav", audio), stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    done = [e for e in events if e.type == "transcript.text.done"]
+    assert len(deltas) >= 3 and len(done) == 1
+    assert "".join(deltas).strip() == whole == done[0].text
+    first = _post(gw, {"stream": "true"}, audio, headers={"Idempotency-Key": "tx-stream"})
+    again = _post(gw, {"stream": "true"}, audio, headers={"Idempotency-Key": "tx-stream"})
+    assert first.headers["content-type"].startswith("text/event-stream")
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    evs = _sse(first.content)
+    assert evs[-1] == "[DONE]" and evs[-2]["type"] == "transcript.text.done"
+    assert evs[-2]["spillover"]["route"] == "gpu" and evs[-2]["usage"]["seconds"] >= 20
+    assert [e["segment"]["id"] for e in evs[:-2]] == list(range(len(evs) - 2))
+    r = _post(gw, {"stream": "true", "response_format": "srt"}, audio)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_a_gpu_fault_mid_stream_continues_on_cpu_without_repeating_a_segment(gw: GatewayProcess) -> None:
+    """Segments of the first window were sent when the GPU worker hits an OOM: the CPU
+    replica replays the file, its first segments equal those sent (same compute type), and
+    the stream continues from the first new one: the whole text equals a quiet run's."""
+    audio = _long_clip(12)  # about 82 s: three windows
+    ref = _post(gw, {"response_format": "verbose_json"}, audio).json()
+    received: list[Any] = []
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/audio/transcriptions",
+        data={"model": "whisper-1", "stream": "true"},
+        files={"file": ("a.wav", audio)},
+        timeout=300,
+    ) as r:
+        assert r.status_code == 200 and r.headers["x-spillover-route"] == "gpu"
+        armed = False
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            received.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if not armed:
+                SimDevice(gw.state_dir).fail_running(1)  # the next segment boundary on the GPU fails
+                armed = True
+    deltas = [e for e in received if isinstance(e, dict) and e.get("type") == "transcript.text.delta"]
+    done = next(e for e in received if isinstance(e, dict) and e.get("type") == "transcript.text.done")
+    assert received[-1] == "[DONE]"
+    assert [e["segment"]["id"] for e in deltas] == list(range(len(ref["segments"])))
+    assert [e["delta"] for e in deltas] == [s["text"] for s in ref["segments"]]
+    assert done["text"] == ref["text"]
+    assert done["spillover"]["route"] == "cpu" and done["spillover"]["attempts"] == 2
+    assert done["spillover"]["reason"] == "failover:oom"

@@ -6,6 +6,7 @@ import io
 import math
 import struct
 import wave
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from spillover.engine.audio import SAMPLE_RATE, BadAudio, decode
 from spillover.engine.whisper_meta import default_whisper_model_dir, read_whisper_shape
 
-CLIP = Path(__file__).resolve().parents[1] / "data" / "speech.wav"
+CLIP = Path(str(resources.files("spillover.testing").joinpath("data/speech.wav")))
 
 
 def _wav(path: Path, seconds: float, rate: int = 8000, channels: int = 2) -> bytes:

@@ -52,8 +52,10 @@ class DrillClient:
         reference: str | None = None,
         on_token: Any = None,
         headers: dict[str, str] | None = None,
+        files: dict[str, tuple[str, bytes]] | None = None,
     ) -> dict[str, Any]:
-        """Run one operation; returns its outcome record."""
+        """Run one operation; returns its outcome record. With ``files`` the body is sent as
+        multipart form fields beside them (the audio API)."""
         op = self.rec.next_op()
         key = key or f"drill-{op}"
         self.rec.write("invoke", scenario=scenario, op=op, name=name, stream=stream, key=key)
@@ -64,10 +66,21 @@ class DrillClient:
             if stream:
                 res |= self._stream(path, body, hdrs, on_token, t0)
             else:
-                r = self.http.post(path, json=body, headers=hdrs)
+                if files is not None:
+                    r = self.http.post(path, data=body, files=files, headers=hdrs)
+                else:
+                    r = self.http.post(path, json=body, headers=hdrs)
                 res |= self._headers(r.headers) | {"status": r.status_code}
                 data = r.json()
-                if r.status_code == 200 and "choices" not in data:  # an embeddings answer
+                if r.status_code == 200 and "choices" not in data and "data" not in data:  # a transcript
+                    sp = data.get("spillover") or {}
+                    res |= {
+                        "text": data.get("text"),
+                        "attempts": sp.get("attempts"),
+                        "degraded_body": sp.get("degraded"),
+                        "model_fallback": False,
+                    }
+                elif r.status_code == 200 and "choices" not in data:  # an embeddings answer
                     sp = data.get("spillover") or {}
                     rows = data.get("data") or []
                     res |= {

@@ -1,4 +1,5 @@
-"""The drill's mixed-service scenarios: chat and the embeddings service on one device budget.
+"""The drill's mixed-service scenarios: chat, the embeddings and the transcription service on
+one device budget.
 
 ``embedding_burst``: a burst of large embedding batches holds the device while a long chat
 arrives; chat admission sees the burst's reservation in the one ledger and routes the chat to
@@ -6,7 +7,12 @@ the CPU lane before any allocation fails. ``service_demotion``: another tenant l
 a long chat only if the idle batch service's weights go; the chat demotes the service (its
 weights are unloaded) and runs on the GPU, an embeddings request meanwhile is served on the
 service's CPU path flagged ``demoted``, and the service is promoted back once the room has
-lasted ``promote_after_s``. Both check that the device never refused an allocation.
+lasted ``promote_after_s``. ``transcription_burst``: long transcriptions hold the device
+while a long chat arrives; the chat goes to the CPU lane (or demotes the idle embeddings
+service) before any allocation fails, and every transcription ends with the text a quiet
+GPU gives. ``transcription_gpu_kill``: the transcription GPU worker is SIGKILLed mid-file;
+the request is replayed whole on its CPU replica with the same text. All check that the
+device never refused an allocation.
 
 The room figures are chosen for the default models (SmolLM2-135M chat, bge-small-en
 embeddings); each scenario records what it set so a report reader can see the arithmetic.
@@ -34,6 +40,9 @@ BURST_ROOM_MIB = 60
 # Room a tenant leaves: under the long chat's need, but over it once the embeddings weights
 # (about 47 MiB predicted) are unloaded.
 DEMOTION_ROOM_MIB = 90
+TRANSCRIBE_BURST_S = 30.0  # three files of this: two on the GPU (about 142 MiB predicted each), one queued
+BURST_FILES = 3
+TRANSCRIBE_KILL_S = 40.0  # long enough that a kill half a second in lands mid-file
 
 
 def _embeddings_service(d: Drill, scenario: str) -> dict[str, Any] | None:
@@ -96,7 +105,7 @@ def embedding_burst(d: Drill, n: int) -> None:
         before = _alloc_failures(d)
         sim = d.sim()
         full = sim.snapshot().capacity_bytes
-        burst, out = _background(functools.partial(_embed, d, "embedding_burst", f"burst-{i}", model, [EMB_LONG] * 40))
+        burst, out = _background(functools.partial(_embed, d, "embedding_burst", f"burst-{i}", model, [EMB_LONG] * 24))
         try:
             d.wait(lambda: _service(d, model)["reserved_bytes"] > 0, 60)  # the burst holds its bytes on the GPU
             ledger = d.client.status()["device"]["ledger"]
@@ -162,4 +171,127 @@ def service_demotion(d: Drill, n: int) -> None:
         d.expect("service_demotion", "no allocation failure", after == before, f"{before} -> {after}")
 
 
-MIXED_SCENARIOS = {"embedding_burst": embedding_burst, "service_demotion": service_demotion}
+def _transcription_service(d: Drill, scenario: str) -> dict[str, Any] | None:
+    """The first transcription service with a GPU worker, or None (recorded: skipped)."""
+    for svc in d.client.status().get("services", []):
+        if svc.get("kind") == "transcription" and any(w["lane"] == "gpu" for w in svc.get("workers", [])):
+            return dict(svc)
+    d.rec.write("info", scenario=scenario, op=0, note="skipped: no transcription service with a GPU worker")
+    return None
+
+
+def _transcribe(d: Drill, scenario: str, name: str, model: str, audio: bytes) -> dict[str, Any]:
+    return d.client.op(
+        scenario, name, {"model": model}, path="/v1/audio/transcriptions", files={"file": ("drill.wav", audio)}
+    )
+
+
+def _gpu_row(d: Drill, name: str) -> dict[str, Any]:
+    return next(w for w in _service(d, name)["workers"] if w["lane"] == "gpu")
+
+
+def _charged(d: Drill) -> bool:
+    """Every byte the ledger has granted is on the device (workers have charged them)."""
+    st = d.client.status()
+    return bool(d.sim().snapshot().used_bytes >= st["device"]["ledger"]["predicted_bytes"])
+
+
+def transcription_burst(d: Drill, n: int) -> None:
+    """Long transcriptions on the GPU push a long chat to the CPU lane (or demote embeddings)."""
+    from spillover.testing.audio import speech_of
+
+    svc = _transcription_service(d, "transcription_burst")
+    if svc is None:
+        return
+    model = svc["name"]
+    audio = speech_of(TRANSCRIBE_BURST_S)
+    for i in range(n):
+        d.await_gpu()
+        ref = _transcribe(d, "transcription_burst", f"reference-{i}", model, audio)
+        before = _alloc_failures(d)
+        demotions = sum(int(s.get("demotions", 0)) for s in d.client.status()["services"])
+        sim = d.sim()
+        full = sim.snapshot().capacity_bytes
+        burst = [
+            _background(functools.partial(_transcribe, d, "transcription_burst", f"burst-{i}-{k}", model, audio))
+            for k in range(BURST_FILES)
+        ]
+        try:
+            # The burst holds its bytes: every GPU slot taken and charged on the device (a
+            # capacity cut before a dispatched file's worker charged it would be a surprise
+            # tenant, answered by a failover, not the pressure this scenario is about).
+            d.wait(lambda: _gpu_row(d, model)["busy"] >= min(BURST_FILES, _gpu_row(d, model)["slots"]), 60)
+            d.wait(functools.partial(_charged, d), 10)
+            ledger = d.client.status()["device"]["ledger"]
+            cap = ledger["predicted_bytes"] + ledger["margin_bytes"] + BURST_ROOM_MIB * MIB
+            sim.set_capacity(cap)
+            d.rec.write("fault", scenario="transcription_burst", kind="capacity", capacity_bytes=cap)
+            d.wait(functools.partial(_capacity_seen, d, cap), 10)
+            chat = d.client.op("transcription_burst", f"long-chat-{i}", CHAT_LONG)
+            demoted = sum(int(s.get("demotions", 0)) for s in d.client.status()["services"]) > demotions
+            d.expect(
+                "transcription_burst",
+                "long chat routed to cpu (or the embeddings service demoted for it)",
+                chat.get("route") == "cpu" or (chat.get("route") == "gpu" and demoted),
+                chat.get("headers"),
+            )
+        finally:
+            for t, _ in burst:
+                t.join(600)
+            sim.set_capacity(full)
+            d.rec.write("fault", scenario="transcription_burst", kind="capacity_restored", capacity_bytes=full)
+        got = [out[0] if out else {} for _, out in burst]
+        d.expect(
+            "transcription_burst",
+            "every transcription answered with the reference text",
+            all(g.get("status") == 200 and g.get("text") == ref.get("text") for g in got),
+            [(g.get("route"), g.get("status")) for g in got],
+        )
+        after = _alloc_failures(d)
+        d.expect("transcription_burst", "no allocation failure", after == before, f"{before} -> {after}")
+
+
+def transcription_gpu_kill(d: Drill, n: int) -> None:
+    """SIGKILL of the transcription GPU worker mid-file: replayed on the CPU with the same text."""
+    import os
+    import signal
+    import time
+
+    from spillover.testing.audio import speech_of
+
+    svc = _transcription_service(d, "transcription_gpu_kill")
+    if svc is None:
+        return
+    model = svc["name"]
+    audio = speech_of(TRANSCRIBE_KILL_S)
+    for i in range(n):
+        d.await_gpu()
+        ref = _transcribe(d, "transcription_gpu_kill", f"reference-{i}", model, audio)
+        t, out = _background(functools.partial(_transcribe, d, "transcription_gpu_kill", f"killed-{i}", model, audio))
+        try:
+            gpu = d.wait(lambda: (w := _gpu_row(d, model))["busy"] and w, 60)
+            time.sleep(0.5)  # mid-file: a few segments decoded, none delivered
+            d.rec.write(
+                "fault", scenario="transcription_gpu_kill", kind="sigkill", pid=gpu["pid"], expect_recovery=True
+            )
+            os.kill(int(gpu["pid"]), signal.SIGKILL)
+        finally:
+            t.join(600)
+        got = out[0] if out else {}
+        headers = got.get("headers") or {}
+        d.expect(
+            "transcription_gpu_kill",
+            "replayed on the cpu replica, flagged",
+            got.get("route") == "cpu" and str(headers.get("x-spillover-reason", "")).startswith("failover:"),
+            headers,
+        )
+        d.expect("transcription_gpu_kill", "same text as the reference", got.get("text") == ref.get("text"),
+                 (got.get("text") or "")[:80])  # fmt: skip
+
+
+MIXED_SCENARIOS = {
+    "embedding_burst": embedding_burst,
+    "service_demotion": service_demotion,
+    "transcription_burst": transcription_burst,
+    "transcription_gpu_kill": transcription_gpu_kill,
+}

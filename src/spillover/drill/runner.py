@@ -218,8 +218,9 @@ def run_drill(opts: DrillOptions, progress: bool = True) -> tuple[int, dict[str,
             ["--gpu", opts.gpu, "--gpu-slots", "2", "--cpu-slots", "2", "--cpu-ctx", "2048", *fallback],
             config=DRILL_CONFIG,
             state_dir=str(opts.out / "gateway-state"),
-            # chat and the embeddings service on one device (transcription is not in the drill yet)
-            services=("chat", "embeddings"),
+            # every default service on one device, as `spillover serve` runs (transcription's
+            # workers only when a transcription scenario runs: they cost two processes)
+            services=True if any(n.startswith("transcription_") for n in names) else ("chat", "embeddings"),
         )
         gateway.start()
         state_dir = gateway.state_dir

@@ -42,6 +42,7 @@ from spillover.http.schemas import parse_chat, parse_completion, positive_ms, st
 from spillover.runtime.gateway import Gateway
 from spillover.runtime.prepare import new_request_id
 from spillover.runtime.requests import Answer, Endpoint, Refused, Run
+from spillover.runtime.unary import UnaryRun
 
 __all__ = ["create_app"]
 
@@ -185,7 +186,7 @@ def create_app(gw: Gateway) -> Starlette:
             return _answer(reply)
         return ClosingStream(reply.frames, media_type=reply.content_type, headers=reply.headers)
 
-    async def _cancel_on_disconnect(request: Request, run: Run) -> None:
+    async def _cancel_on_disconnect(request: Request, run: Run | UnaryRun) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":

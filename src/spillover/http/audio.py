@@ -6,7 +6,7 @@ Rules:
 1. The body is ``multipart/form-data`` with one ``file`` and OpenAI's fields: ``model``,
    ``language``, ``prompt``, ``response_format`` (json, text, srt, vtt, verbose_json),
    ``temperature`` (0-1), ``timestamp_granularities[]`` (segment, word; verbose_json only)
-   and ``stream`` (false only: see the README). Any other field is a 400 naming it.
+   and ``stream``. Any other field is a 400 naming it.
 2. The upload limit (the largest ``max_upload_mib`` of the transcription services, then the
    chosen service's own) is counted while the body is read: reading stops at the limit (413).
 3. The upload is stored once, fsynced, under the state folder by its SHA-256
@@ -23,6 +23,12 @@ Rules:
    CPU path is degraded.
 6. ``/v1/audio/translations`` asks the model to translate into English: a 400
    ``model_not_supported`` for an English-only model (``*.en``), which cannot.
+7. ``stream=true`` (with ``json`` or ``text``) answers in OpenAI's streamed transcription
+   events: a ``transcript.text.delta`` per segment as it is decoded (with the segment's id
+   and times), then ``transcript.text.done`` with the whole text, usage and the
+   ``spillover`` object, then ``[DONE]``. A failover mid-stream continues only where the
+   replay is provably the same (``runtime.transcription`` rule 5); the stream is journaled
+   whole, so an Idempotency-Key retry gets the same bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from starlette.types import Message
 from spillover.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, SpilloverError, to_http
 from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
-from spillover.runtime.unary import OnMove, UnaryEndpoint
+from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -81,6 +87,7 @@ class TranscribeRequest:
     temperature: float
     response_format: str
     granularities: tuple[str, ...]
+    stream: bool = False
 
 
 def uploads_dir(gw: Gateway) -> Path:
@@ -245,11 +252,11 @@ def parse(body: Any, gw: Gateway) -> TranscribeRequest:
         raise InvalidRequest(
             "'timestamp_granularities[]' needs response_format 'verbose_json'", param="timestamp_granularities[]"
         )
-    if str(body.get("stream", "false")).lower() not in ("false", "0"):
-        raise InvalidRequest(
-            "'stream' is not supported for transcription yet: send it without, and the whole answer comes at once",
-            param="stream",
-        )
+    stream = str(body.get("stream", "false")).lower()
+    if stream not in ("true", "false", "1", "0"):
+        raise InvalidRequest("'stream' must be true or false", param="stream")
+    if stream in ("true", "1") and fmt not in ("json", "text"):
+        raise InvalidRequest("'stream' needs response_format 'json' or 'text'", param="stream")
     upload = body.get("file")
     if not isinstance(upload, dict) or not isinstance(upload.get("sha256"), str):
         raise InvalidRequest("'file' is required: the audio, as a file part", param="file")
@@ -261,7 +268,7 @@ def parse(body: Any, gw: Gateway) -> TranscribeRequest:
     if not isinstance(seconds, (int, float)):
         raise InvalidRequest("'file' was not checked as audio", param="file")
     return TranscribeRequest(model, svc.name, upload["sha256"], float(seconds), str(task), language, prompt,
-                             temperature, str(fmt), granularities)  # fmt: skip
+                             temperature, str(fmt), granularities, stream in ("true", "1"))  # fmt: skip
 
 
 def _temperature(raw: Any) -> float:
@@ -295,12 +302,29 @@ def subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
     return ("" if fmt == "srt" else "WEBVTT\n\n") + "\n".join(cues)
 
 
+def _spillover(rid: str, req: TranscribeRequest, lane: str, reason: str, attempts: int) -> dict[str, Any]:
+    return {"request_id": rid, "route": lane, "degraded": lane != "gpu", "reason": reason, "model": req.service,
+            "attempts": attempts}  # fmt: skip
+
+
+def _event(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+def delta_frame(seg: dict[str, Any]) -> bytes:
+    """Rule 7: one decoded segment as a ``transcript.text.delta`` event."""
+    return _event({"type": "transcript.text.delta", "delta": seg["text"],
+                   "segment": {"id": seg["id"], "start": seg["start"], "end": seg["end"]}})  # fmt: skip
+
+
 def encode_answer(rid: str, req: TranscribeRequest, res: Transcript) -> Encoded:
-    """Rule 5: the whole answer in the asked format."""
-    sp = {"request_id": rid, "route": res.lane, "degraded": res.lane != "gpu", "reason": res.reason,
-          "model": req.service, "attempts": res.attempts}  # fmt: skip
+    """Rules 5 and 7: the whole answer in the asked format (or a stream's last events)."""
+    sp = _spillover(rid, req, res.lane, res.reason, res.attempts)
     headers = signal_headers(sp)
     usage = {"type": "duration", "seconds": math.ceil(res.duration_s)}
+    if req.stream:
+        done = _event({"type": "transcript.text.done", "text": res.text, "usage": usage, "spillover": sp})
+        return Encoded(200, [done, b"data: [DONE]\n\n"], headers, SSE)
     if req.response_format == "text":
         return Encoded(200, [(res.text + "\n").encode()], headers, FORMATS["text"])
     if req.response_format in ("srt", "vtt"):
@@ -328,8 +352,15 @@ def encode_error(err: SpilloverError, rid: str) -> Encoded:
     return Encoded(e.status, [json.dumps(e.body).encode()], headers, JSON, error=e.body)
 
 
-async def _execute(gw: Gateway, rid: str, req: TranscribeRequest, attempt: int, on_move: OnMove) -> Encoded:
+async def _execute(
+    gw: Gateway, rid: str, req: TranscribeRequest, attempt: int, on_move: OnMove, emit: Emit | None
+) -> Encoded:
     svc = _service(gw, req.model)
+
+    def on_segment(seg: dict[str, Any], lane: str, reason: str, attempts: int) -> None:
+        assert emit is not None
+        emit(delta_frame(seg), signal_headers(_spillover(rid, req, lane, reason, attempts)))
+
     fields = {
         "path": str(uploads_dir(gw) / req.upload),
         "task": req.task,
@@ -340,7 +371,9 @@ async def _execute(gw: Gateway, rid: str, req: TranscribeRequest, attempt: int, 
         "words": "word" in req.granularities,
     }
     try:
-        res = await svc.transcribe(rid, fields, req.seconds, attempt=attempt, on_move=on_move)
+        res = await svc.transcribe(
+            rid, fields, req.seconds, attempt=attempt, on_move=on_move, on_segment=on_segment if emit else None
+        )
     except InvalidRequest:
         _forget_upload(gw, req.upload, rid)
         raise
@@ -391,6 +424,7 @@ def audio_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
             release_place=lambda req, rid: _service(gw, req.model).release_place(rid),
             execute=functools.partial(_execute, gw),
             error=encode_error,
+            streams=lambda req: bool(req.stream),
         )
         for name in ("transcriptions", "translations")
     ]

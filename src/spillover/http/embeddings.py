@@ -29,7 +29,7 @@ from spillover.errors import ContextLengthExceeded, InvalidRequest, SpilloverErr
 from spillover.http.fields import check_fields, stored
 from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
-from spillover.runtime.unary import OnMove, UnaryEndpoint
+from spillover.runtime.unary import Emit, OnMove, UnaryEndpoint
 
 if TYPE_CHECKING:
     from spillover.runtime.embeddings import EmbeddingsService, EmbedResult
@@ -222,7 +222,9 @@ def encode_error(err: SpilloverError, rid: str, *, shape: str) -> Encoded:
     return Encoded(e.status, [json.dumps(body).encode()], headers, JSON, error=e.body)
 
 
-async def _execute(gw: Gateway, rid: str, req: EmbedRequest, attempt: int, on_move: OnMove) -> Encoded:
+async def _execute(
+    gw: Gateway, rid: str, req: EmbedRequest, attempt: int, on_move: OnMove, emit: Emit | None
+) -> Encoded:
     svc = _service(gw, req.model)
     res = await svc.embed(rid, req.inputs, attempt=attempt, on_move=on_move)
     return encode_answer(rid, req, res)

@@ -89,7 +89,9 @@ class RequestService:
     def register(self, endpoint: Endpoint | UnaryEndpoint) -> None:
         self.endpoints[endpoint.name] = endpoint
 
-    async def submit(self, endpoint: str, body: Any, *, idem_key: str | None, deadline_ms: int | None) -> Answer | Run:
+    async def submit(
+        self, endpoint: str, body: Any, *, idem_key: str | None, deadline_ms: int | None
+    ) -> Answer | Run | UnaryRun:
         """Rule 1: a stored answer (a finished Idempotency-Key), or an accepted ``Run``.
         Raises ``Refused`` when the request is not accepted."""
         ep = self.endpoints[endpoint]
@@ -157,8 +159,10 @@ class RequestService:
 
     async def _submit_unary(
         self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None, deadline_ms: int | None = None
-    ) -> Answer:
-        """Rule 1 for a request with one whole answer (``runtime.unary``)."""
+    ) -> Answer | UnaryRun:
+        """Rule 1 for a request with one whole answer (``runtime.unary``); a streamed one is
+        handed back live (its caller takes ``reply()``), and lets go of its place and of
+        ``live`` when it ends."""
         failed: SpilloverError | None = None
         held: tuple[Any, str] | None = None  # the request promised a place, and its id
         try:
@@ -192,8 +196,21 @@ class RequestService:
                     failed = await self._queue_unary(run)  # live from here: a retry with its key gets 409
             except SpilloverError as exc:
                 raise Refused(exc, rid) from exc
+            if failed is None and run.streaming:
+                place = held
+
+                def ended() -> None:
+                    self.live.pop(run.rid, None)
+                    if place is not None:
+                        ep.release_place(*place)
+
+                run.on_end = ended
+                held = None  # the run lets go of it
+                return run
             try:  # outside the key's lock, like a generation: its execution is the run's
-                return await run.fail_now(failed) if failed is not None else await run.reply()
+                got = await run.fail_now(failed) if failed is not None else await run.reply()
+                assert isinstance(got, Answer)
+                return got
             finally:
                 self.live.pop(run.rid, None)
         finally:
@@ -318,7 +335,10 @@ class RequestService:
                 return
             if isinstance(ep, UnaryEndpoint):
                 try:
-                    await unary.reply()
+                    got = await unary.reply()
+                    if isinstance(got, Streaming):  # nobody listens: the stream runs to its journaled end
+                        async for _ in got.frames:
+                            pass
                 finally:
                     self.live.pop(rec.id, None)
                 return

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 __all__ = ["DeviceService", "Served", "ServiceStatistics"]
 
 log = logging.getLogger("spillover.services")
+OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
 IDLE_WAKE_S = 0.5
 STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
 
@@ -275,11 +276,13 @@ class DeviceService(abc.ABC):
         work: float,
         attempt: int,
         on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+        on_part: OnPart | None = None,
     ) -> Served:
         """Run request ``rid`` (its worker op's fields ``msg``, ``nbytes`` of device memory on
         the GPU): dispatch, run, and replay on the CPU path after a GPU failure (rule 3).
-        ``on_move(state, fields)`` journals each step. A failure that is the request's own
-        (``bad_audio``) is raised at once as ``request_error`` makes it."""
+        ``on_move(state, fields)`` journals each step; ``on_part`` sees each answer event as
+        it arrives (for a stream), with the attempt's lane, reason and number. A failure
+        that is the request's own (``bad_audio``) is raised at once as ``request_error`` makes it."""
         fault: str | None = None
         max_attempts = self.gw.cfg.failover.max_attempts
         while True:
@@ -288,7 +291,8 @@ class DeviceService(abc.ABC):
             reason = str(FailoverReason(fault)) if fault else str(d.reason)
             try:  # the lease is ours from here: released once, however the attempt ends (rule 4)
                 await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
-                got = await self._run_on(d, rid, msg, work, on_move)
+                part = functools.partial(on_part, lane=d.lane, reason=reason, attempt=attempt) if on_part else None
+                got = await self._run_on(d, rid, msg, work, on_move, part)
             finally:
                 self._release(rid, d)
             if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], Done):
@@ -333,6 +337,7 @@ class DeviceService(abc.ABC):
         msg: dict[str, Any],
         work: float,
         on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+        on_part: Callable[[RequestEvent], None] | None = None,
     ) -> tuple[list[RequestEvent], Done] | tuple[str, str]:
         """One attempt: its answer events and Done, or the failure (kind, message).
         Cancellation stops the worker and waits (bounded) until it has let go of the request
@@ -359,6 +364,8 @@ class DeviceService(abc.ABC):
                     raise RequestCancelled(f"request {rid} was cancelled")
                 else:
                     parts.append(ev)
+                    if on_part is not None:
+                        on_part(ev)
             return ("exited", "the worker channel ended")
         except BaseException:
             d.worker.interrupt(rid)

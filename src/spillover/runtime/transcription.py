@@ -10,6 +10,11 @@ Rules (beside the service's own):
 3. A worker's ``bad_audio`` failure is the request's own (a 400), never a failover.
 4. The same upload with the same fields gives the same text on every worker of the same
    compute type (``engine.transcribe_worker`` rule 2), so a failover replays it whole.
+5. Streamed (``on_segment``), each segment is handed on as it is decoded. After a failover
+   the replay's first segments must equal those already sent (text, times and tokens); they
+   are not sent again and the stream continues from the first new one. A replay that
+   differs (another compute type on ``cuda``) ends the request with a resumable
+   ``failover_interrupted`` error instead: nothing is sent twice or changed under the client.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.transcribe_memory import TranscribeMemoryModel
-from spillover.errors import InvalidRequest, WorkerFailed
-from spillover.runtime.events import AudioInfo, Segment
+from spillover.errors import FailoverInterrupted, InvalidRequest, WorkerFailed
+from spillover.runtime.events import AudioInfo, RequestEvent, Segment
 from spillover.runtime.service import DeviceService
 
 if TYPE_CHECKING:
@@ -88,8 +93,10 @@ class TranscriptionService(DeviceService):
         *,
         attempt: int,
         on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
+        on_segment: Callable[[dict[str, Any], str, str, int], None] | None = None,
     ) -> Transcript:
-        """Transcribe a stored upload (``fields``: the worker op's) on whichever lane takes it."""
+        """Transcribe a stored upload (``fields``: the worker op's) on whichever lane takes it;
+        ``on_segment(segment, lane, reason, attempt)`` sees each new segment (rule 5)."""
         got = await self.serve(
             rid,
             {**fields, "beam_size": self.cfg.beam_size, "max_s": self.cfg.max_audio_s},
@@ -97,6 +104,7 @@ class TranscriptionService(DeviceService):
             work=max(seconds, 0.1),
             attempt=attempt,
             on_move=on_move,
+            on_part=_Continuity(on_segment) if on_segment is not None else None,
         )
         info = next((p for p in got.parts if isinstance(p, AudioInfo)), None)
         if info is None:
@@ -104,3 +112,35 @@ class TranscriptionService(DeviceService):
         segments = [p.data for p in got.parts if isinstance(p, Segment)]
         words = [w for s in segments for w in s.get("words", ())]
         return Transcript(info.language, info.duration_s, segments, got.lane, got.reason, got.attempts, words)
+
+
+class _Continuity:
+    """Rule 5: hands on new segments; checks a replay's first ones against those sent."""
+
+    def __init__(self, on_segment: Callable[[dict[str, Any], str, str, int], None]) -> None:
+        self.on_segment = on_segment
+        self.sent: list[dict[str, Any]] = []
+        self.attempt = -1
+        self.index = 0
+
+    def __call__(self, ev: RequestEvent, *, lane: str, reason: str, attempt: int) -> None:
+        if not isinstance(ev, Segment):
+            return
+        if attempt != self.attempt:
+            self.attempt, self.index = attempt, 0
+        i = self.index
+        self.index += 1
+        if i < len(self.sent):
+            if not _same(self.sent[i], ev.data):
+                raise FailoverInterrupted(
+                    f"the replay on the {lane} worker decoded segment {i} differently from what was already "
+                    "sent; the stream cannot continue unchanged: send the request again",
+                    retry_after_s=1.0,
+                )
+            return
+        self.sent.append(ev.data)
+        self.on_segment(ev.data, lane, reason, attempt)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("text", "start", "end", "tokens"))

@@ -13,21 +13,28 @@ Rules:
    (admitted, running, queued again for a failover), which the run journals.
 4. After a restart an orphan is run again through its endpoint (its stored body), as for a
    generation; its answer is journaled for its key.
+5. A streamed request (its endpoint's ``streams(req)``) answers with the frames its
+   ``execute`` emits as it goes (SSE), the first one with the response headers. Until the
+   first frame it is answered as a whole (an error before anything was sent keeps its own
+   status). Once streaming, an error ends the stream with an error frame, and a client that
+   goes away cancels the request. What was sent, the last frame included, is journaled as
+   its answer, so a retry with its Idempotency-Key gets the same bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
 from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.outcomes import classify_error
-from spillover.runtime.run import Answer, Encoded, as_error
+from spillover.runtime.run import Answer, Encoded, Streaming, as_error
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -37,6 +44,8 @@ __all__ = ["UnaryEndpoint", "UnaryRun"]
 log = logging.getLogger("spillover.request")
 
 OnMove = Callable[[str, dict[str, Any]], Awaitable[None]]
+Emit = Callable[[bytes, dict[str, str]], None]  # one streamed frame, and the headers it is sent under
+SSE = "text/event-stream"
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,9 @@ class UnaryEndpoint:
     ``hold_place`` promises the request (by id) a place in its queue or raises QueueFull at
     once when none is left (or a CapacityError when the client's deadline, in seconds from
     now, cannot be met); ``release_place`` ends the promise (idempotent); ``execute``
-    answers it (rule 3) or raises a SpilloverError, which ``error`` encodes."""
+    answers it (rule 3) or raises a SpilloverError, which ``error`` encodes. For a request
+    that ``streams``, ``execute`` is given an ``Emit`` and returns the stream's last frames
+    (rule 5)."""
 
     name: str
     kind: str
@@ -55,8 +66,9 @@ class UnaryEndpoint:
     stored: Callable[[dict[str, Any]], dict[str, Any]]
     hold_place: Callable[[Any, str, float | None], None]
     release_place: Callable[[Any, str], None]
-    execute: Callable[[str, Any, int, OnMove], Coroutine[Any, Any, Encoded]]
+    execute: Callable[[str, Any, int, OnMove, Emit | None], Coroutine[Any, Any, Encoded]]
     error: Callable[[SpilloverError, str], Encoded]
+    streams: Callable[[Any], bool] = lambda req: False
 
 
 @dataclass(eq=False)
@@ -72,7 +84,12 @@ class UnaryRun:
     started_s: float = field(default_factory=time.monotonic)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled_by_user: bool = False
+    on_end: Callable[[], None] | None = None  # a streamed run's owner lets go of it (rule 5)
     _task: asyncio.Task[Encoded] | None = None
+    _sent: list[bytes] = field(default_factory=list)  # frames streamed so far (rule 5)
+    _head: dict[str, str] | None = None
+    _frames: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    _first: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __repr__(self) -> str:
         return f"<UnaryRun {self.ep.name} {self.rid} route={self.route} attempt={self.attempt}>"
@@ -95,13 +112,47 @@ class UnaryRun:
         if self.gw.journal is not None:
             await self.gw.journal.move(self.rid, State(state), **fields)
 
-    async def reply(self) -> Answer:
-        """Run it to its end and journal the outcome before answering (rule 2)."""
+    @property
+    def streaming(self) -> bool:
+        return self.ep.streams(self.req)
+
+    def _emit(self, frame: bytes, headers: dict[str, str]) -> None:
+        """Rule 5: a frame to send now (the first one's headers are the response's)."""
+        if self._head is None:
+            self._head = dict(headers)
+        self._sent.append(frame)
+        self._frames.put_nowait(frame)
+        self._first.set()
+
+    async def reply(self) -> Answer | Streaming:
+        """Run it to its end and journal the outcome before answering (rule 2); a streamed
+        request answers once its first frame is out (rule 5). A streamed run's ``on_end``
+        is called once it is over, whichever way it ends."""
+        handed = False
+        try:
+            got = await self._reply()
+            handed = isinstance(got, Streaming)
+            return got
+        finally:
+            if self.streaming and not handed and self.on_end is not None:
+                self.on_end()
+
+    async def _reply(self) -> Answer | Streaming:
         if self.cancelled_by_user:  # DELETE came while it was being queued
             return _answer(await asyncio.shield(self._settle(RequestCancelled(f"request {self.rid} was cancelled"))))
         timeout_s = self.gw.cfg.server.request_timeout_s
         self._task = asyncio.create_task(self._bounded(timeout_s))
         try:
+            if self.streaming:
+                first = asyncio.create_task(self._first.wait())
+                try:
+                    await asyncio.wait({self._task, first}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    first.cancel()
+                if self._first.is_set():
+                    self.gw.loops.spawn(f"stream-{self.rid}", self._end_stream())
+                    assert self._head is not None
+                    return Streaming(self._head, self._stream(), SSE)
             outcome = await asyncio.shield(self._task)
         except asyncio.CancelledError:
             me = asyncio.current_task()
@@ -116,11 +167,51 @@ class UnaryRun:
         await asyncio.shield(self._store(State.COMPLETED, outcome))
         return _answer(outcome)
 
+    async def _stream(self) -> AsyncGenerator[bytes, None]:
+        """The frames as they come; the client going away cancels the request (rule 5)."""
+        try:
+            while (frame := await self._frames.get()) is not None:
+                yield frame
+        finally:
+            if not self.ended.is_set():
+                self.cancel()
+
+    async def _end_stream(self) -> None:
+        """Rule 5: once the work ends, its last frames (or an error frame) are sent, and the
+        whole stream is journaled; then the owner lets go of the run."""
+        assert self._task is not None
+        try:
+            try:
+                last = await asyncio.shield(self._task)
+                state = State.COMPLETED
+                err: SpilloverError | None = None
+            except asyncio.CancelledError:
+                err = RequestCancelled(f"request {self.rid} was cancelled")
+            except Exception as exc:
+                err = RequestCancelled(f"request {self.rid} was cancelled") if self.cancelled_by_user else None
+                err = err or as_error(exc, self.rid)
+            if err is not None:
+                state = classify_error(err)
+                body = self.ep.error(err, self.rid).error or {"message": err.message}
+                last = Encoded(200, [b"data: " + json.dumps({"error": body}).encode() + b"\n\n"], {}, SSE, body)
+            if not self._first.is_set():  # nothing was sent: the whole answer goes as usual
+                await self._store(state, last)
+                return
+            whole = Encoded(200, [*self._sent, *last.frames], self._head or {}, SSE, last.error)
+            for frame in last.frames:
+                self._frames.put_nowait(frame)
+            await self._store(state, whole)
+        finally:
+            self._frames.put_nowait(None)
+            if self.on_end is not None:
+                self.on_end()
+
     async def _bounded(self, timeout_s: float) -> Encoded:
         """The work, within ``[server].request_timeout_s`` (a hung worker cannot hold it forever)."""
+        emit = self._emit if self.streaming else None
         try:
             async with asyncio.timeout(timeout_s):
-                return await self.ep.execute(self.rid, self.req, self.attempt, self._move)
+                return await self.ep.execute(self.rid, self.req, self.attempt, self._move, emit)
         except TimeoutError as exc:
             raise RequestTimedOut(f"request {self.rid} ran past request_timeout_s ({timeout_s:.0f}s)") from exc
 
