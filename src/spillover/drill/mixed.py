@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from spillover.testing.audio import speech_of
 
 if TYPE_CHECKING:
     from spillover.drill.runner import Drill
@@ -45,13 +50,29 @@ BURST_FILES = 3
 TRANSCRIBE_KILL_S = 40.0  # long enough that a kill half a second in lands mid-file
 
 
-def _embeddings_service(d: Drill, scenario: str) -> dict[str, Any] | None:
-    """The first embeddings service with a GPU worker, or None (recorded: the scenario is skipped)."""
+def _gpu_service(d: Drill, scenario: str, kind: str) -> dict[str, Any] | None:
+    """The first service of ``kind`` with a GPU worker, or None (recorded: the scenario is skipped)."""
     for svc in d.client.status().get("services", []):
-        if svc.get("kind") == "embeddings" and any(w["lane"] == "gpu" for w in svc.get("workers", [])):
+        if svc.get("kind") == kind and any(w["lane"] == "gpu" for w in svc.get("workers", [])):
             return dict(svc)
-    d.rec.write("info", scenario=scenario, op=0, note="skipped: no embeddings service with a GPU worker")
+    d.rec.write("info", scenario=scenario, op=0, note=f"skipped: no {kind} service with a GPU worker")
     return None
+
+
+def _squeeze(d: Drill, scenario: str) -> None:
+    """Cut the device to what the ledger holds now plus ``BURST_ROOM_MIB`` (a short chat
+    fits, the long one does not), and wait until the gateway has read it."""
+    ledger = d.client.status()["device"]["ledger"]
+    cap = ledger["predicted_bytes"] + ledger["margin_bytes"] + BURST_ROOM_MIB * MIB
+    d.sim().set_capacity(cap)
+    d.rec.write("fault", scenario=scenario, kind="capacity", capacity_bytes=cap)
+    # The gateway has read the new capacity (as it would a tenant's allocation) before the chat comes.
+    d.wait(functools.partial(_capacity_seen, d, cap), 10)
+
+
+def _restore(d: Drill, scenario: str, full: int) -> None:
+    d.sim().set_capacity(full)
+    d.rec.write("fault", scenario=scenario, kind="capacity_restored", capacity_bytes=full)
 
 
 def _service(d: Drill, name: str) -> dict[str, Any]:
@@ -95,7 +116,7 @@ def _background(fn: Callable[[], dict[str, Any]]) -> tuple[threading.Thread, lis
 
 def embedding_burst(d: Drill, n: int) -> None:
     """A burst of large embedding batches on the GPU pushes a long chat to the CPU lane."""
-    svc = _embeddings_service(d, "embedding_burst")
+    svc = _gpu_service(d, "embedding_burst", "embeddings")
     if svc is None:
         return
     model = svc["name"]
@@ -103,23 +124,16 @@ def embedding_burst(d: Drill, n: int) -> None:
         d.await_gpu()
         ref = _embed(d, "embedding_burst", f"reference-{i}", model, [EMB_LONG])
         before = _alloc_failures(d)
-        sim = d.sim()
-        full = sim.snapshot().capacity_bytes
+        full = d.sim().snapshot().capacity_bytes
         burst, out = _background(functools.partial(_embed, d, "embedding_burst", f"burst-{i}", model, [EMB_LONG] * 24))
         try:
             d.wait(lambda: _service(d, model)["reserved_bytes"] > 0, 60)  # the burst holds its bytes on the GPU
-            ledger = d.client.status()["device"]["ledger"]
-            cap = ledger["predicted_bytes"] + ledger["margin_bytes"] + BURST_ROOM_MIB * MIB
-            sim.set_capacity(cap)
-            d.rec.write("fault", scenario="embedding_burst", kind="capacity", capacity_bytes=cap)
-            # The gateway has read the new capacity (as it would a tenant's allocation) before the chat comes.
-            d.wait(functools.partial(_capacity_seen, d, cap), 10)
+            _squeeze(d, "embedding_burst")
             chat = d.client.op("embedding_burst", f"long-chat-{i}", CHAT_LONG)
             d.expect("embedding_burst", "long chat routed to cpu", chat.get("route") == "cpu", chat.get("headers"))
         finally:
             burst.join(300)
-            sim.set_capacity(full)
-            d.rec.write("fault", scenario="embedding_burst", kind="capacity_restored", capacity_bytes=full)
+            _restore(d, "embedding_burst", full)
         got = out[0] if out else {}
         d.expect("embedding_burst", "burst served on the gpu", got.get("route") == "gpu", got.get("headers"))
         same = _cosine(got.get("embedding0"), ref.get("embedding0"))
@@ -130,7 +144,7 @@ def embedding_burst(d: Drill, n: int) -> None:
 
 def service_demotion(d: Drill, n: int) -> None:
     """Interactive chat demotes the idle batch service under pressure; it is promoted back."""
-    svc = _embeddings_service(d, "service_demotion")
+    svc = _gpu_service(d, "service_demotion", "embeddings")
     if svc is None:
         return
     model = svc["name"]
@@ -171,15 +185,6 @@ def service_demotion(d: Drill, n: int) -> None:
         d.expect("service_demotion", "no allocation failure", after == before, f"{before} -> {after}")
 
 
-def _transcription_service(d: Drill, scenario: str) -> dict[str, Any] | None:
-    """The first transcription service with a GPU worker, or None (recorded: skipped)."""
-    for svc in d.client.status().get("services", []):
-        if svc.get("kind") == "transcription" and any(w["lane"] == "gpu" for w in svc.get("workers", [])):
-            return dict(svc)
-    d.rec.write("info", scenario=scenario, op=0, note="skipped: no transcription service with a GPU worker")
-    return None
-
-
 def _transcribe(d: Drill, scenario: str, name: str, model: str, audio: bytes) -> dict[str, Any]:
     return d.client.op(
         scenario, name, {"model": model}, path="/v1/audio/transcriptions", files={"file": ("drill.wav", audio)}
@@ -198,9 +203,7 @@ def _charged(d: Drill) -> bool:
 
 def transcription_burst(d: Drill, n: int) -> None:
     """Long transcriptions on the GPU push a long chat to the CPU lane (or demote embeddings)."""
-    from spillover.testing.audio import speech_of
-
-    svc = _transcription_service(d, "transcription_burst")
+    svc = _gpu_service(d, "transcription_burst", "transcription")
     if svc is None:
         return
     model = svc["name"]
@@ -210,8 +213,7 @@ def transcription_burst(d: Drill, n: int) -> None:
         ref = _transcribe(d, "transcription_burst", f"reference-{i}", model, audio)
         before = _alloc_failures(d)
         demotions = sum(int(s.get("demotions", 0)) for s in d.client.status()["services"])
-        sim = d.sim()
-        full = sim.snapshot().capacity_bytes
+        full = d.sim().snapshot().capacity_bytes
         burst = [
             _background(functools.partial(_transcribe, d, "transcription_burst", f"burst-{i}-{k}", model, audio))
             for k in range(BURST_FILES)
@@ -222,11 +224,7 @@ def transcription_burst(d: Drill, n: int) -> None:
             # tenant, answered by a failover, not the pressure this scenario is about).
             d.wait(lambda: _gpu_row(d, model)["busy"] >= min(BURST_FILES, _gpu_row(d, model)["slots"]), 60)
             d.wait(functools.partial(_charged, d), 10)
-            ledger = d.client.status()["device"]["ledger"]
-            cap = ledger["predicted_bytes"] + ledger["margin_bytes"] + BURST_ROOM_MIB * MIB
-            sim.set_capacity(cap)
-            d.rec.write("fault", scenario="transcription_burst", kind="capacity", capacity_bytes=cap)
-            d.wait(functools.partial(_capacity_seen, d, cap), 10)
+            _squeeze(d, "transcription_burst")
             chat = d.client.op("transcription_burst", f"long-chat-{i}", CHAT_LONG)
             demoted = sum(int(s.get("demotions", 0)) for s in d.client.status()["services"]) > demotions
             d.expect(
@@ -238,8 +236,7 @@ def transcription_burst(d: Drill, n: int) -> None:
         finally:
             for t, _ in burst:
                 t.join(600)
-            sim.set_capacity(full)
-            d.rec.write("fault", scenario="transcription_burst", kind="capacity_restored", capacity_bytes=full)
+            _restore(d, "transcription_burst", full)
         got = [out[0] if out else {} for _, out in burst]
         d.expect(
             "transcription_burst",
@@ -253,13 +250,7 @@ def transcription_burst(d: Drill, n: int) -> None:
 
 def transcription_gpu_kill(d: Drill, n: int) -> None:
     """SIGKILL of the transcription GPU worker mid-file: replayed on the CPU with the same text."""
-    import os
-    import signal
-    import time
-
-    from spillover.testing.audio import speech_of
-
-    svc = _transcription_service(d, "transcription_gpu_kill")
+    svc = _gpu_service(d, "transcription_gpu_kill", "transcription")
     if svc is None:
         return
     model = svc["name"]

@@ -50,22 +50,7 @@ class EmbedWorker(DeviceWorker):
         }
 
     def run_request(self, msg: dict[str, Any]) -> None:
-        rid = str(msg["rid"])
-        final = _error(rid, "engine", "worker interrupted")
-        reserve = int(msg.get("reserve_bytes") or 0)
-        charged = False
-        try:
-            if not self.charge(rid, reserve):
-                final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
-                return
-            charged = True
-            final = self._embed(rid, msg)
-        except Exception as exc:  # engine failure: report, keep serving
-            final = _error(rid, "engine", f"{type(exc).__name__}: {exc}")
-        finally:
-            if charged:
-                self.uncharge(rid)
-            self.finish(rid, final)
+        self.run_charged(msg, self._embed)
 
     def _embed(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
         import numpy as np

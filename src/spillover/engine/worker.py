@@ -45,6 +45,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -125,6 +126,28 @@ class DeviceWorker(abc.ABC):
     @abc.abstractmethod
     def run_request(self, msg: dict[str, Any]) -> None:
         """Run one request op; its last event is sent through ``finish``."""
+
+    def run_charged(self, msg: dict[str, Any], compute: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
+        """Run one request that holds a single reservation while it computes (embeddings,
+        transcription): charge ``reserve_bytes`` (a refusal is ``alloc_failed`` and nothing
+        runs), ``compute`` it, give the bytes back, then send its last event. An engine
+        exception ends the request (``engine``), never the worker."""
+        rid = str(msg["rid"])
+        final = _error(rid, "engine", "worker interrupted")
+        reserve = int(msg.get("reserve_bytes") or 0)
+        charged = False
+        try:
+            if not self.charge(rid, reserve):
+                final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
+                return
+            charged = True
+            final = compute(rid, msg)
+        except Exception as exc:  # engine failure: report, keep serving
+            final = _error(rid, "engine", f"{type(exc).__name__}: {exc}")
+        finally:
+            if charged:
+                self.uncharge(rid)
+            self.finish(rid, final)
 
     def contexts(self) -> int:
         """Slot contexts created so far (reported in pongs)."""

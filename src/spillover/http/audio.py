@@ -148,19 +148,20 @@ async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str,
         if not isinstance(upload, UploadFile):
             raise InvalidRequest("'file' is required: the audio, as a file part", param="file")
         digest, size = await asyncio.to_thread(_store, upload, uploads_dir(gw))
-        if size == 0:
-            raise InvalidRequest("the file is empty (0 bytes): send the audio to transcribe", param="file")
-        body["file"] = {"sha256": digest, "bytes": size, "name": (upload.filename or "audio")[:200]}
-        model = body.get("model")
-        if isinstance(model, str) and model:
+        try:
+            if size == 0:
+                raise InvalidRequest("the file is empty (0 bytes): send the audio to transcribe", param="file")
+            body["file"] = {"sha256": digest, "bytes": size, "name": (upload.filename or "audio")[:200]}
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise InvalidRequest("'model' is required", param="model")
             svc = _service(gw, model)
             if size > svc.cfg.max_upload_mib * 1024 * 1024:
                 raise PayloadTooLarge(f"the upload exceeds {svc.name}'s {svc.cfg.max_upload_mib} MiB limit")
-            try:
-                body["duration_s"] = await _check_audio(gw, svc, digest)
-            except SpilloverError:
-                _forget_upload(gw, digest, "")  # never accepted: nothing will read it
-                raise
+            body["duration_s"] = await _check_audio(gw, svc, digest)
+        except SpilloverError:
+            _forget_upload(gw, digest, "")  # refused before acceptance: nothing will read it
+            raise
         return body
     finally:
         await form.close()

@@ -253,10 +253,11 @@ class DeviceService(abc.ABC):
             )
         if deadline_s is not None:
             lane = place(self._view(nbytes, False, time.monotonic())).lane
-            eta = self.lane_eta_s("gpu" if lane == "gpu" else "cpu", work)
+            lane = "gpu" if lane == "gpu" or self.cpu is None else "cpu"  # waiting: the CPU path is its way out
+            eta = self.lane_eta_s(lane, work)
             if eta > deadline_s:
                 raise CapacityError(
-                    f"the {self.name} {lane if lane != 'wait' else 'CPU'} path would finish this request in "
+                    f"the {self.name} {lane.upper()} path would finish this request in "
                     f"about {eta:.1f}s, after its deadline ({deadline_s:.1f}s)",
                     retry_after_s=eta,
                     code="deadline_exceeded",
