@@ -86,6 +86,7 @@ class Tokenizer:
         self.n_vocab = int(self._llm.n_vocab())
         self._lock = threading.Lock()
         self._marker_cache: list[_Marker] | None = None
+        self._formatter: Any = None  # llama_cpp's Jinja2ChatFormatter, built on first use
         eos_id = self._llm.token_eos()
         bos_id = self._llm.token_bos()
         self.eos_token = self._piece(eos_id) if eos_id >= 0 else ""
@@ -96,12 +97,15 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         """Apply the model's own chat template (Jinja2, sandboxed)."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         if not self.chat_template:
             return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
-        fmt = Jinja2ChatFormatter(template=self.chat_template, eos_token=self.eos_token, bos_token=self.bos_token)
-        result = fmt(messages=messages, tools=tools)  # type: ignore[arg-type]
+        if self._formatter is None:  # compiled once: compiling the template cost more than rendering it
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            self._formatter = Jinja2ChatFormatter(
+                template=self.chat_template, eos_token=self.eos_token, bos_token=self.bos_token
+            )
+        result = self._formatter(messages=messages, tools=tools)
         return str(result.prompt)
 
     def tokenize(self, text: str, *, special: bool = True, add_bos: bool = True) -> list[int]:
