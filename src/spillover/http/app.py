@@ -32,7 +32,7 @@ from spillover.errors import (
     Unauthorized,
     to_http,
 )
-from spillover.http.audio import audio_endpoints, form_reader, sweep_uploads
+from spillover.http.audio import audio_endpoints, read_audio_form, sweep_uploads
 from spillover.http.embeddings import embedding_endpoints
 from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
@@ -57,16 +57,17 @@ def _error_response(exc: BaseException, rid: str | None = None) -> JSONResponse:
     return JSONResponse(e.body, status_code=e.status, headers=headers)
 
 
-async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
-    """The body as JSON: at most ``limit`` bytes (counted while reading), within ``timeout_s``."""
+async def _within(timeout_s: float, reading: Awaitable[Any]) -> Any:
+    """A body read (JSON or an audio form) within ``[server].body_timeout_s``: 408 after it."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_json_now(request, limit)
+            return await reading
     except TimeoutError as exc:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g}s") from exc
 
 
-async def _read_json_now(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON: at most ``limit`` bytes (counted while reading)."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -153,7 +154,7 @@ def create_app(gw: Gateway) -> Starlette:
     guarded = guard(authorize, _error_response)  # the API key, and errors OpenAI-shaped
 
     async def _json_body(request: Request) -> Any:
-        return await _read_json(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
+        return await _read_json(request, cfg.server.max_body_bytes)
 
     async def generate(
         request: Request,
@@ -166,7 +167,7 @@ def create_app(gw: Gateway) -> Starlette:
         the body into the request's (JSON, or an audio form)."""
         try:
             authorize(request)
-            body = await read(request)
+            body = await _within(cfg.server.body_timeout_s, read(request))
             key = _idempotency_key(request)
             deadline_ms = _deadline_header(request)
         except SpilloverError as exc:
@@ -209,11 +210,14 @@ def create_app(gw: Gateway) -> Starlette:
     async def embeddings(request: Request) -> Response:
         return await generate(request, "embeddings")
 
+    def audio_form(task: str) -> Callable[[Request], Awaitable[Any]]:
+        return functools.partial(read_audio_form, gw=gw, task=task)
+
     async def transcriptions(request: Request) -> Response:
-        return await generate(request, "transcriptions", read=form_reader(gw, "transcribe"))
+        return await generate(request, "transcriptions", read=audio_form("transcribe"))
 
     async def translations(request: Request) -> Response:
-        return await generate(request, "translations", read=form_reader(gw, "translate"))
+        return await generate(request, "translations", read=audio_form("translate"))
 
     async def health(request: Request) -> Response:
         return plain_json({"status": "ok"})

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +49,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.types import Message
 
-from spillover.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, SpilloverError, to_http
+from spillover.errors import InvalidRequest, PayloadTooLarge, SpilloverError, to_http
 from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
@@ -429,21 +428,3 @@ def audio_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
         )
         for name in ("transcriptions", "translations")
     ]
-
-
-Reader = Callable[[Request], Awaitable[Any]]
-
-
-def form_reader(gw: Gateway, task: str) -> Reader:
-    """The body reader of the route for ``task`` (``generate``'s ``read``)."""
-    return functools.partial(_read, gw=gw, task=task)
-
-
-async def _read(request: Request, *, gw: Gateway, task: str) -> Any:
-    """Within ``[server].body_timeout_s``, as a JSON body (a client that stalls its upload is a 408)."""
-    timeout_s = gw.cfg.server.body_timeout_s
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await read_audio_form(request, gw, task)
-    except TimeoutError as exc:
-        raise BodyTimeout(f"the upload did not arrive within {timeout_s:g}s") from exc

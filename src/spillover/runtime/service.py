@@ -141,7 +141,6 @@ class DeviceService(abc.ABC):
 
     kind = ""
     op = ""  # the worker op that runs one request
-    unit = "requests"  # what ``work`` counts, for the ETA
 
     def __init__(self, gw: Gateway, cfg: ServiceConfig) -> None:
         self.gw = gw

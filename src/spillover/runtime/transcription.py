@@ -57,7 +57,6 @@ class TranscriptionService(DeviceService):
 
     kind = "transcription"
     op = "transcribe"
-    unit = "seconds of audio"
     initial_rate = {"gpu": 0.2, "cpu": 0.3}  # real-time factors until measured
 
     shape: WhisperShape | None = None
