@@ -1,4 +1,4 @@
-"""The ``spillover`` command: serve, sim (fault injection), tenant, config."""
+"""The ``spillover`` command: serve, sim (fault injection), tenant, drill, estimate, config."""
 
 from __future__ import annotations
 
@@ -169,6 +169,123 @@ def cmd_drill(a: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_estimate(a: argparse.Namespace) -> int:
+    from spillover.core.estimate import estimate, largest_context, largest_gpu_layers
+    from spillover.engine.gguf_meta import read_model_spec
+
+    if not os.path.isfile(a.model):
+        raise ConfigError(f"estimate: no such file {a.model!r}")
+    try:
+        spec = read_model_spec(a.model)
+    except Exception as exc:  # gguf raises assorted errors for a file that is not GGUF
+        raise ConfigError(f"estimate: {a.model!r} is not a readable GGUF file ({exc})") from None
+    import llama_cpp
+
+    offloads = bool(llama_cpp.llama_supports_gpu_offload())
+    placement = a.placement
+    if placement == "auto":
+        placement = "gpu" if offloads or a.gpu_layers is not None or a.device_mib is not None else "cpu"
+    layers = -1 if a.gpu_layers is None else a.gpu_layers
+
+    def planned(n_ctx: int) -> int | None:
+        from spillover.engine.plan import plan_buffers
+
+        p = plan_buffers(a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn)
+        return None if p is None else p.compute_bytes
+
+    compute = None
+    if not a.no_plan and planned(min(a.ctx, 256)) is not None:
+        compute = _planned_compute(planned)
+
+    def at(n_ctx: int, gpu_layers: int = layers, where: str = placement) -> Any:
+        return estimate(
+            spec, n_ctx, n_batch=a.batch, n_ubatch=a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn,
+            placement=where, gpu_layers=gpu_layers, margin_ratio=a.margin, compute=compute,
+        )  # fmt: skip
+
+    try:
+        est = at(a.ctx)
+        fit: dict[str, Any] | None = None
+        if a.device_mib is not None:
+            budget = a.device_mib * MIB
+            fits_ctx = largest_context(
+                lambda n: at(n, where="gpu").device.total_with_margin_bytes <= budget, limit=spec.n_ctx_train
+            )
+            fits_layers = largest_gpu_layers(
+                lambda n: at(a.ctx, n, "gpu").device.total_with_margin_bytes <= budget, spec.n_layers
+            )
+            fit = {
+                "device_mib": a.device_mib,
+                "fits": at(a.ctx, where="gpu").device.total_with_margin_bytes <= budget,
+                "largest_ctx": fits_ctx,
+                "largest_gpu_layers": fits_layers,
+            }
+    except ValueError as exc:
+        raise ConfigError(f"estimate: {exc}") from None
+    out = {"model": a.model, "name": spec.name, "arch": spec.arch, **est.as_dict()}
+    if fit is not None:
+        out["fit"] = fit
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(_estimate_text(out, offloads))
+    return 0
+
+
+def _planned_compute(planned: Any) -> Any:
+    """llama.cpp's plan for each context asked, once per context (the caller checked that the
+    file plans)."""
+    import functools
+
+    @functools.cache
+    def compute(n_ctx: int) -> int:
+        value = planned(n_ctx)
+        if value is None:
+            raise ValueError(f"llama.cpp could not plan a context of {n_ctx}")
+        return int(value)
+
+    return compute
+
+
+def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
+    def mib(n: int) -> str:
+        return f"{n / MIB:10.1f}"
+
+    d, h = out["device"], out["host"]
+    lines = [
+        f"{out['name']} ({out['arch']}, {out['n_layers']} layers): context {out['n_ctx']} "
+        f"({out['cells']} cells), batch {out['n_batch']}, micro-batch {out['n_ubatch']}, "
+        f"KV {out['kv_type']}, flash attention {'on' if out['flash_attn'] else 'off'}",
+    ]
+    if out["placement"] == "cpu":
+        lines.append("placement: cpu (this llama.cpp build has no GPU backend: everything is in host memory)")
+    else:
+        lines.append(
+            f"placement: gpu, --gpu-layers {out['gpu_layers']} of {out['n_layers'] + 1} (the last one is the "
+            "output layer)" + ("" if offloads else "; rules only: this llama.cpp build has no GPU backend")
+        )
+    lines.append(f"{'MiB':16}{'device':>10}{'host':>10}")
+    for label, key in (
+        ("weights", "weights_bytes"),
+        ("KV cache", "kv_bytes"),
+        ("compute", "compute_bytes"),
+        ("output", "output_bytes"),
+        ("total", "total_bytes"),
+        ("margin", "margin_bytes"),
+        ("total + margin", "total_with_margin_bytes"),
+    ):
+        lines.append(f"{label:16}{mib(d[key])}{mib(h[key])}")
+    lines.append(f"compute buffer from the {out['compute_source']}; total_bytes = {out['total_bytes']}")
+    fit = out.get("fit")
+    if fit:
+        lines.append(
+            f"in {fit['device_mib']} MiB of device memory: {'fits' if fit['fits'] else 'does NOT fit'}; "
+            f"largest context {fit['largest_ctx']} (at --gpu-layers {out['gpu_layers']}), "
+            f"largest --gpu-layers {fit['largest_gpu_layers']} (at context {out['n_ctx']})"
+        )
+    return "\n".join(lines)
+
+
 def cmd_config(a: argparse.Namespace) -> int:
     section = None
     for sec, name, default, doc in describe_fields():
@@ -305,6 +422,50 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="drill-report", help="output folder (default drill-report)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_drill)
+
+    from spillover.core.memory import KV_TYPES
+
+    e = sub.add_parser(
+        "estimate",
+        help="will it fit? a GGUF model's predicted device and host bytes by component",
+        description="Predict what llama.cpp will allocate for MODEL.gguf with these context settings: "
+        "weights, KV cache, compute and output buffers on the device and on the host, plus spillover's "
+        "margin (listed apart: total_bytes is llama.cpp's allocation, total_with_margin_bytes what "
+        "admission needs free). Weights, KV and output are exact counts from the GGUF metadata; the "
+        "compute buffer is llama.cpp's own plan (a dry run that reads no weights) unless --no-plan "
+        "asks for the memory model's envelope. Nothing is downloaded or loaded.",
+    )
+    e.add_argument("model", metavar="MODEL.gguf", help="the GGUF file")
+    e.add_argument("--ctx", type=int, required=True, help="context size in tokens (llama.cpp's n_ctx)")
+    e.add_argument("--batch", type=int, default=512, help="logical batch, n_batch (default 512; clamped to --ctx)")
+    e.add_argument("--ubatch", type=int, default=512, help="micro-batch, n_ubatch (default 512; clamped to --batch)")
+    e.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f16", help="KV cache type (default f16)")
+    e.add_argument(
+        "--flash-attn", action="store_true", help="flash attention on (llama.cpp needs it for a quantized V cache)"
+    )
+    e.add_argument(
+        "--gpu-layers",
+        type=int,
+        help="llama.cpp's n_gpu_layers: the last L layers on the device, the output layer too when L > the "
+        "layer count (default: all)",
+    )
+    e.add_argument(
+        "--device-mib",
+        type=int,
+        help="device memory in MiB: also print whether it fits, the largest context and the largest "
+        "--gpu-layers that fit (with the margin)",
+    )
+    e.add_argument(
+        "--placement",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="cpu: everything in host memory (a llama.cpp build without a GPU backend); gpu: llama.cpp's "
+        "offload rules; auto (default): gpu when this build offloads or --gpu-layers / --device-mib is given",
+    )
+    e.add_argument("--margin", type=float, default=0.02, help="margin as a share of KV+compute+output (default 0.02)")
+    e.add_argument("--no-plan", action="store_true", help="the memory model's compute envelope, not llama.cpp's plan")
+    e.add_argument("--json", action="store_true", help="print one JSON object (total_bytes, components, device, host)")
+    e.set_defaults(func=cmd_estimate)
 
     c = sub.add_parser("config", help="print every setting with its default and doc, as TOML")
     c.set_defaults(func=cmd_config)

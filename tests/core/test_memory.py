@@ -79,32 +79,78 @@ def test_tiny_kv_bytes() -> None:
 @pytest.mark.parametrize(
     ("n_ctx", "expected"),
     [
-        # 256 cells, ub 256: logits 256 x (1000 + 2x8) x 4 = 1_040_384 beats attention
-        # 256 x 256 x 3 x 4 + 6 x 256 x 8 x 4 = 835_584; plus one logits row 1000 x 4.
-        (100, 1_040_384 + 4_000),
-        # 512 cells, ub 512: attention 512 x 512 x 3 x 4 + 6 x 512 x 8 x 4 = 3_244_032
-        # beats logits 512 x 1016 x 4 = 2_080_768.
-        (300, 3_244_032 + 4_000),
-        # 1024 cells, ub capped at n_ubatch 512: attention 512 x 1024 x 12 + 98_304 = 6_389_760.
-        (1000, 6_389_760 + 4_000),
+        # 256 cells, ub 100 (the context): logits 100 x 1000 x 4 + 6 rows of 100 x 8 x 4 = 419_200
+        # beats attention 100 x 256 x 2 x 4 + mask 256 x 128 x 4 + 7.5 x 100 x 8 x 4 = 359_872.
+        (100, 419_200),
+        # 512 cells, ub 300: attention 300 x 512 x 8 + mask 512 x 320 x 4 + 7.5 x 300 x 32 = 1_956_160
+        # beats logits 1_200_000 + 57_600 = 1_257_600.
+        (300, 1_956_160),
+        # 1024 cells, ub capped at 512: attention 4_194_304 + 2_097_152 + 122_880 = 6_414_336.
+        (1000, 6_414_336),
     ],
 )
 def test_tiny_compute_bytes(n_ctx: int, expected: int) -> None:
-    """The compute buffer is the larger of the logits and attention paths, plus one logits row."""
+    """The compute envelope is the larger of the logits and attention paths."""
     assert MemoryModel(TINY).compute_bytes(n_ctx) == expected
 
 
-def test_tiny_context_bytes_is_kv_plus_compute() -> None:
-    """A 300-token context: 512 cells of KV (32_768) plus the 3_248_032-byte compute buffer."""
-    assert MemoryModel(TINY).context_bytes(300) == 32_768 + 3_248_032
+def test_flash_attention_keeps_no_scores() -> None:
+    """With flash attention only the f16 mask and the rows remain of the attention path: at 1024
+    cells, 1024 x 512 x 2 + 122_880 = 1_171_456 loses to the logits 2_048_000 + 98_304."""
+    assert MemoryModel(TINY, flash_attn=True).compute_bytes(1000) == 2_146_304
+
+
+def test_feed_forward_path_wins_for_a_wide_ffn() -> None:
+    """Two ub x n_ff f32 tensors and 6 rows: n_ff 5000 at ub 100 is 4_000_000 + 19_200."""
+    assert MemoryModel(replace(TINY, n_ff=5000)).compute_bytes(100) == 4_019_200
+
+
+@pytest.mark.parametrize(
+    ("n_batch", "n_ubatch", "n_ctx", "ub"),
+    [(512, 512, 1000, 512), (64, 512, 1000, 64), (512, 32, 1000, 32), (512, 512, 100, 100), (2048, 2048, 777, 777)],
+)
+def test_micro_batch_is_clamped_like_llama_cpp(n_batch: int, n_ubatch: int, n_ctx: int, ub: int) -> None:
+    """n_batch is clamped to the context and n_ubatch to n_batch."""
+    assert MemoryModel(TINY, n_batch=n_batch, n_ubatch=n_ubatch).ubatch(n_ctx) == ub
+
+
+KV4 = replace(TINY, n_head_kv=2, head_dim_k=32, head_dim_v=32)  # rows of 64 values
+
+
+@pytest.mark.parametrize(
+    ("kv_type", "per_token"),
+    [("f32", 4 * 2 * 64 * 4), ("f16", 4 * 2 * 64 * 2), ("q8_0", 4 * 2 * 2 * 34), ("q4_0", 4 * 2 * 2 * 18)],
+)
+def test_kv_cache_types(kv_type: str, per_token: int) -> None:
+    """A quantized cache stores whole blocks of 32 values: q8_0 34 bytes, q4_0 18."""
+    assert MemoryModel(KV4, kv_type=kv_type, flash_attn=True).kv_bytes_per_token() == per_token
+
+
+def test_impossible_caches_are_refused() -> None:
+    """llama.cpp refuses a quantized V cache without flash attention, and a block type needs
+    rows that are whole blocks; so does the model, with a sentence saying which."""
+    with pytest.raises(ValueError, match="flash attention"):
+        MemoryModel(KV4, kv_type="q8_0")
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        MemoryModel(TINY, kv_type="q4_0", flash_attn=True)
+    with pytest.raises(ValueError, match="unknown KV cache type"):
+        MemoryModel(TINY, kv_type="q3_x")
+    with pytest.raises(ValueError, match="at least 1"):
+        MemoryModel(TINY, n_ubatch=0)
+
+
+def test_tiny_context_bytes_is_kv_plus_compute_plus_output() -> None:
+    """A 300-token context: 512 cells of KV (32_768), the compute envelope, one logits row."""
+    assert MemoryModel(TINY).context_bytes(300) == 32_768 + 1_956_160 + 4_000
 
 
 def test_tiny_request_footprint() -> None:
-    """40 + 60 tokens take 7 pages of 16 (112 tokens): KV, compute for 256 cells, 2 % on top."""
+    """40 + 60 tokens take 7 pages of 16 (112 tokens): KV, compute for a micro-batch of the 256
+    padded cells (logits 1_024_000 + 49_152) and the output row, 2 % on top."""
     fp = MemoryModel(TINY).request_footprint(40, 60)
-    assert (fp.kv_tokens, fp.pages, fp.kv_bytes, fp.compute_bytes) == (112, 7, 7_168, 1_044_384)
-    assert fp.fragmentation_bytes == 21_031  # int((7_168 + 1_044_384) x 0.02)
-    assert fp.total_bytes == 7_168 + 1_044_384 + 21_031
+    assert (fp.kv_tokens, fp.pages, fp.kv_bytes, fp.compute_bytes) == (112, 7, 7_168, 1_077_152)
+    assert fp.fragmentation_bytes == 21_686  # int((7_168 + 1_077_152) x 0.02)
+    assert fp.total_bytes == 7_168 + 1_077_152 + 21_686
 
 
 def test_empty_request_still_takes_one_token() -> None:
@@ -117,7 +163,8 @@ def test_empty_request_still_takes_one_token() -> None:
     ("spec", "n_gpu_layers", "cpu_repack", "layers", "weights"),
     [
         (TINY, -1, False, 4, 4_001 + 500),  # all layers and the non-layer tensors
-        (TINY, -1, True, 4, 4_001 + 1_001 + 500),  # ... and the repacked copy
+        (TINY, -1, True, 4, 4_001 + 1_001 + 500),  # ... and the repacked copy (no GGUF read)
+        (replace(TINY, cpu_model_bytes=4_321), -1, True, 4, 4_321),  # the CPU buffers, as read
         (TINY, 4, False, 4, 4_001 + 500),  # exactly all layers counts as full offload
         (TINY, 10, True, 4, 4_001 + 1_001 + 500),  # more than there are: all of them
         (TINY, 3, False, 3, 3_000),  # 4_001 x 3 // 4, no non-layer tensors
@@ -137,3 +184,29 @@ def test_tiny_weights_bytes(spec: ModelSpec, n_gpu_layers: int, cpu_repack: bool
 def test_no_layers_on_the_device_means_no_kv() -> None:
     """With n_gpu_layers=0 nothing of the model, KV cache included, is on the device."""
     assert MemoryModel(TINY, n_gpu_layers=0).kv_bytes_per_token() == 0
+
+
+def test_flash_attention_mask_wins_at_long_contexts() -> None:
+    """4096 cells, ub 512: the f16 mask 4096 x 512 x 2 + 122_880 beats the logits 2_146_304."""
+    assert MemoryModel(TINY, flash_attn=True).compute_bytes(4096) == 4_317_184
+
+
+def test_compute_paths_by_hand() -> None:
+    """(logits, attention, feed-forward) at 300 tokens (512 cells, ub 300), n_ff 40:
+    1_257_600; 1_228_800 + 655_360 + 72_000; 2 x 300 x 40 x 4 + 57_600."""
+    assert MemoryModel(replace(TINY, n_ff=40)).compute_paths(300) == (1_257_600, 1_956_160, 153_600)
+
+
+def test_smallest_contexts_and_batches() -> None:
+    """One token still takes a cell block and a micro-batch of one; batches of one are allowed."""
+    m = MemoryModel(TINY, n_batch=1, n_ubatch=1)
+    assert (m.cells(0), m.cells(1), m.ubatch(1), m.ubatch(1000)) == (256, 256, 1, 1)
+    with pytest.raises(ValueError, match="at least 1"):
+        MemoryModel(TINY, n_batch=0)
+
+
+def test_v_rows_are_checked_too() -> None:
+    """Keys of 32 but values of 4 values a row cannot be a q8_0 cache."""
+    with pytest.raises(ValueError, match="hold 4"):
+        MemoryModel(replace(TINY, head_dim_k=32), kv_type="q8_0", flash_attn=True)
+    assert MemoryModel(replace(TINY, head_dim_k=32, head_dim_v=32), kv_type="f32").kv_bytes_per_token() == 4 * 64 * 4

@@ -220,7 +220,7 @@ def _chat_model() -> Any:
     from spillover.engine.gguf_meta import read_model_spec
 
     cfg = load_config()
-    return MemoryModel(read_model_spec(cfg.model_path()), n_ubatch=cfg.gpu_lane.n_batch_tokens)
+    return MemoryModel(read_model_spec(cfg.model_path()), n_batch=cfg.gpu_lane.n_batch_tokens)
 
 
 def _weights_bytes() -> tuple[int, int]:

@@ -3,11 +3,20 @@
 A request's footprint on a device (DESIGN.md, "Memory model and admission"):
 
 - KV cache for ``prompt_tokens + max_tokens``, rounded up to whole pages of
-  ``page_tokens`` tokens: ``layers x kv_heads x (head_k + head_v) x kv_type_bytes`` per token
-  (sliding-window layers too: llama-cpp-python keeps a full-size SWA cache);
-- its compute/scratch buffer for that context (``compute_bytes``, calibrated against
-  llama.cpp's own reported buffer sizes; see benchmarks/estimate_accuracy.py);
+  ``page_tokens`` tokens: ``layers x kv_heads x (head_k + head_v)`` elements per token in the
+  cache's type (f16, or a quantized type such as q8_0 / q4_0 in blocks of 32; sliding-window
+  layers too: llama-cpp-python keeps a full-size SWA cache);
+- its compute/scratch buffer for that context (``compute_bytes``) and the output (logits)
+  buffer;
 - a fragmentation allowance (``fragmentation_ratio`` of the above).
+
+The inputs are llama.cpp's: the context (padded to ``ctx_pad_tokens`` cells), ``n_batch``
+(clamped to the context) and ``n_ubatch`` (clamped to ``n_batch``), the KV cache type, flash
+attention, and the number of layers on the device. Weights, KV and output are exact byte
+counts. The compute buffer is an *envelope*: llama.cpp sizes it by reserving the worst graph
+with ggml's allocator, whose fragmentation varies with every tensor's size, so arithmetic
+bounds it from above (never under on the measured grid of benchmarks/estimate_accuracy.py)
+and ``engine.plan`` asks llama.cpp for the exact figure where a GGUF file is at hand.
 
 A model's resident cost is its weights on the device: the ``blk.*`` tensors of the layers
 placed there, plus the non-layer tensors (embeddings, output) when fully offloaded.
@@ -18,9 +27,42 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Footprint", "MemoryModel", "ModelSpec", "ollama_estimate"]
+__all__ = ["KV_TYPES", "Footprint", "MemoryModel", "ModelSpec", "kv_row_bytes", "ollama_estimate"]
 
 MIB = 1024 * 1024
+# KV cache types llama.cpp takes for --cache-type-k/v: (bytes per block, elements per block).
+KV_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (4, 1),
+    "f16": (2, 1),
+    "bf16": (2, 1),
+    "q8_0": (34, 32),
+    "q5_1": (24, 32),
+    "q5_0": (22, 32),
+    "q4_1": (20, 32),
+    "q4_0": (18, 32),
+    "iq4_nl": (18, 32),
+}
+# The compute envelope (see compute_bytes). Rows of n_embd f32 activations live beside the
+# biggest tensor of each path; on the measured grid the allocator's layout left 2 to 6 of
+# them beside the logits and 5 to 7 beside the attention scores.
+LOGITS_ROWS = 6.0
+ATTENTION_ROWS = 7.5
+FFN_ROWS = 6.0
+KQ_MASK_PAD = 64  # llama.cpp pads the KQ mask's token dimension to this
+
+
+def kv_row_bytes(kv_type: str, elements: int) -> int:
+    """Bytes of ``elements`` cache values of ``kv_type`` (a quantized type stores whole blocks)."""
+    try:
+        size, block = KV_TYPES[kv_type]
+    except KeyError:
+        raise ValueError(f"unknown KV cache type {kv_type!r}: one of {', '.join(KV_TYPES)}") from None
+    if elements % block:
+        raise ValueError(
+            f"a {kv_type} KV cache needs rows that are whole blocks of {block} values; "
+            f"this model's rows hold {elements}"
+        )
+    return elements // block * size
 
 
 @dataclass(frozen=True)
@@ -42,7 +84,13 @@ class ModelSpec:
     file_bytes: int
     sliding_window: int = 0
     file_type: int = -1
-    repack_bytes: int = 0  # layer weights llama.cpp's CPU backend also keeps repacked
+    repack_bytes: int = 0  # layer weights llama.cpp's CPU backend moves to its repack buffer
+    n_ff: int = 0  # feed-forward width (0: unknown)
+    cpu_model_bytes: int = 0  # the model buffers the CPU backend reports (0: unknown)
+    layer_sizes: tuple[int, ...] = ()  # bytes of each layer's tensors (empty: equal shares)
+    input_bytes: int = 0  # token_embd: llama.cpp keeps the input layer on the host
+    output_layer_bytes: int = 0  # output matrix (a copy of token_embd when tied) and norm
+    tied_output: bool = False  # no output.weight: the logits multiply by token_embd
 
     @property
     def weights_bytes(self) -> int:
@@ -57,7 +105,7 @@ class Footprint:
     kv_tokens: int
     pages: int
     kv_bytes: int
-    compute_bytes: int
+    compute_bytes: int  # compute and output buffers
     fragmentation_bytes: int
 
     @property
@@ -76,11 +124,22 @@ class MemoryModel:
     spec: ModelSpec
     page_tokens: int = 16
     fragmentation_ratio: float = 0.02
-    kv_type_bytes: int = 2  # f16 cache
+    kv_type: str = "f16"
+    n_batch: int = 512
     n_ubatch: int = 512
+    flash_attn: bool = False
     n_gpu_layers: int = -1  # -1: all layers on the device
     ctx_pad_tokens: int = 256  # llama.cpp pads the KV cache size
-    cpu_repack: bool = False  # CPU backend: count the repacked copy of Q4_0/Q4_K/IQ4_NL weights
+    cpu_repack: bool = False  # CPU backend: weights as its model buffers hold them (repack rules)
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k)  # raises on an impossible cache
+        kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_v)
+        if KV_TYPES[self.kv_type][1] > 1 and not self.flash_attn:
+            raise ValueError(f"llama.cpp needs flash attention for a quantized ({self.kv_type}) V cache")
+        if self.n_batch < 1 or self.n_ubatch < 1:
+            raise ValueError("n_batch and n_ubatch must be at least 1")
 
     # -- model ---------------------------------------------------------------------
     def layers_on_device(self) -> int:
@@ -92,6 +151,8 @@ class MemoryModel:
         """Weights resident on the device for this placement."""
         s = self.spec
         on = self.layers_on_device()
+        if self.cpu_repack and on == s.n_layers and s.cpu_model_bytes:
+            return s.cpu_model_bytes
         layers = s.layer_bytes * on // max(1, s.n_layers)
         repack = s.repack_bytes * on // max(1, s.n_layers) if self.cpu_repack else 0
         return layers + repack + (s.other_bytes if on == s.n_layers else 0)
@@ -100,7 +161,19 @@ class MemoryModel:
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs across all layers on the device."""
         s = self.spec
-        return self.layers_on_device() * s.n_head_kv * (s.head_dim_k + s.head_dim_v) * self.kv_type_bytes
+        row = kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k) + kv_row_bytes(
+            self.kv_type, s.n_head_kv * s.head_dim_v
+        )
+        return self.layers_on_device() * row
+
+    def cells(self, n_ctx: int) -> int:
+        """KV cells llama.cpp creates for a context of ``n_ctx`` tokens."""
+        return _pad(max(1, n_ctx), self.ctx_pad_tokens)
+
+    def ubatch(self, n_ctx: int) -> int:
+        """The micro-batch llama.cpp reserves its graph for: ``n_batch`` clamped to the context
+        (as llama-cpp-python does), ``n_ubatch`` clamped to that."""
+        return max(1, min(self.n_ubatch, self.n_batch, n_ctx))
 
     def kv_bytes(self, n_ctx: int) -> int:
         """KV cache bytes for a context of ``n_ctx`` tokens, as llama.cpp sizes it.
@@ -112,25 +185,47 @@ class MemoryModel:
         return self.kv_bytes_per_token() * _pad(n_ctx, self.ctx_pad_tokens)
 
     def compute_bytes(self, n_ctx: int) -> int:
-        """Compute/scratch buffer plus the output (logits) buffer for one context.
+        """An upper envelope of llama.cpp's compute buffer for a context of ``n_ctx`` tokens.
 
-        llama.cpp (flash attention off) sizes the compute buffer for the worst graph node
-        of a full micro-batch ``ub``: either the logits (``ub x n_vocab`` f32 plus two
-        ``ub x n_embd`` activations) or, at long contexts, the attention scores
-        (``ub x n_kv x n_head`` f32, plus the ``ub x n_kv`` mask and about six
-        ``ub x n_embd`` activations). The output buffer holds one logits row. Fit against
-        llama.cpp's own reports by benchmarks/estimate_accuracy.py.
+        llama.cpp reserves the graph of a full micro-batch ``ub`` (``ubatch``) with every
+        row's logits, and the buffer is the allocator's high-water mark. It is the largest of:
+
+        - the logits, ``ub x n_vocab`` f32, beside ``LOGITS_ROWS`` activation rows;
+        - without flash attention, the attention scores ``ub x n_kv x n_head`` f32 and the
+          f32 KQ mask (``n_kv`` x ``ub`` padded to 64), beside ``ATTENTION_ROWS`` rows of the
+          wider of ``n_embd`` and the query (``n_head x head_k``); with flash attention no
+          scores are kept, only the f16 mask;
+        - the feed-forward, two ``ub x n_ff`` f32 tensors beside ``FFN_ROWS`` rows.
+
+        The row counts are the largest the allocator left on the measured grid, so this never
+        under-estimates there; how far over depends on the layout (``engine.plan`` gives
+        llama.cpp's exact figure).
         """
+        return math.ceil(max(self.compute_paths(n_ctx)))
+
+    def compute_paths(self, n_ctx: int) -> tuple[float, float, float]:
+        """The logits, attention and feed-forward envelopes of ``compute_bytes``."""
         s = self.spec
-        n_kv = _pad(n_ctx, self.ctx_pad_tokens)
-        ub = min(self.n_ubatch, n_kv)
-        logits_path = ub * (s.n_vocab + 2 * s.n_embd) * 4
-        attn_path = ub * n_kv * (s.n_head + 1) * 4 + 6 * ub * s.n_embd * 4
-        return max(logits_path, attn_path) + s.n_vocab * 4
+        n_kv = self.cells(n_ctx)
+        ub = self.ubatch(n_ctx)
+        embd = ub * s.n_embd * 4
+        logits_path = ub * s.n_vocab * 4 + LOGITS_ROWS * embd
+        mask_rows = _pad(ub, KQ_MASK_PAD)
+        rows = ATTENTION_ROWS * ub * max(s.n_embd, s.n_head * s.head_dim_k) * 4
+        if self.flash_attn:
+            attn_path = n_kv * mask_rows * 2 + rows
+        else:
+            attn_path = ub * n_kv * s.n_head * 4 + n_kv * mask_rows * 4 + rows
+        ffn_path = 2 * ub * s.n_ff * 4 + FFN_ROWS * embd
+        return logits_path, attn_path, ffn_path
+
+    def output_bytes(self) -> int:
+        """The output buffer: one sequence's logits row, f32."""
+        return self.spec.n_vocab * 4
 
     def context_bytes(self, n_ctx: int) -> int:
-        """KV plus compute for a context, as llama.cpp allocates it."""
-        return self.kv_bytes(n_ctx) + self.compute_bytes(n_ctx)
+        """KV, compute and output buffers for a context, as llama.cpp allocates them."""
+        return self.kv_bytes(n_ctx) + self.compute_bytes(n_ctx) + self.output_bytes()
 
     # -- per request ---------------------------------------------------------------
     def request_footprint(self, prompt_tokens: int, max_tokens: int) -> Footprint:
@@ -139,7 +234,8 @@ class MemoryModel:
         pages = math.ceil(tokens / self.page_tokens)
         kv_tokens = pages * self.page_tokens
         kv = kv_tokens * self.kv_bytes_per_token()
-        compute = self.compute_bytes(kv_tokens)
+        # The graph is reserved for a full micro-batch of the padded cells, not of the tokens.
+        compute = self.compute_bytes(self.cells(kv_tokens)) + self.output_bytes()
         frag = int((kv + compute) * self.fragmentation_ratio)
         return Footprint(kv_tokens, pages, kv, compute, frag)
 

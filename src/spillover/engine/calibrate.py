@@ -42,17 +42,33 @@ def _sum(pattern: re.Pattern[str], text: str) -> int:
     return int(sum(float(x) for x in pattern.findall(text)) * MIB)
 
 
-def measure_buffers(model_path: str, n_ctx: int, n_batch: int = 512, n_gpu_layers: int = 0) -> MeasuredBuffers:
-    """Load ``model_path`` with a context of ``n_ctx`` and return the buffers it reported."""
+def measure_buffers(
+    model_path: str,
+    n_ctx: int,
+    n_batch: int = 512,
+    n_gpu_layers: int = 0,
+    *,
+    n_ubatch: int = 512,
+    kv_type: str = "f16",
+    flash_attn: bool = False,
+) -> MeasuredBuffers:
+    """Load ``model_path`` with a context of ``n_ctx`` (batch, micro-batch, KV cache type and
+    flash attention as given) and return the buffers llama.cpp reported."""
+    import llama_cpp
     from llama_cpp import Llama
 
+    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):
         llm = Llama(
             model_path=model_path,
             n_ctx=n_ctx,
             n_batch=n_batch,
+            n_ubatch=n_ubatch,
             n_gpu_layers=n_gpu_layers,
+            type_k=ggml_type,
+            type_v=ggml_type,
+            flash_attn=flash_attn,
             n_threads=1,
             verbose=True,
         )

@@ -8,11 +8,39 @@ from typing import Any
 
 from spillover.core.memory import ModelSpec
 
-__all__ = ["CPU_REPACK_TYPES", "read_model_spec"]
+__all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "read_model_spec"]
 
-# Weight types llama.cpp's CPU backend repacks into a second, interleaved copy (measured on
-# this build: Q4_K layer matrices are; Q8_0, Q5_0, Q6_K and Q4_1 are not).
-CPU_REPACK_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL"})
+# Weight types llama.cpp's CPU backend (x86-64 with AVX2, as here) repacks into interleaved
+# rows, with the row count each needs to divide (measured on this build: Q4_0 and Q4_K
+# matrices are repacked, Q8_0, Q5_0, Q6_K and Q4_1 are not). ARM builds repack other types.
+CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4}
+
+
+def _repacked(t: Any) -> bool:
+    """Whether the CPU backend moves this tensor to its repack buffer: a matrix multiplied
+    in the graph (``token_embd`` is read with get_rows, so it stays) of a repackable type."""
+    rows = CPU_REPACK_TYPES.get(t.tensor_type.name)
+    return rows is not None and len(t.shape) == 2 and int(t.shape[1]) % rows == 0 and t.name != "token_embd.weight"
+
+
+def cpu_model_bytes(tensors: list[Any]) -> int:
+    """The model buffers llama.cpp's CPU backend reports: the mapped file span from the first
+    to the last tensor it reads in place (repacked tensors between them included, as the
+    mapping is one range), plus the repack buffer. A model without ``output.weight`` multiplies
+    by ``token_embd``, so a repackable embedding gets a repacked copy as the output matrix."""
+    names = {t.name for t in tensors}
+    mapped = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in tensors if not _repacked(t)]
+    repack = sum(int(t.n_bytes) for t in tensors if _repacked(t))
+    if "output.weight" not in names:
+        repack += sum(
+            int(t.n_bytes)
+            for t in tensors
+            if t.name == "token_embd.weight"
+            and CPU_REPACK_TYPES.get(t.tensor_type.name)
+            and int(t.shape[1]) % CPU_REPACK_TYPES[t.tensor_type.name] == 0
+        )
+    span = max(e for _, e in mapped) - min(b for b, _ in mapped) if mapped else 0
+    return span + repack
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -43,16 +71,21 @@ def read_model_spec(path: str | Path) -> ModelSpec:
     swa = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens.data) if tokens is not None else 0
-    layer_bytes = 0
+    layer_sizes = [0] * n_layers
     other_bytes = 0
     repack_bytes = 0
+    input_bytes = 0
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         if t.name.startswith("blk."):
-            layer_bytes += int(t.n_bytes)
-            if t.tensor_type.name in CPU_REPACK_TYPES and len(t.shape) == 2:
+            layer_sizes[int(t.name.split(".")[1])] += int(t.n_bytes)
+            if _repacked(t):
                 repack_bytes += int(t.n_bytes)
         else:
             other_bytes += int(t.n_bytes)
+            if t.name == "token_embd.weight":
+                input_bytes = int(t.n_bytes)
+    output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
     file_type = int(_field(reader, "general.file_type", -1))
     return ModelSpec(
         name=str(_field(reader, "general.name", Path(path).stem)),
@@ -66,9 +99,22 @@ def read_model_spec(path: str | Path) -> ModelSpec:
         n_vocab=n_vocab,
         n_ctx_train=n_ctx_train,
         sliding_window=swa,
-        layer_bytes=layer_bytes,
+        layer_bytes=sum(layer_sizes),
         other_bytes=other_bytes,
         file_bytes=os.path.getsize(path),
         file_type=file_type,
         repack_bytes=repack_bytes,
+        n_ff=_n_ff(_field(reader, f"{arch}.feed_forward_length", 0)),
+        cpu_model_bytes=cpu_model_bytes(list(reader.tensors)),
+        layer_sizes=tuple(layer_sizes),
+        input_bytes=input_bytes,
+        output_layer_bytes=output_layer_bytes,
+        tied_output=not has_output,
     )
+
+
+def _n_ff(value: Any) -> int:
+    """The feed-forward width (the widest layer's, for per-layer lists)."""
+    if isinstance(value, list):
+        return max((int(x) for x in value), default=0)
+    return int(value or 0)

@@ -95,7 +95,7 @@ class ChatModel:
         a = gw.cfg.admission
         gpu_batch = self.gpu_lane.n_batch_tokens if self.gpu_lane else gw.cfg.gpu_lane.n_batch_tokens
         self.memory = MemoryModel(
-            self.spec, page_tokens=a.kv_page_tokens, fragmentation_ratio=a.fragmentation_ratio, n_ubatch=gpu_batch
+            self.spec, page_tokens=a.kv_page_tokens, fragmentation_ratio=a.fragmentation_ratio, n_batch=gpu_batch
         )
         gpu = self.gpu_lane is not None and gw.device is not None and gw.ledger is not None
         if not gpu and not self.cpu_path:
@@ -111,7 +111,7 @@ class ChatModel:
                 allow_cpu_route=a.allow_cpu_route and self.cpu_path,
                 breaker=BreakerPolicy(**dataclasses.asdict(gw.cfg.breaker)),
             )
-        cpu_mm = MemoryModel(cpu_spec, n_ubatch=self.cpu_lane.n_batch_tokens, cpu_repack=True)
+        cpu_mm = MemoryModel(cpu_spec, n_batch=self.cpu_lane.n_batch_tokens, cpu_repack=True)
         self.cpu_slot_bytes = slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cpu_lane.ctx_cap_tokens)
         self.scheduler = Scheduler(
             gpu_lane=self.gpu_lane if gpu else None,

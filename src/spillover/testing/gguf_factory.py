@@ -12,6 +12,8 @@ from pathlib import Path
 
 __all__ = ["TinyLlamaSpec", "write_tiny_llama"]
 
+_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, ...
+
 
 @dataclass(frozen=True)
 class TinyLlamaSpec:
@@ -23,8 +25,14 @@ class TinyLlamaSpec:
     n_head_kv: int = 2
     n_ff: int = 768
     n_ctx_train: int = 8192
-    f16: bool = True  # weights in F16 (else F32)
+    wtype: str = "F16"  # weight type of the matrices: F32, F16, Q8_0, Q4_0 (rows of 32)
+    head_dim: int = 0  # 0: n_embd // n_head (else key_length = value_length = head_dim)
+    tied: bool = False  # no output.weight: llama.cpp reuses token_embd for the logits
     name: str = "tiny-llama-gqa4"
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 def write_tiny_llama(
@@ -61,10 +69,14 @@ def write_tiny_llama(
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(spec.n_embd // spec.n_head)
+    hd = spec.head_size
+    if spec.head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(1 if spec.f16 else 0)
+    w.add_file_type(_FILE_TYPES[spec.wtype])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(str(pre))
     w.add_token_list(tokens)
@@ -75,24 +87,30 @@ def write_tiny_llama(
     if template is not None:
         w.add_chat_template(str(template.contents()))
     rng = np.random.default_rng(0)
-    dt = np.float16 if spec.f16 else np.float32
-    hd = spec.n_embd // spec.n_head
 
     def t(name: str, *shape: int, norm: bool = False) -> None:
         if norm:
             w.add_tensor(name, np.ones(shape, dtype=np.float32))
-        else:
-            w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(dt))
+            return
+        data = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if spec.wtype in ("F32", "F16"):
+            w.add_tensor(name, data.astype(np.float16 if spec.wtype == "F16" else np.float32))
+            return
+        from gguf import GGMLQuantizationType, quants
+
+        qtype = GGMLQuantizationType[spec.wtype]
+        w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
 
     t("token_embd.weight", n_vocab, spec.n_embd)
     t("output_norm.weight", spec.n_embd, norm=True)
-    t("output.weight", n_vocab, spec.n_embd)
+    if not spec.tied:
+        t("output.weight", n_vocab, spec.n_embd)
     for i in range(spec.n_layers):
         t(f"blk.{i}.attn_norm.weight", spec.n_embd, norm=True)
-        t(f"blk.{i}.attn_q.weight", spec.n_embd, spec.n_embd)
+        t(f"blk.{i}.attn_q.weight", spec.n_head * hd, spec.n_embd)
         t(f"blk.{i}.attn_k.weight", spec.n_head_kv * hd, spec.n_embd)
         t(f"blk.{i}.attn_v.weight", spec.n_head_kv * hd, spec.n_embd)
-        t(f"blk.{i}.attn_output.weight", spec.n_embd, spec.n_embd)
+        t(f"blk.{i}.attn_output.weight", spec.n_embd, spec.n_head * hd)
         t(f"blk.{i}.ffn_norm.weight", spec.n_embd, norm=True)
         t(f"blk.{i}.ffn_gate.weight", spec.n_ff, spec.n_embd)
         t(f"blk.{i}.ffn_up.weight", spec.n_ff, spec.n_embd)

@@ -1,0 +1,223 @@
+""" "Will it fit?": a model's device and host bytes by component, for ``spillover estimate``.
+
+Given a model's ``ModelSpec`` and llama.cpp's context settings, the estimate splits what
+llama.cpp will allocate into weights, KV cache, compute buffer and output buffer, on the
+device and on the host, plus spillover's margin (the admission's fragmentation allowance,
+kept apart: ``total_bytes`` is what llama.cpp allocates, ``total_with_margin_bytes`` is what
+admission would need free).
+
+Placement follows one of two rule sets:
+
+- ``cpu`` (a llama.cpp build without a GPU backend, as on this machine; the ``sim`` device
+  runs this build too): everything is in host memory, the weights as the CPU backend holds
+  them (mapped file span plus repacked copies, ``ModelSpec.cpu_model_bytes``).
+- ``gpu`` (llama.cpp's offload rules, ``n_gpu_layers = L``): the last ``min(L, n_layers)``
+  layers and their KV cache are on the device; the output layer is on the device only when
+  ``L > n_layers``; the input embeddings always stay on the host. The compute buffer's
+  logits part goes with the output layer, and each side that holds layers also needs the
+  attention/feed-forward part. Tensors count their file bytes. These rules are llama.cpp's;
+  the CUDA buffers themselves were not measured here (no GPU was available).
+
+The compute buffer is either llama.cpp's own planned figure (``engine.plan``, exact on the
+build at hand) or the memory model's envelope (an upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from spillover.core.memory import MemoryModel, ModelSpec
+
+__all__ = ["PLACEMENTS", "Estimate", "Parts", "estimate", "largest_context", "largest_gpu_layers"]
+
+PLACEMENTS = ("cpu", "gpu")
+ComputeFn = Callable[[int], int]  # n_ctx -> the whole compute buffer in bytes
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Bytes on one side (device or host), by component."""
+
+    weights_bytes: int = 0
+    kv_bytes: int = 0
+    compute_bytes: int = 0
+    output_bytes: int = 0
+    margin_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """What llama.cpp allocates here (the margin is not an allocation)."""
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
+
+    @property
+    def total_with_margin_bytes(self) -> int:
+        return self.total_bytes + self.margin_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            **asdict(self),
+            "total_bytes": self.total_bytes,
+            "total_with_margin_bytes": self.total_with_margin_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A model's predicted bytes for one context and placement."""
+
+    n_ctx: int
+    cells: int
+    n_batch: int
+    n_ubatch: int
+    kv_type: str
+    flash_attn: bool
+    placement: str
+    gpu_layers: int  # llama.cpp's n_gpu_layers as placed (0..n_layers+1)
+    n_layers: int
+    device: Parts
+    host: Parts
+    compute_source: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device.total_bytes + self.host.total_bytes
+
+    @property
+    def total_with_margin_bytes(self) -> int:
+        return self.device.total_with_margin_bytes + self.host.total_with_margin_bytes
+
+    def components(self) -> dict[str, int]:
+        """Device plus host, by component."""
+        d, h = self.device, self.host
+        return {
+            "weights_bytes": d.weights_bytes + h.weights_bytes,
+            "kv_bytes": d.kv_bytes + h.kv_bytes,
+            "compute_bytes": d.compute_bytes + h.compute_bytes,
+            "output_bytes": d.output_bytes + h.output_bytes,
+            "margin_bytes": d.margin_bytes + h.margin_bytes,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "n_ctx": self.n_ctx,
+            "cells": self.cells,
+            "n_batch": self.n_batch,
+            "n_ubatch": self.n_ubatch,
+            "kv_type": self.kv_type,
+            "flash_attn": self.flash_attn,
+            "placement": self.placement,
+            "gpu_layers": self.gpu_layers,
+            "n_layers": self.n_layers,
+            "compute_source": self.compute_source,
+            "total_bytes": self.total_bytes,
+            "total_with_margin_bytes": self.total_with_margin_bytes,
+            "components": self.components(),
+            "device": self.device.as_dict(),
+            "host": self.host.as_dict(),
+        }
+
+
+def _margin(parts: Parts, ratio: float) -> Parts:
+    return replace(parts, margin_bytes=int((parts.kv_bytes + parts.compute_bytes + parts.output_bytes) * ratio))
+
+
+def estimate(
+    spec: ModelSpec,
+    n_ctx: int,
+    *,
+    n_batch: int = 512,
+    n_ubatch: int = 512,
+    kv_type: str = "f16",
+    flash_attn: bool = False,
+    placement: str = "cpu",
+    gpu_layers: int = -1,
+    margin_ratio: float = 0.02,
+    compute: ComputeFn | None = None,
+) -> Estimate:
+    """Device and host bytes for a context of ``n_ctx`` tokens (see the module docstring).
+
+    ``compute`` gives the whole compute buffer for a context (llama.cpp's plan); without it
+    the memory model's envelope is used. Raises ``ValueError`` for settings llama.cpp refuses.
+    """
+    if n_ctx < 1:
+        raise ValueError("the context must be at least 1 token")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
+    model = MemoryModel(
+        spec, kv_type=kv_type, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn, cpu_repack=True
+    )
+    whole = compute(n_ctx) if compute is not None else model.compute_bytes(n_ctx)
+    source = "llama.cpp plan" if compute is not None else "memory model envelope"
+    kv_layer = model.kv_bytes(n_ctx) // max(1, spec.n_layers)
+    out = model.output_bytes()
+
+    def made(where: str, gpu_layers: int, device: Parts, host: Parts) -> Estimate:
+        return Estimate(
+            n_ctx=n_ctx,
+            cells=model.cells(n_ctx),
+            n_batch=min(n_batch, n_ctx),
+            n_ubatch=model.ubatch(n_ctx),
+            kv_type=kv_type,
+            flash_attn=flash_attn,
+            placement=where,
+            gpu_layers=gpu_layers,
+            n_layers=spec.n_layers,
+            device=_margin(device, margin_ratio),
+            host=_margin(host, margin_ratio),
+            compute_source=source,
+        )
+
+    if placement == "cpu":
+        return made("cpu", 0, Parts(), Parts(model.weights_bytes(), kv_layer * spec.n_layers, whole, out))
+    n = spec.n_layers
+    placed = n + 1 if gpu_layers < 0 else min(gpu_layers, n + 1)
+    on_device = min(placed, n)
+    output_on_device = placed > n
+    sizes = list(spec.layer_sizes) or [spec.layer_bytes // max(1, n)] * n
+    device_layers = sum(sizes[n - on_device :])
+    host_layers = sum(sizes[: n - on_device])
+    # A tied output is a second copy of token_embd only when it sits on another device.
+    head = spec.output_layer_bytes
+    host_head = head - spec.input_bytes if spec.tied_output else head
+    _, attention, ffn = model.compute_paths(n_ctx)
+    layer_part = math.ceil(max(attention, ffn))
+    device_compute = whole if output_on_device else layer_part if on_device else 0
+    host_compute = whole if not output_on_device else layer_part if on_device < n else 0
+    device = Parts(
+        device_layers + (head if output_on_device else 0),
+        kv_layer * on_device,
+        device_compute,
+        out if output_on_device else 0,
+    )
+    host = Parts(
+        host_layers + spec.input_bytes + (0 if output_on_device else host_head),
+        kv_layer * (n - on_device),
+        host_compute,
+        0 if output_on_device else out,
+    )
+    return made("gpu", placed, device, host)
+
+
+def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256) -> int:
+    """The largest context of whole ``step``-token cells, up to ``limit``, for which ``fits``
+    holds (0 when even one cell does not). ``fits`` must be monotone (more context, more bytes)."""
+    lo, hi = 0, max(0, limit // step)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    # llama.cpp pads a context to whole cells: one more token than lo cells costs a cell more.
+    return lo * step
+
+
+def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:
+    """The largest ``n_gpu_layers`` (0..n_layers+1) for which ``fits`` holds, -1 if none."""
+    for layers in range(n_layers + 1, -1, -1):
+        if fits(layers):
+            return layers
+    return -1

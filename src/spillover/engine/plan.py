@@ -1,0 +1,113 @@
+"""Ask llama.cpp itself what compute buffer a context would need, without loading weights.
+
+llama.cpp sizes its compute buffer by reserving the worst-case graph (a full micro-batch)
+with ggml's graph allocator; how much the allocator's free list fragments depends on the
+order and sizes of every tensor in the graph, so arithmetic on the model's shape can only
+bound it (``core.memory.MemoryModel.compute_bytes``, an envelope). A dry run gives the exact
+figure: the model is opened with ``no_alloc`` and ``load_mode = none`` (metadata only, no
+tensor is read or allocated), a context is created, and llama.cpp logs the compute buffer
+it would allocate. It takes a fraction of a second and no memory beyond the metadata.
+
+It plans for the backends this llama.cpp build has (the CPU backend here; on a CUDA build
+the device's buffers too, which this machine cannot check). ``None`` comes back when
+llama.cpp cannot plan the file (an architecture this build does not know, say); callers
+then use the model's envelope.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from dataclasses import dataclass
+
+__all__ = ["PlannedBuffers", "plan_buffers"]
+
+MIB = 1024 * 1024
+_COMPUTE = re.compile(r"^\S+:\s+(\S+) compute buffer size\s*=\s*([\d.]+) MiB", re.M)
+_OUTPUT = re.compile(r"(\S+)\s+output buffer size\s*=\s*([\d.]+) MiB")
+_LOCK = threading.Lock()  # llama.cpp's log callback is process-wide
+
+
+@dataclass(frozen=True)
+class PlannedBuffers:
+    """Compute and output buffer bytes llama.cpp planned, by backend buffer name."""
+
+    compute: dict[str, int]
+    output: dict[str, int]
+
+    @property
+    def compute_bytes(self) -> int:
+        return sum(self.compute.values())
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(self.output.values())
+
+
+def _by_buffer(pattern: re.Pattern[str], text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, mib in pattern.findall(text):
+        out[name] = out.get(name, 0) + int(float(mib) * MIB)
+    return out
+
+
+def plan_buffers(
+    model_path: str,
+    n_ctx: int,
+    n_batch: int = 512,
+    n_ubatch: int = 512,
+    *,
+    kv_type: str = "f16",
+    flash_attn: bool = False,
+    n_gpu_layers: int = 0,
+) -> PlannedBuffers | None:
+    """llama.cpp's own compute and output buffer sizes for this context, from a dry run.
+
+    The batch sizes are clamped as llama-cpp-python clamps them (``n_batch`` to the context,
+    ``n_ubatch`` to ``n_batch``), so the plan is of the context the engine would create.
+    """
+    import llama_cpp
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", "replace"))
+
+    n_batch = min(n_ctx, n_batch)
+    mp = llama_cpp.llama_model_default_params()
+    mp.no_alloc = True
+    mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    mp.n_gpu_layers = n_gpu_layers
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = n_batch
+    cp.n_ubatch = min(n_batch, n_ubatch)
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.type_k = cp.type_v = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+    cp.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    from llama_cpp import _logger
+
+    with _LOCK:
+        llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+        try:
+            model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
+            if not model:
+                return None
+            try:
+                ctx = llama_cpp.llama_init_from_model(model, cp)
+                if not ctx:
+                    return None
+                llama_cpp.llama_free(ctx)
+            finally:
+                llama_cpp.llama_model_free(model)
+        finally:
+            llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    text = "".join(lines)
+    compute = _by_buffer(_COMPUTE, text)
+    if not compute:
+        return None
+    return PlannedBuffers(compute=compute, output=_by_buffer(_OUTPUT, text))

@@ -1,0 +1,194 @@
+"""core.estimate: device and host bytes by component, every figure worked out by hand on a
+made-up model (see tests/core/test_memory.py's TINY: 64 KV bytes a token, output row 4_000)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from spillover.core.estimate import estimate, largest_context, largest_gpu_layers
+from spillover.core.memory import MemoryModel, ModelSpec
+
+SPEC = ModelSpec(
+    name="tiny",
+    arch="llama",
+    n_layers=4,
+    n_embd=8,
+    n_head=2,
+    n_head_kv=1,
+    head_dim_k=4,
+    head_dim_v=4,
+    n_vocab=1000,
+    n_ctx_train=4096,
+    layer_bytes=4_001,
+    other_bytes=500,
+    file_bytes=4_600,
+    layer_sizes=(1_000, 1_000, 1_000, 1_001),
+    input_bytes=200,
+    output_layer_bytes=300,
+    cpu_model_bytes=4_555,
+)
+COMPUTE_300 = 1_956_160  # MemoryModel(SPEC).compute_bytes(300): attention path
+KV_300 = 512 * 64  # 512 cells
+
+
+def test_cpu_placement_is_all_host() -> None:
+    """A build without a GPU backend: the CPU buffers of the weights, KV, compute, output on the
+    host; the margin is 2 % of what the context adds, kept out of total_bytes."""
+    e = estimate(SPEC, 300)
+    assert e.device.total_bytes == 0 and e.gpu_layers == 0
+    h = e.host
+    assert (h.weights_bytes, h.kv_bytes, h.compute_bytes, h.output_bytes) == (4_555, KV_300, COMPUTE_300, 4_000)
+    assert h.margin_bytes == int((KV_300 + COMPUTE_300 + 4_000) * 0.02)
+    assert e.total_bytes == 4_555 + KV_300 + COMPUTE_300 + 4_000
+    assert e.total_with_margin_bytes == e.total_bytes + h.margin_bytes
+    assert e.compute_source == "memory model envelope"
+    assert (e.cells, e.n_batch, e.n_ubatch) == (512, 300, 300)
+
+
+def test_the_plan_replaces_the_envelope() -> None:
+    e = estimate(SPEC, 300, compute=lambda n: n * 10)
+    assert e.host.compute_bytes == 3_000 and e.compute_source == "llama.cpp plan"
+
+
+def test_gpu_all_layers_and_the_output_layer() -> None:
+    """-1 places every layer and the output layer (n_layers + 1); token_embd stays on the host."""
+    e = estimate(SPEC, 300, placement="gpu")
+    assert e.gpu_layers == 5
+    d, h = e.device, e.host
+    assert (d.weights_bytes, d.kv_bytes, d.compute_bytes, d.output_bytes) == (4_001 + 300, KV_300, COMPUTE_300, 4_000)
+    assert (h.weights_bytes, h.kv_bytes, h.compute_bytes, h.output_bytes) == (200, 0, 0, 0)
+
+
+def test_gpu_split_places_the_last_layers() -> None:
+    """Two layers on the device: the last two (1_000 + 1_001) and half the KV. The device needs
+    the attention part of the compute buffer; the host, holding the output layer, the whole."""
+    e = estimate(SPEC, 300, placement="gpu", gpu_layers=2)
+    attention = MemoryModel(SPEC).compute_paths(300)[1]
+    d, h = e.device, e.host
+    assert (d.weights_bytes, d.kv_bytes, d.compute_bytes, d.output_bytes) == (2_001, KV_300 // 2, attention, 0)
+    assert (h.weights_bytes, h.kv_bytes, h.compute_bytes, h.output_bytes) == (
+        2_000 + 200 + 300,
+        KV_300 // 2,
+        COMPUTE_300,
+        4_000,
+    )
+
+
+def test_gpu_every_layer_but_not_the_output() -> None:
+    """n_gpu_layers = n_layers: all layers on the device, the output layer on the host, so the
+    host has no layers' compute but the logits."""
+    e = estimate(SPEC, 300, placement="gpu", gpu_layers=4)
+    assert (e.device.weights_bytes, e.host.weights_bytes) == (4_001, 500)
+    assert e.device.kv_bytes == KV_300 and e.host.kv_bytes == 0
+    assert e.host.compute_bytes == COMPUTE_300
+
+
+def test_gpu_zero_layers_is_all_host_by_file_bytes() -> None:
+    e = estimate(SPEC, 300, placement="gpu", gpu_layers=0)
+    assert e.device.total_bytes == 0
+    assert e.host.weights_bytes == 4_001 + 500 and e.host.compute_bytes == COMPUTE_300
+
+
+def test_a_tied_output_is_copied_only_onto_the_device() -> None:
+    """Without output.weight the logits multiply by token_embd: on the device that is a second
+    copy (output_layer_bytes counts it), on the host the same tensor."""
+    tied = replace(SPEC, tied_output=True, output_layer_bytes=200 + 50)
+    on = estimate(tied, 300, placement="gpu")
+    assert (on.device.weights_bytes, on.host.weights_bytes) == (4_001 + 250, 200)
+    off = estimate(tied, 300, placement="gpu", gpu_layers=4)
+    assert off.host.weights_bytes == 200 + 50
+
+
+def test_more_layers_than_there_are_is_all() -> None:
+    assert estimate(SPEC, 300, placement="gpu", gpu_layers=99).gpu_layers == 5
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        estimate(SPEC, 0)
+    with pytest.raises(ValueError, match="placement"):
+        estimate(SPEC, 300, placement="tpu")
+    with pytest.raises(ValueError, match="flash attention"):
+        estimate(replace(SPEC, head_dim_k=32, head_dim_v=32), 300, kv_type="q8_0")
+
+
+def test_json_shape() -> None:
+    """One object: total_bytes, the components summed over both sides, each side's parts."""
+    d = estimate(SPEC, 300, placement="gpu", gpu_layers=2).as_dict()
+    parts = ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes")
+    assert d["total_bytes"] == sum(d["components"][k] for k in parts)
+    assert d["components"]["margin_bytes"] == d["device"]["margin_bytes"] + d["host"]["margin_bytes"]
+    assert d["device"]["total_bytes"] + d["host"]["total_bytes"] == d["total_bytes"]
+
+
+def test_largest_context_in_whole_cells() -> None:
+    """Binary search over 256-token cells up to the limit; a context one token past a cell costs
+    the next cell, so the answer is a whole number of cells."""
+    assert largest_context(lambda n: n <= 1000, limit=4096) == 768
+    assert largest_context(lambda n: n <= 5000, limit=4096) == 4096
+    assert largest_context(lambda n: False, limit=4096) == 0
+    assert largest_context(lambda n: n <= 2048, limit=4096) == 2048
+
+
+def test_largest_gpu_layers() -> None:
+    assert largest_gpu_layers(lambda n: n <= 2, 4) == 2
+    assert largest_gpu_layers(lambda n: True, 4) == 5
+    assert largest_gpu_layers(lambda n: False, 4) == -1
+
+
+def test_defaults_and_clamps_by_hand() -> None:
+    """Defaults: n_batch and n_ubatch 512, f16, no flash attention, 2 % margin: at 1000 tokens the
+    micro-batch is 512 and the compute the attention path, 6_414_336 (1024 cells)."""
+    e = estimate(SPEC, 1000)
+    assert (e.cells, e.n_batch, e.n_ubatch, e.kv_type, e.flash_attn) == (1024, 512, 512, "f16", False)
+    assert e.host.compute_bytes == 6_414_336 and e.host.kv_bytes == 1024 * 64
+    assert e.host.margin_bytes == int((1024 * 64 + 6_414_336 + 4_000) * 0.02)
+    small = estimate(SPEC, 1000, n_batch=64, n_ubatch=32, margin_ratio=0.1)
+    assert (small.n_batch, small.n_ubatch) == (64, 32)
+    assert small.host.margin_bytes == int((small.host.kv_bytes + small.host.compute_bytes + 4_000) * 0.1)
+
+
+def test_as_dict_in_full() -> None:
+    e = estimate(SPEC, 300, compute=lambda _n: 1_000)
+    h = {"weights_bytes": 4_555, "kv_bytes": KV_300, "compute_bytes": 1_000, "output_bytes": 4_000}
+    margin = int((KV_300 + 1_000 + 4_000) * 0.02)
+    total = 4_555 + KV_300 + 1_000 + 4_000
+    zero = {k: 0 for k in ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes", "margin_bytes")}
+    assert e.as_dict() == {
+        "n_ctx": 300,
+        "cells": 512,
+        "n_batch": 300,
+        "n_ubatch": 300,
+        "kv_type": "f16",
+        "flash_attn": False,
+        "placement": "cpu",
+        "gpu_layers": 0,
+        "n_layers": 4,
+        "compute_source": "llama.cpp plan",
+        "total_bytes": total,
+        "total_with_margin_bytes": total + margin,
+        "components": {**h, "margin_bytes": margin},
+        "device": {**zero, "total_bytes": 0, "total_with_margin_bytes": 0},
+        "host": {**h, "margin_bytes": margin, "total_bytes": total, "total_with_margin_bytes": total + margin},
+    }
+
+
+def test_split_kv_type_and_flash_attention_carry_through() -> None:
+    """A q8_0 cache with flash attention on a split: rows of 64 values, 4 x 34 bytes a layer."""
+    spec = replace(SPEC, head_dim_k=32, head_dim_v=32, n_head_kv=2)
+    e = estimate(spec, 300, placement="gpu", gpu_layers=1, kv_type="q8_0", flash_attn=True)
+    per_layer = 512 * 2 * 2 * 34
+    assert (e.device.kv_bytes, e.host.kv_bytes) == (per_layer, 3 * per_layer)
+    assert e.flash_attn and e.kv_type == "q8_0" and e.gpu_layers == 1
+
+
+def test_search_edges() -> None:
+    """A limit that is not a whole number of cells; the default cell of 256; only zero layers."""
+    assert largest_context(lambda n: True, limit=1000) == 768
+    assert largest_context(lambda n: n <= 600, limit=4096) == 512
+    assert largest_context(lambda n: n <= 300, limit=4096, step=100) == 300
+    assert largest_context(lambda n: True, limit=100) == 0
+    assert largest_gpu_layers(lambda n: n == 0, 4) == 0
+    assert largest_gpu_layers(lambda n: n <= 5, 4) == 5
