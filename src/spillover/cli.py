@@ -173,12 +173,27 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     from spillover.core.estimate import estimate, largest_context, largest_gpu_layers
     from spillover.engine.gguf_meta import read_model_spec
 
+    for flag, value, low in (("--ctx", a.ctx, 1), ("--batch", a.batch, 1), ("--ubatch", a.ubatch, 1)):
+        if value < low:
+            raise ConfigError(f"estimate: {flag} must be at least {low}")
+    if a.gpu_layers is not None and a.gpu_layers < -1:
+        raise ConfigError("estimate: --gpu-layers must be -1 (all) or more")
+    if a.device_mib is not None and a.device_mib < 1:
+        raise ConfigError("estimate: --device-mib must be at least 1")
+    if not 0 <= a.margin < 1:
+        raise ConfigError("estimate: --margin is a share, from 0 to below 1")
     if not os.path.isfile(a.model):
         raise ConfigError(f"estimate: no such file {a.model!r}")
     try:
         spec = read_model_spec(a.model)
     except Exception as exc:  # gguf raises assorted errors for a file that is not GGUF
         raise ConfigError(f"estimate: {a.model!r} is not a readable GGUF file ({exc})") from None
+    from spillover.core.memory import MemoryModel
+
+    try:  # settings llama.cpp refuses are refused before it is asked to plan them
+        MemoryModel(spec, kv_type=a.kv_type, n_batch=a.batch, n_ubatch=a.ubatch, flash_attn=a.flash_attn)
+    except ValueError as exc:
+        raise ConfigError(f"estimate: {exc}") from None
     import llama_cpp
 
     offloads = bool(llama_cpp.llama_supports_gpu_offload())

@@ -8,22 +8,12 @@ from dataclasses import replace
 import pytest
 
 from spillover.core.estimate import estimate, largest_context, largest_gpu_layers
-from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.core.memory import MemoryModel
+from tests.core.test_memory import TINY
 
-SPEC = ModelSpec(
-    name="tiny",
-    arch="llama",
-    n_layers=4,
-    n_embd=8,
-    n_head=2,
-    n_head_kv=1,
-    head_dim_k=4,
-    head_dim_v=4,
-    n_vocab=1000,
-    n_ctx_train=4096,
-    layer_bytes=4_001,
-    other_bytes=500,
-    file_bytes=4_600,
+SPEC = replace(
+    TINY,  # 4 layers, 64 KV bytes a token, vocabulary 1000
+    repack_bytes=0,
     layer_sizes=(1_000, 1_000, 1_000, 1_001),
     input_bytes=200,
     output_layer_bytes=300,

@@ -90,6 +90,10 @@ def test_estimate_cli_refuses_what_llama_cpp_refuses(
     assert main(["estimate", str(not_gguf), "--ctx", "512"]) == 2
     assert "not a readable GGUF" in capsys.readouterr().err
     assert main(["estimate", str(tmp_path / "missing.gguf"), "--ctx", "512"]) == 2
+    for bad in (["--ctx", "0"], ["--ctx", "8", "--ubatch", "0"], ["--ctx", "8", "--gpu-layers", "-2"],
+                ["--ctx", "8", "--device-mib", "0"], ["--ctx", "8", "--margin", "1.5"]):  # fmt: skip
+        assert main(["estimate", off_grid, *bad]) == 2
+    assert "--margin" in capsys.readouterr().err
 
 
 def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.CaptureFixture[str]) -> None:
