@@ -183,7 +183,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     if not 0 <= a.margin < 1:
         raise ConfigError("estimate: --margin is a share, from 0 to below 1")
     if not os.path.isfile(a.model):
-        raise ConfigError(f"estimate: no such file {a.model!r}")
+        raise ConfigError(f"estimate: {a.model!r} is not a file")
     try:
         spec = read_model_spec(a.model)
     except Exception as exc:  # gguf raises assorted errors for a file that is not GGUF
