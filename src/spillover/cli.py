@@ -202,15 +202,21 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         placement = "gpu" if offloads or a.gpu_layers is not None or a.device_mib is not None else "cpu"
     layers = -1 if a.gpu_layers is None else a.gpu_layers
 
-    def planned(n_ctx: int) -> int | None:
-        from spillover.engine.plan import plan_buffers
+    from spillover.engine.plan import PlanRefused, plan_buffers_isolated
 
-        p = plan_buffers(a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn)
+    def planned(n_ctx: int) -> int | None:
+        p = plan_buffers_isolated(a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn)
         return None if p is None else p.compute_bytes
 
+    import functools
+
+    plan_of = functools.cache(planned)  # the fit search asks again for a few contexts
     compute = None
-    if not a.no_plan and planned(min(a.ctx, 256)) is not None:
-        compute = _planned_compute(planned)
+    try:
+        if not a.no_plan and plan_of(a.ctx) is not None:
+            compute = _planned_compute(plan_of)
+    except PlanRefused as exc:
+        raise ConfigError(f"estimate: {exc}") from None
 
     def at(n_ctx: int, gpu_layers: int = layers, where: str = placement) -> Any:
         return estimate(
@@ -235,7 +241,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
                 "largest_ctx": fits_ctx,
                 "largest_gpu_layers": fits_layers,
             }
-    except ValueError as exc:
+    except ValueError as exc:  # PlanRefused included
         raise ConfigError(f"estimate: {exc}") from None
     out = {"model": a.model, "name": spec.name, "arch": spec.arch, **est.as_dict()}
     if fit is not None:
@@ -244,15 +250,14 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     print(_estimate_text(out, offloads))
+    if compute is None and not a.no_plan:
+        print("llama.cpp could not plan this model here: the compute buffer is the envelope (an upper bound)")
     return 0
 
 
 def _planned_compute(planned: Any) -> Any:
-    """llama.cpp's plan for each context asked, once per context (the caller checked that the
-    file plans)."""
-    import functools
+    """llama.cpp's plan for each context asked (the caller checked that the file plans)."""
 
-    @functools.cache
     def compute(n_ctx: int) -> int:
         value = planned(n_ctx)
         if value is None:

@@ -94,10 +94,11 @@ def test_tiny_compute_bytes(n_ctx: int, expected: int) -> None:
     assert MemoryModel(TINY).compute_bytes(n_ctx) == expected
 
 
-def test_flash_attention_keeps_no_scores() -> None:
-    """With flash attention only the f16 mask and the rows remain of the attention path: at 1024
-    cells, 1024 x 512 x 2 + 122_880 = 1_171_456 loses to the logits 2_048_000 + 98_304."""
-    assert MemoryModel(TINY, flash_attn=True).compute_bytes(1000) == 2_146_304
+def test_flash_attention_keeps_no_scores_but_keeps_the_mask() -> None:
+    """With flash attention no scores are kept, but the f16 mask (1024 cells x 512 x 2 =
+    1_048_576) stays allocated beside the logits with three rows: 2_048_000 + 1_048_576 +
+    49_152 beats six rows (98_304) and the attention path 1_048_576 + 122_880."""
+    assert MemoryModel(TINY, flash_attn=True).compute_bytes(1000) == 3_145_728
 
 
 def test_feed_forward_path_wins_for_a_wide_ffn() -> None:
@@ -186,9 +187,21 @@ def test_no_layers_on_the_device_means_no_kv() -> None:
     assert MemoryModel(TINY, n_gpu_layers=0).kv_bytes_per_token() == 0
 
 
-def test_flash_attention_mask_wins_at_long_contexts() -> None:
-    """4096 cells, ub 512: the f16 mask 4096 x 512 x 2 + 122_880 beats the logits 2_146_304."""
-    assert MemoryModel(TINY, flash_attn=True).compute_bytes(4096) == 4_317_184
+def test_flash_attention_mask_grows_with_the_context() -> None:
+    """4096 cells, ub 512: the kept mask 4096 x 512 x 2 under the logits: 2_048_000 + 4_194_304 + 49_152."""
+    assert MemoryModel(TINY, flash_attn=True).compute_bytes(4096) == 6_291_456
+    assert MemoryModel(TINY, flash_attn=True).compute_paths(4096)[1] == 4_194_304 + 122_880
+
+
+def test_heads_llama_cpp_cannot_build_are_refused() -> None:
+    """Query heads must be a multiple of KV heads, and a block-type cache quantizes each head's
+    row: heads of 16 values cannot be q8_0 even when two of them make 32."""
+    with pytest.raises(ValueError, match="6 query heads cannot share 4 KV heads"):
+        MemoryModel(replace(TINY, n_head=6, n_head_kv=4))
+    with pytest.raises(ValueError, match="cannot share 0"):
+        MemoryModel(replace(TINY, n_head_kv=0))
+    with pytest.raises(ValueError, match="heads hold 16"):
+        MemoryModel(replace(TINY, n_head_kv=2, head_dim_k=16, head_dim_v=16), kv_type="q8_0", flash_attn=True)
 
 
 def test_compute_paths_by_hand() -> None:

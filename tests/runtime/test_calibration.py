@@ -117,3 +117,21 @@ def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.Captur
     assert device(fit["largest_ctx"]) <= budget < device(fit["largest_ctx"] + 256)
     assert 0 <= fit["largest_gpu_layers"] < 31
     assert device(8192, fit["largest_gpu_layers"]) <= budget < device(8192, fit["largest_gpu_layers"] + 1)
+
+
+def test_a_llama_cpp_abort_ends_only_the_planning_child(tmp_path, model_path: str) -> None:
+    """6 query heads over 4 KV heads make llama.cpp fail an assertion and abort while it builds
+    the graph: the isolated plan reports "cannot plan" and this process lives on. Settings it
+    refuses (q8_0 rows of 16-value heads) come back as PlanRefused with llama.cpp's reason."""
+    from spillover.engine.plan import PlanRefused, plan_buffers_isolated
+
+    bad = write_tiny_llama(
+        tmp_path / "bad.gguf", model_path, TinyLlamaSpec(n_layers=1, n_embd=96, n_head=6, n_head_kv=4, n_ff=128)
+    )
+    assert plan_buffers_isolated(str(bad), 256) is None
+    narrow = write_tiny_llama(
+        tmp_path / "n.gguf", model_path, TinyLlamaSpec(n_layers=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)
+    )
+    with pytest.raises(PlanRefused, match="llama.cpp refuses"):
+        plan_buffers_isolated(str(narrow), 256, kv_type="q8_0", flash_attn=True)
+    assert plan_buffers_isolated(str(narrow), 256) is not None

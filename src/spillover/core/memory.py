@@ -59,8 +59,8 @@ def kv_row_bytes(kv_type: str, elements: int) -> int:
         raise ValueError(f"unknown KV cache type {kv_type!r}: one of {', '.join(KV_TYPES)}") from None
     if elements % block:
         raise ValueError(
-            f"a {kv_type} KV cache needs rows that are whole blocks of {block} values; "
-            f"this model's rows hold {elements}"
+            f"a {kv_type} KV cache needs head rows that are whole blocks of {block} values; "
+            f"this model's heads hold {elements}"
         )
     return elements // block * size
 
@@ -134,8 +134,13 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         s = self.spec
-        kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k)  # raises on an impossible cache
-        kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_v)
+        if s.n_head_kv < 1 or s.n_head % s.n_head_kv:
+            raise ValueError(
+                f"{s.n_head} query heads cannot share {s.n_head_kv} KV heads: llama.cpp needs the first "
+                "to be a multiple of the second"
+            )
+        kv_row_bytes(self.kv_type, s.head_dim_k)  # raises on an impossible cache: llama.cpp
+        kv_row_bytes(self.kv_type, s.head_dim_v)  # quantizes each head's row in whole blocks
         if KV_TYPES[self.kv_type][1] > 1 and not self.flash_attn:
             raise ValueError(f"llama.cpp needs flash attention for a quantized ({self.kv_type}) V cache")
         if self.n_batch < 1 or self.n_ubatch < 1:
@@ -191,11 +196,13 @@ class MemoryModel:
         row's logits, and the buffer is the allocator's high-water mark. It is the largest of:
 
         - the logits, ``ub x n_vocab`` f32, beside ``LOGITS_ROWS`` activation rows;
-        - without flash attention, the attention scores ``ub x n_kv x n_head`` f32 and the
-          f32 KQ mask (``n_kv`` x ``ub`` padded to 64), beside ``ATTENTION_ROWS`` rows of the
-          wider of ``n_embd`` and the query (``n_head x head_k``); with flash attention no
-          scores are kept, only the f16 mask;
-        - the feed-forward, two ``ub x n_ff`` f32 tensors beside ``FFN_ROWS`` rows.
+        - without flash attention, the attention scores ``ub x n_kv x n_head`` f32 beside
+          ``ATTENTION_ROWS`` rows of the wider of ``n_embd`` and the query
+          (``n_head x head_k``); with flash attention no scores are kept;
+        - the feed-forward, two ``ub x n_ff`` f32 tensors beside ``FFN_ROWS`` rows;
+
+        The attention path holds the KQ mask (``n_kv`` x ``ub`` padded to 64; f32, or f16 with
+        flash attention); with flash attention the mask stays allocated beside the other two.
 
         The row counts are the largest the allocator left on the measured grid, so this never
         under-estimates there; how far over depends on the layout (``engine.plan`` gives
@@ -209,14 +216,16 @@ class MemoryModel:
         n_kv = self.cells(n_ctx)
         ub = self.ubatch(n_ctx)
         embd = ub * s.n_embd * 4
-        logits_path = ub * s.n_vocab * 4 + LOGITS_ROWS * embd
-        mask_rows = _pad(ub, KQ_MASK_PAD)
+        mask = n_kv * _pad(ub, KQ_MASK_PAD) * (2 if self.flash_attn else 4)
+        # With flash attention the f16 mask stays allocated to the end (measured); without it
+        # the f32 mask is freed after the last layer.
+        # Below the logits: the rows, or the kept mask beside the three rows always there.
+        kept = mask if self.flash_attn else 0
+        logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd)
         rows = ATTENTION_ROWS * ub * max(s.n_embd, s.n_head * s.head_dim_k) * 4
-        if self.flash_attn:
-            attn_path = n_kv * mask_rows * 2 + rows
-        else:
-            attn_path = ub * n_kv * s.n_head * 4 + n_kv * mask_rows * 4 + rows
-        ffn_path = 2 * ub * s.n_ff * 4 + FFN_ROWS * embd
+        scores = 0 if self.flash_attn else ub * n_kv * s.n_head * 4
+        attn_path = scores + mask + rows
+        ffn_path = 2 * ub * s.n_ff * 4 + max(FFN_ROWS * embd, kept + 3 * embd)
         return logits_path, attn_path, ffn_path
 
     def output_bytes(self) -> int:

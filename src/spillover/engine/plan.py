@@ -11,7 +11,11 @@ it would allocate. It takes a fraction of a second and no memory beyond the meta
 It plans for the backends this llama.cpp build has (the CPU backend here; on a CUDA build
 the device's buffers too, which this machine cannot check). ``None`` comes back when
 llama.cpp cannot plan the file (an architecture this build does not know, say); callers
-then use the model's envelope.
+then use the model's envelope. ``PlanRefused`` is raised when the model loads but llama.cpp
+refuses the context settings, with llama.cpp's own reason.
+
+llama.cpp aborts the process on some malformed models (a failed ``GGML_ASSERT``), so
+``plan_buffers_isolated`` runs the dry run in a forked child and reports a crash as ``None``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import ctypes
 import re
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PlannedBuffers", "plan_buffers"]
+__all__ = ["PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
 
 MIB = 1024 * 1024
 _COMPUTE = re.compile(r"^\S+:\s+(\S+) compute buffer size\s*=\s*([\d.]+) MiB", re.M)
@@ -43,6 +48,10 @@ class PlannedBuffers:
     @property
     def output_bytes(self) -> int:
         return sum(self.output.values())
+
+
+class PlanRefused(ValueError):
+    """llama.cpp loaded the model but refused to create a context with these settings."""
 
 
 def _by_buffer(pattern: re.Pattern[str], text: str) -> dict[str, int]:
@@ -100,7 +109,7 @@ def plan_buffers(
             try:
                 ctx = llama_cpp.llama_init_from_model(model, cp)
                 if not ctx:
-                    return None
+                    raise PlanRefused(_reason(lines))
                 llama_cpp.llama_free(ctx)
             finally:
                 llama_cpp.llama_model_free(model)
@@ -111,3 +120,51 @@ def plan_buffers(
     if not compute:
         return None
     return PlannedBuffers(compute=compute, output=_by_buffer(_OUTPUT, text))
+
+
+def _reason(lines: list[str]) -> str:
+    """llama.cpp's last error lines, as one sentence."""
+    errors = [ln.strip() for ln in lines if "error" in ln.lower() or "fail" in ln.lower() or "not " in ln]
+    text = "; ".join(errors[-2:]) or "llama.cpp refused to create the context"
+    return f"llama.cpp refuses these settings: {text}"
+
+
+def plan_buffers_isolated(model_path: str, n_ctx: int, *args: Any, **kwargs: Any) -> PlannedBuffers | None:
+    """``plan_buffers`` in a forked child, so that a llama.cpp abort ends the child only.
+
+    Returns ``None`` when the child dies (by a signal or an exit status) or llama.cpp cannot
+    plan; raises ``PlanRefused`` as ``plan_buffers`` does.
+    """
+    import json
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: plan, write one JSON line, leave without cleanup
+        os.close(read)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # an abort's backtrace is not the user's to read
+        out: dict[str, Any]
+        try:
+            plan = plan_buffers(model_path, n_ctx, *args, **kwargs)
+            out = {"plan": None if plan is None else [plan.compute, plan.output]}
+        except PlanRefused as exc:
+            out = {"refused": str(exc)}
+        except BaseException as exc:  # anything else is "cannot plan"
+            out = {"error": repr(exc)}
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    if not chunks or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        return None
+    out = json.loads(b"".join(chunks))
+    if "refused" in out:
+        raise PlanRefused(out["refused"])
+    if out.get("plan") is None:
+        return None
+    compute, output = out["plan"]
+    return PlannedBuffers(compute=compute, output=output)
