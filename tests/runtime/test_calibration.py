@@ -132,6 +132,6 @@ def test_a_llama_cpp_abort_ends_only_the_planning_child(tmp_path, model_path: st
     narrow = write_tiny_llama(
         tmp_path / "n.gguf", model_path, TinyLlamaSpec(n_layers=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)
     )
-    with pytest.raises(PlanRefused, match="llama.cpp refuses"):
+    with pytest.raises(PlanRefused, match=r"llama\.cpp refuses"):
         plan_buffers_isolated(str(narrow), 256, kv_type="q8_0", flash_attn=True)
     assert plan_buffers_isolated(str(narrow), 256) is not None
