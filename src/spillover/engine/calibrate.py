@@ -12,15 +12,31 @@ import re
 import sys
 from dataclasses import dataclass
 
-__all__ = ["MeasuredBuffers", "measure_buffers"]
+__all__ = ["COMPUTE_LINE", "OUTPUT_LINE", "MeasuredBuffers", "by_buffer", "ggml_type", "measure_buffers"]
 
 MIB = 1024 * 1024
 _PATTERNS = {
     "model": re.compile(r"model buffer size\s*=\s*([\d.]+) MiB"),
     "kv": re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB"),
-    "compute": re.compile(r"^\S+:\s+\S+ compute buffer size\s*=\s*([\d.]+) MiB", re.M),
-    "output": re.compile(r"output buffer size\s*=\s*([\d.]+) MiB"),
 }
+# The compute and output buffer lines, with the backend buffer's name (CPU, CUDA0, ...).
+COMPUTE_LINE = re.compile(r"^\S+:\s+(\S+) compute buffer size\s*=\s*([\d.]+) MiB", re.M)
+OUTPUT_LINE = re.compile(r"(\S+)\s+output buffer size\s*=\s*([\d.]+) MiB")
+
+
+def by_buffer(pattern: re.Pattern[str], text: str) -> dict[str, int]:
+    """Bytes of each named buffer the (name, MiB) ``pattern`` finds in llama.cpp's log."""
+    out: dict[str, int] = {}
+    for name, mib in pattern.findall(text):
+        out[name] = out.get(name, 0) + int(float(mib) * MIB)
+    return out
+
+
+def ggml_type(kv_type: str) -> int:
+    """llama.cpp's enum value of a KV cache type name (f16, q8_0, ...)."""
+    import llama_cpp
+
+    return int(getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}"))
 
 
 @dataclass(frozen=True)
@@ -54,10 +70,9 @@ def measure_buffers(
 ) -> MeasuredBuffers:
     """Load ``model_path`` with a context of ``n_ctx`` (batch, micro-batch, KV cache type and
     flash attention as given) and return the buffers llama.cpp reported."""
-    import llama_cpp
     from llama_cpp import Llama
 
-    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+    cache_type = ggml_type(kv_type)
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):
         llm = Llama(
@@ -66,8 +81,8 @@ def measure_buffers(
             n_batch=n_batch,
             n_ubatch=n_ubatch,
             n_gpu_layers=n_gpu_layers,
-            type_k=ggml_type,
-            type_v=ggml_type,
+            type_k=cache_type,
+            type_v=cache_type,
             flash_attn=flash_attn,
             n_threads=1,
             verbose=True,
@@ -81,6 +96,6 @@ def measure_buffers(
         n_ctx=n_ctx,
         model_bytes=_sum(_PATTERNS["model"], text),
         kv_bytes=_sum(_PATTERNS["kv"], text),
-        compute_bytes=_sum(_PATTERNS["compute"], text),
-        output_bytes=_sum(_PATTERNS["output"], text),
+        compute_bytes=sum(by_buffer(COMPUTE_LINE, text).values()),
+        output_bytes=sum(by_buffer(OUTPUT_LINE, text).values()),
     )

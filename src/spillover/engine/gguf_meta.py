@@ -16,11 +16,16 @@ __all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "read_model_spec"]
 CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4}
 
 
-def _repacked(t: Any) -> bool:
-    """Whether the CPU backend moves this tensor to its repack buffer: a matrix multiplied
-    in the graph (``token_embd`` is read with get_rows, so it stays) of a repackable type."""
+def _repackable(t: Any) -> bool:
+    """A matrix of a type the CPU backend repacks, with rows in whole interleave groups."""
     rows = CPU_REPACK_TYPES.get(t.tensor_type.name)
-    return rows is not None and len(t.shape) == 2 and int(t.shape[1]) % rows == 0 and t.name != "token_embd.weight"
+    return rows is not None and len(t.shape) == 2 and int(t.shape[1]) % rows == 0
+
+
+def _repacked(t: Any) -> bool:
+    """Whether the CPU backend moves this tensor to its repack buffer: a repackable matrix
+    multiplied in the graph (``token_embd`` is read with get_rows, so it stays)."""
+    return _repackable(t) and t.name != "token_embd.weight"
 
 
 def cpu_model_bytes(tensors: list[Any]) -> int:
@@ -28,17 +33,11 @@ def cpu_model_bytes(tensors: list[Any]) -> int:
     to the last tensor it reads in place (repacked tensors between them included, as the
     mapping is one range), plus the repack buffer. A model without ``output.weight`` multiplies
     by ``token_embd``, so a repackable embedding gets a repacked copy as the output matrix."""
-    names = {t.name for t in tensors}
+    tied = not any(t.name == "output.weight" for t in tensors)
     mapped = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in tensors if not _repacked(t)]
     repack = sum(int(t.n_bytes) for t in tensors if _repacked(t))
-    if "output.weight" not in names:
-        repack += sum(
-            int(t.n_bytes)
-            for t in tensors
-            if t.name == "token_embd.weight"
-            and CPU_REPACK_TYPES.get(t.tensor_type.name)
-            and int(t.shape[1]) % CPU_REPACK_TYPES[t.tensor_type.name] == 0
-        )
+    if tied:
+        repack += sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and _repackable(t))
     span = max(e for _, e in mapped) - min(b for b, _ in mapped) if mapped else 0
     return span + repack
 

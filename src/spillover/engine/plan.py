@@ -21,16 +21,14 @@ llama.cpp aborts the process on some malformed models (a failed ``GGML_ASSERT``)
 from __future__ import annotations
 
 import ctypes
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from spillover.engine.calibrate import COMPUTE_LINE, OUTPUT_LINE, by_buffer, ggml_type
+
 __all__ = ["PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
 
-MIB = 1024 * 1024
-_COMPUTE = re.compile(r"^\S+:\s+(\S+) compute buffer size\s*=\s*([\d.]+) MiB", re.M)
-_OUTPUT = re.compile(r"(\S+)\s+output buffer size\s*=\s*([\d.]+) MiB")
 _LOCK = threading.Lock()  # llama.cpp's log callback is process-wide
 
 
@@ -52,13 +50,6 @@ class PlannedBuffers:
 
 class PlanRefused(ValueError):
     """llama.cpp loaded the model but refused to create a context with these settings."""
-
-
-def _by_buffer(pattern: re.Pattern[str], text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for name, mib in pattern.findall(text):
-        out[name] = out.get(name, 0) + int(float(mib) * MIB)
-    return out
 
 
 def plan_buffers(
@@ -94,7 +85,7 @@ def plan_buffers(
     cp.n_batch = n_batch
     cp.n_ubatch = min(n_batch, n_ubatch)
     cp.n_threads = cp.n_threads_batch = 1
-    cp.type_k = cp.type_v = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+    cp.type_k = cp.type_v = ggml_type(kv_type)
     cp.flash_attn_type = (
         llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     )
@@ -116,10 +107,10 @@ def plan_buffers(
         finally:
             llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     text = "".join(lines)
-    compute = _by_buffer(_COMPUTE, text)
+    compute = by_buffer(COMPUTE_LINE, text)
     if not compute:
         return None
-    return PlannedBuffers(compute=compute, output=_by_buffer(_OUTPUT, text))
+    return PlannedBuffers(compute=compute, output=by_buffer(OUTPUT_LINE, text))
 
 
 def _reason(lines: list[str]) -> str:
