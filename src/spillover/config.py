@@ -149,6 +149,12 @@ class ServiceConfig:
     cpu: str = _doc("replica", "its CPU path: replica (the same model on the CPU) | none")
     gpu_slots: int = _doc(2, "requests its GPU worker runs at once")
     cpu_slots: int = _doc(1, "requests its CPU worker runs at once")
+    cpu_readiness: str = _doc(
+        "auto", "chat: how ready its CPU replica is kept: warm | mmap | on_demand | auto ([cpu_lane].readiness)"
+    )
+    recovery_budget_ms: float = _doc(
+        1000.0, "chat, cpu_readiness = auto: longest a GPU fault may take to reach the first CPU token"
+    )
     n_threads: int = _doc(1, "threads per worker")
     batch_size: int = _doc(32, "inputs per encoder run (a request is computed in chunks of this many)")
     max_inputs: int = _doc(256, "inputs one request may hold (400 above)")
@@ -182,6 +188,16 @@ class LaneConfig:
     queue_max_age_s: float = _doc(60.0, "longest a request may wait in the queue")
     n_batch_tokens: int = _doc(512, "llama.cpp batch size for prompt processing")
     canary_ratio: float = _doc(0.0, "share of normal traffic served here to keep the path exercised (CPU lane)")
+    readiness: str = _doc(
+        "auto",
+        "CPU lane: how ready the CPU replica is kept. warm (model and every slot's context loaded), mmap "
+        "(model loaded, contexts made on demand), on_demand (process started, model loaded at the first "
+        "failover), or auto (the cheapest of those whose measured recovery time meets recovery_budget_ms, "
+        "re-picked when host memory is short)",
+    )
+    recovery_budget_ms: float = _doc(
+        1000.0, "CPU lane, readiness = auto: longest a GPU fault may take to reach the first CPU token"
+    )
 
 
 @dataclass(frozen=True)
@@ -375,6 +391,7 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"[{name}] queue_depth must be >= 0 and queue_max_age_s > 0")
         if not 0 <= lane.canary_ratio <= 1:
             raise ConfigError(f"[{name}].canary_ratio must be in [0, 1]")
+        _validate_readiness(f"[{name}]", "readiness", lane.readiness, lane.recovery_budget_ms)
     a = cfg.admission
     if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:
         raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")
@@ -485,6 +502,15 @@ def _services(values: Any) -> tuple[ServiceConfig, ...]:
     return tuple(out)
 
 
+def _validate_readiness(where: str, name: str, mode: str, budget_ms: float) -> None:
+    from spillover.core.readiness import MODES
+
+    if mode not in MODES:
+        raise ConfigError(f"{where}.{name} must be one of {', '.join(MODES)}, not {mode!r}")
+    if not budget_ms > 0:
+        raise ConfigError(f"{where}.recovery_budget_ms must be > 0")
+
+
 def _validate_services(cfg: Config) -> None:
     """Each service's kind, names, CPU path and limits; every model id (aliases included) is
     served by one service only."""
@@ -506,6 +532,7 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: slots, n_threads, batch_size and max_inputs must be >= 1")
         if svc.queue_depth < 0 or svc.queue_max_age_s <= 0:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
+        _validate_readiness(where, "cpu_readiness", svc.cpu_readiness, svc.recovery_budget_ms)
         if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
         if svc.kind == "transcription" and svc.path and not Path(svc.path, "model.bin").is_file():

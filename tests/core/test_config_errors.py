@@ -48,6 +48,10 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[admission]\npressure_ratio = 2.0\n",
         '[model]\nfallback_path = "/nonexistent/fallback.gguf"\n',
         '[model]\nfallback_name = "small"\n',
+        '[cpu_lane]\nreadiness = "hot"\n',
+        "[cpu_lane]\nrecovery_budget_ms = 0\n",
+        '[[services]]\nname = "c2"\nkind = "chat"\ncpu_readiness = "mapped"\n',
+        '[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = -5\n',
     ],
 )
 def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
@@ -140,6 +141,10 @@ def test_page_lists_each_service_where_it_runs_and_why(browser: object) -> None:
             chat = table.locator("tbody tr", has_text="smollm2-135m-instruct")
             expect(chat).to_have_count(1)
             expect(chat).to_contain_text("chat · interactive")
+            # its CPU replica: auto, picked by the recovery budget, with each mode's measured recovery
+            expect(chat).to_contain_text("auto: the cheapest mode within the recovery budget", timeout=10_000)
+            expect(chat).to_contain_text("budget 1000 ms")
+            expect(chat).to_contain_text(re.compile(r"recovery warm \d+ ms · mmap \d+ ms · on_demand \d+ ms"))
             bge = table.locator("tbody tr", has_text="bge-small-en")
             expect(bge).to_have_count(1)
             expect(bge).to_contain_text("embeddings · batch")

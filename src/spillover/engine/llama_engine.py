@@ -18,6 +18,7 @@ import re
 import secrets
 import string
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -353,12 +354,58 @@ class Step:
     top: tuple[Alternative, ...] = ()
 
 
-class Engine:
-    """A loaded model with up to ``slots`` independent llama contexts.
+_BORROW_LOCK = threading.Lock()
 
-    With ``lazy`` a slot's context is created on its first use and then kept, so host
-    memory grows with the concurrency actually reached (the CPU lane's host-RAM guard
-    decides how far); free slots that already have a context are handed out first.
+
+def _borrowed_llama(model: Any, params: dict[str, Any]) -> Any:
+    """A ``Llama`` whose context runs over ``model`` (a loaded ``llama_cpp._internals.LlamaModel``)
+    instead of loading the file again.
+
+    llama-cpp-python's ``Llama`` always loads its own model; for the time of its constructor
+    (under a lock) its ``LlamaModel`` is replaced by a factory that hands out a view of the
+    shared one whose ``close`` does nothing, so closing the context never frees the model
+    (``Engine`` frees it). Written against llama-cpp-python 0.3.x (pinned).
+    """
+    import copy
+
+    import llama_cpp._internals as internals
+
+    real = internals.LlamaModel
+
+    def borrow(*, path_model: str, params: Any, verbose: bool) -> Any:
+        view = copy.copy(model)
+        view.close = lambda: None  # the context's exit stack and __del__ leave the model alone
+        return view
+
+    with _BORROW_LOCK:
+        internals.LlamaModel = borrow  # type: ignore[misc,assignment]
+        try:
+            return _llama_cls()(**params)
+        finally:
+            internals.LlamaModel = real  # type: ignore[misc]
+
+
+READINESS_MODES = ("warm", "mmap", "on_demand")  # what a worker keeps ready between requests
+
+
+class Engine:
+    """A loaded model with up to ``slots`` independent llama contexts over one shared model.
+
+    Every slot's context borrows the one ``llama_model`` (``_borrowed_llama``), so weights,
+    and a CPU backend's repacked copy of them, are held once however many slots there are.
+
+    ``readiness`` is what the engine keeps ready between requests:
+
+    - ``warm``: the model and every slot's context;
+    - ``mmap``: the model (weights mapped); a slot's context is created on its first use
+      and then kept, so host memory grows with the concurrency actually reached;
+    - ``on_demand``: nothing; the model is loaded at the first request and then kept.
+
+    ``measure()`` times each step once (model load, one context, a first token) so the
+    gateway can predict what each mode costs to recover; every later load or context
+    creation refreshes its figure (``timings``). ``set_readiness`` moves to another mode:
+    up loads at once, down frees what is idle now and the rest as its slots come back.
+    Free slots that already have a context are handed out first.
     """
 
     def __init__(
@@ -370,10 +417,14 @@ class Engine:
         n_threads: int,
         n_batch: int,
         n_gpu_layers: int = 0,
-        lazy: bool = False,
+        readiness: str = "warm",
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
+        if readiness not in READINESS_MODES:
+            raise ValueError(f"readiness must be one of {', '.join(READINESS_MODES)}, not {readiness!r}")
         self.model_path = model_path
         self.n_ctx = n_ctx
+        self.n_gpu_layers = n_gpu_layers
         self._params = {
             "model_path": model_path,
             "n_ctx": n_ctx,
@@ -383,15 +434,17 @@ class Engine:
             "n_gpu_layers": n_gpu_layers,
             "verbose": False,
         }
+        self.readiness = readiness
+        self.timings: dict[str, float] = {}  # load_ms, ctx_ms, first_ms: the latest of each
+        self._on_change = on_change
+        self._model: Any = None  # the shared llama_model wrapper, or None
+        self._model_params: Any = None
         self._slots: list[Any] = [None] * slots
-        if not lazy:
-            self._slots = [self._create() for _ in range(slots)]
         self._free = list(range(slots))
-        self._lock = threading.Lock()
+        self._shedding = False  # a move down waits for busy slots to free the rest
+        self._lock = threading.RLock()
 
-    def _create(self) -> Any:
-        return _llama_cls()(**self._params)
-
+    # -- what is held ---------------------------------------------------------------------
     @property
     def slots(self) -> int:
         """Number of slots."""
@@ -401,6 +454,133 @@ class Engine:
     def contexts(self) -> int:
         """Slots whose llama context exists."""
         return sum(1 for s in self._slots if s is not None)
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._model is not None
+
+    def held(self) -> dict[str, Any]:
+        """What it holds now and what each step last cost (the worker's ``held`` report)."""
+        with self._lock:
+            return {
+                "mode": self.readiness,
+                "model": self.model_loaded,
+                "contexts": self.contexts,
+                "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            }
+
+    def _load_model(self) -> Any:
+        """The shared model, loaded now if it is not (timed: ``load_ms``)."""
+        with self._lock:
+            if self._model is None:
+                import llama_cpp
+                import llama_cpp._internals as internals
+
+                params = llama_cpp.llama_model_default_params()
+                params.n_gpu_layers = self.n_gpu_layers
+                params.vocab_only = False
+                params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # as Llama(use_mmap=True) sets it
+                t0 = time.perf_counter()
+                self._model = internals.LlamaModel(path_model=self.model_path, params=params, verbose=False)
+                self._model_params = params  # the ctypes struct outlives the model
+                self.timings["load_ms"] = (time.perf_counter() - t0) * 1000
+            return self._model
+
+    def _create(self) -> Any:
+        """A new llama context over the shared model (timed: ``ctx_ms``)."""
+        model = self._load_model()
+        t0 = time.perf_counter()
+        llm = _borrowed_llama(model, self._params)
+        self.timings["ctx_ms"] = (time.perf_counter() - t0) * 1000
+        return llm
+
+    def _free_slot_context(self, i: int) -> None:
+        llm, self._slots[i] = self._slots[i], None
+        if llm is not None:
+            llm.close()
+
+    def _drop_model(self) -> None:
+        if self._model is not None and self.contexts == 0:
+            self._model.close()
+            self._model = None
+
+    # -- readiness ------------------------------------------------------------------------
+    def measure(self) -> None:
+        """Time a cold start once (model load, one context, a first token), then settle into
+        ``readiness``: the probe's context is kept as a slot's when the mode keeps any."""
+        with self._lock:
+            llm = self._slots[0] if self._slots[0] is not None else self._create()
+            self._slots[0] = llm
+            probe = llm.tokenize(b"Hello! How are you today?", add_bos=True, special=False)
+            t0 = time.perf_counter()
+            llm.reset()
+            llm.eval(probe)
+            llm.sample(temp=0.0)
+            self.timings["first_ms"] = (time.perf_counter() - t0) * 1000
+            llm.reset()
+            self._settle()
+        self._on_change()
+
+    def set_readiness(self, mode: str) -> None:
+        """Move to ``mode`` (see the class): load what it keeps, free what it does not."""
+        if mode not in READINESS_MODES:
+            raise ValueError(f"readiness must be one of {', '.join(READINESS_MODES)}, not {mode!r}")
+        with self._lock:
+            down = READINESS_MODES.index(mode) > READINESS_MODES.index(self.readiness)
+            self.readiness = mode
+            self._shedding = down
+            self._settle()
+        self._on_change()
+
+    def _settle(self) -> None:
+        """Hold what ``readiness`` keeps: free idle contexts (and the model) it does not keep,
+        create the ones it does."""
+        idle = [i for i in self._free if self._slots[i] is not None]
+        if self.readiness == "warm":
+            for i in range(len(self._slots)):
+                if self._slots[i] is None:
+                    self._slots[i] = self._create()
+            return
+        for i in idle:
+            self._free_slot_context(i)
+        if self.readiness == "mmap":
+            self._load_model()
+        else:
+            self._drop_model()
+        self._shedding = self._shedding and (self.contexts > 0 or (self.readiness == "on_demand" and self.model_loaded))
+
+    def acquire_slot(self) -> int | None:
+        """Take a free slot index (one with a context first), or None."""
+        with self._lock:
+            if not self._free:
+                return None
+            ready = [i for i in self._free if self._slots[i] is not None]
+            pick = ready[0] if ready else self._free[0]
+            self._free.remove(pick)
+            return pick
+
+    def release_slot(self, slot: int) -> None:
+        """Give a slot back; a mode that keeps no idle context frees its context (and the
+        model, when ``on_demand`` and no other slot holds one) once it is back."""
+        changed = False
+        with self._lock:
+            self._free.append(slot)
+            if self._shedding:
+                self._settle()
+                changed = True
+        if changed:
+            self._on_change()
+
+    def _slot_llm(self, slot: int) -> Any:
+        """The slot's context, created now if it has none (on_demand: the model too)."""
+        with self._lock:
+            if self._slots[slot] is None:
+                created = self._create()
+                self._slots[slot] = created
+            else:
+                return self._slots[slot]
+        self._on_change()
+        return created
 
     @staticmethod
     def _grammar(llm: Any, text: str) -> Any:
@@ -414,21 +594,6 @@ class Engine:
             raise RequestRefused("bad_grammar", "llama.cpp could not parse the output grammar")
         llama_cpp.llama_sampler_free(probe)
         return llama_cpp.LlamaGrammar.from_string(text, verbose=False)  # type: ignore[attr-defined]
-
-    def acquire_slot(self) -> int | None:
-        """Take a free slot index (one with a context first), or None."""
-        with self._lock:
-            if not self._free:
-                return None
-            ready = [i for i in self._free if self._slots[i] is not None]
-            pick = ready[0] if ready else self._free[0]
-            self._free.remove(pick)
-            return pick
-
-    def release_slot(self, slot: int) -> None:
-        """Give a slot back."""
-        with self._lock:
-            self._free.append(slot)
 
     def generate(
         self,
@@ -454,9 +619,7 @@ class Engine:
         import llama_cpp
         import numpy as np
 
-        if self._slots[slot] is None:
-            self._slots[slot] = self._create()
-        llm = self._slots[slot]
+        llm = self._slot_llm(slot)
         prefix = list(prefix or [])
         limit = min(kv_tokens, self.n_ctx)
         budget = min(params.max_tokens, limit - len(prompt_tokens))

@@ -16,6 +16,7 @@ Gateway -> worker ops::
      "presence_penalty", "repeat_penalty", "top_k", "min_p", "logit_bias", "logprobs"}
     {"op": "cancel", "rid"}
     {"op": "ping", "seq"}
+    {"op": "readiness", "mode"}               chat: keep warm | mmap | on_demand ready (``Engine``)
 
 Worker -> gateway events::
 
@@ -26,7 +27,9 @@ Worker -> gateway events::
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
                                               | context_overflow | bad_grammar (the request's fault)
-    {"ev": "pong", "seq", "progress"}         progress: tokens generated so far, in total
+    {"ev": "pong", "seq", "progress", "contexts"}  progress: tokens generated so far, in total
+    {"ev": "held", "mode", "model", "contexts", "timings"}  chat: what the engine holds changed
+                                              (timings: the latest load_ms, ctx_ms, first_ms)
     {"ev": "fatal", "kind", "message"}        then the process exits
 
 On a ``sim`` device the worker charges the shared ledger for the weights at load and for
@@ -49,6 +52,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
+
+from spillover.engine.llama_engine import READINESS_MODES
 
 __all__ = ["main"]
 
@@ -114,6 +119,7 @@ class DeviceWorker(abc.ABC):
                 )
                 sys.exit(EXIT_LOAD_FAILED)
         self.fingerprint: dict[str, str] = {}
+        self.ready_sent = False
         t0 = time.monotonic()
         self.load()
         self.load_s = time.monotonic() - t0
@@ -214,6 +220,7 @@ class DeviceWorker(abc.ABC):
         if self.sim is not None:
             threading.Thread(target=self.watch_device, daemon=True, name="sim-watch").start()
         self.chan.send({"ev": "ready", "info": self.info()})
+        self.ready_sent = True
         for line in inp:
             if not line.strip():
                 continue
@@ -227,6 +234,8 @@ class DeviceWorker(abc.ABC):
                 with self._active_lock:  # a cancel for a request already answered is dropped
                     if str(msg["rid"]) in self.active:
                         self.cancelled.add(str(msg["rid"]))
+            elif op == "readiness" and hasattr(self, "set_readiness"):
+                threading.Thread(target=self.set_readiness, args=(str(msg.get("mode")),), daemon=True).start()
             elif op == "ping":
                 self.chan.send(
                     {
@@ -254,8 +263,10 @@ class Worker(DeviceWorker):
             n_threads=args.n_threads,
             n_batch=args.n_batch,
             n_gpu_layers=-1 if self.kind == "cuda" else 0,
-            lazy=args.lazy_slots,
+            readiness=args.readiness,
+            on_change=self._held,
         )
+        self.engine.measure()
         tok = Tokenizer(args.model)
         backend = "cuda" if self.kind == "cuda" else "cpu"
         self.fingerprint = fingerprint_parts(
@@ -266,7 +277,21 @@ class Worker(DeviceWorker):
         return self.engine.contexts
 
     def info(self) -> dict[str, Any]:
-        return super().info() | {"slots": self.engine.slots, "n_ctx": self.args.n_ctx}
+        return super().info() | {"slots": self.engine.slots, "n_ctx": self.args.n_ctx, "held": self.engine.held()}
+
+    def _held(self) -> None:
+        """Tell the gateway what the engine holds now (a ``held`` event: mode, model,
+        contexts and the latest load / context / first-token timings); before ``ready``
+        the ready event's info carries it."""
+        if getattr(self, "engine", None) is not None and self.ready_sent:
+            self.chan.send({"ev": "held", **self.engine.held()})
+
+    def set_readiness(self, mode: str) -> None:
+        try:
+            self.engine.set_readiness(mode)
+        except Exception as exc:  # a load that fails is reported, the worker keeps serving
+            print(f"readiness {mode} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._held()
 
     def _page_fault(self) -> bool:
         """At a KV page boundary: does an injected running-OOM fault hit this request?"""
@@ -383,7 +408,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-threads", type=int, default=1)
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--weights-bytes", type=int, default=0)
-    p.add_argument("--lazy-slots", action="store_true", help="create each slot's context on first use")
+    p.add_argument(
+        "--readiness",
+        default="warm",
+        choices=READINESS_MODES,
+        help="chat: what to keep ready between requests (warm: model and every slot's context; mmap: the "
+        "model, contexts on first use; on_demand: nothing, the model loads at the first request)",
+    )
     return p.parse_args(argv)
 
 

@@ -15,6 +15,9 @@ Rules:
    is a 400 naming ``/v1/completions``.
 3. Its CPU path is an exact replica (same GGUF) or none (``cpu = "none"``: admission never
    routes it to the CPU; a request that does not fit waits or is refused with Retry-After).
+4. The replica is kept as ready as its lane's ``readiness`` says (``runtime.readiness``): a
+   fixed mode, or ``auto`` by ``recovery_budget_ms``; every failover that reaches a first CPU
+   token reports its recovery time to it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
+from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerSpec, WorkerState
@@ -69,6 +73,7 @@ class ChatModel:
     supervisors: list[Supervisor] = field(default_factory=list)
     load_waiting: bool = False  # its GPU worker's load waits for room on the device
     cpu_slot_bytes: int = 0  # host memory one CPU context costs (memory model)
+    readiness: ReplicaReadiness | None = None  # its CPU replica's readiness (None: no CPU path)
     _canary_n: int = 0
 
     def __repr__(self) -> str:
@@ -112,13 +117,27 @@ class ChatModel:
                 breaker=BreakerPolicy(**dataclasses.asdict(gw.cfg.breaker)),
             )
         cpu_mm = MemoryModel(cpu_spec, n_batch=self.cpu_lane.n_batch_tokens, cpu_repack=True)
-        self.cpu_slot_bytes = slot_bytes = cpu_mm.weights_bytes() + cpu_mm.context_bytes(self.cpu_lane.ctx_cap_tokens)
+        cpu_weights = cpu_mm.weights_bytes()
+        cpu_context = cpu_mm.context_bytes(self.cpu_lane.ctx_cap_tokens)
+        self.cpu_slot_bytes = cpu_weights + cpu_context
+        host_view = None
+        if self.cpu_path:
+            self.readiness = ReplicaReadiness(
+                self.cpu_lane.readiness,
+                self.cpu_lane.recovery_budget_ms,
+                lambda: self.scheduler.cpu_workers[0] if self.scheduler and self.scheduler.cpu_workers else None,
+                weights_bytes=cpu_weights,
+                context_bytes=cpu_context,
+            )
+            host_view = gw.host.lane_view(
+                lambda: self.scheduler, weights_bytes=cpu_weights, context_bytes=cpu_context, readiness=self.readiness
+            )
         self.scheduler = Scheduler(
             gpu_lane=self.gpu_lane if gpu else None,
             cpu_lane=self.cpu_lane,
             ledger=gw.ledger if gpu else None,
             policy=policy,
-            host_view=gw.host.lane_view(lambda: self.scheduler, slot_bytes) if self.cpu_path else None,
+            host_view=host_view,
             host_guard=gw.cfg.device.host_guard,
         )
         if gpu and gw.device is not None:
@@ -136,7 +155,8 @@ class ChatModel:
             self.supervisors.append(sup)
             self.scheduler.gpu_workers.append(sup.worker)
         if self.cpu_path:
-            spec = dataclasses.replace(self._worker_spec(gw, "cpu", "cpu"), lazy_slots=True)
+            assert self.readiness is not None
+            spec = dataclasses.replace(self._worker_spec(gw, "cpu", "cpu"), readiness=self.readiness.initial_mode())
             sup = Supervisor(spec, gw.cfg.supervisor, on_change=gw.worker_event)
             self.supervisors.append(sup)
             self.scheduler.cpu_workers.append(sup.worker)
@@ -196,6 +216,7 @@ class ChatModel:
             budget=gw.budget,
             kill_worker=gw.kill_worker,
             on_failover=lambda kind: gw.metrics.failovers.labels(kind).inc(),
+            on_recovered=self.readiness.observe if self.readiness is not None else lambda ms: None,
             cpu_fallback=self.fallback_name is not None,
             timeout_at_s=time.monotonic() + gw.cfg.server.request_timeout_s,
             **kw,
@@ -233,6 +254,7 @@ class ChatModel:
             "running": sum(x.running for x in lanes),
             "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
             "device_bytes": self.device_bytes(ledger),
+            "cpu_readiness": self.readiness.status() if self.readiness is not None else None,
         }
         if not primary:  # the primary's workers and lanes are the document's own
             row |= {
@@ -282,7 +304,9 @@ def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
         priority=s.priority,
         model_path=s.path or default_model_path(),
         gpu_lane=lane(cfg.gpu_lane, s.gpu_slots) if s.gpu else None,
-        cpu_lane=lane(cfg.cpu_lane, s.cpu_slots),
+        cpu_lane=dataclasses.replace(
+            lane(cfg.cpu_lane, s.cpu_slots), readiness=s.cpu_readiness, recovery_budget_ms=s.recovery_budget_ms
+        ),
         cpu_path=s.cpu == "replica",
         worker_ids=(f"{slug}-gpu", f"{slug}-cpu"),
     )

@@ -109,12 +109,14 @@ class Execution:
     budget: RetryBudget
     kill_worker: Callable[[WorkerClient], Any]
     on_failover: Callable[[str], None] = lambda kind: None
+    on_recovered: Callable[[float], None] = lambda ms: None  # a failover's fault -> first CPU token (ms)
     attempt: int = 0
     delivered: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     _job: Job | None = None
     _next_lane: str | None = None
     _cause: str | None = None
+    _fault_at: float | None = None  # monotonic time of the fault the CPU attempt recovers from
     _cancelled: bool = False
     _timed_out: bool = False
     _unstopped: bool = False  # a worker did not stop a request in time and was killed
@@ -390,6 +392,9 @@ class Execution:
             while True:
                 ev = await self._next(it, d, prefill=first_token)
                 if isinstance(ev, Token):
+                    if first_token and self._fault_at is not None and d.route == "cpu":
+                        self.on_recovered((time.monotonic() - self._fault_at) * 1000)
+                        self._fault_at = None
                     first_token = False
                     if self.incremental and ev.id >= 0:
                         self.delivered.append(ev.id)
@@ -454,6 +459,7 @@ class Execution:
         if not self.budget.take():
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
         self._cause = f.kind
+        self._fault_at = time.monotonic()
         self._next_lane = "cpu"
         self.on_failover(f.kind)
         await self._move(State.QUEUED, route="cpu", attempts=self.attempt, reason=str(FailoverReason(f.kind)))

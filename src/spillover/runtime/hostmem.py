@@ -1,9 +1,14 @@
 """Host-memory observation for the CPU lane's guard (``core.hostguard`` decides).
 
 ``HostMemory`` owns what the guard is shown: the resident memory of the gateway and its
-workers (read every ``HOST_OBSERVE_INTERVAL_S`` by ``run``), its peak, the baseline taken
-once everything is loaded and no CPU context is open yet, and the ``HostView`` built from
-those for each CPU dispatch the scheduler considers.
+workers (read every ``HOST_OBSERVE_INTERVAL_S`` by ``run``), its peak, the baseline (the
+reading once everything is loaded, less what the CPU replicas held then), and the
+``HostView`` built from those for each CPU dispatch the scheduler considers.
+
+What a CPU replica holds is counted from its own reports (``held``): its model when loaded
+(``weights_bytes``) and each open context (``context_bytes``), whatever readiness mode put
+them there. Each reading also ticks the replicas' readiness (``runtime.readiness``) with
+the room the guard leaves them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from spillover.core.hostguard import HostView
 from spillover.runtime.devices import processes_rss
+from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 if TYPE_CHECKING:
@@ -36,15 +42,23 @@ class HostStatistics:
     base_bytes: int  # the reading with everything loaded and no CPU context (0: not yet)
     slot_bytes: int  # what one CPU context costs (memory model)
     budget_bytes: int
+    replica_bytes: int  # what the CPU replicas hold now (models and contexts, predicted)
 
 
 @dataclass(frozen=True)
 class CpuLaneHost:
     """One chat model's CPU lane as the guard sees it: its scheduler (whose CPU worker and
-    peak concurrency count) and what one of its contexts costs."""
+    peak concurrency count), what its model and one of its contexts cost, and its readiness."""
 
     scheduler: Callable[[], Scheduler | None]
-    slot_bytes: int
+    weights_bytes: int
+    context_bytes: int
+    readiness: ReplicaReadiness | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        """A context with its own weights: what the first context of an unloaded replica costs."""
+        return self.weights_bytes + self.context_bytes
 
     def worker(self) -> WorkerClient | None:
         sched = self.scheduler()
@@ -91,6 +105,7 @@ class HostMemory:
             base_bytes=self.base_bytes,
             slot_bytes=self.slot_bytes,
             budget_bytes=self.budget_bytes,
+            replica_bytes=self.replicas_bytes(),
         )
 
     async def run(self) -> None:
@@ -105,27 +120,74 @@ class HostMemory:
             cpus = [(lane, lane.worker()) for lane in self.lanes]
             if cpus and all(w is not None and w.state is WorkerState.READY for _, w in cpus):
                 starts = tuple(w.starts for _, w in cpus if w is not None)
-                if starts != self._cpu_worker_starts:  # a fresh CPU worker: no contexts yet
+                if starts != self._cpu_worker_starts:  # a fresh CPU worker: take the baseline again
                     self._cpu_worker_starts = starts
                     self.base_bytes = 0
-                if (
-                    self.base_bytes == 0
-                    and all(self.cpu_contexts(lane, w) == 0 for lane, w in cpus if w is not None)
-                    and all(s.worker.state is WorkerState.READY for s in every)
-                ):
-                    self.base_bytes = rss  # everything loaded, no CPU context yet
+                if self.base_bytes == 0 and all(s.worker.state is WorkerState.READY for s in every):
+                    # everything loaded: the rest of the reading is what no replica report covers
+                    self.base_bytes = max(1, rss - self.replicas_bytes())
+            await self.tick_readiness()
             await asyncio.sleep(HOST_OBSERVE_INTERVAL_S)
 
     @staticmethod
     def cpu_contexts(lane: CpuLaneHost, worker: WorkerClient) -> int:
         """Contexts a CPU worker holds: its own report, or (sooner) the peak concurrency its
-        scheduler gave it since it started, since each concurrent request opens one."""
+        scheduler gave it since that report, since each concurrent request opens one."""
         sched = lane.scheduler()
         return max(worker.contexts, sched.peak_running(worker) if sched is not None else 0)
 
-    def lane_view(self, scheduler: Callable[[], Scheduler | None], slot_bytes: int) -> Callable[[int], HostView]:
+    @classmethod
+    def model_loaded(cls, lane: CpuLaneHost, worker: WorkerClient) -> bool:
+        """Whether a CPU replica holds its model (its report; any open context holds it too)."""
+        return bool(worker.held.get("model", True)) or cls.cpu_contexts(lane, worker) > 0
+
+    @classmethod
+    def held_bytes(cls, lane: CpuLaneHost, worker: WorkerClient) -> int:
+        """Host bytes a CPU replica holds now: its model when loaded, and its contexts."""
+        loaded = cls.model_loaded(lane, worker)
+        return (lane.weights_bytes if loaded else 0) + cls.cpu_contexts(lane, worker) * lane.context_bytes
+
+    def replicas_bytes(self, *, but: CpuLaneHost | None = None) -> int:
+        """What the CPU replicas hold now (all of them, or all but ``but``)."""
+        total = 0
+        for lane in self.lanes:
+            w = lane.worker()
+            if w is not None and lane is not but and w.state is WorkerState.READY:
+                total += self.held_bytes(lane, w)
+        return total
+
+    def room_bytes(self, lane: CpuLaneHost) -> int:
+        """Host memory ``lane``'s replica may hold while idle: the budget less everything else,
+        and no more than the machine has available beside what the replica holds already."""
+        import psutil
+
+        w = lane.worker()
+        own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
+        base = self.base_bytes or max(0, self.observed_bytes - self.replicas_bytes())
+        by_budget = self.budget_bytes - base - self.replicas_bytes(but=lane)
+        by_machine = int(psutil.virtual_memory().available) + own - self.min_free_bytes
+        return min(by_budget, by_machine)
+
+    async def tick_readiness(self) -> None:
+        """Let each replica's readiness pick for its room; ask the worker to move when it must."""
+        for lane in self.lanes:
+            w = lane.worker()
+            if lane.readiness is None or w is None:
+                continue
+            mode = lane.readiness.tick(self.room_bytes(lane))
+            if mode is not None:
+                await w.set_readiness(mode)
+
+    def lane_view(
+        self,
+        scheduler: Callable[[], Scheduler | None],
+        *,
+        weights_bytes: int,
+        context_bytes: int,
+        readiness: ReplicaReadiness | None = None,
+    ) -> Callable[[int], HostView]:
         """Register a chat model's CPU lane; its scheduler's ``host_view``."""
-        lane = CpuLaneHost(scheduler, slot_bytes)
+        lane = CpuLaneHost(scheduler, weights_bytes, context_bytes, readiness)
         self.lanes.append(lane)
         return lambda running: self._view(lane, running)
 
@@ -135,19 +197,15 @@ class HostMemory:
 
         cpu = lane.worker()
         assert cpu is not None, "no CPU worker"
-        open_bytes = 0
-        for other in self.lanes:
-            w = other.worker()
-            if w is not None:
-                open_bytes += self.cpu_contexts(other, w) * other.slot_bytes
         base = self.base_bytes or self.observed_bytes
+        loaded = self.model_loaded(lane, cpu)
         return HostView(
             running=running,
             contexts=self.cpu_contexts(lane, cpu),
             slots=cpu.spec.slots,
-            predicted_bytes=base + open_bytes,
+            predicted_bytes=base + self.replicas_bytes(),
             observed_bytes=self.observed_bytes,
-            slot_bytes=lane.slot_bytes,
+            slot_bytes=lane.context_bytes + (0 if loaded else lane.weights_bytes),
             budget_bytes=self.budget_bytes,
             available_bytes=int(psutil.virtual_memory().available),
             min_free_bytes=self.min_free_bytes,

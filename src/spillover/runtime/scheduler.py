@@ -77,7 +77,7 @@ class Scheduler:
         self.host_view = host_view
         self.host_guard = host_guard
         self.cpu_blocked: Reason | Literal[""] = ""  # why queued CPU work waits ("": it does not)
-        self._peak: dict[str, tuple[int, int]] = {}  # worker id -> (starts, peak busy)
+        self._peak: dict[str, tuple[tuple[int, int], int]] = {}  # worker id -> ((starts, held report), peak busy)
         self.gpu = Lane("gpu", gpu_lane) if gpu_lane else None
         self.cpu = Lane("cpu", cpu_lane)
         self.ledger = ledger
@@ -432,12 +432,14 @@ class Scheduler:
             )
 
     def peak_running(self, worker: WorkerClient) -> int:
-        """Most requests this worker process has run at once (reset when it restarts)."""
-        starts, peak = self._peak.get(worker.spec.worker_id, (worker.starts, 0))
-        return peak if starts == worker.starts else 0
+        """Most requests this worker process has run at once since its last ``held`` report
+        (which counts the contexts it holds; reset when it restarts), and at least those it
+        runs now."""
+        key, peak = self._peak.get(worker.spec.worker_id, ((worker.starts, worker.held_seq), 0))
+        return max(peak if key == (worker.starts, worker.held_seq) else 0, worker.busy)
 
     def _note_busy(self, worker: WorkerClient) -> None:
-        self._peak[worker.spec.worker_id] = (worker.starts, max(self.peak_running(worker), worker.busy))
+        self._peak[worker.spec.worker_id] = ((worker.starts, worker.held_seq), self.peak_running(worker))
 
     def _fail(self, job: Job, exc: Exception) -> None:
         if not job.future.done():

@@ -136,6 +136,7 @@ def status_document(gw: Gateway) -> dict[str, Any]:
             "observed_rss_bytes": host.observed_bytes,
             "peak_rss_bytes": host.peak_bytes,
             "cpu_slot_bytes": host.slot_bytes,
+            "cpu_replica_bytes": host.replica_bytes,
             "cpu_blocked": sched.cpu_blocked if sched else "",
         },
         "uptime_s": round(now - gw.started_s, 3),

@@ -65,7 +65,7 @@ class WorkerSpec:
     n_batch: int
     weights_bytes: int = 0
     sim_name: str = "sim0"
-    lazy_slots: bool = False
+    readiness: str = "warm"  # chat: what the engine keeps ready between requests (``Engine``)
     kind: str = "chat"  # "chat" | "embeddings"
     batch_size: int = 32  # embeddings: inputs per encoder run
 
@@ -92,7 +92,7 @@ class WorkerSpec:
             "--n-threads", str(self.n_threads),
             "--n-batch", str(self.n_batch),
             "--weights-bytes", str(self.weights_bytes),
-            *(["--lazy-slots"] if self.lazy_slots else []),
+            "--readiness", self.readiness,
         ]  # fmt: skip
 
 
@@ -144,6 +144,8 @@ class WorkerClient:
         self._last_fatal: WorkerGone | None = None
         self.alloc_failures = 0
         self.contexts = 0
+        self.held: dict[str, Any] = {}  # a chat worker's last ``held`` report: mode, model, contexts, timings
+        self.held_seq = 0  # bumped by each report
 
     def __repr__(self) -> str:
         return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
@@ -206,6 +208,7 @@ class WorkerClient:
             await self.kill()
             raise
         self.info = info
+        self._held(info.get("held") or {})
         self._advance(WorkerState.READY)
         self.last_pong_s = time.monotonic()
         return info
@@ -251,6 +254,8 @@ class WorkerClient:
             self.last_pong_s = time.monotonic()
             self.progress = int(msg.get("progress") or 0)
             self.contexts = int(msg.get("contexts") or 0)
+        elif ev == "held":
+            self._held(msg)
         elif ev == "fatal":
             self._last_fatal = WorkerGone(str(msg.get("kind")), str(msg.get("message")))
         else:
@@ -266,6 +271,16 @@ class WorkerClient:
             q = self._streams.get(rid)
             if q is not None:
                 q.put_nowait(event)
+
+    def _held(self, msg: dict[str, Any]) -> None:
+        self.held = {k: msg[k] for k in ("mode", "model", "contexts", "timings") if k in msg}
+        self.contexts = int(msg.get("contexts") or 0)
+        self.held_seq += 1
+
+    async def set_readiness(self, mode: str) -> None:
+        """Ask a chat worker to keep ``mode`` ready; its ``held`` report follows once done."""
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+            await self._send({"op": "readiness", "mode": mode})
 
     async def _send(self, msg: dict[str, Any]) -> None:
         proc = self._proc

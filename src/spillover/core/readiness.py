@@ -1,0 +1,114 @@
+"""How ready a chat service's CPU replica is kept: ``warm``, ``mmap`` or ``on_demand``, or
+``auto``, which picks by a recovery budget.
+
+Rules:
+
+1. A mode's *recovery time* is the time from a GPU fault to the first CPU token, predicted
+   from the steps the replica must still take (``recovery_ms``):
+   - ``warm`` (model and contexts ready): a first token;
+   - ``mmap`` (model loaded, contexts on demand): a context, then a first token;
+   - ``on_demand`` (process started, nothing loaded): the model load, a context, a first token.
+   Each step's figure is the replica's own measurement (at start-up, then every time it
+   really does the step), raised to a failover's observed time when that was longer.
+2. A mode's *host cost* is what it keeps in host memory while idle (``host_cost``): warm
+   the weights and every slot's context, mmap the weights, on_demand nothing. The CPU
+   lane's host-RAM guard counts what the replica really holds.
+3. ``auto`` (``pick``) takes the cheapest mode whose recovery time meets the budget; when
+   none does, the fastest (``warm``). When host memory cannot hold that mode, it takes the
+   fastest mode that the room allows (``host_short``) and says so. Moving to a dearer mode
+   needs one more context of room than the mode costs (hysteresis: no flapping at the edge).
+4. A configured mode other than ``auto`` is kept whatever the budget, but host room bounds it
+   the same way (``host_short``): no mode loads past the host-RAM guard's budget.
+5. A replica starts (``initial_mode``) in the cheapest mode its configuration allows before
+   any room is known: ``on_demand`` for auto, ``mmap`` for warm (its contexts come with the
+   first pick), so a start never opens contexts the guard has not seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["CHEAPEST_FIRST", "MODES", "Choice", "Why", "host_cost", "initial_mode", "pick", "recovery_ms"]
+
+MODES = ("warm", "mmap", "on_demand", "auto")
+CHEAPEST_FIRST = ("on_demand", "mmap", "warm")
+
+
+class Why(StrEnum):
+    """Why the replica is kept in the mode it is (machine-readable, shown in /v1/status)."""
+
+    CONFIGURED = "configured"  # a fixed mode was configured
+    NOT_MEASURED = "not_measured"  # auto, before the replica reported its timings: warm
+    WITHIN_BUDGET = "cheapest_within_budget"  # auto: the cheapest mode meeting the budget
+    OVER_BUDGET = "no_mode_meets_budget"  # auto: none meets it; the fastest
+    HOST_SHORT = "host_short"  # host memory cannot hold the mode the budget (or configuration) wants
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str
+    why: Why
+    wanted: str  # the mode the budget alone asks for (differs from ``mode`` when host_short)
+
+
+def initial_mode(configured: str) -> str:
+    """The mode a replica process starts in (rule 5)."""
+    return {"auto": "on_demand", "warm": "mmap"}.get(configured, configured)
+
+
+def recovery_ms(timings: Mapping[str, float], observed: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each mode's predicted recovery time (rule 1) from the step timings ``load_ms``,
+    ``ctx_ms`` and ``first_ms``; a mode's observed failover time raises its figure. Empty
+    when a step has no figure yet."""
+    if not all(k in timings for k in ("load_ms", "ctx_ms", "first_ms")):
+        return {}
+    first = float(timings["first_ms"])
+    ctx = float(timings["ctx_ms"])
+    load = float(timings["load_ms"])
+    predicted = {"warm": first, "mmap": ctx + first, "on_demand": load + ctx + first}
+    seen = observed or {}
+    return {m: max(v, float(seen.get(m, 0.0))) for m, v in predicted.items()}
+
+
+def host_cost(mode: str, *, weights_bytes: int, context_bytes: int, slots: int) -> int:
+    """Host bytes ``mode`` keeps while idle (rule 2)."""
+    if mode == "warm":
+        return weights_bytes + slots * context_bytes
+    if mode == "mmap":
+        return weights_bytes
+    if mode == "on_demand":
+        return 0
+    raise ValueError(f"unknown readiness mode {mode!r}")
+
+
+def pick(
+    configured: str,
+    budget_ms: float,
+    recovery: Mapping[str, float],
+    cost: Mapping[str, int],
+    room_bytes: int,
+    *,
+    current: str,
+    step_bytes: int,
+) -> Choice:
+    """The mode to keep (rules 3-4). ``room_bytes``: host memory the replica may hold idle
+    (the guard's budget and the machine's free memory, less everything else); ``current``:
+    the mode it is in; ``step_bytes``: one context, the hysteresis of a move up."""
+    if configured != "auto":
+        wanted, why = configured, Why.CONFIGURED
+    elif not recovery:
+        wanted, why = "warm", Why.NOT_MEASURED
+    else:
+        meets = [m for m in CHEAPEST_FIRST if recovery[m] <= budget_ms]
+        wanted, why = (meets[0], Why.WITHIN_BUDGET) if meets else ("warm", Why.OVER_BUDGET)
+
+    def affordable(mode: str) -> bool:
+        dearer = CHEAPEST_FIRST.index(mode) > CHEAPEST_FIRST.index(current) if current in CHEAPEST_FIRST else True
+        return cost[mode] + (step_bytes if dearer else 0) <= room_bytes
+
+    if affordable(wanted):
+        return Choice(wanted, why, wanted)
+    fits = [m for m in CHEAPEST_FIRST[: CHEAPEST_FIRST.index(wanted)] if affordable(m)]
+    return Choice(fits[-1] if fits else "on_demand", Why.HOST_SHORT, wanted)

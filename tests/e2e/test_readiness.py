@@ -1,0 +1,94 @@
+"""CPU replica readiness (warm / mmap / on_demand / auto) with real workers and the real model:
+auto follows the recovery budget, an on_demand replica recovers a failover within the time it
+measured, and the CPU worker holds what its mode says, as /v1/status reports it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from spillover.testing import GatewayProcess
+from tests.e2e.helpers import sim, wait_for
+
+pytestmark = pytest.mark.e2e
+PROMPT = "Hello! How are you today?"  # about as long as the replica's own first-token probe
+# What a failover adds to the replica's measured steps: the gateway's failover path (the
+# fault's journal rows, re-queueing, dispatch) and the channel; on 2 busy cores, generous.
+GATEWAY_SLACK_MS = 300.0
+
+
+def readiness(gw: GatewayProcess) -> dict[str, Any]:
+    row: dict[str, Any] = gw.status()["services"][0]["cpu_readiness"]
+    return row
+
+
+def settled(gw: GatewayProcess, mode: str) -> dict[str, Any]:
+    """Wait until the replica was picked ``mode`` and reports holding it."""
+
+    def done() -> dict[str, Any] | None:
+        r = readiness(gw)
+        return r if r["mode"] == mode and r["holding"] == mode and r["why"] != "not_measured" else None
+
+    result: dict[str, Any] = wait_for(done, 30, f"CPU replica settled in {mode}")
+    return result
+
+
+def gateway(readiness_mode: str, budget_ms: float = 1000.0) -> GatewayProcess:
+    cfg = {"cpu_lane": {"readiness": readiness_mode, "recovery_budget_ms": budget_ms, "slots": 2}}
+    return GatewayProcess(["--gpu", "sim:1024"], config=cfg)
+
+
+def test_auto_keeps_warm_when_the_budget_is_tight_and_on_demand_when_it_is_loose() -> None:
+    with gateway("auto", budget_ms=1.0) as gw:
+        r = settled(gw, "warm")
+        assert r["configured"] == "auto" and r["why"] == "no_mode_meets_budget" and not r["meets_budget"]
+        assert r["model_loaded"] and r["contexts"] == 2  # the model and both slots' contexts
+        rec = r["recovery_ms"]
+        assert 0 < rec["warm"] <= rec["mmap"] <= rec["on_demand"]
+        assert gw.status()["host"]["cpu_replica_bytes"] > 0
+    with gateway("auto", budget_ms=60_000.0) as gw:
+        r = settled(gw, "on_demand")
+        assert r["why"] == "cheapest_within_budget" and r["meets_budget"]
+        assert not r["model_loaded"] and r["contexts"] == 0
+        assert gw.status()["host"]["cpu_replica_bytes"] == 0  # the guard counts nothing held
+        # it still serves: the first CPU request loads the model, and the replica keeps it
+        with httpx.Client(base_url=gw.url, timeout=120) as http:
+            ok = http.post(
+                "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "spillover": {"prefer": "cpu"}},
+            )
+        assert ok.status_code == 200 and ok.headers["x-spillover-route"] == "cpu", ok.text
+        r = wait_for(lambda: (x := readiness(gw))["model_loaded"] and x, 10, "model loaded")
+        assert r["contexts"] == 1 and gw.status()["host"]["cpu_replica_bytes"] > 0
+
+
+def test_a_budget_between_the_modes_picks_the_cheapest_that_meets_it() -> None:
+    """The budget set just above a mode's measured figure (read from a first run) picks it
+    (a mode measured at start-up moves a little between runs: the cut is put halfway to
+    the next mode's figure)."""
+    with gateway("auto", budget_ms=1.0) as gw:
+        rec = settled(gw, "warm")["recovery_ms"]
+    budget = (rec["mmap"] + rec["on_demand"]) / 2  # mmap meets it, on_demand does not
+    with gateway("auto", budget_ms=budget) as gw:
+        r = settled(gw, "mmap")
+        assert r["why"] == "cheapest_within_budget" and r["model_loaded"] and r["contexts"] == 0
+
+
+def test_on_demand_replica_recovers_within_its_measured_time() -> None:
+    with gateway("on_demand") as gw, httpx.Client(base_url=gw.url, timeout=120) as http:
+        before = settled(gw, "on_demand")
+        assert before["why"] == "configured" and not before["model_loaded"] and before["contexts"] == 0
+        predicted = before["recovery_ms"]["on_demand"]
+        sim(gw).fail_next(1)  # the GPU worker's next allocation fails: the request replays on the CPU
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-spillover-route"] == "cpu"
+        assert r.headers["x-spillover-reason"] == "failover:alloc_failed"
+        after = readiness(gw)
+        last = after["last_failover"]
+        assert last is not None and last["mode"] == "on_demand"
+        assert last["recovery_ms"] <= predicted + GATEWAY_SLACK_MS, (last, predicted)
+        assert after["model_loaded"] and after["contexts"] == 1  # loaded by the failover, and kept
+        assert after["recovery_ms"]["on_demand"] >= last["recovery_ms"]  # the prediction keeps up
