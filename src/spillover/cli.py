@@ -33,6 +33,7 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "device": {"gpu": a.gpu, "sim_capacity_mib": a.sim_capacity_mib, "margin_mib": a.margin_mib},
         "gpu_lane": {"slots": a.gpu_slots, "n_threads": a.gpu_threads, "ctx_cap_tokens": a.gpu_ctx},
         "cpu_lane": {"slots": a.cpu_slots, "n_threads": a.cpu_threads, "ctx_cap_tokens": a.cpu_ctx},
+        "split": {"enabled": True if a.split or a.split_layers is not None else None, "gpu_layers": a.split_layers},
     }
 
 
@@ -368,6 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-slots", type=int, help="concurrent requests on the CPU worker")
     s.add_argument("--cpu-threads", type=int, help="llama.cpp threads per CPU slot")
     s.add_argument("--cpu-ctx", type=int, help="context cap of the CPU lane (tokens)")
+    s.add_argument(
+        "--split",
+        action="store_true",
+        help="run a split worker (the model's last layers on the GPU device, the rest on CPU) for requests "
+        "the resident GPU profile cannot take",
+    )
+    s.add_argument("--split-layers", type=int, help="layers the split worker puts on the device (implies --split)")
     s.set_defaults(func=cmd_serve)
 
     for name, helptext in (

@@ -30,6 +30,7 @@ __all__ = [
     "ModelConfig",
     "ServerConfig",
     "ServiceConfig",
+    "SplitConfig",
     "SupervisorConfig",
     "default_model_path",
     "default_state_dir",
@@ -201,6 +202,27 @@ class LaneConfig:
 
 
 @dataclass(frozen=True)
+class SplitConfig:
+    """The split profile of the [model] chat model: a worker with its last layers on the GPU
+    device and the rest on the CPU (llama.cpp's n_gpu_layers)."""
+
+    enabled: bool = _doc(
+        False,
+        "run a split worker: a request the resident GPU profile cannot take (or every request, when "
+        "the whole model does not fit the device) runs there instead of the CPU lane (route split, degraded)",
+    )
+    gpu_layers: int = _doc(
+        -1,
+        "layers on the device; -1 = the most whose weights plus `slots` contexts of ctx_cap_tokens fit "
+        "the device with its margin (the memory model)",
+    )
+    slots: int = _doc(1, "requests the split worker runs at once")
+    n_threads: int = _doc(1, "llama.cpp threads per split slot")
+    ctx_cap_tokens: int = _doc(1024, "longest prompt + max_tokens the split worker accepts")
+    n_batch_tokens: int = _doc(128, "llama.cpp batch size of the split worker (its compute buffer grows with it)")
+
+
+@dataclass(frozen=True)
 class AdmissionConfig:
     """Thresholds of the admission decision (see core.admission)."""
 
@@ -284,6 +306,7 @@ class Config:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     gpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, n_threads=1))
     cpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, ctx_cap_tokens=1024, canary_ratio=0.01))
+    split: SplitConfig = field(default_factory=SplitConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     failover: FailoverConfig = field(default_factory=FailoverConfig)
@@ -321,6 +344,7 @@ _SECTIONS: dict[str, str] = {
     "device": "device",
     "gpu_lane": "gpu_lane",
     "cpu_lane": "cpu_lane",
+    "split": "split",
     "admission": "admission",
     "supervisor": "supervisor",
     "failover": "failover",
@@ -392,6 +416,9 @@ def _validate(cfg: Config) -> None:
         if not 0 <= lane.canary_ratio <= 1:
             raise ConfigError(f"[{name}].canary_ratio must be in [0, 1]")
         _validate_readiness(f"[{name}]", "readiness", lane.readiness, lane.recovery_budget_ms)
+    sp = cfg.split
+    if sp.slots < 1 or sp.n_threads < 1 or sp.n_batch_tokens < 1 or sp.ctx_cap_tokens < 64 or sp.gpu_layers < -1:
+        raise ConfigError("[split] slots, n_threads and n_batch_tokens >= 1, ctx_cap_tokens >= 64, gpu_layers >= -1")
     a = cfg.admission
     if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:
         raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")

@@ -36,6 +36,7 @@ WIRE: list[tuple[Reason, str]] = [
     (Reason.GPU_NOT_CONFIGURED, "gpu_not_configured"),
     (Reason.NO_LANE_FREE, "no_lane_free"),
     (Reason.DEMOTED, "demoted"),
+    (Reason.RESIDENT_DOES_NOT_FIT, "resident_does_not_fit"),
 ]
 
 
@@ -50,7 +51,7 @@ def test_reason_wire_text(reason: Reason, text: str) -> None:
 def test_every_reason_has_its_wire_text_pinned() -> None:
     """A new Reason member must be added to the table above with its text."""
     assert {r for r, _ in WIRE} == set(Reason)
-    assert len(WIRE) == len(Reason) == 26
+    assert len(WIRE) == len(Reason) == 27
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,8 @@ class Reason(StrEnum):
     GPU_NOT_CONFIGURED = "gpu_not_configured"  # the service has no GPU worker
     NO_LANE_FREE = "no_lane_free"  # every lane it may use is busy: it waits
     DEMOTED = "demoted"  # a batch service unloaded from the GPU to make room for interactive work
+    # The split profile (core.profiles, runtime.scheduler): only a split worker runs on the device.
+    RESIDENT_DOES_NOT_FIT = "resident_does_not_fit"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ Rules:
    client's (a context overflow or a grammar the engine refuses: those never count against
    the device), when it ran on the CPU lane (there is nowhere further to go), or when the
    attempts are spent.
-3. Otherwise a GPU fault is replayed on the CPU lane (``Replay``) when nothing has been
+3. Otherwise a device fault (the GPU worker's, or a split worker's: ``DEVICE_ROUTES``) is
+   replayed on the CPU lane (``Replay``) when nothing has been
    delivered, or continued there (``Continue``) when the delivered tokens provably come out
    the same: a greedy, unconstrained, incremental stream, continuation enabled, and a CPU
    worker whose compatibility *and* numerics fingerprints match.
@@ -37,6 +38,7 @@ from spillover.core.reasons import FailoverReason, Reason, RouteReason
 
 __all__ = [
     "CLIENT_FAULTS",
+    "DEVICE_ROUTES",
     "MIN_SHRUNK_TOKENS",
     "SEVERE_FAULTS",
     "Continue",
@@ -54,6 +56,7 @@ __all__ = [
     "replayable_after_restart",
 ]
 
+DEVICE_ROUTES = frozenset({"gpu", "split"})  # routes whose worker holds device memory
 SEVERE_FAULTS = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
 CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar"})
 MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit (GPU memory, a lane's context) keeps at least this many
@@ -143,7 +146,7 @@ def plan_failover(f: FailoverFacts) -> Plan:
         return Fail(FailKind.CANCELLED, f.fault)
     if f.fault in CLIENT_FAULTS:
         return Fail(FailKind.CLIENT, f.fault)
-    if f.route != "gpu":
+    if f.route not in DEVICE_ROUTES:
         return Fail(FailKind.CPU_FAILED, f.fault)
     if f.attempt >= f.max_attempts:
         return Fail(FailKind.ATTEMPTS_SPENT, f.fault)

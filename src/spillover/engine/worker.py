@@ -262,7 +262,7 @@ class Worker(DeviceWorker):
             n_ctx=args.n_ctx,
             n_threads=args.n_threads,
             n_batch=args.n_batch,
-            n_gpu_layers=-1 if self.kind == "cuda" else 0,
+            n_gpu_layers=args.gpu_layers if self.kind == "cuda" else 0,
             readiness=args.readiness,
             on_change=self._held,
         )
@@ -408,6 +408,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-threads", type=int, default=1)
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--weights-bytes", type=int, default=0)
+    p.add_argument(
+        "--gpu-layers", type=int, default=-1, help="chat on cuda: layers on the device (-1 all; a split worker fewer)"
+    )
     p.add_argument(
         "--readiness",
         default="warm",

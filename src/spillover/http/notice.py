@@ -28,6 +28,7 @@ WHY = {
     "canary": "a routine check of the CPU path",
     "client_prefers_cpu": "CPU asked for",
     "cpu_lane": "no GPU on this server",
+    "resident_does_not_fit": "the whole model does not fit the GPU",
 }
 
 
@@ -41,4 +42,6 @@ def notice(run: Run) -> str | None:
     reason = run.reason() or ""
     why = "the GPU failed during this answer" if reason.startswith("failover:") else WHY.get(reason, reason)
     where = f"the smaller fallback model {run.served_model()} on CPU" if run.on_fallback() else "CPU"
+    if i.route == "split":
+        where = "GPU and CPU together (part of the model on each)"
     return f"answered on {where}: {why} — slower, context {i.kv_tokens:,}"

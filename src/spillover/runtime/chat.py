@@ -15,6 +15,10 @@ Rules:
    is a 400 naming ``/v1/completions``.
 3. Its CPU path is an exact replica (same GGUF) or none (``cpu = "none"``: admission never
    routes it to the CPU; a request that does not fit waits or is refused with Retry-After).
+5. What runs on the device is planned at start (``core.profiles``): the resident GPU worker,
+   and with ``[split] enabled`` (primary only) a split worker (its last N layers on the
+   device) that takes what the resident cannot; when the whole model does not fit, only the
+   split worker runs. Without a split worker the resident always starts, as before.
 4. The replica is kept as ready as its lane's ``readiness`` says (``runtime.readiness``): a
    fixed mode, or ``auto`` by ``recovery_budget_ms``; every failover that reaches a first CPU
    token reports its recovery time to it.
@@ -31,11 +35,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spillover.config import Config, LaneConfig, ServiceConfig, default_model_path
+from spillover.config import Config, LaneConfig, ServiceConfig, SplitConfig, default_model_path
 from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.core.profiles import ProfilePlan, plan_profile
 from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.readiness import ReplicaReadiness
@@ -64,7 +69,9 @@ class ChatModel:
     cpu_path: bool = True  # False: ``cpu = "none"``, no CPU worker
     cpu_model_path: str = ""  # the CPU lane's GGUF: the fallback's, or the model's own (a replica)
     fallback_name: str | None = None  # the CPU lane serves this fallback model (primary only)
-    worker_ids: tuple[str, str] = ("gpu0", "cpu0")
+    worker_ids: tuple[str, str, str] = ("gpu0", "cpu0", "split0")
+    split: SplitConfig | None = None  # its split worker's settings (primary only; None: no split worker)
+    profile: ProfilePlan | None = None  # what runs on the device (None: no GPU here)
     tokenizer: Any = None
     cpu_tokenizer: Any = None  # the fallback model's, or None (the CPU lane uses ``tokenizer``)
     spec: ModelSpec | None = None
@@ -140,26 +147,77 @@ class ChatModel:
             host_view=host_view,
             host_guard=gw.cfg.device.host_guard,
         )
-        if gpu and gw.device is not None:
-            spec = self._worker_spec(gw, "gpu", gw.device.spec)
-            # Another model's load is a reservation that must fit first; the primary loads first.
-            nbytes = self.memory.weights_bytes()  # predicted on any GPU (a sim worker charges exactly this)
-            before = functools.partial(gw.reserve_weights, nbytes=nbytes, on_wait=self._load_waits)
-            sup = Supervisor(
-                spec,
-                gw.cfg.supervisor,
-                device=gw.device,
-                on_change=gw.worker_event,
-                before_start=None if self is gw.chat else before,
-            )
-            self.supervisors.append(sup)
-            self.scheduler.gpu_workers.append(sup.worker)
+        if gpu and gw.device is not None and gw.ledger is not None:
+            self._plan_profile(gw, gw.ledger.usable_bytes)
+            assert self.profile is not None
+            if self.split is None or self.profile.profile == "gpu":
+                spec = self._worker_spec(gw, "gpu", gw.device.spec)
+                # Another model's load is a reservation that must fit first; the primary loads first.
+                nbytes = self.memory.weights_bytes()  # predicted on any GPU (a sim worker charges exactly this)
+                before = functools.partial(gw.reserve_weights, nbytes=nbytes, on_wait=self._load_waits)
+                sup = Supervisor(
+                    spec,
+                    gw.cfg.supervisor,
+                    device=gw.device,
+                    on_change=gw.worker_event,
+                    before_start=None if self is gw.chat else before,
+                )
+                self.supervisors.append(sup)
+                self.scheduler.gpu_workers.append(sup.worker)
+            if self.split is not None and self.profile.split_layers > 0:
+                self._start_split(gw, self.profile.split_layers)
         if self.cpu_path:
             assert self.readiness is not None
             spec = dataclasses.replace(self._worker_spec(gw, "cpu", "cpu"), readiness=self.readiness.initial_mode())
             sup = Supervisor(spec, gw.cfg.supervisor, on_change=gw.worker_event)
             self.supervisors.append(sup)
             self.scheduler.cpu_workers.append(sup.worker)
+
+    def _plan_profile(self, gw: Gateway, usable_bytes: int) -> None:
+        """Which profile runs on the device (rule 5, ``core.profiles``)."""
+        assert self.memory is not None and self.gpu_lane is not None
+        split_mm = None
+        if self.split is not None:
+            split_mm = dataclasses.replace(self.memory, n_batch=self.split.n_batch_tokens)
+        self.profile = plan_profile(
+            self.memory,
+            gpu_ctx_tokens=self.gpu_lane.ctx_cap_tokens,
+            usable_bytes=usable_bytes,
+            split=split_mm,
+            split_slots=self.split.slots if self.split else 1,
+            split_ctx_tokens=self.split.ctx_cap_tokens if self.split else 0,
+            split_gpu_layers=self.split.gpu_layers if self.split else -1,
+        )
+        log.info("chat model %s on the device: profile %s (%s)", self.name, self.profile.profile, self.profile.why)
+        if self.split is not None and self.profile.profile == "cpu":
+            log.warning("chat model %s: neither the whole model nor a split of it fits the device", self.name)
+
+    def _start_split(self, gw: Gateway, layers: int) -> None:
+        """The split worker: the model's last ``layers`` layers on the device; its requests'
+        reservations come from its own memory model (those layers' KV, its batch's compute)."""
+        assert self.split is not None and self.memory is not None and self.scheduler is not None
+        assert gw.device is not None
+        mm = dataclasses.replace(self.memory, n_batch=self.split.n_batch_tokens, n_gpu_layers=layers)
+        nbytes = mm.weights_bytes()
+        spec = WorkerSpec(
+            worker_id=self.worker_ids[2],
+            lane="split",
+            device=gw.device.spec,
+            model_path=self.model_path,
+            state_dir=str(gw.cfg.state_path()),
+            slots=self.split.slots,
+            n_ctx=self.split.ctx_cap_tokens,
+            n_threads=self.split.n_threads,
+            n_batch=self.split.n_batch_tokens,
+            weights_bytes=nbytes if gw.device.spec.startswith("sim") else 0,
+            gpu_layers=layers,
+        )
+        before = functools.partial(gw.reserve_weights, nbytes=nbytes, on_wait=self._load_waits)
+        sup = Supervisor(spec, gw.cfg.supervisor, device=gw.device, on_change=gw.worker_event, before_start=before)
+        self.supervisors.append(sup)
+        self.scheduler.split_workers.append(sup.worker)
+        self.scheduler.split_memory = mm
+        self.scheduler.split_ctx_cap_tokens = self.split.ctx_cap_tokens
 
     def _load_waits(self, waiting: bool) -> None:
         self.load_waiting = waiting
@@ -233,8 +291,8 @@ class ChatModel:
         """What it holds in the device ledger now: its GPU weights and its running requests'."""
         if ledger is None or self.scheduler is None:
             return 0
-        gpu = self.scheduler.gpu_workers
-        return sum(ledger.held_bytes(w.spec.weights_holder) + sum(map(ledger.held_bytes, w.claimed)) for w in gpu)
+        device = self.scheduler.gpu_workers + self.scheduler.split_workers
+        return sum(ledger.held_bytes(w.spec.weights_holder) + sum(map(ledger.held_bytes, w.claimed)) for w in device)
 
     def status_row(self, ledger: DeviceLedger | None, *, primary: bool) -> dict[str, Any]:
         """Its row in /v1/status ``services``: where a request starts now and why (the last
@@ -255,6 +313,12 @@ class ChatModel:
             "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
             "device_bytes": self.device_bytes(ledger),
             "cpu_readiness": self.readiness.status() if self.readiness is not None else None,
+            "profile": (
+                self.profile.as_dict() | {"split_worker": bool(self.scheduler.split_workers)}
+                if self.profile is not None
+                else {"profile": "cpu", "why": "no GPU device here"}
+            ),
+            "split_total": self.scheduler.split_total,
         }
         if not primary:  # the primary's workers and lanes are the document's own
             row |= {
@@ -282,6 +346,7 @@ def chat_models(cfg: Config) -> list[ChatModel]:
         cpu_lane=cfg.cpu_lane,
         cpu_model_path=cfg.model.fallback_path or "",
         fallback_name=cfg.fallback_model_name(),
+        split=cfg.split if cfg.split.enabled else None,
     )
     return [primary, *(_from_service(cfg, s) for s in cfg.services if s.kind == "chat")]
 
@@ -308,5 +373,5 @@ def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
             lane(cfg.cpu_lane, s.cpu_slots), readiness=s.cpu_readiness, recovery_budget_ms=s.recovery_budget_ms
         ),
         cpu_path=s.cpu == "replica",
-        worker_ids=(f"{slug}-gpu", f"{slug}-cpu"),
+        worker_ids=(f"{slug}-gpu", f"{slug}-cpu", f"{slug}-split"),
     )

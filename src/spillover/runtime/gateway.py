@@ -19,6 +19,7 @@ from spillover.config import Config, parse_device
 from spillover.core.ledger import DeviceLedger
 from spillover.core.lifecycle import IllegalTransition, State
 from spillover.core.reasons import Reason
+from spillover.core.routing import DEVICE_ROUTES
 from spillover.errors import JournalUnavailable
 from spillover.runtime import statelock
 from spillover.runtime.chat import ChatModel, chat_models
@@ -200,7 +201,7 @@ class Gateway:
         held in the ledger from its start (reserved before it, for a load that had to fit)
         until it dies."""
         self.note_event(worker.spec.worker_id, str(ev))
-        if self.ledger is not None and worker.spec.lane == "gpu":
+        if self.ledger is not None and worker.spec.lane in DEVICE_ROUTES:
             holder = worker.spec.weights_holder
             now = time.monotonic()
             if ev.kind is SupervisorEventKind.STARTING and not self.ledger.holds(holder):

@@ -55,7 +55,7 @@ class Dispatch:
     """Where a job runs and under which limits."""
 
     worker: WorkerClient
-    route: str  # gpu | cpu
+    route: str  # gpu | cpu | split
     reason: RouteReason
     max_tokens: int
     kv_tokens: int

@@ -45,8 +45,9 @@ from spillover.core.breaker import (
 )
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
 from spillover.core.reasons import Reason
-from spillover.core.routing import lane_max_tokens
+from spillover.core.routing import DEVICE_ROUTES, lane_max_tokens
 from spillover.errors import CapacityError, QueueFull
 from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, places_promised
 from spillover.runtime.worker_client import WorkerClient, WorkerState
@@ -85,6 +86,12 @@ class Scheduler:
         self.breaker = BreakerState()
         self.gpu_workers: list[WorkerClient] = []
         self.cpu_workers: list[WorkerClient] = []
+        # The split profile (``core.profiles``): workers with the model's last layers on the
+        # device, its memory model (their layers' KV) and context cap; set by the chat model.
+        self.split_workers: list[WorkerClient] = []
+        self.split_memory: MemoryModel | None = None
+        self.split_ctx_cap_tokens = 0
+        self.split_total = 0  # jobs the split workers took
         self._wake = asyncio.Event()
         self._delay_due = math.inf  # the earliest end of an admission delay seen by the last pass
         self._host_held = False  # the last pass held CPU work back for host memory
@@ -210,7 +217,7 @@ class Scheduler:
         """Return a job's reservation and feed the breaker with the attempt's outcome
         (``core.breaker`` rule 7: ``ok`` | ``failed`` | ``severe`` count; ``cancelled`` and
         ``client`` only end a probe)."""
-        if d.route == "gpu" and self.ledger is not None and self.ledger.holds(rid):
+        if d.route in DEVICE_ROUTES and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
         if d.route == "gpu" and self.policy is not None and outcome in ATTEMPT_OUTCOMES:
             self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, self.clock(), self.policy.breaker)
@@ -320,6 +327,8 @@ class Scheduler:
         assert self.gpu is not None and self.ledger is not None and self.policy is not None
         d = self._admission(job, now)
         self._record(job, d, now)
+        if isinstance(d, Route | Reject) and self._dispatch_split(job, d, now):
+            return
         if isinstance(d, Admit | Shrink):
             self._dispatch_gpu(job, d, now, self.gpu)
         elif isinstance(d, Route):
@@ -375,6 +384,45 @@ class Scheduler:
                 job.position,
                 job.estimated_delay_ms,
                 probe_round,
+            )
+        )
+        return True
+
+    def _dispatch_split(self, job: Job, d: Route | Reject, now: float) -> bool:
+        """A job the resident profile cannot take (admission routed it off the GPU or refused
+        it) runs on a split worker instead, when one has a free slot, the job fits its context
+        cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
+        the ledger now; False otherwise (the decision stands). Its reason is the admission's,
+        or ``resident_does_not_fit`` when only the split profile runs."""
+        if self.ledger is None or self.split_memory is None or self.gpu is None:
+            return False
+        worker = next((w for w in self.split_workers if w.free_slots > 0), None)
+        if worker is None or job.prompt_tokens + job.max_tokens > self.split_ctx_cap_tokens:
+            return False
+        fp = self.split_memory.request_footprint(job.prompt_tokens, job.max_tokens)
+        if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
+            return False
+        self.gpu.queue.remove(job)
+        self.split_total += 1
+        cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
+        reason = cause if self.gpu_workers else Reason.RESIDENT_DOES_NOT_FIT
+        job.last_reason = reason
+        self.decisions.append(
+            {"t_s": round(now, 3), "rid": job.rid, "decision": "split", "reason": str(reason), "route": "split"}
+        )
+        worker.claim_slot(job.rid)
+        job.future.set_result(
+            Dispatch(
+                worker,
+                "split",
+                reason,
+                job.max_tokens,
+                fp.kv_tokens,
+                fp.total_bytes,
+                False,
+                now - job.enqueued_s,
+                job.position,
+                job.estimated_delay_ms,
             )
         )
         return True

@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from spillover.core.routing import DEVICE_ROUTES
+
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
 
@@ -46,9 +48,12 @@ class DegradedAnswers:
 
 def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tuple[str, list[str]]:
     """The mode the gateway serves in and why it is not ``normal``."""
-    gpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] == "gpu")
+    gpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] in DEVICE_ROUTES)
     cpu_ready = any(w["state"] == "ready" for w in workers if w["lane"] == "cpu")
     reasons = []
+    plan = gw.chat.profile
+    if plan is not None and plan.profile == "split" and gw.chat.split is not None:
+        reasons.append(f"split profile: {plan.why}")
     if gw.device is not None and not gpu_ready:
         reasons.append("gpu worker not ready")
     if breaker != "closed":

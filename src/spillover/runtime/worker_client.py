@@ -66,6 +66,7 @@ class WorkerSpec:
     weights_bytes: int = 0
     sim_name: str = "sim0"
     readiness: str = "warm"  # chat: what the engine keeps ready between requests (``Engine``)
+    gpu_layers: int = -1  # chat on a device: layers placed there (-1 all; a split worker fewer)
     kind: str = "chat"  # "chat" | "embeddings"
     batch_size: int = 32  # embeddings: inputs per encoder run
 
@@ -93,6 +94,7 @@ class WorkerSpec:
             "--n-batch", str(self.n_batch),
             "--weights-bytes", str(self.weights_bytes),
             "--readiness", self.readiness,
+            "--gpu-layers", str(self.gpu_layers),
         ]  # fmt: skip
 
 

@@ -1,0 +1,101 @@
+"""Execution profiles of a chat model on the device: ``gpu`` (resident: every layer on the
+device), ``split`` (its last N layers on the device, the rest on the CPU: llama.cpp's
+``n_gpu_layers``) and ``cpu`` (nothing on the device).
+
+Rules:
+
+1. A profile *fits* when its weights on the device plus ``slots`` requests at its context cap
+   (each the memory model's request footprint: KV pages of its layers on the device, compute
+   and output buffers, fragmentation) fit the device's usable bytes (capacity less margin).
+   These are the very bytes admission reserves, so a planned profile is one admission can
+   actually run.
+2. The resident profile runs when one request at the GPU lane's cap fits beside its weights.
+3. With a split worker configured, its N is the configured one, or (``-1``) the largest N in
+   1..n_layers that fits with the split worker's own slots, cap and batch (``split_layers``):
+   beside the resident's bytes when the resident fits (the split worker then serves what the
+   resident cannot take: a request too long for its lane, no room beside its running
+   requests, its worker down), in the whole device when it does not (the split worker then
+   serves every device request: ``split``).
+4. When neither fits, the model runs on the CPU only (``cpu``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from spillover.core.memory import MemoryModel
+
+__all__ = ["PROFILES", "ProfilePlan", "device_bytes", "plan_profile", "split_layers"]
+
+PROFILES = ("gpu", "split", "cpu")
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What runs on the device for one chat model, and why."""
+
+    profile: str  # gpu | split | cpu
+    resident_bytes: int  # weights + one request at the GPU lane's cap, all layers on the device
+    split_layers: int  # layers the split worker puts on the device (0: no split worker)
+    split_bytes: int  # its weights + its slots' requests at its cap (0: none)
+    usable_bytes: int
+    why: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "profile": self.profile,
+            "resident_bytes": self.resident_bytes,
+            "split_layers": self.split_layers,
+            "split_bytes": self.split_bytes,
+            "usable_bytes": self.usable_bytes,
+            "why": self.why,
+        }
+
+
+def device_bytes(model: MemoryModel, slots: int, ctx_tokens: int) -> int:
+    """A placement's device bytes (rule 1): weights plus ``slots`` requests at ``ctx_tokens``."""
+    return model.weights_bytes() + slots * model.request_footprint(ctx_tokens, 0).total_bytes
+
+
+def split_layers(model: MemoryModel, slots: int, ctx_tokens: int, usable_bytes: int) -> int:
+    """The largest N in 1..n_layers whose split fits ``usable_bytes`` (rule 3); 0 when none."""
+    for n in range(model.spec.n_layers, 0, -1):
+        if device_bytes(replace(model, n_gpu_layers=n), slots, ctx_tokens) <= usable_bytes:
+            return n
+    return 0
+
+
+def plan_profile(
+    resident: MemoryModel,
+    *,
+    gpu_ctx_tokens: int,
+    usable_bytes: int,
+    split: MemoryModel | None = None,
+    split_slots: int = 1,
+    split_ctx_tokens: int = 0,
+    split_gpu_layers: int = -1,
+) -> ProfilePlan:
+    """The profile to run (rules 2-4). ``split`` is the split worker's memory model (its batch;
+    any ``n_gpu_layers``), None when no split worker is configured."""
+    need = device_bytes(resident, 1, gpu_ctx_tokens)
+    resident_fits = need <= usable_bytes
+    n, split_need = 0, 0
+    if split is not None:
+        room = usable_bytes - need if resident_fits else usable_bytes
+        if split_gpu_layers >= 0:
+            n = min(split_gpu_layers, split.spec.n_layers)
+        else:
+            n = split_layers(split, split_slots, split_ctx_tokens, room)
+        split_need = device_bytes(replace(split, n_gpu_layers=n), split_slots, split_ctx_tokens) if n > 0 else 0
+    mib = 1024 * 1024
+    if resident_fits:
+        why = f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB of {usable_bytes / mib:.0f}"
+        return ProfilePlan("gpu", need, n, split_need, usable_bytes, why)
+    short = (
+        f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB, the device has "
+        f"{usable_bytes / mib:.0f}"
+    )
+    if n > 0 and split_need <= usable_bytes:
+        why = f"{short}; {n} of {split.spec.n_layers if split else 0} layers fit ({split_need / mib:.0f} MiB)"
+        return ProfilePlan("split", need, n, split_need, usable_bytes, why)
+    return ProfilePlan("cpu", need, 0, 0, usable_bytes, f"{short}; no split of it fits")

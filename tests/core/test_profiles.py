@@ -1,0 +1,118 @@
+"""core.profiles: which profile runs on the device (gpu / split / cpu), and the split's N,
+on the default model's real spec, against bytes worked out from the memory model by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from spillover.core.memory import MemoryModel
+from spillover.core.profiles import device_bytes, plan_profile, split_layers
+
+MIB = 1024 * 1024
+GPU_CTX, SPLIT_CTX = 2048, 1024
+
+
+def models(memory: MemoryModel) -> tuple[MemoryModel, MemoryModel]:
+    return dataclasses.replace(memory, n_batch=512), dataclasses.replace(memory, n_batch=128)
+
+
+def test_device_bytes_are_weights_plus_each_slots_request(memory: MemoryModel) -> None:
+    m = dataclasses.replace(memory, n_gpu_layers=10)
+    fp = m.request_footprint(SPLIT_CTX, 0)
+    assert device_bytes(m, 3, SPLIT_CTX) == m.weights_bytes() + 3 * fp.total_bytes
+    # fewer layers on the device: fewer weights and less KV, the same compute
+    full = dataclasses.replace(memory, n_gpu_layers=-1)
+    assert m.weights_bytes() < full.weights_bytes()
+    assert m.request_footprint(SPLIT_CTX, 0).kv_bytes * 3 == full.request_footprint(SPLIT_CTX, 0).kv_bytes
+    assert m.request_footprint(SPLIT_CTX, 0).compute_bytes == full.request_footprint(SPLIT_CTX, 0).compute_bytes
+
+
+@pytest.mark.parametrize("usable_mib", [60, 100, 128, 200, 1024])
+def test_split_layers_is_the_largest_n_that_fits(memory: MemoryModel, usable_mib: int) -> None:
+    _, split = models(memory)
+    usable = usable_mib * MIB
+    n = split_layers(split, 1, SPLIT_CTX, usable)
+    layers = memory.spec.n_layers
+    assert 0 <= n <= layers
+    if n:
+        assert device_bytes(dataclasses.replace(split, n_gpu_layers=n), 1, SPLIT_CTX) <= usable
+    if n < layers:  # one more layer would not fit
+        assert device_bytes(dataclasses.replace(split, n_gpu_layers=n + 1), 1, SPLIT_CTX) > usable
+
+
+def test_a_device_that_holds_the_whole_model_runs_it_resident_with_a_split_in_the_room_left(
+    memory: MemoryModel,
+) -> None:
+    resident, split = models(memory)
+    need = device_bytes(resident, 1, GPU_CTX)
+    usable = need + 60 * MIB
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
+    assert plan.profile == "gpu" and plan.resident_bytes == need
+    assert plan.split_layers == split_layers(split, 1, SPLIT_CTX, usable - need) > 0
+    assert plan.split_bytes <= usable - need  # beside the resident, not instead of it
+    assert "of" in plan.why
+
+
+def test_a_device_too_small_for_the_whole_model_runs_the_largest_split(memory: MemoryModel) -> None:
+    resident, split = models(memory)
+    usable = 128 * MIB
+    assert device_bytes(resident, 1, GPU_CTX) > usable
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
+    assert plan.profile == "split"
+    assert 0 < plan.split_layers < memory.spec.n_layers
+    assert plan.split_layers == split_layers(split, 1, SPLIT_CTX, usable)
+    assert plan.split_bytes <= usable
+    assert f"{plan.split_layers} of {memory.spec.n_layers} layers fit" in plan.why
+
+
+def test_two_split_slots_fit_fewer_layers(memory: MemoryModel) -> None:
+    resident, split = models(memory)
+    one = plan_profile(
+        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=128 * MIB, split=split, split_ctx_tokens=SPLIT_CTX
+    )
+    two = plan_profile(
+        resident,
+        gpu_ctx_tokens=GPU_CTX,
+        usable_bytes=128 * MIB,
+        split=split,
+        split_slots=2,
+        split_ctx_tokens=SPLIT_CTX,
+    )
+    assert two.split_layers < one.split_layers
+
+
+def test_nothing_fits_runs_on_the_cpu_only(memory: MemoryModel) -> None:
+    resident, split = models(memory)
+    plan = plan_profile(
+        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=20 * MIB, split=split, split_ctx_tokens=SPLIT_CTX
+    )
+    assert (plan.profile, plan.split_layers, plan.split_bytes) == ("cpu", 0, 0)
+    assert "no split of it fits" in plan.why
+    # without a split worker a too-small device is the cpu profile as well
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=128 * MIB)
+    assert (plan.profile, plan.split_layers) == ("cpu", 0)
+
+
+def test_configured_layers_are_taken_as_given_and_checked(memory: MemoryModel) -> None:
+    resident, split = models(memory)
+    plan = plan_profile(
+        resident,
+        gpu_ctx_tokens=GPU_CTX,
+        usable_bytes=128 * MIB,
+        split=split,
+        split_ctx_tokens=SPLIT_CTX,
+        split_gpu_layers=4,
+    )
+    assert (plan.profile, plan.split_layers) == ("split", 4)
+    assert plan.split_bytes == device_bytes(dataclasses.replace(split, n_gpu_layers=4), 1, SPLIT_CTX)
+    huge = plan_profile(
+        resident,
+        gpu_ctx_tokens=GPU_CTX,
+        usable_bytes=60 * MIB,
+        split=split,
+        split_ctx_tokens=SPLIT_CTX,
+        split_gpu_layers=999,  # more than the model has: all of its layers, which do not fit
+    )
+    assert (huge.profile, huge.split_layers) == ("cpu", 0)  # no worker that could never load

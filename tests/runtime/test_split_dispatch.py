@@ -1,0 +1,115 @@
+"""The scheduler's split route: a job the resident profile cannot take runs on a split worker
+(its own reservation, released like a GPU one) instead of the CPU lane, when it fits there."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from spillover.config import LaneConfig
+from spillover.core.admission import AdmissionPolicy
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
+from spillover.runtime.scheduler import Job, Scheduler
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.testing import FakeClock
+
+MIB = 1024 * 1024
+
+
+def _ready_worker(wid: str, lane: str) -> WorkerClient:
+    w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 4096, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    return w
+
+
+def _scheduler(
+    memory: MemoryModel, clock: FakeClock, *, resident: bool, capacity_mib: int = 4096
+) -> tuple[Scheduler, WorkerClient | None, WorkerClient, WorkerClient]:
+    ledger = DeviceLedger("sim", capacity_mib * MIB, 16 * MIB, freshness_s=1e9)
+    ledger.observe(0, clock())
+    s = Scheduler(
+        gpu_lane=LaneConfig(slots=1),
+        cpu_lane=LaneConfig(slots=1),
+        ledger=ledger,
+        policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
+        clock=clock,
+    )
+    gpu = _ready_worker("gpu0", "gpu") if resident else None
+    if gpu is not None:
+        s.gpu_workers.append(gpu)
+    split, cpu = _ready_worker("split0", "split"), _ready_worker("cpu0", "cpu")
+    s.split_workers.append(split)
+    s.cpu_workers.append(cpu)
+    s.split_memory = dataclasses.replace(memory, n_batch=128, n_gpu_layers=10)
+    s.split_ctx_cap_tokens = 1024
+    return s, gpu, split, cpu
+
+
+def test_only_a_split_on_the_device_serves_every_device_job_there(memory: MemoryModel) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, _ = _scheduler(memory, clock, resident=False)
+        job = Job(rid="a", prompt_tokens=100, max_tokens=50, arrived_s=clock())
+        s.submit_nowait(job)
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, str(d.reason), d.worker) == ("split", "resident_does_not_fit", split)
+        assert s.split_memory is not None and s.ledger is not None
+        fp = s.split_memory.request_footprint(100, 50)
+        assert (d.reserve_bytes, d.kv_tokens) == (fp.total_bytes, fp.kv_tokens)
+        assert s.ledger.held_bytes("a") == fp.total_bytes and split.claimed == {"a"}
+        assert s.split_total == 1 and s.decisions[-1]["route"] == "split"
+        split.release_slot("a")
+        s.finished("a", d, "ok")
+        assert not s.ledger.holds("a")  # released exactly like a GPU reservation
+
+    asyncio.run(main())
+
+
+def test_what_the_resident_cannot_take_goes_to_the_split_with_the_admissions_reason(memory: MemoryModel) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, split, _ = _scheduler(memory, clock, resident=True)
+        assert gpu is not None
+        first = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(first)
+        assert (await first.future).route == "gpu"
+        busy = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(busy)
+        clock.advance(3.0)  # past the delay bound: admission routes it off the GPU
+        s.pump_once()
+        d = await asyncio.wait_for(busy.future, 1)
+        assert (d.route, str(d.reason), d.worker) == ("split", "gpu_busy", split)
+
+    asyncio.run(main())
+
+
+def test_a_job_the_split_cannot_take_keeps_the_admissions_decision(memory: MemoryModel) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, cpu = _scheduler(memory, clock, resident=False)
+        long = Job(rid="long", prompt_tokens=900, max_tokens=200, arrived_s=clock())  # past its 1024 cap
+        s.submit_nowait(long)
+        d = await asyncio.wait_for(long.future, 1)
+        assert (d.route, str(d.reason), d.worker) == ("cpu", "gpu_unavailable", cpu)
+        cpu.release_slot("long")
+        split.claim_slot("someone")  # no free split slot: the CPU lane
+        busy = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(busy)
+        assert (await asyncio.wait_for(busy.future, 1)).route == "cpu"
+
+    asyncio.run(main())
+
+
+def test_a_split_reservation_that_does_not_fit_the_ledger_goes_to_the_cpu(memory: MemoryModel) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, _, _ = _scheduler(memory, clock, resident=False, capacity_mib=40)  # 24 MiB usable
+        assert s.split_memory is not None
+        assert s.split_memory.request_footprint(100, 50).total_bytes > 24 * MIB
+        job = Job(rid="a", prompt_tokens=100, max_tokens=50, arrived_s=clock())
+        s.submit_nowait(job)
+        assert (await asyncio.wait_for(job.future, 1)).route == "cpu"
+        assert s.split_total == 0
+
+    asyncio.run(main())
