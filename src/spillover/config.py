@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -151,10 +152,12 @@ class ServiceConfig:
     gpu_slots: int = _doc(2, "requests its GPU worker runs at once")
     cpu_slots: int = _doc(1, "requests its CPU worker runs at once")
     cpu_readiness: str = _doc(
-        "auto", "chat: how ready its CPU replica is kept: warm | mmap | on_demand | auto ([cpu_lane].readiness)"
+        "", "chat: how ready its CPU replica is kept: warm | mmap | on_demand | auto; empty = [cpu_lane].readiness"
     )
     recovery_budget_ms: float = _doc(
-        1000.0, "chat, cpu_readiness = auto: longest a GPU fault may take to reach the first CPU token"
+        0.0,
+        "chat, cpu_readiness = auto: longest a GPU fault may take to reach the first CPU token; 0 = "
+        "[cpu_lane].recovery_budget_ms",
     )
     n_threads: int = _doc(1, "threads per worker")
     batch_size: int = _doc(32, "inputs per encoder run (a request is computed in chunks of this many)")
@@ -534,8 +537,8 @@ def _validate_readiness(where: str, name: str, mode: str, budget_ms: float) -> N
 
     if mode not in MODES:
         raise ConfigError(f"{where}.{name} must be one of {', '.join(MODES)}, not {mode!r}")
-    if not budget_ms > 0:
-        raise ConfigError(f"{where}.recovery_budget_ms must be > 0")
+    if not (math.isfinite(budget_ms) and budget_ms > 0):
+        raise ConfigError(f"{where}.recovery_budget_ms must be a finite number > 0")
 
 
 def _validate_services(cfg: Config) -> None:
@@ -559,7 +562,12 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: slots, n_threads, batch_size and max_inputs must be >= 1")
         if svc.queue_depth < 0 or svc.queue_max_age_s <= 0:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
-        _validate_readiness(where, "cpu_readiness", svc.cpu_readiness, svc.recovery_budget_ms)
+        _validate_readiness(
+            where,
+            "cpu_readiness",
+            svc.cpu_readiness or cfg.cpu_lane.readiness,
+            svc.recovery_budget_ms or cfg.cpu_lane.recovery_budget_ms,
+        )
         if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
         if svc.kind == "transcription" and svc.path and not Path(svc.path, "model.bin").is_file():

@@ -53,6 +53,8 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[split]\ngpu_layers = -2\n",
         "[split]\nctx_cap_tokens = 10\n",
         "[cpu_lane]\nrecovery_budget_ms = 0\n",
+        "[cpu_lane]\nrecovery_budget_ms = inf\n",
+        "[cpu_lane]\nrecovery_budget_ms = nan\n",
         '[[services]]\nname = "c2"\nkind = "chat"\ncpu_readiness = "mapped"\n',
         '[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = -5\n',
     ],
@@ -102,3 +104,17 @@ def test_to_http_shapes() -> None:
     q = to_http(QueueFull("full", retry_after_s=2.5))
     assert q.status == 503 and q.headers["Retry-After"] == "3" and q.headers["retry-after-ms"] == "2500"
     assert to_http(RuntimeError("x")).status == 500
+
+
+def test_a_chat_service_inherits_the_cpu_lanes_readiness_unless_it_sets_its_own(tmp_path: Path) -> None:
+    from spillover.runtime.chat import chat_models
+
+    f = tmp_path / "c.toml"
+    f.write_text(
+        '[cpu_lane]\nreadiness = "warm"\nrecovery_budget_ms = 250\n'
+        '[[services]]\nname = "a"\nkind = "chat"\n'
+        '[[services]]\nname = "b"\nkind = "chat"\ncpu_readiness = "auto"\nrecovery_budget_ms = 5000\n'
+    )
+    _, a, b = chat_models(load_config(str(f)))
+    assert (a.cpu_lane.readiness, a.cpu_lane.recovery_budget_ms) == ("warm", 250)
+    assert (b.cpu_lane.readiness, b.cpu_lane.recovery_budget_ms) == ("auto", 5000)

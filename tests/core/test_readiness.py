@@ -20,9 +20,14 @@ def test_recovery_is_the_steps_a_mode_still_has_to_take() -> None:
     assert recovery_ms(T) == {"warm": 60.0, "mmap": 100.0, "on_demand": 400.0}
 
 
-def test_an_observed_failover_raises_a_mode_but_never_lowers_it() -> None:
-    r = recovery_ms(T, {"mmap": 250.0, "warm": 1.0})
-    assert r == {"warm": 60.0, "mmap": 250.0, "on_demand": 400.0}
+def test_without_a_gpu_lane_auto_keeps_the_model_loaded_whatever_the_budget() -> None:
+    for budget in (1, 100, 100_000):
+        c = pick("auto", budget, recovery_ms(T), COST, ROOM, current="on_demand", step_bytes=C, alone=True)
+        assert (c.mode, c.why) == ("mmap", Why.NO_GPU_LANE)
+    c = pick("auto", 1, recovery_ms(T), COST, W - 1, current="mmap", step_bytes=C, alone=True)
+    assert (c.mode, c.why) == ("on_demand", Why.HOST_SHORT)  # the room still bounds it
+    c = pick("warm", 1, recovery_ms(T), COST, ROOM, current="mmap", step_bytes=C, alone=True)
+    assert (c.mode, c.why) == ("warm", Why.CONFIGURED)
 
 
 @pytest.mark.parametrize("missing", ["load_ms", "ctx_ms", "first_ms"])

@@ -91,4 +91,3 @@ def test_on_demand_replica_recovers_within_its_measured_time() -> None:
         assert last is not None and last["mode"] == "on_demand"
         assert last["recovery_ms"] <= predicted + GATEWAY_SLACK_MS, (last, predicted)
         assert after["model_loaded"] and after["contexts"] == 1  # loaded by the failover, and kept
-        assert after["recovery_ms"]["on_demand"] >= last["recovery_ms"]  # the prediction keeps up

@@ -9,7 +9,7 @@ Rules:
    - ``mmap`` (model loaded, contexts on demand): a context, then a first token;
    - ``on_demand`` (process started, nothing loaded): the model load, a context, a first token.
    Each step's figure is the replica's own measurement (at start-up, then every time it
-   really does the step), raised to a failover's observed time when that was longer.
+   really does the step).
 2. A mode's *host cost* is what it keeps in host memory while idle (``host_cost``): warm
    the weights and every slot's context, mmap the weights, on_demand nothing. The CPU
    lane's host-RAM guard counts what the replica really holds.
@@ -17,7 +17,9 @@ Rules:
    none does, the fastest (``warm``). When host memory cannot hold that mode, it takes the
    fastest mode that the room allows (``host_short``) and says so. Moving to a dearer mode
    needs one more context of room than the mode costs (hysteresis: no flapping at the edge).
-4. A configured mode other than ``auto`` is kept whatever the budget, but host room bounds it
+4. A model without a GPU lane has no failover: its replica is its only path, and ``auto``
+   keeps it ``mmap`` (model loaded, contexts as requests need them; ``no_gpu_lane``).
+   A configured mode other than ``auto`` is kept whatever the budget, but host room bounds it
    the same way (``host_short``): no mode loads past the host-RAM guard's budget.
 5. A replica starts (``initial_mode``) in the cheapest mode its configuration allows before
    any room is known: ``on_demand`` for auto, ``mmap`` for warm (its contexts come with the
@@ -43,6 +45,7 @@ class Why(StrEnum):
     NOT_MEASURED = "not_measured"  # auto, before the replica reported its timings: warm
     WITHIN_BUDGET = "cheapest_within_budget"  # auto: the cheapest mode meeting the budget
     OVER_BUDGET = "no_mode_meets_budget"  # auto: none meets it; the fastest
+    NO_GPU_LANE = "no_gpu_lane"  # auto, on a model without a GPU lane: mmap
     HOST_SHORT = "host_short"  # host memory cannot hold the mode the budget (or configuration) wants
 
 
@@ -58,18 +61,15 @@ def initial_mode(configured: str) -> str:
     return {"auto": "on_demand", "warm": "mmap"}.get(configured, configured)
 
 
-def recovery_ms(timings: Mapping[str, float], observed: Mapping[str, float] | None = None) -> dict[str, float]:
+def recovery_ms(timings: Mapping[str, float]) -> dict[str, float]:
     """Each mode's predicted recovery time (rule 1) from the step timings ``load_ms``,
-    ``ctx_ms`` and ``first_ms``; a mode's observed failover time raises its figure. Empty
-    when a step has no figure yet."""
+    ``ctx_ms`` and ``first_ms``. Empty when a step has no figure yet."""
     if not all(k in timings for k in ("load_ms", "ctx_ms", "first_ms")):
         return {}
     first = float(timings["first_ms"])
     ctx = float(timings["ctx_ms"])
     load = float(timings["load_ms"])
-    predicted = {"warm": first, "mmap": ctx + first, "on_demand": load + ctx + first}
-    seen = observed or {}
-    return {m: max(v, float(seen.get(m, 0.0))) for m, v in predicted.items()}
+    return {"warm": first, "mmap": ctx + first, "on_demand": load + ctx + first}
 
 
 def host_cost(mode: str, *, weights_bytes: int, context_bytes: int, slots: int) -> int:
@@ -92,12 +92,16 @@ def pick(
     *,
     current: str,
     step_bytes: int,
+    alone: bool = False,
 ) -> Choice:
     """The mode to keep (rules 3-4). ``room_bytes``: host memory the replica may hold idle
     (the guard's budget and the machine's free memory, less everything else); ``current``:
-    the mode it is in; ``step_bytes``: one context, the hysteresis of a move up."""
+    the mode it is in; ``step_bytes``: one context, the hysteresis of a move up; ``alone``: the
+    model has no GPU lane (rule 4)."""
     if configured != "auto":
         wanted, why = configured, Why.CONFIGURED
+    elif alone:
+        wanted, why = "mmap", Why.NO_GPU_LANE
     elif not recovery:
         wanted, why = "warm", Why.NOT_MEASURED
     else:

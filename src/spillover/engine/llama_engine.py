@@ -403,8 +403,9 @@ class Engine:
 
     ``measure()`` times each step once (model load, one context, a first token) so the
     gateway can predict what each mode costs to recover; every later load or context
-    creation refreshes its figure (``timings``). ``set_readiness`` moves to another mode:
-    up loads at once, down frees what is idle now and the rest as its slots come back.
+    creation refreshes its figure (``timings``). ``set_readiness`` moves to a mode (or asks
+    again for the one it is in): what the mode keeps is loaded at once, what it does not keep
+    is freed (idle now, busy as its slot comes back).
     Free slots that already have a context are handed out first.
     """
 
@@ -469,6 +470,11 @@ class Engine:
                 "timings": {k: round(v, 3) for k, v in self.timings.items()},
             }
 
+    def _changed(self) -> None:
+        """Report what it holds, under the lock so reports leave in the order of the changes."""
+        with self._lock:
+            self._on_change()
+
     def _load_model(self) -> Any:
         """The shared model, loaded now if it is not (timed: ``load_ms``)."""
         with self._lock:
@@ -507,7 +513,30 @@ class Engine:
     # -- readiness ------------------------------------------------------------------------
     def measure(self) -> None:
         """Time a cold start once (model load, one context, a first token), then settle into
-        ``readiness``: the probe's context is kept as a slot's when the mode keeps any."""
+        ``readiness``: the probe's context is kept as a slot's when the mode keeps any.
+
+        The probe decodes on a thread of its own that ends with it. llama.cpp's CPU backend
+        runs each decode as OpenMP parallel regions, and GOMP keeps a thread team for every
+        OS thread that ever ran one; while more team threads are alive than cores, it stops
+        spin-waiting between regions and every later decode is about 2.5x slower (measured:
+        48 vs 139 tok/s at 2 threads on 2 cores). A probe on the worker's main thread would
+        keep such a team alive for good."""
+        failure: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                self._measure()
+            except BaseException as exc:  # re-raised on the caller's thread
+                failure.append(exc)
+
+        t = threading.Thread(target=probe, name="engine-measure")
+        t.start()
+        t.join()
+        if failure:
+            raise failure[0]
+        self._changed()
+
+    def _measure(self) -> None:
         with self._lock:
             llm = self._slots[0] if self._slots[0] is not None else self._create()
             self._slots[0] = llm
@@ -519,18 +548,16 @@ class Engine:
             self.timings["first_ms"] = (time.perf_counter() - t0) * 1000
             llm.reset()
             self._settle()
-        self._on_change()
 
     def set_readiness(self, mode: str) -> None:
         """Move to ``mode`` (see the class): load what it keeps, free what it does not."""
         if mode not in READINESS_MODES:
             raise ValueError(f"readiness must be one of {', '.join(READINESS_MODES)}, not {mode!r}")
         with self._lock:
-            down = READINESS_MODES.index(mode) > READINESS_MODES.index(self.readiness)
             self.readiness = mode
-            self._shedding = down
+            self._shedding = mode != "warm"  # asked: what it holds beyond the mode goes, busy slots too
             self._settle()
-        self._on_change()
+        self._changed()
 
     def _settle(self) -> None:
         """Hold what ``readiness`` keeps: free idle contexts (and the model) it does not keep,
@@ -569,7 +596,7 @@ class Engine:
                 self._settle()
                 changed = True
         if changed:
-            self._on_change()
+            self._changed()
 
     def _slot_llm(self, slot: int) -> Any:
         """The slot's context, created now if it has none (on_demand: the model too)."""
@@ -579,7 +606,7 @@ class Engine:
                 self._slots[slot] = created
             else:
                 return self._slots[slot]
-        self._on_change()
+        self._changed()
         return created
 
     @staticmethod

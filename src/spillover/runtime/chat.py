@@ -135,6 +135,7 @@ class ChatModel:
                 lambda: self.scheduler.cpu_workers[0] if self.scheduler and self.scheduler.cpu_workers else None,
                 weights_bytes=cpu_weights,
                 context_bytes=cpu_context,
+                alone=not gpu,
             )
             host_view = gw.host.lane_view(
                 lambda: self.scheduler, weights_bytes=cpu_weights, context_bytes=cpu_context, readiness=self.readiness
@@ -370,7 +371,9 @@ def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
         model_path=s.path or default_model_path(),
         gpu_lane=lane(cfg.gpu_lane, s.gpu_slots) if s.gpu else None,
         cpu_lane=dataclasses.replace(
-            lane(cfg.cpu_lane, s.cpu_slots), readiness=s.cpu_readiness, recovery_budget_ms=s.recovery_budget_ms
+            lane(cfg.cpu_lane, s.cpu_slots),
+            readiness=s.cpu_readiness or cfg.cpu_lane.readiness,
+            recovery_budget_ms=s.recovery_budget_ms or cfg.cpu_lane.recovery_budget_ms,
         ),
         cpu_path=s.cpu == "replica",
         worker_ids=(f"{slug}-gpu", f"{slug}-cpu", f"{slug}-split"),

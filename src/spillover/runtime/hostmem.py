@@ -157,14 +157,15 @@ class HostMemory:
         return total
 
     def room_bytes(self, lane: CpuLaneHost) -> int:
-        """Host memory ``lane``'s replica may hold while idle: the budget less everything else,
-        and no more than the machine has available beside what the replica holds already."""
+        """Host memory ``lane``'s replica may hold while idle: the budget less everything else
+        (the larger of the observed and the predicted use, less the replica's own holding), and
+        no more than the machine has available beside what the replica holds already."""
         import psutil
 
         w = lane.worker()
         own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
-        base = self.base_bytes or max(0, self.observed_bytes - self.replicas_bytes())
-        by_budget = self.budget_bytes - base - self.replicas_bytes(but=lane)
+        used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
+        by_budget = self.budget_bytes - used + own  # max(observed, predicted), less what it holds itself
         by_machine = int(psutil.virtual_memory().available) + own - self.min_free_bytes
         return min(by_budget, by_machine)
 

@@ -7,8 +7,11 @@ times and the host room, picks a mode, and asks the worker to move when it holds
 (``WorkerClient.set_readiness``). A restarted replica starts in ``initial_mode`` again (so
 the host baseline, taken then, holds no context) and the next tick moves it.
 
-``observe`` records a failover's fault-to-first-CPU-token time, which keeps the prediction
-current (it only ever raises a mode's figure above the measured steps).
+The prediction is kept current by the replica itself: it re-measures a step every time it
+really does one (a model load, a context). ``observe`` records a failover's fault-to-first-
+CPU-token time for /v1/status; it does not feed the prediction, because it also holds the
+client prompt's prefill and any CPU queue wait, which no readiness mode changes (one long
+prompt would otherwise hold the replica warm for good).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["ReplicaReadiness"]
 
 log = logging.getLogger("spillover.readiness")
+ASK_AGAIN_S = 2.0  # a move the replica did not make (e.g. its load failed) is asked again after this
 
 
 class ReplicaReadiness:
@@ -37,16 +41,18 @@ class ReplicaReadiness:
         *,
         weights_bytes: int,
         context_bytes: int,
+        alone: bool = False,
     ) -> None:
         self.configured = configured
+        self.alone = alone  # the model has no GPU lane: the replica is its only path
         self.budget_ms = budget_ms
         self.worker = worker
         self.weights_bytes = weights_bytes
         self.context_bytes = context_bytes
         self.choice = Choice(initial_mode(configured), Why.CONFIGURED if configured != "auto" else Why.NOT_MEASURED, "")
-        self.observed: dict[str, float] = {}  # mode -> longest failover recovery seen in it (ms)
         self.last_failover: dict[str, Any] | None = None
         self._asked: tuple[str, int, int] | None = None  # (mode, worker start, held report) last sent
+        self._asked_at = -ASK_AGAIN_S
 
     def __repr__(self) -> str:
         return f"<ReplicaReadiness {self.configured} -> {self.choice.mode} ({self.choice.why})>"
@@ -62,7 +68,11 @@ class ReplicaReadiness:
     def recovery(self) -> dict[str, float]:
         w = self.worker()
         timings = (w.held.get("timings") or {}) if w is not None else {}
-        return recovery_ms(timings, self.observed)
+        return recovery_ms(timings)
+
+    def held_bytes(self, w: WorkerClient) -> int:
+        """Host bytes the replica reports holding (its model when loaded, its contexts)."""
+        return (self.weights_bytes if w.held.get("model") else 0) + w.contexts * self.context_bytes
 
     def tick(self, room_bytes: int) -> str | None:
         """Pick a mode for ``room_bytes`` of host room; the mode to ask the worker for, when it
@@ -83,6 +93,7 @@ class ReplicaReadiness:
             room_bytes,
             current=current,
             step_bytes=self.context_bytes,
+            alone=self.alone,
         )
         if choice != self.choice:
             log.info(
@@ -94,18 +105,25 @@ class ReplicaReadiness:
                 {k: round(v) for k, v in self.recovery().items()},
             )
         self.choice = choice
-        asked = (choice.mode, w.starts, w.held_seq)  # asked again after a report that did not move
-        if current == choice.mode or self._asked == asked:
+        # In the mode already, but holding more than the mode keeps and than the room allows
+        # (on_demand and mmap keep what their requests opened): asked again, it sheds that.
+        over = self.held_bytes(w) > max(cost[choice.mode], room_bytes)
+        if current == choice.mode and not over:
             return None
-        self._asked = asked
+        asked = (choice.mode, w.starts, w.held_seq)  # asked again only after a report that did not move
+        now = time.monotonic()
+        if self._asked == asked or (
+            self._asked is not None and self._asked[:2] == asked[:2] and now - self._asked_at < ASK_AGAIN_S
+        ):
+            return None
+        self._asked, self._asked_at = asked, now
         return choice.mode
 
     def observe(self, ms: float) -> None:
         """A failover reached its first CPU token ``ms`` after the fault, with the replica in
-        the mode it held then: that mode's prediction is at least this from now on."""
+        the mode it held then (shown in /v1/status; see the module docstring)."""
         w = self.worker()
         mode = (self.holding(w) if w is not None else "") or self.choice.mode
-        self.observed[mode] = max(self.observed.get(mode, 0.0), ms)
         self.last_failover = {"mode": mode, "recovery_ms": round(ms, 1), "at": time.time()}
 
     def status(self) -> dict[str, Any]:

@@ -245,6 +245,7 @@ class WorkerClient:
                     fut.set_result(None)
             self._running.clear()
             self._claimed.clear()
+            self.held, self.contexts = {}, 0  # the process and all it held are gone
             self._on_exit(self, gone)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:

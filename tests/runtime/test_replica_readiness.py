@@ -1,0 +1,100 @@
+"""ReplicaReadiness.tick on a worker that is only its reports (no process): what it asks the
+replica for, when it asks again, and when it leaves it alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spillover.runtime import readiness as readiness_mod
+from spillover.runtime.readiness import ReplicaReadiness
+from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+W, C = 100, 30
+TIMINGS = {"load_ms": 300.0, "ctx_ms": 40.0, "first_ms": 60.0}
+
+
+def worker(mode: str, model: bool, contexts: int) -> WorkerClient:
+    w = WorkerClient(WorkerSpec("cpu0", "cpu", "cpu", "", "", 2, 4096, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    report(w, mode, model, contexts)
+    return w
+
+
+def report(w: WorkerClient, mode: str, model: bool, contexts: int) -> None:
+    w._held({"mode": mode, "model": model, "contexts": contexts, "timings": TIMINGS})
+
+
+def replica(w: WorkerClient, configured: str = "auto", budget_ms: float = 1000.0, **kw: Any) -> ReplicaReadiness:
+    return ReplicaReadiness(configured, budget_ms, lambda: w, weights_bytes=W, context_bytes=C, **kw)
+
+
+def test_a_replica_in_the_mode_asked_and_within_room_is_left_alone() -> None:
+    w = worker("on_demand", False, 0)
+    r = replica(w)
+    assert r.tick(10_000) is None
+    assert (r.choice.mode, str(r.choice.why)) == ("on_demand", "cheapest_within_budget")
+
+
+def test_a_tight_budget_asks_for_warm_once_per_report() -> None:
+    w = worker("on_demand", False, 0)
+    r = replica(w, budget_ms=70)
+    assert r.tick(10_000) == "warm"
+    assert r.tick(10_000) is None  # asked already; no new report
+    report(w, "warm", True, 2)
+    assert r.tick(10_000) is None  # there now
+
+
+def test_on_demand_holding_its_first_requests_model_sheds_it_when_host_is_short() -> None:
+    w = worker("on_demand", True, 2)  # a failover loaded the model and opened two contexts
+    r = replica(w)
+    assert r.held_bytes(w) == W + 2 * C
+    assert r.tick(10_000) is None  # room enough: it keeps them (on_demand keeps what it loaded)
+    assert r.tick(W) == "on_demand"  # short: asked again, which sheds what the mode does not keep
+    report(w, "on_demand", False, 0)
+    assert r.tick(W) is None
+
+
+def test_a_move_the_replica_did_not_make_is_asked_again_only_after_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    w = worker("on_demand", False, 0)
+    r = replica(w, budget_ms=70)
+    assert r.tick(10_000) == "warm"
+    report(w, "on_demand", False, 0)  # its load failed: it reports the old mode
+    assert r.tick(10_000) is None
+    now[0] += readiness_mod.ASK_AGAIN_S
+    assert r.tick(10_000) == "warm"
+
+
+def test_a_restarted_replica_is_asked_at_once() -> None:
+    w = worker("on_demand", False, 0)
+    r = replica(w, budget_ms=70)
+    assert r.tick(10_000) == "warm"
+    w.starts += 1
+    report(w, "on_demand", False, 0)
+    assert r.tick(10_000) == "warm"
+
+
+def test_a_model_without_a_gpu_lane_keeps_its_replica_loaded() -> None:
+    w = worker("on_demand", False, 0)
+    r = replica(w, alone=True)
+    assert r.tick(10_000) == "mmap" and str(r.choice.why) == "no_gpu_lane"
+
+
+def test_a_failover_is_shown_but_does_not_move_the_prediction() -> None:
+    w = worker("on_demand", False, 0)
+    r = replica(w)
+    before = r.recovery()
+    r.observe(7000.0)  # a long prompt's prefill is in this figure
+    assert r.recovery() == before
+    assert r.status()["last_failover"]["recovery_ms"] == 7000.0
+    assert r.tick(10_000) is None  # still on_demand
+
+
+def test_status_of_a_dead_replica_holds_nothing() -> None:
+    w = worker("warm", True, 2)
+    w.held, w.contexts = {}, 0  # what the worker client does when the process exits
+    st = replica(w).status()
+    assert (st["holding"], st["model_loaded"], st["contexts"], st["recovery_ms"]) == ("", False, 0, {})
