@@ -1,14 +1,19 @@
 """Gateway overhead vs. bare llama-cpp-python: same model, same prompt, same threads.
 
-Prints decode tokens/s of both and their ratio (target >= 0.97 at concurrency 1), and the
-latency of a 1-token completion through each (median of >= 20), measured in one run with
-the two interleaved.
+Prints decode tokens/s of both and their ratio (target >= 0.97), streaming and non-streaming,
+and the latency of a 1-token completion through each (median of >= 20), measured in one run
+with the two interleaved.
 
     .venv/bin/python -m benchmarks.serve_overhead [--rounds 5] [--latency-n 25] [--threads 1,2]
+        [--concurrency 1,4]
 
-Each thread count is measured separately (bare and gateway with the same llama.cpp
-threads). On a 2-core machine with the sim device, engine threads and the gateway share
-the cores: with 2 engine threads the gateway's own CPU per token is taken from the engine.
+Each (threads, concurrency) cell is measured separately. Bare: ``concurrency`` llama contexts
+(``Llama`` objects) generating at once, one Python thread each; gateway: a GPU worker with
+``concurrency`` slots and as many clients at once. Throughput is the total decoded tokens over
+the span from the first token to the last (stream), or completion tokens over the wall time
+(non-stream), so both sides pay the same contention. On a 2-core machine with the sim device,
+engine threads and the gateway share the cores: at threads = cores the gateway's own CPU per
+token is taken from the engine.
 """
 
 from __future__ import annotations
@@ -16,17 +21,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import httpx
 
-from benchmarks._common import median, sse_token_times
+from benchmarks._common import at_once, median, sse_token_times
 from spillover.config import default_model_path
 from spillover.testing import GatewayProcess
 
 PROMPT = "Here is a long list of numbers, counting up: 1, 2, 3, 4, 5, 6, 7,"
 
 
-def bare_run(llm, tokens: list[int], n: int) -> tuple[float, list[float]]:
+def bare_run(llm: Any, tokens: list[int], n: int) -> tuple[float, list[float]]:
     """Greedy-generate up to n tokens; (t_start, per-token times)."""
     llm.reset()
     t0 = time.perf_counter()
@@ -41,8 +47,19 @@ def bare_run(llm, tokens: list[int], n: int) -> tuple[float, list[float]]:
     return t0, times
 
 
-def decode_tps(times: list[float]) -> float:
-    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+def span_tps(runs: list[tuple[float, list[float]]]) -> float:
+    """Tokens after each run's first, over the span from the first first-token to the last token."""
+    runs = [(t0, ts) for t0, ts in runs if len(ts) > 1]
+    if not runs:
+        return float("nan")
+    start = min(ts[0] for _, ts in runs)
+    end = max(ts[-1] for _, ts in runs)
+    return sum(len(ts) - 1 for _, ts in runs) / (end - start)
+
+
+def wall_tps(runs: list[tuple[float, float, int]]) -> float:
+    """Completion tokens over the wall time from the first request sent to the last answer."""
+    return sum(n for _, _, n in runs) / (max(t1 for _, t1, _ in runs) - min(t0 for t0, _, _ in runs))
 
 
 def main() -> int:
@@ -51,52 +68,98 @@ def main() -> int:
     ap.add_argument("--latency-n", type=int, default=25)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", default="1,2", help="comma-separated llama.cpp thread counts")
+    ap.add_argument("--concurrency", default="1", help="comma-separated numbers of requests at once")
     a = ap.parse_args()
     for threads in [int(x) for x in a.threads.split(",")]:
-        measure(a, threads)
+        for conc in [int(x) for x in a.concurrency.split(",")]:
+            measure(a, threads, conc)
     return 0
 
 
-def measure(a: argparse.Namespace, threads: int) -> None:
+def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
     from llama_cpp import Llama
 
     model = default_model_path()
-    llm = Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
-    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
-    args = ["--gpu", "sim:2048", "--gpu-slots", "1", "--gpu-threads", str(threads), "--cpu-threads", "1"]
+    llms = [
+        Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+        for _ in range(conc)
+    ]
+    tokens = llms[0].tokenize(PROMPT.encode(), add_bos=True, special=False)
+    args = ["--gpu", "sim:4096", "--gpu-slots", str(conc), "--gpu-threads", str(threads), "--cpu-threads", "1"]
     bare_tps, gw_tps, bare_lat, gw_lat, bare_e2e, gw_e2e = [], [], [], [], [], []
+    failures: list[str] = []  # gateway answers that were not a GPU completion (printed, left out)
     body = {"prompt": PROMPT, "max_tokens": a.tokens, "temperature": 0}
-    with GatewayProcess(args) as gw, httpx.Client(base_url=gw.url, timeout=120) as c:
-        sse_token_times(c, "/v1/completions", body)  # warm-up
-        bare_run(llm, tokens, a.tokens)
+
+    def bare_round(n: int) -> list[tuple[float, list[float]]]:
+        out: list[tuple[float, list[float]]] = []
+        at_once([lambda llm=llm: out.append(bare_run(llm, tokens, n)) for llm in llms])  # type: ignore[misc]
+        return out
+
+    with GatewayProcess(args) as gw, httpx.Client(base_url=gw.url, timeout=300) as c:
+
+        def gw_stream_round() -> list[tuple[float, list[float]]]:
+            out: list[tuple[float, list[float]]] = []
+
+            def one() -> None:
+                try:
+                    t0, ts, hdr = sse_token_times(c, "/v1/completions", body)
+                except httpx.HTTPStatusError as exc:
+                    failures.append(f"stream {exc.response.status_code}: {exc.response.read()[:300]!r}")
+                    return
+                if hdr["x-spillover-route"] != "gpu":
+                    failures.append(f"stream served on {hdr['x-spillover-route']}: {hdr.get('x-spillover-reason')}")
+                    return
+                out.append((t0, ts))
+
+            at_once([one] * conc)
+            return out
+
+        def gw_plain_round() -> list[tuple[float, float, int]]:
+            out: list[tuple[float, float, int]] = []
+
+            def one() -> None:
+                t0 = time.perf_counter()
+                r = c.post("/v1/completions", json=body)
+                if r.status_code != 200 or r.headers.get("x-spillover-route") != "gpu":
+                    failures.append(f"{r.status_code} {r.headers.get('x-spillover-route')}: {r.text[:300]}")
+                    return
+                out.append((t0, time.perf_counter(), r.json()["usage"]["completion_tokens"]))
+
+            at_once([one] * conc)
+            return out
+
+        gw_stream_round()  # warm-up: every slot's context has decoded once
+        bare_round(a.tokens)
         for _ in range(a.rounds):
-            _, bt = bare_run(llm, tokens, a.tokens)
-            bare_tps.append(decode_tps(bt))
-            _, gt, hdr = sse_token_times(c, "/v1/completions", body)
-            assert hdr["x-spillover-route"] == "gpu", hdr
-            gw_tps.append(decode_tps(gt))
-            t0, bt = bare_run(llm, tokens, a.tokens)
-            bare_e2e.append(len(bt) / (bt[-1] - t0))
-            t0 = time.perf_counter()
-            r = c.post("/v1/completions", json=body)
-            r.raise_for_status()
-            gw_e2e.append(r.json()["usage"]["completion_tokens"] / (time.perf_counter() - t0))
-        for _ in range(a.latency_n):
-            t0, bt = bare_run(llm, tokens, 1)
+            bare_tps.append(span_tps(bare_round(a.tokens)))
+            streams = gw_stream_round()
+            if len(streams) == conc:  # a round with a failed request is not a like-for-like round
+                gw_tps.append(span_tps(streams))
+            bare_e2e.append(wall_tps([(t0, ts[-1], len(ts)) for t0, ts in bare_round(a.tokens)]))
+            plain = gw_plain_round()
+            if len(plain) == conc:  # a round with a failed request is not a like-for-like round
+                gw_e2e.append(wall_tps(plain))
+        for _ in range(a.latency_n if conc == 1 else 0):
+            t0, bt = bare_run(llms[0], tokens, 1)
             bare_lat.append(bt[-1] - t0)
             t0 = time.perf_counter()
             r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
             r.raise_for_status()
             gw_lat.append(time.perf_counter() - t0)
+    for llm in llms:
+        llm.close()
     bt, gt = median(bare_tps), median(gw_tps)
-    bl, gl = median(bare_lat) * 1000, median(gw_lat) * 1000
-    print(f"model: {model.rsplit('/', 1)[-1]}  threads: {threads}  concurrency: 1")
+    print(f"model: {model.rsplit('/', 1)[-1]}  threads: {threads}  concurrency: {conc}")
     print(f"{'':28}{'bare':>10}{'gateway':>10}{'ratio':>8}")
     print(f"{'decode tok/s (median of ' + str(a.rounds) + ')':28}{bt:10.1f}{gt:10.1f}{gt / bt:8.3f}")
     be, ge = median(bare_e2e), median(gw_e2e)
     print(f"{'non-stream tok/s (median)':28}{be:10.1f}{ge:10.1f}{ge / be:8.3f}")
-    print(f"{'1-token latency ms (med ' + str(a.latency_n) + ')':28}{bl:10.1f}{gl:10.1f}{gl / bl:8.3f}")
-    print(f"added latency of a 1-token completion: {gl - bl:.1f} ms (median)")
+    if bare_lat:
+        bl, gl = median(bare_lat) * 1000, median(gw_lat) * 1000
+        print(f"{'1-token latency ms (med ' + str(a.latency_n) + ')':28}{bl:10.1f}{gl:10.1f}{gl / bl:8.3f}")
+        print(f"added latency of a 1-token completion: {gl - bl:.1f} ms (median)")
+    for f in failures:
+        print(f"left out (not a GPU completion): {f}")
     for name, ratio in (("stream decode", gt / bt), ("non-stream", ge / be)):
         print(f"target: {name} ratio >= 0.97 -> {'MET' if ratio >= 0.97 else 'NOT MET'} ({ratio:.3f})")
     print()

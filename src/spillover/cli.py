@@ -82,6 +82,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             log_level="info",
             timeout_graceful_shutdown=5,
             http=protocol,
+            loop="auto",  # uvloop (a pinned dependency) where it is installed, else asyncio
             backlog=s.max_connections,
             timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
         )

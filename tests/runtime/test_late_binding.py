@@ -14,17 +14,11 @@ from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
 from spillover.errors import QueueFull
 from spillover.runtime.scheduler import Job, Scheduler
-from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.runtime.worker_client import WorkerClient
 from spillover.testing import FakeClock
+from tests.runtime.fakes import ready_worker
 
 MIB = 1024 * 1024
-
-
-def _ready_worker(wid: str, lane: str) -> WorkerClient:
-    """A worker the scheduler sees as ready with one slot (no process: nothing is sent to it)."""
-    w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 4096, 1, 8), lambda _w, _g: None)
-    w.state = WorkerState.READY
-    return w
 
 
 def _scheduler(
@@ -39,7 +33,7 @@ def _scheduler(
         policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
         clock=clock,
     )
-    gpu, cpu = _ready_worker("gpu0", "gpu"), _ready_worker("cpu0", "cpu")
+    gpu, cpu = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
     s.gpu_workers.append(gpu)
     s.cpu_workers.append(cpu)
     return s, gpu, cpu

@@ -11,16 +11,11 @@ from spillover.core.admission import AdmissionPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
 from spillover.runtime.scheduler import Job, Scheduler
-from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.runtime.worker_client import WorkerClient
 from spillover.testing import FakeClock
+from tests.runtime.fakes import ready_worker
 
 MIB = 1024 * 1024
-
-
-def _ready_worker(wid: str, lane: str) -> WorkerClient:
-    w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 4096, 1, 8), lambda _w, _g: None)
-    w.state = WorkerState.READY
-    return w
 
 
 def _scheduler(
@@ -35,10 +30,10 @@ def _scheduler(
         policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
         clock=clock,
     )
-    gpu = _ready_worker("gpu0", "gpu") if resident else None
+    gpu = ready_worker("gpu0", "gpu") if resident else None
     if gpu is not None:
         s.gpu_workers.append(gpu)
-    split, cpu = _ready_worker("split0", "split"), _ready_worker("cpu0", "cpu")
+    split, cpu = ready_worker("split0", "split"), ready_worker("cpu0", "cpu")
     s.split_workers.append(split)
     s.cpu_workers.append(cpu)
     s.split_memory = dataclasses.replace(memory, n_batch=128, n_gpu_layers=10)

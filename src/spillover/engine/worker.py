@@ -55,6 +55,8 @@ from typing import IO, Any
 
 from spillover.engine.llama_engine import READINESS_MODES
 
+SIM_WATCH_S = 0.05  # how often the sim device's marker is looked at (a reset or hang is seen within this)
+
 __all__ = ["main"]
 
 EXIT_DEVICE_LOST = 75
@@ -189,7 +191,7 @@ class DeviceWorker(abc.ABC):
         seen: tuple[int, int] | None = None
         last_full = 0.0
         while True:
-            time.sleep(0.02)
+            time.sleep(SIM_WATCH_S)
             version = self.sim.version()
             now = time.monotonic()
             if version == seen and now - last_full < 0.5:

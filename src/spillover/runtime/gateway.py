@@ -45,6 +45,7 @@ __all__ = ["Gateway", "resolve_gpu"]
 
 log = logging.getLogger("spillover.gateway")
 OBSERVE_INTERVAL_S = 0.1
+KICK_EVERY_S = 0.5  # the schedulers look again at least this often while the device reading stays the same
 MAX_PENDING_OUTCOMES = 10_000
 _GONE = (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED, SupervisorEventKind.UNLOADED)
 LOAD_RECHECK_S = 0.25  # how often a load waiting for room looks at the ledger again
@@ -229,15 +230,25 @@ class Gateway:
         on_wait(False)
 
     async def _observe_loop(self) -> None:
+        """Read the device every ``OBSERVE_INTERVAL_S``. The sim ledger is a small locked file,
+        read inline (a thread hop costs more than the read); NVML is read in a thread. The
+        schedulers look again when the reading changed, and at least every ``KICK_EVERY_S``
+        (a reading that stays the same only renews its freshness)."""
         assert self.device is not None and self.ledger is not None
+        inline = self.device.kind == "sim"
+        last: Any = None
+        kicked = 0.0
         while True:
             try:
                 taken = time.monotonic()
-                r = await asyncio.to_thread(self.device.read)
+                r = self.device.read() if inline else await asyncio.to_thread(self.device.read)
                 self.ledger.observe(r.used_bytes, taken, r.capacity_bytes)
                 self.device_epoch, self.alloc_failures, self.device_hang = r.epoch, r.alloc_failures, r.hang
-                self.kick_scheduler()
+                if r != last or taken - kicked >= KICK_EVERY_S:
+                    last, kicked = r, taken
+                    self.kick_scheduler()
             except Exception as exc:  # a failed reading goes stale; admission stops trusting it
+                last = None
                 log.warning("device reading failed: %s", exc)
             await asyncio.sleep(OBSERVE_INTERVAL_S)
 

@@ -39,7 +39,7 @@ class HostStatistics:
 
     observed_bytes: int  # RSS of the gateway and its workers, last reading
     peak_bytes: int  # the highest reading
-    base_bytes: int  # the reading with everything loaded and no CPU context (0: not yet)
+    base_bytes: int  # the reading with everything loaded, less what the replicas held then (0: not yet)
     slot_bytes: int  # what one CPU context costs (memory model)
     budget_bytes: int
     replica_bytes: int  # what the CPU replicas hold now (models and contexts, predicted)
@@ -114,7 +114,7 @@ class HostMemory:
         while True:
             every = self.supervisors()
             pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
-            rss = await asyncio.to_thread(processes_rss, pids)  # the gateway and its workers
+            rss = processes_rss(pids)  # the gateway and its workers: a few /proc reads, inline
             self.observed_bytes = rss
             self.peak_bytes = max(self.peak_bytes, rss)
             cpus = [(lane, lane.worker()) for lane in self.lanes]
@@ -156,26 +156,33 @@ class HostMemory:
                 total += self.held_bytes(lane, w)
         return total
 
-    def room_bytes(self, lane: CpuLaneHost) -> int:
+    def room_bytes(self, lane: CpuLaneHost, available_bytes: int | None = None) -> int:
         """Host memory ``lane``'s replica may hold while idle: the budget less everything else
         (the larger of the observed and the predicted use, less the replica's own holding), and
         no more than the machine has available beside what the replica holds already."""
         import psutil
 
+        if available_bytes is None:
+            available_bytes = int(psutil.virtual_memory().available)
         w = lane.worker()
         own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
         used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
         by_budget = self.budget_bytes - used + own  # max(observed, predicted), less what it holds itself
-        by_machine = int(psutil.virtual_memory().available) + own - self.min_free_bytes
+        by_machine = available_bytes + own - self.min_free_bytes
         return min(by_budget, by_machine)
 
     async def tick_readiness(self) -> None:
         """Let each replica's readiness pick for its room; ask the worker to move when it must."""
+        import psutil
+
+        if not any(lane.readiness is not None for lane in self.lanes):
+            return
+        available = int(psutil.virtual_memory().available)  # one reading for every lane of this tick
         for lane in self.lanes:
             w = lane.worker()
             if lane.readiness is None or w is None:
                 continue
-            mode = lane.readiness.tick(self.room_bytes(lane))
+            mode = lane.readiness.tick(self.room_bytes(lane, available))
             if mode is not None:
                 await w.set_readiness(mode)
 
