@@ -1,8 +1,9 @@
 """llama.cpp through llama-cpp-python: loading, chat templates, tokenizing and generating.
 
-One ``Engine`` holds one model; each slot is its own llama context (weights are mmap'ed,
-so slots share them). The gateway uses a vocab-only ``Tokenizer`` to count prompt tokens
-before admission, so both workers see the very same token ids.
+One ``Engine`` holds one model, loaded once (mmap'ed) and shared by every slot's own llama
+context; how much of it stays loaded between requests is its ``readiness``. The gateway
+uses a vocab-only ``Tokenizer`` to count prompt tokens before admission, so both workers
+see the very same token ids.
 
 A chat prompt is tokenized by ``Tokenizer.tokenize_chat``: only the chat template's own
 markers become control tokens; text from the client (every message content, including the
@@ -483,7 +484,8 @@ class Engine:
                 import llama_cpp._internals as internals
 
                 params = llama_cpp.llama_model_default_params()
-                params.n_gpu_layers = self.n_gpu_layers
+                # -1 = every layer, as Llama(n_gpu_layers=-1) asks llama.cpp for it (INT32_MAX)
+                params.n_gpu_layers = 0x7FFFFFFF if self.n_gpu_layers < 0 else self.n_gpu_layers
                 params.vocab_only = False
                 params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # as Llama(use_mmap=True) sets it
                 t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """One chat model the gateway serves: its tokenizers, memory model, lanes and workers.
 
 The gateway serves the ``[model]`` chat model (the *primary*: its workers are ``gpu0`` and
-``cpu0``, its lanes ``[gpu_lane]`` and ``[cpu_lane]``) and any ``[[services]]`` entry of kind
-``chat`` (a GGUF each, workers ``<name>-gpu`` and ``<name>-cpu``, lanes sized by the entry).
+``cpu0``, and ``split0`` with ``[split]``; its lanes ``[gpu_lane]`` and ``[cpu_lane]``) and any
+``[[services]]`` entry of kind ``chat`` (a GGUF each, workers ``<name>-gpu`` and
+``<name>-cpu``, lanes sized by the entry).
 
 Rules:
 
@@ -15,13 +16,13 @@ Rules:
    is a 400 naming ``/v1/completions``.
 3. Its CPU path is an exact replica (same GGUF) or none (``cpu = "none"``: admission never
    routes it to the CPU; a request that does not fit waits or is refused with Retry-After).
+4. The replica is kept as ready as its lane's ``readiness`` says (``runtime.readiness``): a
+   fixed mode, or ``auto`` by ``recovery_budget_ms``; every failover that reaches a first CPU
+   token reports its recovery time to it.
 5. What runs on the device is planned at start (``core.profiles``): the resident GPU worker,
    and with ``[split] enabled`` (primary only) a split worker (its last N layers on the
    device) that takes what the resident cannot; when the whole model does not fit, only the
    split worker runs. Without a split worker the resident always starts, as before.
-4. The replica is kept as ready as its lane's ``readiness`` says (``runtime.readiness``): a
-   fixed mode, or ``auto`` by ``recovery_budget_ms``; every failover that reaches a first CPU
-   token reports its recovery time to it.
 """
 
 from __future__ import annotations
