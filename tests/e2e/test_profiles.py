@@ -39,7 +39,7 @@ def test_a_request_is_served_split_flagged_with_the_reason(gw: GatewayProcess) -
         r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         h = r.headers
-        assert (h["x-spillover-route"], h["x-spillover-degraded"]) == ("split", "1")
+        assert (h["x-spillover-route"], h["x-spillover-degraded"]) == ("split", "1"), (dict(h), gw.status())
         assert h["x-spillover-reason"] == "resident_does_not_fit"
         sp = r.json()["spillover"]
         assert (sp["route"], sp["degraded"], sp["reason"], sp["attempts"]) == (

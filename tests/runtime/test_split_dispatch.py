@@ -88,9 +88,12 @@ def test_a_job_the_split_cannot_take_keeps_the_admissions_decision(memory: Memor
         d = await asyncio.wait_for(long.future, 1)
         assert (d.route, str(d.reason), d.worker) == ("cpu", "gpu_unavailable", cpu)
         cpu.release_slot("long")
-        split.claim_slot("someone")  # no free split slot: the CPU lane
+        split.claim_slot("someone")  # no free split slot: it waits, bounded as admission's delay
         busy = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
         s.submit_nowait(busy)
+        assert not busy.future.done()
+        clock.advance(2.1)  # past delay_max_s: the CPU lane
+        s.pump_once()
         assert (await asyncio.wait_for(busy.future, 1)).route == "cpu"
 
     asyncio.run(main())
@@ -104,7 +107,32 @@ def test_a_split_reservation_that_does_not_fit_the_ledger_goes_to_the_cpu(memory
         assert s.split_memory.request_footprint(100, 50).total_bytes > 24 * MIB
         job = Job(rid="a", prompt_tokens=100, max_tokens=50, arrived_s=clock())
         s.submit_nowait(job)
+        assert not job.future.done()  # it waits for room, bounded
+        clock.advance(2.1)
+        s.pump_once()
         assert (await asyncio.wait_for(job.future, 1)).route == "cpu"
         assert s.split_total == 0
+
+    asyncio.run(main())
+
+
+def test_a_split_slot_that_frees_within_the_delay_takes_the_job(memory: MemoryModel) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, _ = _scheduler(memory, clock, resident=False)
+        first = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(first)
+        d = await asyncio.wait_for(first.future, 1)
+        waiting = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(waiting)
+        assert not waiting.future.done()
+        clock.advance(1.0)
+        split.release_slot("a")
+        s.finished("a", d, "ok")
+        s.pump_once()
+        d2 = await asyncio.wait_for(waiting.future, 1)
+        assert (d2.route, d2.worker) == ("split", split)
+        # only split decisions: a job waiting for the split records no route off it
+        assert s.decision_counts == {"split:resident_does_not_fit": 2}
 
     asyncio.run(main())

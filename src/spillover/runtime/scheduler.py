@@ -326,9 +326,14 @@ class Scheduler:
     def _decide_gpu(self, job: Job, now: float) -> None:
         assert self.gpu is not None and self.ledger is not None and self.policy is not None
         d = self._admission(job, now)
+        if isinstance(d, Route | Reject):
+            split = self._dispatch_split(job, d, now)
+            if split == "dispatched":  # recorded as a split decision
+                return
+            if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
+                self._delay_due = min(self._delay_due, job.enqueued_s + self.policy.delay_max_s)
+                return
         self._record(job, d, now)
-        if isinstance(d, Route | Reject) and self._dispatch_split(job, d, now):
-            return
         if isinstance(d, Admit | Shrink):
             self._dispatch_gpu(job, d, now, self.gpu)
         elif isinstance(d, Route):
@@ -388,25 +393,34 @@ class Scheduler:
         )
         return True
 
-    def _dispatch_split(self, job: Job, d: Route | Reject, now: float) -> bool:
+    def _dispatch_split(self, job: Job, d: Route | Reject, now: float) -> Literal["dispatched", "wait", "no"]:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
-        the ledger now; False otherwise (the decision stands). Its reason is the admission's,
-        or ``resident_does_not_fit`` when only the split profile runs."""
-        if self.ledger is None or self.split_memory is None or self.gpu is None:
-            return False
-        worker = next((w for w in self.split_workers if w.free_slots > 0), None)
-        if worker is None or job.prompt_tokens + job.max_tokens > self.split_ctx_cap_tokens:
-            return False
+        the ledger now (``dispatched``). Its reason is the admission's, or
+        ``resident_does_not_fit`` when only the split profile runs.
+
+        When a ready split worker could take it but has no free slot or no room now, the job
+        waits (``wait``) until ``delay_max_s`` after it was queued, as admission's own delay
+        does (a slot ends, a release or a fresh reading brings the room back); past that, or
+        with no split worker ready or a job longer than its cap, the decision stands (``no``)."""
+        if self.ledger is None or self.split_memory is None or self.gpu is None or self.policy is None:
+            return "no"
+        ready = [w for w in self.split_workers if w.state is WorkerState.READY]
+        if not ready or job.prompt_tokens + job.max_tokens > self.split_ctx_cap_tokens:
+            return "no"
+        waiting = now - job.enqueued_s < self.policy.delay_max_s
+        worker = next((w for w in ready if w.free_slots > 0), None)
         fp = self.split_memory.request_footprint(job.prompt_tokens, job.max_tokens)
-        if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
-            return False
+        if worker is None or self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
+            return "wait" if waiting else "no"
         self.gpu.queue.remove(job)
         self.split_total += 1
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
         reason = cause if self.gpu_workers else Reason.RESIDENT_DOES_NOT_FIT
         job.last_reason = reason
+        key = f"split:{reason}"
+        self.decision_counts[key] = self.decision_counts.get(key, 0) + 1
         self.decisions.append(
             {"t_s": round(now, 3), "rid": job.rid, "decision": "split", "reason": str(reason), "route": "split"}
         )
@@ -425,7 +439,7 @@ class Scheduler:
                 job.estimated_delay_ms,
             )
         )
-        return True
+        return "dispatched"
 
     def _rebind_to_gpu(self, now: float) -> None:
         """Late binding: a job admission sent to the CPU lane that has not started yet runs on
