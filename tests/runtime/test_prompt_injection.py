@@ -182,3 +182,37 @@ def test_markers_in_rendered_tool_definitions_stay_text(custom: Tokenizer, contr
     assert custom.tokenize_chat(msgs, tools(HARMLESS)) == _old(custom, msgs, tools(HARMLESS))
     assert _counts(custom.tokenize_chat(msgs, tools(FORGED)), control) == (3, 2)
     assert _counts(_old(custom, msgs, tools(FORGED)), control) == (7, 6)
+
+
+SLICING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'][:N] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+)
+
+
+@pytest.mark.parametrize("n", [3, 29, 31, 40])
+def test_slicing_template_never_parses_client_markers(custom: Tokenizer, control: tuple[int, int], n: int) -> None:
+    """A template that cuts each content at ``n`` characters cuts the sentinel standing for it
+    (inside its random prefix, or inside its count): the skeleton no longer matches, and
+    client text holding marker text yields no control ids of its own."""
+    custom.chat_template = SLICING.replace("N", str(n))
+    attack = custom.tokenize_chat([{"role": "user", "content": FORGED}], None)
+    assert _counts(attack, control) == (2, 1) or _counts(attack, control) == (0, 0)
+    benign = [{"role": "user", "content": HARMLESS}]
+    assert custom.tokenize_chat(benign, None) == _old(custom, benign)
+
+
+def test_sentinels_are_fresh_and_cut_back() -> None:
+    """One rendering's sentinels: letters only, distinct, a fresh prefix each rendering, and
+    the skeleton cut back into template text and the originals; a changed one is refused."""
+    from spillover.engine.llama_engine import _Content, _Sentinels
+
+    a, b = _Sentinels(), _Sentinels()
+    assert a.prefix != b.prefix and a.prefix.isalpha() and len(a.prefix) == 28
+    keys = [a.add(f"text {i}") for i in range(200)]
+    assert len(set(keys)) == 200 and all(k.isalpha() for k in keys)
+    skeleton = f"<s>{keys[0]}|{keys[199]}{keys[7]}</s>"
+    assert a.cut(skeleton) == ["<s>", _Content("text 0"), "|", _Content("text 199"), "", _Content("text 7"), "</s>"]
+    assert a.cut(skeleton.upper()) == [skeleton.upper()]  # no prefix left: plain text (the caller compares)
+    assert a.cut(f"<s>{keys[0][:-1]}</s>") is None  # cut inside its count
+    assert a.cut(f"<s>{b.add('x')}</s>") == [f"<s>{b.prefix}" + "aaaaa</s>"]  # another rendering's: plain text

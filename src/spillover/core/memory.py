@@ -25,7 +25,7 @@ placed there, plus the non-layer tensors (embeddings, output) when fully offload
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["KV_TYPES", "Footprint", "MemoryModel", "ModelSpec", "kv_row_bytes", "ollama_estimate"]
 
@@ -117,6 +117,9 @@ def _pad(n: int, to: int) -> int:
     return math.ceil(n / to) * to
 
 
+FOOTPRINTS_KEPT = 4096  # request footprints a model remembers (then it starts again)
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """Predicts device bytes for a model (``spec``) under llama.cpp's allocation rules."""
@@ -131,6 +134,10 @@ class MemoryModel:
     n_gpu_layers: int = -1  # -1: all layers on the device
     ctx_pad_tokens: int = 256  # llama.cpp pads the KV cache size
     cpu_repack: bool = False  # CPU backend: weights as its model buffers hold them (repack rules)
+    # request_footprint's answers: admission asks again for every queued job on every pass.
+    _footprints: dict[tuple[int, int], Footprint] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         s = self.spec
@@ -238,7 +245,18 @@ class MemoryModel:
 
     # -- per request ---------------------------------------------------------------
     def request_footprint(self, prompt_tokens: int, max_tokens: int) -> Footprint:
-        """Footprint of one request: KV pages for prompt+max_tokens, compute, fragmentation."""
+        """Footprint of one request: KV pages for prompt+max_tokens, compute, fragmentation
+        (remembered: the model is frozen, so the same two numbers give the same answer)."""
+        key = (prompt_tokens, max_tokens)
+        if (got := self._footprints.get(key)) is not None:
+            return got
+        if len(self._footprints) >= FOOTPRINTS_KEPT:
+            self._footprints.clear()
+        fp = self._footprint(prompt_tokens, max_tokens)
+        self._footprints[key] = fp
+        return fp
+
+    def _footprint(self, prompt_tokens: int, max_tokens: int) -> Footprint:
         tokens = max(1, prompt_tokens + max_tokens)
         pages = math.ceil(tokens / self.page_tokens)
         kv_tokens = pages * self.page_tokens

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import secrets
 import string
 import threading
@@ -36,6 +35,7 @@ def _llama_cls() -> Any:
     return llama_cpp.Llama
 
 
+TEMPLATE_RUNS_KEPT = 256  # template-only text runs whose ids a tokenizer remembers
 _C_SPACE = " \t\n\v\f\r"  # what C's isspace() strips around an lstrip/rstrip marker
 
 
@@ -69,9 +69,39 @@ def _strings(obj: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
-def _sentinel() -> str:
-    """A fresh nonce of 32 ASCII letters: no template trims, escapes or splits it."""
-    return "".join(secrets.choice(string.ascii_letters) for _ in range(32))
+class _Sentinels(dict[str, str]):
+    """Sentinel -> the client text it stands for, for one rendering. Each sentinel is ASCII
+    letters only (no template trims, escapes or splits it): this rendering's fresh random
+    28-letter prefix (about 160 bits: a client cannot guess it) and a 5-letter count. One
+    random draw per rendering, and the skeleton is cut with ``str.split`` on the prefix
+    (a regular expression of every sentinel was compiled anew for each request)."""
+
+    _LETTERS = string.ascii_letters
+    _DIGITS = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = "".join(self._LETTERS[b % 52] for b in secrets.token_bytes(28))
+
+    def add(self, original: str) -> str:
+        n = len(self)
+        if n >= 52**self._DIGITS:
+            raise ValueError("too many strings in one conversation")
+        key = self.prefix + "".join(self._LETTERS[n // 52**i % 52] for i in range(self._DIGITS))
+        self[key] = original
+        return key
+
+    def cut(self, skeleton: str) -> list[str | _Content] | None:
+        """The skeleton as template text and client text; None when a sentinel came out cut
+        or changed (the template rewrote it)."""
+        first, *rest = skeleton.split(self.prefix)
+        parts: list[str | _Content] = [first]
+        for chunk in rest:
+            original = self.get(self.prefix + chunk[: self._DIGITS])
+            if original is None:
+                return None
+            parts += [_Content(original), chunk[self._DIGITS :]]
+        return parts
 
 
 class Tokenizer:
@@ -89,6 +119,10 @@ class Tokenizer:
         self._lock = threading.Lock()
         self._marker_cache: list[_Marker] | None = None
         self._formatter: Any = None  # llama_cpp's Jinja2ChatFormatter, built on first use
+        # Ids of runs of the template's own text (no client text in them: "system\n...",
+        # "assistant\n"), which every prompt repeats; bounded, emptied when full.
+        self._template_runs: dict[str, list[int]] = {}
+        self._edges: list[int] | None = None  # what tokenize adds to an empty text (BOS, EOS)
         eos_id = self._llm.token_eos()
         bos_id = self._llm.token_bos()
         self.eos_token = self._piece(eos_id) if eos_id >= 0 else ""
@@ -166,7 +200,7 @@ class Tokenizer:
     def _has_marker(self, text: str) -> bool:
         return any(m.text in text for m in self._markers())
 
-    def _escape(self, obj: Any, originals: dict[str, str]) -> Any:
+    def _escape(self, obj: Any, originals: _Sentinels) -> Any:
         """``obj`` with each marker text in its strings replaced by a fresh sentinel (noted in ``originals``)."""
         if isinstance(obj, dict):
             return {self._escape(k, originals): self._escape(v, originals) for k, v in obj.items()}
@@ -177,8 +211,7 @@ class Tokenizer:
         out: list[str] = []
         for piece in self._split_markers(obj):
             if isinstance(piece, _Marker):
-                originals[key := _sentinel()] = piece.text
-                piece = key
+                piece = originals.add(piece.text)
             out.append(piece)
         return "".join(out)
 
@@ -186,21 +219,19 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, rendered: str
     ) -> list[str | _Content] | None:
         """The rendering as template text and client text, or None when the two cannot be told apart."""
-        originals: dict[str, str] = {}  # sentinel -> the client text it stands for
+        originals = _Sentinels()
         skeleton_messages = []
         for m in messages:
             content = m.get("content")
             m = {k: v if k == "content" else self._escape(v, originals) for k, v in m.items()}
             if isinstance(content, str):
-                originals[key := _sentinel()] = content
-                m["content"] = key
+                m["content"] = originals.add(content)
             else:
                 m["content"] = self._escape(content, originals)
             skeleton_messages.append(m)
         skeleton = self.render_chat(skeleton_messages, self._escape(tools, originals))
-        pieces = re.split("(" + "|".join(map(re.escape, originals)) + ")", skeleton) if originals else [skeleton]
-        parts: list[str | _Content] = [_Content(originals[p]) if i % 2 else p for i, p in enumerate(pieces)]
-        if "".join(p.text if isinstance(p, _Content) else p for p in parts) != rendered:
+        parts = originals.cut(skeleton)
+        if parts is None or "".join(p.text if isinstance(p, _Content) else p for p in parts) != rendered:
             return None
         return parts
 
@@ -224,24 +255,39 @@ class Tokenizer:
 
     def _tokenize_parts(self, parts: list[str | _Content]) -> list[int]:
         """Markers become their ids; the plain text between two markers is one special=False run."""
-        edges = self.tokenize("", special=False, add_bos=True)  # BOS (and EOS) when the model adds them
+        if self._edges is None:
+            self._edges = self.tokenize("", special=False, add_bos=True)  # BOS (and EOS) when the model adds them
+        edges = self._edges
         bos = edges[:1] if edges and edges[0] == self._llm.token_bos() else []
         out: list[int] = list(bos)
         run: list[str] = []
+        client = False  # the run holds client text (never remembered)
         after_rstrip = False
 
         def flush(before: _Marker | None) -> None:
+            nonlocal client
             text = "".join(run)
             run.clear()
             if after_rstrip:
                 text = text.lstrip(_C_SPACE)
             if before is not None and before.lstrip:
                 text = text.rstrip(_C_SPACE)
-            if text:
+            if text and client:
                 out.extend(self.tokenize(text, special=False, add_bos=False))
+            elif text:
+                if (ids := self._template_runs.get(text)) is None:
+                    if len(self._template_runs) >= TEMPLATE_RUNS_KEPT:
+                        self._template_runs.clear()
+                    ids = self._template_runs[text] = self.tokenize(text, special=False, add_bos=False)
+                out.extend(ids)
+            client = False
 
         for part in parts:
-            pieces = [part.text] if isinstance(part, _Content) else self._split_markers(part)
+            if isinstance(part, _Content):
+                pieces: list[str | _Marker] = [part.text]
+                client = True
+            else:
+                pieces = self._split_markers(part)
             for piece in pieces:
                 if isinstance(piece, str):
                     run.append(piece)

@@ -99,19 +99,31 @@ class SimDevice:
 
     # -- file plumbing -------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, Any]]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a+") as lock:
+    def _flocked(self) -> Iterator[None]:
+        """The ledger's lock file, held exclusively (the folder is made only when missing:
+        the gateway reads the ledger 10 times a second)."""
+        try:
+            lock_file = open(self.lock_path, "a+")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            lock_file = open(self.lock_path, "a+")  # noqa: SIM115
+        with lock_file as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
-                state = self._read()
-                before = json.dumps(state, sort_keys=True)
-                self._reap(state)
-                yield state
-                if json.dumps(state, sort_keys=True) != before:
-                    self._write(state)
+                yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        """The state to change under the lock; written back when it changed."""
+        with self._flocked():
+            state = self._read()
+            before = json.dumps(state, sort_keys=True)
+            self._reap(state)
+            yield state
+            if json.dumps(state, sort_keys=True) != before:
+                self._write(state)
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -135,10 +147,13 @@ class SimDevice:
         os.replace(tmp, self.path)
 
     @staticmethod
-    def _reap(state: dict[str, Any]) -> None:
+    def _reap(state: dict[str, Any]) -> bool:
+        """Drop the allocations of processes that are gone; True when it dropped any."""
         allocs = state["allocs"]
-        for key in [k for k, a in allocs.items() if not _alive(int(a["pid"]))]:
+        dead = [k for k, a in allocs.items() if not _alive(int(a["pid"]))]
+        for key in dead:
             del allocs[key]
+        return bool(dead)
 
     def version(self) -> tuple[int, int] | None:
         """A cheap change hint (inode, mtime) of the ledger file; no lock taken.
@@ -234,9 +249,19 @@ class SimDevice:
             s["epoch"] = int(s["epoch"]) + 1
             s["hang"] = False
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[dict[str, Any]]:
+        """``_locked`` for a reading: the state is written back only when reaping a dead
+        process changed it (no before/after comparison: the gateway reads 10 times a second)."""
+        with self._flocked():
+            state = self._read()
+            if self._reap(state):
+                self._write(state)
+            yield state
+
     def snapshot(self) -> SimSnapshot:
         """A consistent reading of the whole device."""
-        with self._locked() as s:
+        with self._reading() as s:
             allocs = tuple(
                 sorted(
                     (k.split(":", 1)[1], int(a["pid"]), int(a["bytes"]), str(a["owner"]))

@@ -4,6 +4,8 @@ and the host memory of a process tree (the CPU lane's guard, the drill, the test
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass
 
 from spillover.engine.sim import MIB, SimDevice
@@ -11,8 +13,19 @@ from spillover.engine.sim import MIB, SimDevice
 __all__ = ["DeviceReading", "GpuDevice", "cuda_available", "processes_rss", "tree_rss"]
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def processes_rss(pids: list[int]) -> int:
-    """Resident memory of these processes, in bytes (one that is gone counts 0)."""
+    """Resident memory of these processes, in bytes (one that is gone counts 0). On Linux
+    one read of ``/proc/PID/statm`` each (what psutil reads, without building a Process
+    that first reads its start time: the host guard reads several times a second)."""
+    if sys.platform.startswith("linux"):
+        total = 0
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/statm", "rb") as fh:
+                total += int(fh.read().split()[1]) * _PAGE_BYTES
+        return total
     import psutil
 
     total = 0

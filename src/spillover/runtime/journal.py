@@ -195,23 +195,24 @@ class Journal:
                     log.warning("journal rollback failed: %s", exc)
             raise
 
-    def _make_room(self, keep: str | None, need: int = 0) -> None:
+    def _make_room(self, keep: str | None, need: int = 0) -> int:
         """Prune first when ``need`` more bytes would pass the high-water mark; a failed prune
-        is logged, not fatal."""
-        if self._used_bytes() + need <= self._bounds.high_water:
-            return
+        is logged, not fatal. Returns the bytes in use then: the figure every write leaves
+        (``_counted``; only this thread writes) unless it pruned."""
+        if self._bytes_used + need <= self._bounds.high_water:
+            return self._bytes_used
         try:
             self._prune(time.time(), keep, need)
         except (sqlite3.Error, OSError) as exc:
             self.write_errors += 1
             log.warning("journal: pruning to make room failed: %s", exc)
+        return self._used_bytes()
 
     def _accept(self, rec: dict[str, Any]) -> None:
         if (need := len(rec["body"].encode())) > self._bounds.headroom:  # its moves could not rewrite it
             self.write_errors += 1
             raise JournalUnavailable(f"the request ({need} bytes) does not fit the journal ({self.max_bytes} bytes)")
-        self._make_room(keep=None, need=need)
-        if (used := self._used_bytes()) + need > self._bounds.high_water:
+        if (used := self._make_room(keep=None, need=need)) + need > self._bounds.high_water:
             self.write_errors += 1
             raise JournalUnavailable(
                 f"the request journal is full of unfinished requests ({used} of {self.max_bytes} bytes)",

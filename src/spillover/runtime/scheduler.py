@@ -94,6 +94,7 @@ class Scheduler:
         self.split_total = 0  # jobs the split workers took
         self._wake = asyncio.Event()
         self._delay_due = math.inf  # the earliest end of an admission delay seen by the last pass
+        self._view: LaneView | None = None  # the lanes as a pass saw them (see pump_once)
         self._host_held = False  # the last pass held CPU work back for host memory
         # The pressure ladder's demotion step (set by the gateway when it has batch services):
         # idle batch services on the GPU, weights of demotions under way, and the action.
@@ -235,8 +236,9 @@ class Scheduler:
             except Exception:  # a bug must not stop every later dispatch: log it, go on
                 log.exception("scheduler pass failed")
             now = self.clock()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(MIN_WAKE_S, self._due(now) - now))
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for makes a task each pass
+                async with asyncio.timeout(max(MIN_WAKE_S, self._due(now) - now)):
+                    await self._wake.wait()
 
     def _due(self, now: float) -> float:
         """The earliest moment a pass can decide something new without an event: a queued
@@ -294,8 +296,12 @@ class Scheduler:
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
         if self.gpu is not None and self.ledger is not None and self.policy is not None:
+            # The lanes as they are, seen once for every job the pass delays (a job that is
+            # not delayed changes them); the pass starts and ends with no view kept.
+            self._view = None
             for job in list(self.gpu.queue):
                 self._decide_gpu(job, now)
+            self._view = None
             self._rebind_to_gpu(now)
         self._dispatch_cpu(now)
 
@@ -321,11 +327,15 @@ class Scheduler:
             arrived_s=job.arrived_s,
             allow_shrink=job.allow_shrink,
         )
-        return decide(req, self.ledger, self.lane_view(), self.breaker, now, self.policy)
+        if self._view is None:
+            self._view = self.lane_view()
+        return decide(req, self.ledger, self._view, self.breaker, now, self.policy)
 
     def _decide_gpu(self, job: Job, now: float) -> None:
         assert self.gpu is not None and self.ledger is not None and self.policy is not None
         d = self._admission(job, now)
+        if not isinstance(d, Delay):  # anything else may change the lanes: the next job looks again
+            self._view = None
         if isinstance(d, Route | Reject):
             split = self._dispatch_split(job, d, now)
             if split == "dispatched":  # recorded as a split decision
@@ -451,6 +461,7 @@ class Scheduler:
         for job in [j for j in self.cpu.queue if j.movable]:
             if not any(w.free_slots > 0 for w in self.gpu_workers):
                 return
+            self._view = None  # the last job may have taken a slot
             d = self._admission(job, now)
             if isinstance(d, Admit | Shrink) and self._dispatch_gpu(job, d, now, self.cpu):
                 self._record(job, d, now)

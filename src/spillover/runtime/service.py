@@ -503,7 +503,8 @@ class DeviceService(abc.ABC):
             except Exception:
                 log.exception("%s: pump pass failed", self.name)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+                async with asyncio.timeout(IDLE_WAKE_S):
+                    await self._wake.wait()
 
     def _view(self, nbytes: int, avoid_gpu: bool, now: float) -> PlacementView:
         g = self.gpu.worker if self.gpu is not None else None

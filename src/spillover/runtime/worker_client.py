@@ -290,7 +290,8 @@ class WorkerClient:
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             raise ConnectionError("worker channel closed")
         proc.stdin.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        await asyncio.wait_for(proc.stdin.drain(), 5.0)
+        async with asyncio.timeout(5.0):  # not wait_for: it makes a task for every message
+            await proc.stdin.drain()
 
     def generate(self, job: dict[str, Any]) -> AsyncGenerator[RequestEvent, None]:
         """Send one ``generate`` op (chat); its events as ``request``'s."""
