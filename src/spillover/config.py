@@ -103,6 +103,11 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = _doc(
         (), "browser origins (scheme://host[:port]) allowed besides the gateway's own, e.g. a web UI"
     )
+    access_log: bool = _doc(
+        False,
+        "log one line per HTTP request (uvicorn's access log); off by default: each costs the "
+        "gateway CPU, and the journal, /v1/requests/{id} and the metrics record every request",
+    )
 
 
 @dataclass(frozen=True)

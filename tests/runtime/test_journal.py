@@ -102,3 +102,109 @@ def test_retention_by_count_drops_the_oldest_finished(tmp_path: Path) -> None:
         assert kept == ["r2", "r3", "r4", "open"]
 
     with_journal(tmp_path, body, max=3)
+
+
+async def _held(j: Journal, writes: list[Awaitable[Any]]) -> list[Any]:
+    """Run ``writes`` while the journal thread is busy, so they all wait for it together
+    (one group commit when they are lifecycle writes); their results or errors, in order."""
+    import threading
+
+    while j._draining:  # the last drain hands back its results before it ends
+        await asyncio.sleep(0.001)
+    gate = threading.Event()
+    blocker = asyncio.get_running_loop().run_in_executor(j._pool, gate.wait)
+    try:
+        tasks = [asyncio.ensure_future(w) for w in writes]
+        await asyncio.sleep(0.05)  # every write is waiting now
+        assert len(j._pending) == len(writes)
+    finally:
+        gate.set()
+    await blocker
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_writes_that_wait_together_commit_as_one_group(tmp_path: Path) -> None:
+    """Lifecycle writes queued at once run in one transaction: each caller gets its own
+    result, the rows and histories are exactly those of one-by-one writes."""
+
+    async def body(j: Journal) -> None:
+        groups: list[int] = []
+        real = j._group
+
+        def spy(ops: Any) -> Any:
+            groups.append(len(ops))
+            return real(ops)
+
+        j._group = spy  # type: ignore[method-assign]
+        assert await _held(j, [accept(j, f"r{i}") for i in range(8)]) == [None] * 8
+        moves = [j.move(f"r{i}", State.QUEUED, route="gpu", attempts=1) for i in range(8)]
+        assert await _held(j, moves) == [None] * 8
+        assert groups == [8, 8]
+        for i in range(8):
+            assert [h["to"] for h in await j.history(f"r{i}")] == ["accepted", "queued"]
+        stats = j.statistics()
+        assert (stats.rows, stats.writes, stats.write_errors) == (8, 16, 0)
+
+    with_journal(tmp_path, body)
+
+
+def test_a_failing_write_in_a_group_fails_alone(tmp_path: Path) -> None:
+    """A used key, an unknown id and an illegal move inside a group raise for their own
+    callers only; the writes beside them commit."""
+
+    async def body(j: Journal) -> None:
+        await accept(j, "done")
+        await j.move("done", State.CANCELLED)
+        got = await _held(
+            j,
+            [
+                accept(j, "a", key="k"),
+                accept(j, "b", key="k"),  # the same key: KeyConflict
+                j.move("nobody", State.QUEUED),  # KeyError
+                j.move("done", State.RUNNING),  # IllegalTransition
+                accept(j, "c"),
+            ],
+        )
+        assert got[0] is None and got[4] is None
+        assert isinstance(got[1], KeyConflict) and got[1].existing.id == "a"
+        assert isinstance(got[2], KeyError) and isinstance(got[3], IllegalTransition)
+        assert await j.get("b") is None and (await j.get("c")) is not None
+        assert [h["to"] for h in await j.history("done")] == ["accepted", "cancelled"]
+        assert await j.count() == 3
+
+    with_journal(tmp_path, body)
+
+
+def test_a_group_that_must_prune_runs_one_by_one(tmp_path: Path) -> None:
+    """When a write of a group would pass the high-water mark (a prune commits on its own),
+    the group is rolled back and its writes run one by one: same rows, same counters."""
+
+    async def body(j: Journal) -> None:
+        await accept(j, "r0")
+        j._bytes_used = j._bounds.high_water  # the figure the last write left: at the mark
+        got = await _held(j, [accept(j, "r1"), j.move("r0", State.QUEUED), accept(j, "r2")])
+        assert got == [None, None, None]
+        assert await j.count() == 3 and (await j.get("r0")).state is State.QUEUED  # type: ignore[union-attr]
+        stats = j.statistics()
+        assert (stats.rows, stats.writes, stats.write_errors) == (3, 4, 0)
+        assert stats.bytes_used < j._bounds.high_water  # measured again after the writes
+
+    with_journal(tmp_path, body)
+
+
+def test_a_full_disk_fails_every_write_of_a_group(tmp_path: Path) -> None:
+    """The injected full disk (rule 6) fails each write of a group as it fails a lone one."""
+    from spillover.errors import JournalUnavailable
+    from spillover.runtime.journal import set_disk_full
+
+    async def body(j: Journal) -> None:
+        await accept(j, "r0")
+        set_disk_full(j.path, True)
+        got = await _held(j, [accept(j, "r1"), j.move("r0", State.QUEUED)])
+        assert all(isinstance(g, JournalUnavailable) for g in got)
+        assert j.statistics().write_errors == 2
+        set_disk_full(j.path, False)
+        assert await _held(j, [accept(j, "r1"), j.move("r0", State.QUEUED)]) == [None, None]
+        assert await j.count() == 2
+
+    with_journal(tmp_path, body)

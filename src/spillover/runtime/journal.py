@@ -15,7 +15,12 @@ Rules:
 
 1. Every write is one transaction; on any error it is rolled back, so the next write
    starts clean. A failed write raises ``JournalUnavailable`` (503); ``KeyConflict``,
-   ``KeyError`` and ``IllegalTransition`` pass through unchanged.
+   ``KeyError`` and ``IllegalTransition`` pass through unchanged. Group commit: lifecycle
+   writes (accept, move, update) that wait for the journal thread together run as one
+   transaction, each in a savepoint of its own (an error rolls back that write only), and
+   every caller returns after the one COMMIT; the group commits with ``synchronous=FULL``
+   when it holds an accept. A group that would need a prune, or whose BEGIN or COMMIT
+   fails, is rolled back whole and its writes run again one by one, as above.
 2. Retention is bounded by age (``retention_s``), by count (``max_requests`` finished
    ones) and by bytes: once the used bytes pass ``HIGH_WATER_RATIO`` of ``max_bytes``,
    the oldest finished requests go until ``LOW_WATER_RATIO``. Unfinished ones never do.
@@ -41,10 +46,12 @@ import asyncio
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,6 +91,36 @@ RETRY_AFTER_S = 2.0  # what a client is told after a failed journal write
 FILE_MODE = 0o600
 
 
+class _PruneNeeded(Exception):
+    """A write in a group would have to prune first (rule 4): the group runs one by one."""
+
+
+@dataclass(frozen=True)
+class _Op:
+    """A write waiting for the journal thread, and where its caller waits."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+    def groupable(self) -> bool:
+        return self.fn.__name__ in GROUPABLE
+
+
+GROUPABLE = frozenset({"_accept", "_move", "_update"})  # lifecycle writes: never a prune or a script
+
+
+def _resolve(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
+    for op, value, exc in done:
+        if op.future.done():  # its caller was cancelled; the write stands
+            continue
+        if exc is not None:
+            op.future.set_exception(exc)
+        else:
+            op.future.set_result(value)
+
+
 class Journal:
     """Durable request log. Create, then ``await open()``; all methods are coroutines."""
 
@@ -102,6 +139,11 @@ class Journal:
         self.max_requests = max_requests
         self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
+        # Writes waiting for the journal thread (group commit, rule 1), and whether a drain runs.
+        self._pending: list[_Op] = []
+        self._pending_lock = threading.Lock()
+        self._draining = False
+        self._grouped = False  # the journal thread is inside a group's transaction
         self._db: sqlite3.Connection | None = None
         self._bytes_used = 0
         self._rows = 0
@@ -129,15 +171,115 @@ class Journal:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a write on the journal thread; a SQLite or OS error becomes JournalUnavailable."""
+        """Run a write on the journal thread (with whatever other writes wait then: rule 1);
+        a SQLite or OS error becomes JournalUnavailable."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        with self._pending_lock:
+            self._pending.append(_Op(fn, args, fut, loop))
+            start, self._draining = not self._draining, True
+        if start:
+            try:
+                self._pool.submit(self._drain)
+            except RuntimeError as exc:  # closed: every write waiting now fails as this one
+                with self._pending_lock:
+                    ops, self._pending, self._draining = self._pending, [], False
+                _resolve([(op, None, exc) for op in ops])
         try:
-            return await self._run(self._counted, fn, *args)
+            return await fut
         except (sqlite3.Error, OSError) as exc:
             raise JournalUnavailable(
                 f"the request journal cannot be written: {exc}", retry_after_s=RETRY_AFTER_S
             ) from exc
 
     # -- thread side -----------------------------------------------------------------
+    def _drain(self) -> None:
+        """Run the waiting writes in order until none is left: runs of two or more lifecycle
+        writes as one group, anything else alone."""
+        ops: list[_Op] = []
+        try:
+            while True:
+                with self._pending_lock:
+                    ops, self._pending = self._pending, []
+                    if not ops:
+                        self._draining = False
+                        return
+                i = 0
+                while i < len(ops):
+                    j = i
+                    while j < len(ops) and ops[j].groupable():
+                        j += 1
+                    if j - i >= 2:
+                        self._settle(ops[i:j], self._group(ops[i:j]))
+                        i = j
+                    else:
+                        self._settle([ops[i]], [self._alone(ops[i])])
+                        i += 1
+                ops = []
+        except BaseException as exc:  # a bug: no caller may wait for ever
+            with self._pending_lock:
+                ops, self._pending, self._draining = ops + self._pending, [], False
+            self._settle(ops, [(None, exc)] * len(ops))
+            raise
+
+    def _alone(self, op: _Op) -> tuple[Any, BaseException | None]:
+        try:
+            return self._counted(op.fn, *op.args), None
+        except Exception as exc:
+            return None, exc
+
+    def _group(self, ops: list[_Op]) -> list[tuple[Any, BaseException | None]]:
+        """Several lifecycle writes in one transaction, a savepoint each (rule 1)."""
+        db = self._db_()
+        counters = (self.writes, self._rows, self.write_errors)
+        full = any(op.fn.__name__ == "_accept" for op in ops)
+        results: list[tuple[Any, BaseException | None]] = []
+        try:
+            if full:
+                db.execute("PRAGMA synchronous=FULL")  # an accept in it: durable before its first byte
+            db.execute("BEGIN IMMEDIATE")
+            self._grouped = True
+            for op in ops:
+                db.execute("SAVEPOINT op")
+                try:
+                    journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6
+                    results.append((op.fn(*op.args), None))
+                except _PruneNeeded:
+                    raise
+                except Exception as exc:
+                    db.execute("ROLLBACK TO op")
+                    if isinstance(exc, sqlite3.Error | OSError):
+                        self.write_errors += 1
+                    results.append((None, exc))
+                db.execute("RELEASE op")
+            self._grouped = False
+            db.execute("COMMIT")
+        except (_PruneNeeded, sqlite3.Error, OSError):
+            self._grouped = False
+            if db.in_transaction:
+                with suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            self.writes, self._rows, self.write_errors = counters
+            return [self._alone(op) for op in ops]  # one by one, each as rule 1 says
+        finally:
+            self._grouped = False
+            if full:
+                with suppress(sqlite3.Error):
+                    db.execute("PRAGMA synchronous=NORMAL")
+            with suppress(sqlite3.Error):
+                self._bytes_used = self._used_bytes()
+        return results
+
+    @staticmethod
+    def _settle(ops: list[_Op], results: list[tuple[Any, BaseException | None]]) -> None:
+        """Hand each caller its result, one call into each caller's loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any, BaseException | None]]] = {}
+        for op, (value, exc) in zip(ops, results, strict=True):
+            by_loop.setdefault(op.loop, []).append((op, value, exc))
+        for loop, done in by_loop.items():
+            with suppress(RuntimeError):  # a closed loop: nobody waits there any more
+                loop.call_soon_threadsafe(_resolve, done)
+
     def _counted(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6
@@ -181,8 +323,12 @@ class Journal:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE ... COMMIT; any exception (or a failed COMMIT) rolls back."""
+        """BEGIN IMMEDIATE ... COMMIT; any exception (or a failed COMMIT) rolls back. Inside
+        a group the group's transaction and the write's savepoint stand for it."""
         db = self._db_()
+        if self._grouped:
+            yield db
+            return
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
@@ -201,6 +347,8 @@ class Journal:
         (``_counted``; only this thread writes) unless it pruned."""
         if self._bytes_used + need <= self._bounds.high_water:
             return self._bytes_used
+        if self._grouped:  # a prune commits and checkpoints: not inside a group
+            raise _PruneNeeded
         try:
             self._prune(time.time(), keep, need)
         except (sqlite3.Error, OSError) as exc:
@@ -220,7 +368,8 @@ class Journal:
             )
         db = self._db_()
         now = time.time()
-        db.execute("PRAGMA synchronous=FULL")  # ACCEPTED is durable before the first byte
+        if not self._grouped:  # a group holding an accept commits with FULL itself
+            db.execute("PRAGMA synchronous=FULL")  # ACCEPTED is durable before the first byte
         try:
             with self._transaction():
                 if rec["idem_key"] is not None and (existing := self._by_key(rec["idem_key"])) is not None:
@@ -246,7 +395,8 @@ class Journal:
                     (rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value),
                 )
         finally:
-            db.execute("PRAGMA synchronous=NORMAL")
+            if not self._grouped:
+                db.execute("PRAGMA synchronous=NORMAL")
         self.writes += 1
         self._rows += 1
 
