@@ -208,3 +208,31 @@ def test_a_full_disk_fails_every_write_of_a_group(tmp_path: Path) -> None:
         assert await j.count() == 2
 
     with_journal(tmp_path, body)
+
+
+def test_a_group_counts_what_its_earlier_writes_add(tmp_path: Path) -> None:
+    """Rule 4 inside a group: each write sees the bytes the writes before it said they add,
+    so a group that together passes the high-water mark runs one by one (and prunes)."""
+
+    async def body(j: Journal) -> None:
+        big = "x" * 1000
+        j._bytes_used = j._bounds.high_water - 1500  # one fits under the mark, two do not
+
+        async def accept_big(rid: str) -> None:
+            await j.accept(rid=rid, idem_key=None, body_hash="h", kind="text", stream=False, body=big, model="m")
+
+        seen: list[int] = []
+        real = j._make_room
+
+        def spy(keep: str | None, need: int = 0) -> int:
+            seen.append(j._group_need)
+            return real(keep, need)
+
+        j._make_room = spy  # type: ignore[method-assign]
+        got = await _held(j, [accept_big("a"), accept_big("b")])
+        assert seen[:2] == [0, len(big)]  # the second write of the group counted the first
+        assert len(seen) == 4  # ... and found no room: the group ran again one by one
+        assert got == [None, None] and await j.count() == 2
+        assert j._group_need == 0 and not j._grouped
+
+    with_journal(tmp_path, body)

@@ -144,6 +144,7 @@ class Journal:
         self._pending_lock = threading.Lock()
         self._draining = False
         self._grouped = False  # the journal thread is inside a group's transaction
+        self._group_need = 0  # the bytes the group's writes so far said they add (rule 4)
         self._db: sqlite3.Connection | None = None
         self._bytes_used = 0
         self._rows = 0
@@ -262,7 +263,7 @@ class Journal:
             self.writes, self._rows, self.write_errors = counters
             return [self._alone(op) for op in ops]  # one by one, each as rule 1 says
         finally:
-            self._grouped = False
+            self._grouped, self._group_need = False, 0
             if full:
                 with suppress(sqlite3.Error):
                     db.execute("PRAGMA synchronous=NORMAL")
@@ -345,8 +346,11 @@ class Journal:
         """Prune first when ``need`` more bytes would pass the high-water mark; a failed prune
         is logged, not fatal. Returns the bytes in use then: the figure every write leaves
         (``_counted``; only this thread writes) unless it pruned."""
-        if self._bytes_used + need <= self._bounds.high_water:
-            return self._bytes_used
+        used = self._bytes_used + self._group_need  # in a group: with what its earlier writes add
+        if used + need <= self._bounds.high_water:
+            if self._grouped:
+                self._group_need += need
+            return used
         if self._grouped:  # a prune commits and checkpoints: not inside a group
             raise _PruneNeeded
         try:
