@@ -17,10 +17,12 @@ Rules:
    starts clean. A failed write raises ``JournalUnavailable`` (503); ``KeyConflict``,
    ``KeyError`` and ``IllegalTransition`` pass through unchanged. Group commit: lifecycle
    writes (accept, move, update) that wait for the journal thread together run as one
-   transaction, each in a savepoint of its own (an error rolls back that write only), and
-   every caller returns after the one COMMIT; the group commits with ``synchronous=FULL``
-   when it holds an accept. A group that would need a prune, or whose BEGIN or COMMIT
-   fails, is rolled back whole and its writes run again one by one, as above.
+   transaction (at most ``GROUP_MAX``), each in a savepoint of its own (an error rolls
+   back that write only; rule 4 measures the pages the group took so far), and every
+   caller returns after the one COMMIT; the group commits with ``synchronous=FULL`` when
+   it holds an accept. A group that would need a prune, or whose BEGIN or COMMIT fails,
+   is rolled back whole and its writes run again one by one, as above. A write whose
+   caller was cancelled before it started is not written.
 2. Retention is bounded by age (``retention_s``), by count (``max_requests`` finished
    ones) and by bytes: once the used bytes pass ``HIGH_WATER_RATIO`` of ``max_bytes``,
    the oldest finished requests go until ``LOW_WATER_RATIO``. Unfinished ones never do.
@@ -109,6 +111,7 @@ class _Op:
 
 
 GROUPABLE = frozenset({"_accept", "_move", "_update"})  # lifecycle writes: never a prune or a script
+GROUP_MAX = 64  # writes one drain pass takes: bounds a group's transaction, WAL growth and wait
 
 
 def _resolve(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
@@ -144,7 +147,6 @@ class Journal:
         self._pending_lock = threading.Lock()
         self._draining = False
         self._grouped = False  # the journal thread is inside a group's transaction
-        self._group_need = 0  # the bytes the group's writes so far said they add (rule 4)
         self._db: sqlite3.Connection | None = None
         self._bytes_used = 0
         self._rows = 0
@@ -185,7 +187,7 @@ class Journal:
             except RuntimeError as exc:  # closed: every write waiting now fails as this one
                 with self._pending_lock:
                     ops, self._pending, self._draining = self._pending, [], False
-                _resolve([(op, None, exc) for op in ops])
+                self._settle(ops, [(None, exc)] * len(ops))
         try:
             return await fut
         except (sqlite3.Error, OSError) as exc:
@@ -195,33 +197,39 @@ class Journal:
 
     # -- thread side -----------------------------------------------------------------
     def _drain(self) -> None:
-        """Run the waiting writes in order until none is left: runs of two or more lifecycle
-        writes as one group, anything else alone."""
+        """Run up to ``GROUP_MAX`` waiting writes in order: runs of two or more lifecycle
+        writes as one group, anything else alone. Then, when more wait, queue another pass
+        behind whatever the pool holds (a read waits for one pass at most)."""
         ops: list[_Op] = []
         try:
-            while True:
-                with self._pending_lock:
-                    ops, self._pending = self._pending, []
-                    if not ops:
-                        self._draining = False
-                        return
-                i = 0
-                while i < len(ops):
-                    j = i
-                    while j < len(ops) and ops[j].groupable():
-                        j += 1
-                    if j - i >= 2:
-                        self._settle(ops[i:j], self._group(ops[i:j]))
-                        i = j
-                    else:
-                        self._settle([ops[i]], [self._alone(ops[i])])
-                        i += 1
-                ops = []
-        except BaseException as exc:  # a bug: no caller may wait for ever
+            with self._pending_lock:
+                ops, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
+            # A caller cancelled before its write started: nothing is written (as a job
+            # run_in_executor had not started yet).
+            ops = [op for op in ops if not op.future.cancelled()]
+            i = 0
+            while i < len(ops):
+                j = i
+                while j < len(ops) and ops[j].groupable():
+                    j += 1
+                if j - i >= 2:
+                    self._settle(ops[i:j], self._group(ops[i:j]))
+                    i = j
+                else:
+                    self._settle([ops[i]], [self._alone(ops[i])])
+                    i += 1
+            ops = []
+            with self._pending_lock:
+                if not self._pending:
+                    self._draining = False
+                    return
+            self._pool.submit(self._drain)
+        except BaseException as exc:  # a bug, or the pool closed: no caller may wait for ever
             with self._pending_lock:
                 ops, self._pending, self._draining = ops + self._pending, [], False
             self._settle(ops, [(None, exc)] * len(ops))
-            raise
+            if not isinstance(exc, RuntimeError):
+                raise
 
     def _alone(self, op: _Op) -> tuple[Any, BaseException | None]:
         try:
@@ -263,7 +271,7 @@ class Journal:
             self.writes, self._rows, self.write_errors = counters
             return [self._alone(op) for op in ops]  # one by one, each as rule 1 says
         finally:
-            self._grouped, self._group_need = False, 0
+            self._grouped = False
             if full:
                 with suppress(sqlite3.Error):
                     db.execute("PRAGMA synchronous=NORMAL")
@@ -346,10 +354,10 @@ class Journal:
         """Prune first when ``need`` more bytes would pass the high-water mark; a failed prune
         is logged, not fatal. Returns the bytes in use then: the figure every write leaves
         (``_counted``; only this thread writes) unless it pruned."""
-        used = self._bytes_used + self._group_need  # in a group: with what its earlier writes add
+        # In a group the pages its earlier writes took count too (measured: what a write
+        # declares leaves out its row, index and transition overhead).
+        used = self._used_bytes() if self._grouped else self._bytes_used
         if used + need <= self._bounds.high_water:
-            if self._grouped:
-                self._group_need += need
             return used
         if self._grouped:  # a prune commits and checkpoints: not inside a group
             raise _PruneNeeded
