@@ -297,7 +297,7 @@ class Scheduler:
                 lane.queue.remove(job)
         if self.gpu is not None and self.ledger is not None and self.policy is not None:
             # The lanes as they are, seen once for every job the pass delays (a job that is
-            # not delayed changes them); the pass starts and ends with no view kept.
+            # not delayed changes them); each pass, and the late-binding loop after it, reads afresh.
             self._view = None
             for job in list(self.gpu.queue):
                 self._decide_gpu(job, now)
