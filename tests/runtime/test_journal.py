@@ -176,19 +176,70 @@ def test_a_failing_write_in_a_group_fails_alone(tmp_path: Path) -> None:
     with_journal(tmp_path, body)
 
 
+def test_accept_can_queue_in_the_same_write(tmp_path: Path) -> None:
+    """``accept(queued=...)`` records ACCEPTED and QUEUED in one write: both rows of history."""
+
+    async def body(j: Journal) -> None:
+        await j.accept(
+            rid="r", idem_key="k", body_hash="h", kind="text", stream=True, body="{}", model="m",
+            queued={"route": "gpu", "attempts": 1},
+        )  # fmt: skip
+        rec = await j.get("r")
+        assert rec is not None and (rec.state, rec.route, rec.attempts) == (State.QUEUED, "gpu", 1)
+        assert [(h["from"], h["to"]) for h in await j.history("r")] == [
+            ("received", "accepted"),
+            ("accepted", "queued"),
+        ]
+        assert j.statistics().writes == 1
+        await j.move("r", State.ADMITTED, route="gpu", attempts=1)
+        with pytest.raises(IllegalTransition):
+            await j.move("r", State.ACCEPTED)
+
+    with_journal(tmp_path, body)
+
+
+def test_a_write_that_fails_after_writing_reruns_its_group_one_by_one(tmp_path: Path) -> None:
+    """A write that fails inside a group once it has written (here an UPDATE of a column that
+    does not exist) rolls the whole group back; its writes run one by one: only it fails, and
+    the states the group wrote are read again from the database afterwards."""
+
+    async def body(j: Journal) -> None:
+        await accept(j, "a")
+        got = await _held(
+            j, [j.move("a", State.QUEUED, attempts=1), j.update("a", no_such_column=1), j.move("a", State.ADMITTED)]
+        )
+        assert got[0] is None and isinstance(got[1], JournalUnavailable) and got[2] is None
+        assert [h["to"] for h in await j.history("a")] == ["accepted", "queued", "admitted"]
+        await j.move("a", State.RUNNING)
+        with pytest.raises(IllegalTransition):
+            await j.move("a", State.ADMITTED)
+        assert j.statistics().write_errors == 1
+
+    with_journal(tmp_path, body)
+
+
 def test_a_group_that_must_prune_runs_one_by_one(tmp_path: Path) -> None:
     """When a write of a group would pass the high-water mark (a prune commits on its own),
     the group is rolled back and its writes run one by one: same rows, same counters."""
 
     async def body(j: Journal) -> None:
         await accept(j, "r0")
-        j._bytes_used = j._bounds.high_water  # the figure the last write left: at the mark
+        real = j._used_bytes
+        measured: list[int] = []
+
+        def at_the_mark_once() -> int:  # the group's first measurement finds the journal at the mark
+            measured.append(real() if measured else j._bounds.high_water)
+            return measured[-1]
+
+        j._bytes_bound = j._bounds.high_water  # the bound at the mark: the first write measures
+        j._used_bytes = at_the_mark_once  # type: ignore[method-assign]
         got = await _held(j, [accept(j, "r1"), j.move("r0", State.QUEUED), accept(j, "r2")])
         assert got == [None, None, None]
         assert await j.count() == 3 and (await j.get("r0")).state is State.QUEUED  # type: ignore[union-attr]
         stats = j.statistics()
         assert (stats.rows, stats.writes, stats.write_errors) == (3, 4, 0)
         assert stats.bytes_used < j._bounds.high_water  # measured again after the writes
+        assert measured[0] == j._bounds.high_water and len(measured) >= 2
 
     with_journal(tmp_path, body)
 

@@ -68,6 +68,29 @@ def test_two_processes_share_one_ledger_and_the_second_fails_at_capacity(tmp_pat
     wait_used(dev, 0)
 
 
+def test_every_write_moves_the_change_counter_and_a_reading_does_not(tmp_path: Path) -> None:
+    """The mapped change counter moves with each write, from another process too (a tenant),
+    and not with a reading; the gateway's device reading is the same object while it stays."""
+    from spillover.runtime.devices import GpuDevice
+
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    seen = dev.change_count()
+    assert dev.allocate("a", MIB, "t") and dev.change_count() == seen + 1
+    dev.snapshot()
+    assert dev.change_count() == seen + 1
+    gpu = GpuDevice("sim", 100, str(tmp_path))
+    first = gpu.read()
+    assert gpu.read() is first and first.used_bytes == MIB
+    a = tenant(tmp_path, 30, "a")
+    try:
+        wait_used(dev, 31 * MIB)
+        assert dev.change_count() > seen + 1
+        assert gpu.read().used_bytes == 31 * MIB  # the counter moved: read in full
+    finally:
+        end(a)
+
+
 def test_dead_process_memory_is_released(tmp_path: Path) -> None:
     """A SIGKILLed holder's allocation disappears, as a driver frees a dead process's memory."""
     dev = SimDevice(tmp_path)

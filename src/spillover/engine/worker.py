@@ -55,7 +55,7 @@ from typing import IO, Any
 
 from spillover.engine.llama_engine import READINESS_MODES
 
-SIM_WATCH_S = 0.05  # how often the sim device's marker is looked at (a reset or hang is seen within this)
+SIM_WATCH_S = 0.05  # how often the sim device's change counter is looked at (a reset or hang is seen within this)
 
 __all__ = ["main"]
 
@@ -188,16 +188,13 @@ class DeviceWorker(abc.ABC):
     # -- sim device watcher ---------------------------------------------------------
     def watch_device(self) -> None:
         assert self.sim is not None
-        seen: tuple[int, int] | None = None
-        last_full = 0.0
+        seen = -1
         while True:
             time.sleep(SIM_WATCH_S)
-            version = self.sim.version()
-            now = time.monotonic()
-            if version == seen and now - last_full < 0.5:
-                continue  # a stat() per tick; a full read at least every 0.5 s, since the
-                # (inode, mtime) marker can miss writes within one coarse clock tick
-            seen, last_full = version, now
+            count = self.sim.change_count()  # a read of mapped memory per tick
+            if count == seen:
+                continue  # unchanged ledger: the reset, hang and fault flags are as they were
+            seen = count
             snap = self.sim.snapshot()
             if snap.epoch != self.sim_epoch:
                 self.chan.send({"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"})

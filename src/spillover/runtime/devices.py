@@ -6,12 +6,15 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from spillover.engine.sim import MIB, SimDevice
 
-__all__ = ["DeviceReading", "GpuDevice", "cuda_available", "processes_rss", "tree_rss"]
+__all__ = ["DeviceReading", "GpuDevice", "cuda_available", "host_available_bytes", "processes_rss", "tree_rss"]
 
+
+SIM_FULL_READ_S = 1.0  # a sim reading with an unchanged change counter is read in full at least this often
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -33,6 +36,20 @@ def processes_rss(pids: list[int]) -> int:
         with contextlib.suppress(psutil.Error):
             total += int(psutil.Process(pid).memory_info().rss)
     return total
+
+
+def host_available_bytes() -> int:
+    """Memory the machine can still give without swapping (``MemAvailable``). On Linux the
+    one line of ``/proc/meminfo`` (psutil parses the whole file and more: the host guard
+    reads this several times a second), else psutil."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def tree_rss(pid: int) -> int:
@@ -80,6 +97,7 @@ class GpuDevice:
         self.sim: SimDevice | None = None
         self.index = 0
         self._nvml_handle: object | None = None
+        self._sim_last: tuple[int, float, DeviceReading] | None = None  # (change count, when, reading)
         if kind == "sim":
             self.sim = SimDevice(state_dir, "sim0")
             self.spec = f"sim:{index_or_mib}"
@@ -104,13 +122,19 @@ class GpuDevice:
         self.initial_capacity_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle).total)
 
     def read(self) -> DeviceReading:
-        """A blocking reading; call it in a thread."""
+        """A blocking reading (NVML: call it in a thread). Sim: a full, locked reading when the
+        ledger's change counter moved since the last one, or that one is ``SIM_FULL_READ_S``
+        old (a full reading also reaps the allocations of processes that died); else the
+        last reading, which the unchanged counter proves is still the ledger's content."""
         if self.sim is not None:
-            # Always a full, locked read: a (inode, mtime) change marker can miss writes that
-            # land in the same coarse kernel-clock tick, and admission must never see an
-            # old reading as fresh.
+            seq, now = self.sim.change_count(), time.monotonic()  # the counter before the reading
+            last = self._sim_last
+            if last is not None and last[0] == seq and now - last[1] < SIM_FULL_READ_S:
+                return last[2]
             snap = self.sim.snapshot()
-            return DeviceReading(snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang)
+            r = DeviceReading(snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang)
+            self._sim_last = (seq, now, r)
+            return r
         import pynvml
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)

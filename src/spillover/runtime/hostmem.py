@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spillover.core.hostguard import HostView
-from spillover.runtime.devices import processes_rss
+from spillover.runtime.devices import host_available_bytes, processes_rss
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
@@ -160,10 +160,8 @@ class HostMemory:
         """Host memory ``lane``'s replica may hold while idle: the budget less everything else
         (the larger of the observed and the predicted use, less the replica's own holding), and
         no more than the machine has available beside what the replica holds already."""
-        import psutil
-
         if available_bytes is None:
-            available_bytes = int(psutil.virtual_memory().available)
+            available_bytes = host_available_bytes()
         w = lane.worker()
         own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
         used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
@@ -173,11 +171,9 @@ class HostMemory:
 
     async def tick_readiness(self) -> None:
         """Let each replica's readiness pick for its room; ask the worker to move when it must."""
-        import psutil
-
         if not any(lane.readiness is not None for lane in self.lanes):
             return
-        available = int(psutil.virtual_memory().available)  # one reading for every lane of this tick
+        available = host_available_bytes()  # one reading for every lane of this tick
         for lane in self.lanes:
             w = lane.worker()
             if lane.readiness is None or w is None:
@@ -201,8 +197,6 @@ class HostMemory:
 
     def _view(self, lane: CpuLaneHost, running: int) -> HostView:
         """What the host guard is shown for a dispatch on ``lane`` with ``running`` requests running."""
-        import psutil
-
         cpu = lane.worker()
         assert cpu is not None, "no CPU worker"
         base = self.base_bytes or self.observed_bytes
@@ -215,6 +209,6 @@ class HostMemory:
             observed_bytes=self.observed_bytes,
             slot_bytes=lane.context_bytes + (0 if loaded else lane.weights_bytes),
             budget_bytes=self.budget_bytes,
-            available_bytes=int(psutil.virtual_memory().available),
+            available_bytes=host_available_bytes(),
             min_free_bytes=self.min_free_bytes,
         )

@@ -17,12 +17,13 @@ Rules:
    starts clean. A failed write raises ``JournalUnavailable`` (503); ``KeyConflict``,
    ``KeyError`` and ``IllegalTransition`` pass through unchanged. Group commit: lifecycle
    writes (accept, move, update) that wait for the journal thread together run as one
-   transaction (at most ``GROUP_MAX``), each in a savepoint of its own (an error rolls
-   back that write only; rule 4 measures the pages the group took so far), and every
-   caller returns after the one COMMIT; the group commits with ``synchronous=FULL`` when
-   it holds an accept. A group that would need a prune, or whose BEGIN or COMMIT fails,
-   is rolled back whole and its writes run again one by one, as above. A write whose
-   caller was cancelled before it started is not written.
+   transaction (at most ``GROUP_MAX``), and every caller returns after the one COMMIT; the
+   group commits with ``synchronous=FULL`` when it holds an accept. A write that refuses
+   (a key conflict, an illegal move) does so before it writes, so it leaves the group's
+   other writes standing. A group that would need a prune, in which a write fails after
+   writing, or whose BEGIN or COMMIT fails, is rolled back whole and its writes run again
+   one by one, as above. A write whose caller was cancelled before it started is not
+   written.
 2. Retention is bounded by age (``retention_s``), by count (``max_requests`` finished
    ones) and by bytes: once the used bytes pass ``HIGH_WATER_RATIO`` of ``max_bytes``,
    the oldest finished requests go until ``LOW_WATER_RATIO``. Unfinished ones never do.
@@ -33,7 +34,9 @@ Rules:
    until the next checkpoint. ``prune`` gives free pages back (``auto_vacuum=INCREMENTAL``)
    and empties the WAL, so after it the files together are within ``max_bytes``.
 4. ``accept`` and ``move`` make room first when what they write would pass the high-water
-   mark. ``accept`` refuses while the journal stays above it (full of unfinished requests),
+   mark. The check runs on an upper bound of the bytes in use (each write adds more than it
+   can take); only a bound that would pass the mark is measured, and pruning follows when
+   the measurement passes it too. ``accept`` refuses while the journal stays above it (full of unfinished requests),
    and refuses a body larger than the headroom above it: a move rewrites its row, and the
    headroom must hold one rewrite, so requests already accepted can always finish.
 5. The files hold every prompt and answer: they are created, and kept, mode 0600.
@@ -93,8 +96,9 @@ RETRY_AFTER_S = 2.0  # what a client is told after a failed journal write
 FILE_MODE = 0o600
 
 
-class _PruneNeeded(Exception):
-    """A write in a group would have to prune first (rule 4): the group runs one by one."""
+class _RunAlone(Exception):
+    """A write in a group would have to prune first (rule 4), or failed after it wrote: the
+    group is rolled back and runs one by one."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class _Op:
 
 GROUPABLE = frozenset({"_accept", "_move", "_update"})  # lifecycle writes: never a prune or a script
 GROUP_MAX = 64  # writes one drain pass takes: bounds a group's transaction, WAL growth and wait
+GROWTH_PAGES = 16  # pages a write may take beyond twice what it declares (rule 4's upper bound)
+STATES_KEPT = 100_000  # unfinished requests whose state the journal thread remembers
+REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound grew this share of max_bytes
 
 
 def _resolve(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
@@ -137,7 +144,7 @@ class Journal:
     ) -> None:
         self._bounds = SizeBounds(max_bytes)  # raises ValueError below MIN_MAX_BYTES
         self.path = path
-        self._disk_full_marker = disk_full_marker(path)
+        self._disk_full_marker = str(disk_full_marker(path))
         self.retention_s = retention_s
         self.max_requests = max_requests
         self.max_bytes = max_bytes
@@ -147,8 +154,11 @@ class Journal:
         self._pending_lock = threading.Lock()
         self._draining = False
         self._grouped = False  # the journal thread is inside a group's transaction
+        self._sync_full = False  # PRAGMA synchronous is FULL (else NORMAL, the connection's default here)
         self._db: sqlite3.Connection | None = None
-        self._bytes_used = 0
+        self._bytes_used = 0  # measured (pages in use), as of the last ``_measure``
+        self._bytes_bound = 0  # an upper bound of the bytes in use now (rule 4)
+        self._states: dict[str, State] = {}  # unfinished requests' states as last written (``_known``)
         self._rows = 0
         self.writes = 0
         self.write_errors = 0
@@ -233,38 +243,39 @@ class Journal:
 
     def _alone(self, op: _Op) -> tuple[Any, BaseException | None]:
         try:
+            self._synchronous(full=op.fn.__name__ == "_accept")
             return self._counted(op.fn, *op.args), None
         except Exception as exc:
             return None, exc
 
     def _group(self, ops: list[_Op]) -> list[tuple[Any, BaseException | None]]:
-        """Several lifecycle writes in one transaction, a savepoint each (rule 1)."""
+        """Several lifecycle writes in one transaction (rule 1). A write that refuses (a key
+        conflict, an illegal move) does so before it writes anything, so there is nothing to
+        undo: no savepoint per write. One that wrote and then failed, or any SQLite or OS
+        error, rolls the whole group back and it runs one by one."""
         db = self._db_()
         counters = (self.writes, self._rows, self.write_errors)
-        full = any(op.fn.__name__ == "_accept" for op in ops)
         results: list[tuple[Any, BaseException | None]] = []
         try:
-            if full:
-                db.execute("PRAGMA synchronous=FULL")  # an accept in it: durable before its first byte
+            journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6: the writes then fail one by one
+            self._synchronous(full=any(op.fn.__name__ == "_accept" for op in ops))  # durable before its first byte
             db.execute("BEGIN IMMEDIATE")
             self._grouped = True
             for op in ops:
-                db.execute("SAVEPOINT op")
+                changes = db.total_changes
                 try:
-                    journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6
                     results.append((op.fn(*op.args), None))
-                except _PruneNeeded:
+                except (_RunAlone, sqlite3.Error, OSError):
                     raise
                 except Exception as exc:
-                    db.execute("ROLLBACK TO op")
-                    if isinstance(exc, sqlite3.Error | OSError):
-                        self.write_errors += 1
+                    if db.total_changes != changes:  # it wrote before it failed: undo all, one by one
+                        raise _RunAlone from exc
                     results.append((None, exc))
-                db.execute("RELEASE op")
             self._grouped = False
             db.execute("COMMIT")
-        except (_PruneNeeded, sqlite3.Error, OSError):
+        except (_RunAlone, sqlite3.Error, OSError):
             self._grouped = False
+            self._states.clear()  # the group's states are rolled back
             if db.in_transaction:
                 with suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
@@ -272,12 +283,14 @@ class Journal:
             return [self._alone(op) for op in ops]  # one by one, each as rule 1 says
         finally:
             self._grouped = False
-            if full:
-                with suppress(sqlite3.Error):
-                    db.execute("PRAGMA synchronous=NORMAL")
-            with suppress(sqlite3.Error):
-                self._bytes_used = self._used_bytes()
+            self._measure_if_due()
         return results
+
+    def _synchronous(self, *, full: bool) -> None:
+        """``synchronous=FULL`` (an accept commits) or NORMAL, set only when it changes."""
+        if full != self._sync_full:
+            self._db_().execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+            self._sync_full = full
 
     @staticmethod
     def _settle(ops: list[_Op], results: list[tuple[Any, BaseException | None]]) -> None:
@@ -297,8 +310,7 @@ class Journal:
             self.write_errors += 1
             raise
         finally:
-            with suppress(sqlite3.Error):  # else the next write refreshes it
-                self._bytes_used = self._used_bytes()
+            self._measure_if_due()
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +322,7 @@ class Journal:
             self._db = db
             db.executescript(SCHEMA)
             self._rows = self._count()
-            self._bytes_used = self._used_bytes()
+            self._measure()
         except BaseException:
             self._db = None
             db.close()
@@ -330,6 +342,31 @@ class Journal:
     def _used_bytes(self) -> int:
         return journal_bounds.used_bytes(self._db_(), self._bounds.page_size)
 
+    def _known(self, rid: str, state: State) -> None:
+        """Remember the state just written for ``rid`` (its next move need not read it back);
+        a finished request is forgotten. Cleared whenever a transaction rolls back."""
+        if state in TERMINAL:
+            self._states.pop(rid, None)
+        elif len(self._states) < STATES_KEPT:
+            self._states[rid] = state
+
+    def _measure(self) -> int:
+        """The bytes in use, measured (two PRAGMAs); the bound starts again from them."""
+        self._bytes_used = self._bytes_bound = self._used_bytes()
+        return self._bytes_used
+
+    def _measure_if_due(self) -> None:
+        """After a write: measure again once the bound has grown ``REMEASURE_RATIO`` of
+        ``max_bytes`` past the last measurement (``statistics`` stays that close)."""
+        if self._bytes_bound - self._bytes_used > REMEASURE_RATIO * self.max_bytes:
+            with suppress(sqlite3.Error):  # else a later write does
+                self._measure()
+
+    def _grow(self, need: int) -> None:
+        """A write declaring ``need`` bytes is under way: raise the upper bound by more than
+        it can take (its row's overflow pages, page splits of the tables and indexes)."""
+        self._bytes_bound += 2 * need + GROWTH_PAGES * self._bounds.page_size
+
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """BEGIN IMMEDIATE ... COMMIT; any exception (or a failed COMMIT) rolls back. Inside
@@ -343,6 +380,7 @@ class Journal:
             yield db
             db.execute("COMMIT")
         except BaseException:
+            self._states.clear()  # what it wrote may be rolled back: read states afresh
             if db.in_transaction:  # SQLite may have rolled back already (SQLITE_FULL, IOERR)
                 try:
                     db.execute("ROLLBACK")
@@ -352,21 +390,22 @@ class Journal:
 
     def _make_room(self, keep: str | None, need: int = 0) -> int:
         """Prune first when ``need`` more bytes would pass the high-water mark; a failed prune
-        is logged, not fatal. Returns the bytes in use then: the figure every write leaves
-        (``_counted``; only this thread writes) unless it pruned."""
-        # In a group the pages its earlier writes took count too (measured: what a write
-        # declares leaves out its row, index and transition overhead).
-        used = self._used_bytes() if self._grouped else self._bytes_used
-        if used + need <= self._bounds.high_water:
-            return used
-        if self._grouped:  # a prune commits and checkpoints: not inside a group
-            raise _PruneNeeded
-        try:
-            self._prune(time.time(), keep, need)
-        except (sqlite3.Error, OSError) as exc:
-            self.write_errors += 1
-            log.warning("journal: pruning to make room failed: %s", exc)
-        return self._used_bytes()
+        is logged, not fatal. Returns the bytes in use then. The check is first made on the
+        upper bound (``_grow``), which costs nothing; only a bound that would pass the mark is
+        measured (in a group that counts the pages its earlier writes took)."""
+        if self._bytes_bound + need <= self._bounds.high_water:
+            used = self._bytes_bound
+        elif (used := self._measure()) + need > self._bounds.high_water:
+            if self._grouped:  # a prune commits and checkpoints: not inside a group
+                raise _RunAlone
+            try:
+                self._prune(time.time(), keep, need)
+            except (sqlite3.Error, OSError) as exc:
+                self.write_errors += 1
+                log.warning("journal: pruning to make room failed: %s", exc)
+            used = self._measure()
+        self._grow(need)
+        return used
 
     def _accept(self, rec: dict[str, Any]) -> None:
         if (need := len(rec["body"].encode())) > self._bounds.headroom:  # its moves could not rewrite it
@@ -380,35 +419,40 @@ class Journal:
             )
         db = self._db_()
         now = time.time()
+        queued = rec["queued"]
+        state = State.QUEUED if queued is not None else State.ACCEPTED
         if not self._grouped:  # a group holding an accept commits with FULL itself
-            db.execute("PRAGMA synchronous=FULL")  # ACCEPTED is durable before the first byte
-        try:
-            with self._transaction():
-                if rec["idem_key"] is not None and (existing := self._by_key(rec["idem_key"])) is not None:
-                    raise KeyConflict(existing)
-                db.execute(
-                    "INSERT INTO requests (id, idem_key, body_hash, kind, stream, body, model, state, attempts,"
-                    " created_s, updated_s) VALUES (?,?,?,?,?,?,?,?,0,?,?)",
-                    (
-                        rec["id"],
-                        rec["idem_key"],
-                        rec["body_hash"],
-                        rec["kind"],
-                        int(rec["stream"]),
-                        rec["body"],
-                        rec["model"],
-                        State.ACCEPTED.value,
-                        now,
-                        now,
-                    ),
-                )
-                db.execute(
-                    "INSERT INTO transitions (rid, t_s, from_state, to_state, attempt) VALUES (?,?,?,?,0)",
-                    (rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value),
-                )
-        finally:
-            if not self._grouped:
-                db.execute("PRAGMA synchronous=NORMAL")
+            self._synchronous(full=True)  # ACCEPTED is durable before the first byte
+        with self._transaction():
+            if rec["idem_key"] is not None and (existing := self._by_key(rec["idem_key"])) is not None:
+                raise KeyConflict(existing)
+            db.execute(
+                "INSERT INTO requests (id, idem_key, body_hash, kind, stream, body, model, state, attempts,"
+                " route, created_s, updated_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    rec["id"],
+                    rec["idem_key"],
+                    rec["body_hash"],
+                    rec["kind"],
+                    int(rec["stream"]),
+                    rec["body"],
+                    rec["model"],
+                    state.value,
+                    queued["attempts"] if queued is not None else 0,
+                    queued.get("route") if queued is not None else None,
+                    now,
+                    now,
+                ),
+            )
+            moves = [(rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value, None, 0)]
+            if queued is not None:
+                advance(State.ACCEPTED, State.QUEUED)
+                route, attempts = queued.get("route"), queued["attempts"]
+                moves.append((rec["id"], now, State.ACCEPTED.value, state.value, route, attempts))
+            db.executemany(
+                "INSERT INTO transitions (rid, t_s, from_state, to_state, route, attempt) VALUES (?,?,?,?,?,?)", moves
+            )
+            self._known(rec["id"], state)
         self.writes += 1
         self._rows += 1
 
@@ -416,10 +460,11 @@ class Journal:
         self._make_room(keep=rid, need=sum(len(v) for v in fields.values() if isinstance(v, str | bytes)))
         now = time.time()
         with self._transaction() as db:
-            row = db.execute("SELECT state FROM requests WHERE id=?", (rid,)).fetchone()
-            if row is None:
-                raise KeyError(rid)
-            current = State(row[0])
+            if (current := self._states.get(rid)) is None:
+                row = db.execute("SELECT state FROM requests WHERE id=?", (rid,)).fetchone()
+                if row is None:
+                    raise KeyError(rid)
+                current = State(row[0])
             advance(current, target)  # raises IllegalTransition, nothing written
             sets = {"state": target.value, "updated_s": now, **fields}
             sets["finished_s"] = now if target in TERMINAL else None
@@ -438,15 +483,18 @@ class Journal:
                     fields.get("reason"),
                 ),
             )
+            self._known(rid, target)
         self.writes += 1
 
     def _update(self, rid: str, fields: dict[str, Any]) -> None:
+        self._grow(0)
         cols = ", ".join(f"{k}=?" for k in fields)
         with self._transaction() as db:
             db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
         self.writes += 1
 
     def _service_event(self, t_s: float, service: str, event: str, reason: str) -> None:
+        self._grow(0)
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO service_events (t_s, service, event, reason) VALUES (?, ?, ?, ?)",
@@ -529,10 +577,14 @@ class Journal:
         stream: bool,
         body: str,
         model: str,
+        queued: dict[str, Any] | None = None,
     ) -> None:
         """Durably record a new request as ACCEPTED; raises KeyConflict for a used key and
-        JournalUnavailable when it cannot be written (nothing is then recorded)."""
+        JournalUnavailable when it cannot be written (nothing is then recorded). With
+        ``queued`` (``attempts``, and ``route`` when known) it is moved on to QUEUED in the
+        same transaction: both transitions, one write."""
         rec = {
+            "queued": queued,
             "id": rid,
             "idem_key": idem_key,
             "body_hash": body_hash,

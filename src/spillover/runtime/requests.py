@@ -181,7 +181,7 @@ class RequestService:
                     held = (req, rid)
                     run = UnaryRun(self.gw, ep, rid, req, attempt=rec.attempts if rec is not None else 0)
                     if self.gw.journal is not None and rec is None:
-                        try:
+                        try:  # ACCEPTED and QUEUED in one durable write
                             await self.gw.journal.accept(
                                 rid=rid,
                                 idem_key=idem_key,
@@ -190,10 +190,13 @@ class RequestService:
                                 stream=False,
                                 body=dumps({"endpoint": ep.name, "body": stored}),
                                 model=str(req.model),
+                                queued={"attempts": run.attempt + 1},
                             )
                         except KeyConflict as exc:
                             raise _in_flight(exc.existing.id) from exc
-                    failed = await self._queue_unary(run)  # live from here: a retry with its key gets 409
+                        self.live[rid] = run  # live from here: a retry with its key gets 409
+                    else:
+                        failed = await self._queue_unary(run)
             except SpilloverError as exc:
                 raise Refused(exc, rid) from exc
             if failed is None and run.streaming:
@@ -218,8 +221,8 @@ class RequestService:
                 ep.release_place(*held)  # its job took the place, or it ended before
 
     async def _queue_unary(self, run: UnaryRun) -> SpilloverError | None:
-        """Make an accepted (or resumed) unary request live and QUEUED; the error that ends it
-        at once when the QUEUED move cannot be journaled (it must not stay ACCEPTED)."""
+        """Make a resumed unary request live and QUEUED; the error that ends it at once when
+        the QUEUED move cannot be journaled (it must not stay where it was)."""
         self.live[run.rid] = run
         if self.gw.journal is not None:
             try:
@@ -265,7 +268,9 @@ class RequestService:
         exe.check_queue_nowait()  # rule 3: a full queue answers at once, nothing journaled
         run = Run(gw, prep, exe, self._unregister_when_done(prep.rid, exe.events()))
         run.encoding = ep.encoding(run)
+        queued = {"route": chat.scheduler.entry_lane(exe.next_lane), "attempts": exe.attempt + 1}
         if gw.journal is not None and resume_attempts is None:
+            # ACCEPTED and QUEUED in one durable write
             await gw.journal.accept(
                 rid=prep.rid,
                 idem_key=idem_key,
@@ -274,12 +279,12 @@ class RequestService:
                 stream=prep.req.stream,
                 body=body_json,
                 model=prep.req.model,
+                queued=queued,
             )
         self.live[prep.rid] = run  # visible to DELETE as soon as it is accepted
         try:
-            if gw.journal is not None:
-                lane = chat.scheduler.entry_lane(exe.next_lane)
-                await gw.journal.move(prep.rid, State.QUEUED, route=lane, attempts=exe.attempt + 1)
+            if gw.journal is not None and resume_attempts is not None:
+                await gw.journal.move(prep.rid, State.QUEUED, **queued)
             exe.submit_nowait()
         except BaseException as exc:
             self.live.pop(prep.rid, None)  # its events never started: their ``finally`` will not run
