@@ -218,6 +218,33 @@ def test_a_write_that_fails_after_writing_reruns_its_group_one_by_one(tmp_path: 
     with_journal(tmp_path, body)
 
 
+def test_the_remembered_states_never_lie_when_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the journal thread remembers ``STATES_KEPT`` states, a request it remembers still
+    has its state kept current, and one it cannot remember is read from the database; a
+    prune is measured at once (``statistics``)."""
+    from spillover.runtime import journal as journal_module
+
+    monkeypatch.setattr(journal_module, "STATES_KEPT", 1)
+
+    async def body(j: Journal) -> None:
+        await accept(j, "a")
+        await accept(j, "b")
+        await j.move("a", State.QUEUED)
+        await j.move("b", State.QUEUED)
+        await j.move("a", State.ADMITTED)
+        await j.move("b", State.ADMITTED)
+        with pytest.raises(IllegalTransition):
+            await j.move("a", State.ACCEPTED)
+        for rid in ("a", "b"):
+            await j.move(rid, State.RUNNING)
+            await j.move(rid, State.COMPLETED, response=b"x" * 20_000)
+        await j.prune(time.time() + 10**9)
+        assert await j.count() == 0
+        assert j.statistics().bytes_used == j._used_bytes()
+
+    with_journal(tmp_path, body)
+
+
 def test_a_group_that_must_prune_runs_one_by_one(tmp_path: Path) -> None:
     """When a write of a group would pass the high-water mark (a prune commits on its own),
     the group is rolled back and its writes run one by one: same rows, same counters."""

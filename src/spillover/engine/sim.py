@@ -150,12 +150,12 @@ class SimDevice:
             }
 
     def _write(self, state: dict[str, Any]) -> None:
+        seq = self._seq_map()  # mapped first: a write that cannot count itself does not happen
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(state, fh)
         os.replace(tmp, self.path)
-        seq = self._seq_map()  # under the lock, once the new state is in place
-        struct.pack_into("<Q", seq, 0, struct.unpack_from("<Q", seq, 0)[0] + 1)
+        struct.pack_into("<Q", seq, 0, struct.unpack_from("<Q", seq, 0)[0] + 1)  # under the lock, once in place
 
     def _seq_map(self) -> mmap.mmap:
         """The change counter's file, mapped (made on first use, kept for the process)."""

@@ -55,6 +55,7 @@ from typing import IO, Any
 
 from spillover.engine.llama_engine import READINESS_MODES
 
+SIM_FULL_READ_S = 1.0  # the sim ledger is read in full at least this often
 SIM_WATCH_S = 0.05  # how often the sim device's change counter is looked at (a reset or hang is seen within this)
 
 __all__ = ["main"]
@@ -188,13 +189,14 @@ class DeviceWorker(abc.ABC):
     # -- sim device watcher ---------------------------------------------------------
     def watch_device(self) -> None:
         assert self.sim is not None
-        seen = -1
+        seen, last_full = -1, 0.0
         while True:
             time.sleep(SIM_WATCH_S)
-            count = self.sim.change_count()  # a read of mapped memory per tick
-            if count == seen:
+            count, now = self.sim.change_count(), time.monotonic()  # a read of mapped memory per tick
+            if count == seen and now - last_full < SIM_FULL_READ_S:
                 continue  # unchanged ledger: the reset, hang and fault flags are as they were
-            seen = count
+            seen, last_full = count, now  # (read in full every second all the same: a counter
+            # file removed and made again by hand would no longer be the one mapped here)
             snap = self.sim.snapshot()
             if snap.epoch != self.sim_epoch:
                 self.chan.send({"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"})

@@ -345,9 +345,9 @@ class Journal:
     def _known(self, rid: str, state: State) -> None:
         """Remember the state just written for ``rid`` (its next move need not read it back);
         a finished request is forgotten. Cleared whenever a transaction rolls back."""
-        if state in TERMINAL:
+        if state in TERMINAL or (rid not in self._states and len(self._states) >= STATES_KEPT):
             self._states.pop(rid, None)
-        elif len(self._states) < STATES_KEPT:
+        else:
             self._states[rid] = state
 
     def _measure(self) -> int:
@@ -370,17 +370,19 @@ class Journal:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """BEGIN IMMEDIATE ... COMMIT; any exception (or a failed COMMIT) rolls back. Inside
-        a group the group's transaction and the write's savepoint stand for it."""
+        a group the group's transaction stands for it."""
         db = self._db_()
         if self._grouped:
             yield db
             return
         db.execute("BEGIN IMMEDIATE")
+        changes = db.total_changes
         try:
             yield db
             db.execute("COMMIT")
         except BaseException:
-            self._states.clear()  # what it wrote may be rolled back: read states afresh
+            if db.total_changes != changes:  # what it wrote is rolled back: read states afresh
+                self._states.clear()
             if db.in_transaction:  # SQLite may have rolled back already (SQLITE_FULL, IOERR)
                 try:
                     db.execute("ROLLBACK")
@@ -421,6 +423,7 @@ class Journal:
         now = time.time()
         queued = rec["queued"]
         state = State.QUEUED if queued is not None else State.ACCEPTED
+        route, attempts = (queued.get("route"), queued["attempts"]) if queued is not None else (None, 0)
         if not self._grouped:  # a group holding an accept commits with FULL itself
             self._synchronous(full=True)  # ACCEPTED is durable before the first byte
         with self._transaction():
@@ -438,8 +441,8 @@ class Journal:
                     rec["body"],
                     rec["model"],
                     state.value,
-                    queued["attempts"] if queued is not None else 0,
-                    queued.get("route") if queued is not None else None,
+                    attempts,
+                    route,
                     now,
                     now,
                 ),
@@ -447,7 +450,6 @@ class Journal:
             moves = [(rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value, None, 0)]
             if queued is not None:
                 advance(State.ACCEPTED, State.QUEUED)
-                route, attempts = queued.get("route"), queued["attempts"]
                 moves.append((rec["id"], now, State.ACCEPTED.value, state.value, route, attempts))
             db.executemany(
                 "INSERT INTO transitions (rid, t_s, from_state, to_state, route, attempt) VALUES (?,?,?,?,?,?)", moves
@@ -457,7 +459,9 @@ class Journal:
         self._rows += 1
 
     def _move(self, rid: str, target: State, fields: dict[str, Any]) -> None:
-        self._make_room(keep=rid, need=sum(len(v) for v in fields.values() if isinstance(v, str | bytes)))
+        texts = [v for v in fields.values() if isinstance(v, str | bytes)]
+        need = sum(len(v.encode()) if isinstance(v, str) else len(v) for v in texts)  # bytes, as stored
+        self._make_room(keep=rid, need=need)
         now = time.time()
         with self._transaction() as db:
             if (current := self._states.get(rid)) is None:
@@ -558,6 +562,7 @@ class Journal:
                 gone += journal_bounds.shed_oldest(db, self._bounds, keep, need)
         self._rows -= gone
         journal_bounds.release_space(db, self._bounds)
+        self._measure()
         return gone
 
     def _count(self) -> int:
