@@ -185,6 +185,19 @@ class SseEncoding(AnswerShapes):
         super().__init__(run)
         self.buffer_tools = self.chat and run.req.forced_tool is not None
         self.offset = 0  # text_offset of the next token (completions logprobs)
+        self._text_frame: tuple[str, bytes, bytes] | None = None  # (model, head, tail): ``_text``
+
+    def _text(self, text: str) -> bytes:
+        """``chunk`` for a plain text token, byte for byte, without building the chunk: the
+        bytes around the text are made once per served model (once per stream, in practice)."""
+        model = self.run.served_model()
+        if self._text_frame is None or self._text_frame[0] != model:
+            mark = "\u0000"  # any text: its JSON form is found from the end of the chunk
+            whole = self.chunk({"content": mark} if self.chat else mark)
+            head, _, tail = whole.rpartition(json.dumps(mark).encode())  # the text is the last string
+            self._text_frame = (model, head, tail)
+        _, head, tail = self._text_frame
+        return head + json.dumps(text).encode() + tail
 
     def frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         r = self.run
@@ -219,6 +232,8 @@ class SseEncoding(AnswerShapes):
     def token(self, token: TokenOut) -> list[bytes]:
         if self.buffer_tools or not (token.text or token.logprob):
             return []
+        if token.logprob is None:
+            return [self._text(token.text)]
         lp = None
         if token.logprob is not None:
             lp = self.logprobs([token], self.offset)

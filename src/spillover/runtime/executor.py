@@ -66,6 +66,7 @@ from spillover.runtime.events import (
 )
 from spillover.runtime.outcomes import Event, Finished, RetryBudget, RouteInfo, TokenOut, classify_error, final_error
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
+from spillover.runtime.watchdog import Watchdog
 from spillover.runtime.worker_client import WorkerClient
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class Execution:
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
     cpu_fallback: bool = False  # the CPU lane serves a configured fallback model, not a replica
     open_ended: bool = False  # no max_tokens asked: up to the serving lane's context limit
+    _watchdog: Watchdog = field(default_factory=Watchdog)  # ``_next``'s bound: one timer for many tokens
 
     def __repr__(self) -> str:
         return f"<Execution {self.rid} attempt={self.attempt} delivered={len(self.delivered)}>"
@@ -343,7 +345,7 @@ class Execution:
         bound = self._bound(d, prefill)
         left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
-            async with asyncio.timeout(bound if left is None else max(0.0, min(bound, left))):
+            async with self._watchdog.guard(bound if left is None else max(0.0, min(bound, left))):
                 item = await anext(it)
         except TimeoutError as exc:
             if left is not None and left <= bound:
@@ -429,6 +431,7 @@ class Execution:
             raise
         finally:
             self._release(job, outcome)  # first: no await before it (a cancelled task may not get past one)
+            self._watchdog.close()
             with contextlib.suppress(Exception):
                 await it.aclose()
 

@@ -1,0 +1,78 @@
+"""A time bound for one await among many, such as the wait for each streamed token.
+
+``asyncio.timeout`` around every token makes a context object, looks up the task, and
+schedules and cancels a timer handle each time: a measurable share of the gateway's CPU per
+token. ``Watchdog`` keeps one timer for as long as the bound keeps moving forward: ``guard``
+only moves the deadline, and a timer that fires before the current deadline re-arms itself
+at it. Between guarded awaits the watchdog is disarmed, so it never cancels the task
+anywhere else (for instance while it writes to a slow client).
+
+Rules:
+
+1. ``async with watchdog.guard(delay)`` raises ``TimeoutError`` when the block is still
+   waiting ``delay`` seconds after it started, as ``asyncio.timeout(delay)`` does; a
+   cancellation from elsewhere still propagates as ``CancelledError``.
+2. Outside a ``guard`` block the watchdog never cancels anything.
+3. ``close`` drops the timer (the watchdog may be guarded again afterwards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+__all__ = ["Watchdog"]
+
+
+class Watchdog:
+    """One task's amortized time bound (see the module's rules)."""
+
+    def __init__(self) -> None:
+        self._deadline = math.inf  # loop time; inf while disarmed (rule 2)
+        self._handle: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._expired = False
+        self._delay = 0.0
+        self._cancelling = 0
+
+    def guard(self, delay: float) -> Watchdog:
+        """Rule 1 for the ``async with`` block that follows."""
+        self._delay = delay
+        return self
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None, "a watchdog guards a task"
+        self._task, self._expired, self._cancelling = task, False, task.cancelling()
+        self._deadline = loop.time() + max(0.0, self._delay)
+        if self._handle is None or self._handle.when() > self._deadline:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = loop.call_at(self._deadline, self._fire)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        expired, self._deadline, self._expired = self._expired, math.inf, False
+        if expired:  # as asyncio.timeout: its own cancellation is taken back, another's stays
+            assert self._task is not None
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._deadline == math.inf:  # disarmed: nothing to bound now (rule 2)
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:  # the deadline moved on since this timer was set
+            self._handle = loop.call_at(self._deadline, self._fire)
+            return
+        self._expired = True
+        assert self._task is not None
+        self._task.cancel()
+
+    def close(self) -> None:
+        """Rule 3."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._deadline = math.inf

@@ -1,0 +1,128 @@
+"""The per-token time bound (``runtime.watchdog``): as ``asyncio.timeout`` inside its block,
+nothing outside it, and one timer for many blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from spillover.runtime.watchdog import Watchdog
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_a_block_still_waiting_at_its_bound_times_out() -> None:
+    async def body() -> float:
+        w = Watchdog()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with w.guard(0.05):
+                await asyncio.sleep(5)
+        w.close()
+        return time.monotonic() - t0
+
+    assert 0.04 <= run(body()) < 1.0  # type: ignore[operator]
+
+
+def test_blocks_that_end_in_time_never_time_out_and_share_one_timer() -> None:
+    """Many quick blocks under a long bound: no time-out, and the timer is set once."""
+
+    async def body() -> int:
+        w = Watchdog()
+        loop = asyncio.get_running_loop()
+        calls = 0
+        real = loop.call_at
+
+        def counting(when: float, cb: object, *args: object) -> asyncio.TimerHandle:
+            nonlocal calls
+            calls += 1
+            return real(when, cb, *args)  # type: ignore[arg-type]
+
+        loop.call_at = counting  # type: ignore[method-assign]
+        try:
+            for _ in range(200):
+                async with w.guard(10.0):
+                    await asyncio.sleep(0)
+        finally:
+            loop.call_at = real  # type: ignore[method-assign]
+            w.close()
+        return calls
+
+    assert run(body()) == 1
+
+
+def test_it_never_cancels_outside_its_blocks() -> None:
+    """A slow step between two guarded waits (a slow client) is not bounded; the next block
+    gets its full bound again."""
+
+    async def body() -> str:
+        w = Watchdog()
+        async with w.guard(0.05):
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)  # the old deadline passes here: nothing happens
+        async with w.guard(0.05):
+            await asyncio.sleep(0.01)
+        w.close()
+        return "ok"
+
+    assert run(body()) == "ok"
+
+
+def test_a_timer_set_early_follows_a_later_deadline() -> None:
+    """The timer set for a short bound fires before a later block's longer deadline: it
+    waits on, and the later block times out at its own bound."""
+
+    async def body() -> float:
+        w = Watchdog()
+        async with w.guard(0.05):
+            pass
+        async with w.guard(0.3):
+            await asyncio.sleep(0.1)  # past the first bound, within the second
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with w.guard(0.1):
+                await asyncio.sleep(5)
+        w.close()
+        return time.monotonic() - t0
+
+    assert 0.09 <= run(body()) < 1.0  # type: ignore[operator]
+
+
+def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
+    async def body() -> bool:
+        w = Watchdog()
+
+        async def guarded() -> None:
+            async with w.guard(10.0):
+                await asyncio.sleep(5)
+
+        task = asyncio.create_task(guarded())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        w.close()
+        return True
+
+    assert run(body())
+
+
+def test_a_time_out_leaves_no_cancellation_behind() -> None:
+    """After a time-out the task goes on: its next await is not cancelled."""
+
+    async def body() -> str:
+        w = Watchdog()
+        with pytest.raises(TimeoutError):
+            async with w.guard(0.01):
+                await asyncio.sleep(1)
+        await asyncio.sleep(0.02)
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+        w.close()
+        return "ok"
+
+    assert run(body()) == "ok"
