@@ -120,6 +120,72 @@ class WorkerStatistics:
     info: dict[str, Any] | None
 
 
+class _Channel(asyncio.subprocess.SubprocessStreamProtocol):
+    """A worker process's pipes, whose output is read as JSON lines in the protocol's own
+    callback: each message is dispatched as its bytes arrive, with no reader task woken per
+    line (a streamed token is one line). A line that is not JSON is skipped; one longer
+    than ``_LINE_LIMIT`` calls ``on_overflow`` (the worker is killed)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[dict[str, Any]], None],
+        on_overflow: Callable[[], None],
+    ) -> None:
+        super().__init__(limit=_LINE_LIMIT, loop=loop)
+        self._on_message = on_message
+        self._on_overflow = on_overflow
+        self._partial: list[bytes] = []  # the start of a line whose end has not come yet
+        self._partial_bytes = 0
+        self.ended: asyncio.Future[None] = loop.create_future()  # the output is over
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd != 1 or isinstance(data, str):
+            super().pipe_data_received(fd, data)
+            return
+        if b"\n" not in data:
+            self._keep(data)
+            return
+        if self._partial:
+            data = b"".join(self._partial) + data
+            self._partial, self._partial_bytes = [], 0
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            self._line(line)
+        if rest:
+            self._keep(rest)
+
+    def _keep(self, data: bytes) -> None:
+        self._partial.append(data)
+        self._partial_bytes += len(data)
+        if self._partial_bytes > _LINE_LIMIT:
+            self._partial, self._partial_bytes = [], 0
+            self._on_overflow()
+
+    def _line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            msg = json.loads(line)
+        except ValueError:  # not JSON (or not UTF-8): not a message
+            return
+        if not isinstance(msg, dict):
+            return
+        try:
+            self._on_message(msg)
+        except Exception:  # a bug in one message's handling must not stop the channel
+            log.exception("worker message %.200r could not be handled", msg)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 1:
+            if self._partial:  # a last line without its newline
+                line, self._partial, self._partial_bytes = b"".join(self._partial), [], 0
+                self._line(line)
+            if not self.ended.done():
+                self.ended.set_result(None)
+        super().pipe_connection_lost(fd, exc)
+
+
 class WorkerClient:
     """One worker process and its channel. Restarting is the supervisor's job."""
 
@@ -195,15 +261,17 @@ class WorkerClient:
         self._last_fatal = None
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        self._proc = await asyncio.create_subprocess_exec(
+        channel = _Channel(loop, self._dispatch, self._line_too_long)
+        transport, _ = await loop.subprocess_exec(
+            lambda: channel,
             *self.spec.argv(),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=None,
-            limit=_LINE_LIMIT,
             start_new_session=True,
         )
-        self._reader = asyncio.create_task(self._read_loop(self._proc), name=f"read-{self.spec.worker_id}")
+        self._proc = asyncio.subprocess.Process(transport, channel, loop)
+        self._reader = asyncio.create_task(self._read_loop(self._proc, channel), name=f"read-{self.spec.worker_id}")
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
         except TimeoutError:
@@ -215,18 +283,17 @@ class WorkerClient:
         self.last_pong_s = time.monotonic()
         return info
 
-    async def _read_loop(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
+    def _line_too_long(self) -> None:
+        log.error("worker %s: a line of over %d bytes; killing it", self.spec.worker_id, _LINE_LIMIT)
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+    async def _read_loop(self, proc: asyncio.subprocess.Process, channel: _Channel) -> None:
+        """Wait for the end of the worker's output (its lines are dispatched as they come:
+        ``_Channel``), then for its exit, and let everything waiting on it know."""
         try:
-            while True:
-                line = await proc.stdout.readline()
-                if not line:
-                    break
-                try:
-                    msg = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                self._dispatch(msg)
+            await channel.ended
         finally:
             rc = await proc.wait()
             gone = self._last_fatal or WorkerGone("exited", f"worker exited with code {rc}")
