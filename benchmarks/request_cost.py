@@ -8,7 +8,9 @@ with the requests per second.
 
     .venv/bin/python -m benchmarks.request_cost [--requests 200] [--concurrency 4]
 
-Issue 13's target is <= 1 ms of gateway CPU per request; this prints where it stands.
+Issue 13's target is <= 1 ms of gateway CPU per request; this prints where it stands. It then
+streams ``--streams`` chat completions one after another and prints the gateway's CPU per
+streamed token (what item 4's ratio at threads = cores pays for each token), idle loops included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import httpx
 import psutil
 
+from benchmarks._common import sse_token_times
 from spillover.testing import GatewayProcess
 
 KINDS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -63,10 +66,33 @@ def run(gw: GatewayProcess, path: str, body: dict[str, Any], n: int, concurrency
     return 1000 * cpu / done, done / (w1 - w0)
 
 
+STREAM = {
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
+    "max_tokens": 200,
+    "temperature": 0,
+}
+
+
+def stream_cost(gw: GatewayProcess, streams: int) -> tuple[float, float]:
+    """(gateway CPU us per streamed token, tokens per second) over ``streams`` streams in a row."""
+    assert gw.proc is not None
+    proc = psutil.Process(gw.proc.pid)
+    with httpx.Client(base_url=gw.url, timeout=300) as c:
+        sse_token_times(c, "/v1/chat/completions", STREAM)  # warm-up
+        t0, w0, tokens = proc.cpu_times(), time.perf_counter(), 0
+        for _ in range(streams):
+            tokens += len(sse_token_times(c, "/v1/chat/completions", STREAM)[1])
+        t1, w1 = proc.cpu_times(), time.perf_counter()
+    cpu = (t1.user + t1.system) - (t0.user + t0.system)
+    return 1e6 * cpu / max(1, tokens), tokens / (w1 - w0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--streams", type=int, default=6, help="streamed completions for the per-token figure")
     a = ap.parse_args()
     with GatewayProcess(["--gpu", "sim:1024"], services=("chat", "embeddings")) as gw:
         print(f"{a.requests} requests at concurrency {a.concurrency}; gateway process CPU (user + system)")
@@ -76,6 +102,9 @@ def main() -> int:
             ms, rps = run(gw, path, body, a.requests, a.concurrency)
             worst = max(worst, ms)
             print(f"{name:<22} {ms:>15.2f} {rps:>11.1f}")
+        if a.streams > 0:
+            us, tps = stream_cost(gw, a.streams)
+            print(f"streamed chat tokens (one stream at a time): {us:.0f} us of gateway CPU a token at {tps:.1f} tok/s")
     print("target: <= 1 ms of gateway CPU per request:", "MET" if worst <= 1.0 else "NOT MET")
     return 0 if worst <= 1.0 else 1
 

@@ -36,9 +36,10 @@ Rules:
 4. ``accept`` and ``move`` make room first when what they write would pass the high-water
    mark. The check runs on an upper bound of the bytes in use (each write adds more than it
    can take); only a bound that would pass the mark is measured, and pruning follows when
-   the measurement passes it too. ``accept`` refuses while the journal stays above it (full of unfinished requests),
-   and refuses a body larger than the headroom above it: a move rewrites its row, and the
-   headroom must hold one rewrite, so requests already accepted can always finish.
+   the measurement passes it too. ``accept`` refuses while the journal stays above it (full
+   of unfinished requests), and refuses a body larger than the headroom above it: a move
+   rewrites its row, and the headroom must hold one rewrite, so requests already accepted
+   can always finish.
 5. The files hold every prompt and answer: they are created, and kept, mode 0600.
 6. Fault injection (the drill, tests): while a file named ``<journal>.disk-full`` exists
    (``set_disk_full``, ``spillover sim disk-full``), every write fails as on a full disk
