@@ -95,6 +95,10 @@ def _alive(pid: int) -> bool:
 class SimDevice:
     """Handle on one sim device ledger file; cheap to create, safe across processes."""
 
+    # A reader polling ``change_count`` still reads the ledger in full at least this often:
+    # that reaps processes that died, and covers a counter file removed and made again.
+    FULL_READ_S = 1.0
+
     def __init__(self, state_dir: str | Path, name: str = "sim0") -> None:
         self.name = name
         self.dir = Path(state_dir)

@@ -55,7 +55,6 @@ from typing import IO, Any
 
 from spillover.engine.llama_engine import READINESS_MODES
 
-SIM_FULL_READ_S = 1.0  # the sim ledger is read in full at least this often
 SIM_WATCH_S = 0.05  # how often the sim device's change counter is looked at (a reset or hang is seen within this)
 
 __all__ = ["main"]
@@ -193,10 +192,9 @@ class DeviceWorker(abc.ABC):
         while True:
             time.sleep(SIM_WATCH_S)
             count, now = self.sim.change_count(), time.monotonic()  # a read of mapped memory per tick
-            if count == seen and now - last_full < SIM_FULL_READ_S:
+            if count == seen and now - last_full < self.sim.FULL_READ_S:
                 continue  # unchanged ledger: the reset, hang and fault flags are as they were
-            seen, last_full = count, now  # (read in full every second all the same: a counter
-            # file removed and made again by hand would no longer be the one mapped here)
+            seen, last_full = count, now
             snap = self.sim.snapshot()
             if snap.epoch != self.sim_epoch:
                 self.chan.send({"ev": "fatal", "kind": "device_lost", "message": "sim driver reset"})

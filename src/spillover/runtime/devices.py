@@ -14,8 +14,6 @@ from spillover.engine.sim import MIB, SimDevice
 __all__ = ["DeviceReading", "GpuDevice", "cuda_available", "host_available_bytes", "processes_rss", "tree_rss"]
 
 
-SIM_FULL_READ_S = 1.0  # a sim reading with an unchanged change counter is read in full at least this often
-
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -123,13 +121,13 @@ class GpuDevice:
 
     def read(self) -> DeviceReading:
         """A blocking reading (NVML: call it in a thread). Sim: a full, locked reading when the
-        ledger's change counter moved since the last one, or that one is ``SIM_FULL_READ_S``
+        ledger's change counter moved since the last one, or that one is ``FULL_READ_S``
         old (a full reading also reaps the allocations of processes that died); else the
         last reading, which the unchanged counter proves is still the ledger's content."""
         if self.sim is not None:
             seq, now = self.sim.change_count(), time.monotonic()  # the counter before the reading
             last = self._sim_last
-            if last is not None and last[0] == seq and now - last[1] < SIM_FULL_READ_S:
+            if last is not None and last[0] == seq and now - last[1] < self.sim.FULL_READ_S:
                 return last[2]
             snap = self.sim.snapshot()
             r = DeviceReading(snap.used_bytes, snap.capacity_bytes, snap.epoch, snap.alloc_failures, snap.hang)

@@ -425,6 +425,8 @@ class Journal:
         queued = rec["queued"]
         state = State.QUEUED if queued is not None else State.ACCEPTED
         route, attempts = (queued.get("route"), queued["attempts"]) if queued is not None else (None, 0)
+        if queued is not None:
+            advance(State.ACCEPTED, State.QUEUED)  # before anything is written (a group's writes refuse first)
         if not self._grouped:  # a group holding an accept commits with FULL itself
             self._synchronous(full=True)  # ACCEPTED is durable before the first byte
         with self._transaction():
@@ -450,7 +452,6 @@ class Journal:
             )
             moves = [(rec["id"], now, State.RECEIVED.value, State.ACCEPTED.value, None, 0)]
             if queued is not None:
-                advance(State.ACCEPTED, State.QUEUED)
                 moves.append((rec["id"], now, State.ACCEPTED.value, state.value, route, attempts))
             db.executemany(
                 "INSERT INTO transitions (rid, t_s, from_state, to_state, route, attempt) VALUES (?,?,?,?,?,?)", moves

@@ -221,8 +221,9 @@ class RequestService:
                 ep.release_place(*held)  # its job took the place, or it ended before
 
     async def _queue_unary(self, run: UnaryRun) -> SpilloverError | None:
-        """Make a resumed unary request live and QUEUED; the error that ends it at once when
-        the QUEUED move cannot be journaled (it must not stay where it was)."""
+        """Make a unary request live and QUEUED when its acceptance did not queue it (a resumed
+        one; a new one without a journal); the error that ends it at once when the QUEUED move
+        cannot be journaled (it must not stay where it was)."""
         self.live[run.rid] = run
         if self.gw.journal is not None:
             try:
