@@ -7,6 +7,9 @@ Rules:
 2. Before reloading a GPU worker it waits (bounded by ``release_wait_s``) until the device
    shows the dead process's memory released.
 3. A worker whose pings go unanswered for ``health_timeout_s`` is killed (then restarted).
+   The time the gateway's own loop ran late (a machine whose cores something else holds)
+   is not counted against the worker, and what its pipe already holds is read before the
+   verdict: a starved gateway never kills a worker whose pong waits unread.
 4. Nothing here touches another worker or lane.
 6. A start may wait for a condition given by the owner (``before_start``): a GPU worker's
    load is a device reservation, and it is not attempted before its weights fit.
@@ -191,16 +194,28 @@ class Supervisor:
         self._event(K.NOT_RELEASED, f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s{why}")
 
     async def _health_loop(self) -> None:
+        """Rule 3: ping every ``health_interval_s``; kill the worker once its pong is older
+        than ``health_timeout_s``, less the time this loop itself woke late since then."""
         w = self.worker
+        pong_s, late_s = w.last_pong_s, 0.0  # the gateway's own lateness since the last pong
         while w.state is WorkerState.READY:
             try:
                 await w.ping()
             except Exception:  # an unanswered ping is what the pong age below detects
                 log.exception("worker %s: ping failed", w.spec.worker_id)
+            slept_from = time.monotonic()
             await asyncio.sleep(self.cfg.health_interval_s)
-            age = time.monotonic() - (w.last_pong_s or 0.0)
-            if age > self.cfg.health_timeout_s:
-                self._event(K.UNHEALTHY, f"no pong for {age:.1f}s: killing")
+            late = time.monotonic() - slept_from - self.cfg.health_interval_s
+            for _ in range(2):  # two loop turns: the pipe's pending lines are read (and a pong seen)
+                await asyncio.sleep(0)
+            if w.last_pong_s != pong_s:
+                pong_s, late_s = w.last_pong_s, 0.0
+            if (pong_s or 0.0) < slept_from + self.cfg.health_interval_s:  # the lateness came after the pong
+                late_s += max(0.0, late)
+            age = time.monotonic() - (pong_s or 0.0)
+            if age - late_s > self.cfg.health_timeout_s:
+                held_up = f" ({late_s:.1f}s of it the gateway's own lateness)" if late_s >= 0.1 else ""
+                self._event(K.UNHEALTHY, f"no pong for {age:.1f}s{held_up}: killing")
                 await w.kill()
                 return
 
