@@ -13,7 +13,7 @@ Gateway -> worker ops::
 
     {"op": "generate", "rid", "tokens", "max_tokens", "temperature", "top_p", "seed",
      "stop", "grammar", "kv_tokens", "reserve_bytes", "prefix", "frequency_penalty",
-     "presence_penalty", "repeat_penalty", "top_k", "min_p", "logit_bias", "logprobs"}
+     "presence_penalty", "repeat_penalty", "top_k", "min_p", "logit_bias", "logprobs", "coalesce_s"}
     {"op": "cancel", "rid"}
     {"op": "ping", "seq"}
     {"op": "readiness", "mode"}               chat: keep warm | mmap | on_demand ready (``Engine``)
@@ -23,7 +23,11 @@ Worker -> gateway events::
     {"ev": "ready", "info": {...}}            once, after the model is loaded
     {"ev": "started", "rid"}                  memory granted, generation begins
     {"ev": "token", "rid", "id", "text"[, "lp"]}  one per generated token; "lp" when logprobs
-                                              were asked: [logprob, piece bytes, [[id, bytes, logprob]...]]
+                                              were asked: [logprob, piece bytes, [[id, bytes, logprob]...]].
+                                              With "coalesce_s" > 0 (tokens the client does not see
+                                              one by one) the tokens after the first are sent at most
+                                              every coalesce_s: plain ones as one event (texts joined,
+                                              the last id), all in one write (``TokenBatch``)
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
                                               | context_overflow | bad_grammar (the request's fault)
@@ -76,14 +80,57 @@ class Channel:
         self._out = out
         self._lock = threading.Lock()
 
-    def send(self, msg: dict[str, Any]) -> None:
-        line = json.dumps(msg, separators=(",", ":")) + "\n"
+    def send(self, *msgs: dict[str, Any]) -> None:
+        """Write the messages as lines, in one write."""
+        lines = "".join(json.dumps(msg, separators=(",", ":")) + "\n" for msg in msgs)
         with self._lock:
             try:
-                self._out.write(line)
+                self._out.write(lines)
                 self._out.flush()
             except (BrokenPipeError, ValueError):
                 os._exit(0)
+
+
+class TokenBatch:
+    """A request's token events on their way to the gateway.
+
+    With ``window`` 0 each is sent as it comes. Otherwise (a request whose tokens the client
+    does not see one by one: a non-stream answer, a buffered tool call) the first is sent at
+    once (it marks the first token), and later ones wait until ``window`` seconds have passed
+    since the oldest waiting one, or until ``flush``: consecutive plain tokens become one
+    event (their texts joined, the last token's id), and the waiting events go in one write.
+    Each channel message costs the gateway a wake-up on a machine whose cores the engine
+    uses; the gateway sends a window well under its stall bound, so waiting tokens never
+    look like a stall."""
+
+    def __init__(self, chan: Channel, window: float) -> None:
+        self._chan = chan
+        self._window = window
+        self._waiting: list[dict[str, Any]] = []
+        self._since = 0.0
+        self._sent_any = False
+
+    def add(self, ev: dict[str, Any]) -> None:
+        if self._window <= 0 or not self._sent_any:
+            self._sent_any = True
+            self._chan.send(ev)
+            return
+        now = time.monotonic()
+        last = self._waiting[-1] if self._waiting else None
+        if last is not None and "lp" not in last and "lp" not in ev:
+            last["text"] += ev["text"]
+            last["id"] = ev["id"]
+        else:
+            if not self._waiting:
+                self._since = now
+            self._waiting.append(ev)
+        if now - self._since >= self._window:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._waiting:
+            waiting, self._waiting = self._waiting, []
+            self._chan.send(*waiting)
 
 
 class DeviceWorker(abc.ABC):
@@ -355,29 +402,33 @@ class Worker(DeviceWorker):
         t_first: float | None = None
         n = 0
         finish = "stop"
-        for item in self.engine.generate(
-            slot, tokens, params, kv_tokens=kv_tokens, should_stop=lambda: rid in self.cancelled, prefix=prefix
-        ):
-            while self.hang.is_set() and rid not in self.cancelled:
-                time.sleep(0.01)
-            if isinstance(item, Step):
-                if item.token_id >= 0:
-                    n += 1
-                    self.progress += 1
-                    if t_first is None:
-                        t_first = time.monotonic()
-                    if n % PAGE_TOKENS == 0 and self._page_fault():
-                        return _error(rid, "oom", "device out of memory growing the KV cache")
-                ev: dict[str, Any] = {"ev": "token", "rid": rid, "id": item.token_id, "text": item.text}
-                if item.logprob is not None:
-                    ev["lp"] = [
-                        item.logprob,
-                        list(item.piece),
-                        [[a.token_id, list(a.piece), a.logprob] for a in item.top],
-                    ]
-                self.chan.send(ev)
-            else:
-                finish = item
+        batch = TokenBatch(self.chan, float(msg.get("coalesce_s") or 0.0))
+        try:
+            for item in self.engine.generate(
+                slot, tokens, params, kv_tokens=kv_tokens, should_stop=lambda: rid in self.cancelled, prefix=prefix
+            ):
+                while self.hang.is_set() and rid not in self.cancelled:
+                    time.sleep(0.01)
+                if isinstance(item, Step):
+                    if item.token_id >= 0:
+                        n += 1
+                        self.progress += 1
+                        if t_first is None:
+                            t_first = time.monotonic()
+                        if n % PAGE_TOKENS == 0 and self._page_fault():
+                            return _error(rid, "oom", "device out of memory growing the KV cache")
+                    ev: dict[str, Any] = {"ev": "token", "rid": rid, "id": item.token_id, "text": item.text}
+                    if item.logprob is not None:
+                        ev["lp"] = [
+                            item.logprob,
+                            list(item.piece),
+                            [[a.token_id, list(a.piece), a.logprob] for a in item.top],
+                        ]
+                    batch.add(ev)
+                else:
+                    finish = item
+        finally:
+            batch.flush()  # what waits goes before the request's last event
         if finish == "diverged":
             return _error(rid, "diverged", "continuation differs from the delivered tokens")
         t1 = time.monotonic()

@@ -76,6 +76,7 @@ __all__ = ["Execution", "Finished", "RetryBudget", "RouteInfo", "TokenOut", "cla
 
 PREFILL_FLOOR_TPS = 50.0  # slowest prompt evaluation still counted as progress (tokens/s)
 CPU_STALL_FACTOR = 4.0  # the CPU lane is slower and shared: its stall bound is this much longer
+COALESCE_S = 0.1  # a token the client does not see one by one waits at most this long in the worker
 
 
 class _Failure(Exception):
@@ -291,8 +292,15 @@ class Execution:
             "max_tokens": d.max_tokens,
             "kv_tokens": d.kv_tokens,
             "reserve_bytes": d.reserve_bytes,
+            "coalesce_s": 0.0 if self.incremental else self._coalesce_s(d),
             **self.params,
         }
+
+    def _coalesce_s(self, d: Dispatch) -> float:
+        """How long the worker may hold a token the client does not see one by one, to send
+        several in one message (a wake-up of the gateway each): COALESCE_S, and never more
+        than a quarter of the attempt's stall bound, so held tokens never look like a stall."""
+        return min(COALESCE_S, self._bound(d, prefill=False) / 4)
 
     def _release(self, job: Job, outcome: str) -> None:
         """Give the job's lease back: exactly once, only if it was dispatched, and only once
