@@ -159,16 +159,16 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
     stream_ratios = [g / b for b, g in zip(bare_tps, gw_tps, strict=True)]
     plain_ratios = [g / b for b, g in zip(bare_e2e, gw_e2e, strict=True)]
     print(f"model: {model.rsplit('/', 1)[-1]}  threads: {threads}  concurrency: {conc}")
-    print(f"{'':28}{'bare':>10}{'gateway':>10}{'ratio':>8}  rounds' ratios")
+    print(f"{'':34}{'bare':>10}{'gateway':>10}{'ratio':>8}  rounds' ratios")
     for name, b, g, ratios in (
         (f"decode tok/s (median of {len(stream_ratios)})", bare_tps, gw_tps, stream_ratios),
         (f"non-stream tok/s (median of {len(plain_ratios)})", bare_e2e, gw_e2e, plain_ratios),
     ):
         spread = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
-        print(f"{name:28}{median(b):10.1f}{median(g):10.1f}{median(ratios):8.3f}  {spread}")
+        print(f"{name:34}{median(b):10.1f}{median(g):10.1f}{median(ratios):8.3f}  {spread}")
     if bare_lat:
         bl, gl = median(bare_lat) * 1000, median(gw_lat) * 1000
-        print(f"{'1-token latency ms (med ' + str(a.latency_n) + ')':28}{bl:10.1f}{gl:10.1f}{gl / bl:8.3f}")
+        print(f"{'1-token latency ms (med ' + str(a.latency_n) + ')':34}{bl:10.1f}{gl:10.1f}{gl / bl:8.3f}")
         print(f"added latency of a 1-token completion: {gl - bl:.1f} ms (median)")
     for f in failures:
         print(f"left out (not a GPU completion): {f}")
