@@ -15,6 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spillover.config import FailoverConfig
 from spillover.engine.worker import Channel, TokenBatch
@@ -90,6 +92,58 @@ def test_tokens_with_logprobs_keep_their_own_events_in_one_write(clock: list[flo
     batch.flush()
     assert len(out.writes) == 2
     assert out.messages(1) == [tok(2, "b", lp=True), tok(4, "cd"), tok(5, "e", lp=True)]
+
+
+def test_a_token_after_a_slow_gap_goes_at_once_with_what_waits(clock: list[float]) -> None:
+    out = Writes()
+    batch = TokenBatch(Channel(out), 0.1)  # type: ignore[arg-type]
+    batch.add(tok(1, "a"))
+    clock[0] += 0.3
+    batch.add(tok(2, "b"))  # 0.3 s after the one before: nothing is gained by holding it
+    assert out.messages(1) == [tok(2, "b")]
+    clock[0] += 0.01
+    batch.add(tok(3, "c"))  # fast again: held
+    clock[0] += 0.5
+    batch.add(tok(4, "d"))  # slow: sent at once, after the one that waited
+    assert len(out.writes) == 3 and out.messages(2) == [tok(4, "cd")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    window=st.sampled_from([0.02, 0.1, 0.5]),
+    gaps=st.lists(st.floats(min_value=0.0, max_value=1.5), min_size=1, max_size=60),
+)
+def test_the_gateway_never_waits_much_longer_than_the_engine(window: float, gaps: list[float]) -> None:
+    """Whatever the engine's pace: the written texts, joined, are the tokens' texts in order;
+    the first token is written as it comes; and between two writes the gateway waits at most
+    the engine's own longest gap between the tokens they carry plus twice the window (the
+    gateway's window is at most a quarter of its stall bound, so a stall is never made)."""
+    now = [0.0]
+    out = Writes()
+    written_at: list[float] = []  # per write, when it happened
+    real_write = out.write
+
+    def write(text: str) -> None:
+        written_at.append(now[0])
+        real_write(text)
+
+    out.write = write  # type: ignore[method-assign]
+    arrivals = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(time, "monotonic", lambda: now[0])
+        batch = TokenBatch(Channel(out), window)  # type: ignore[arg-type]
+        for i, gap in enumerate(gaps):
+            now[0] += gap
+            arrivals.append(now[0])
+            batch.add(tok(i, f"<{i}>"))
+        batch.flush()  # the generation ends right after its last token
+    texts = "".join(m["text"] for i in range(len(out.writes)) for m in out.messages(i))
+    assert texts == "".join(f"<{i}>" for i in range(len(gaps)))
+    assert written_at[0] == arrivals[0]
+    for k in range(1, len(written_at)):
+        carried = [i for i in range(1, len(gaps)) if written_at[k - 1] < arrivals[i] <= written_at[k]]
+        longest = max((gaps[i] for i in carried), default=0.0)
+        assert written_at[k] - written_at[k - 1] <= longest + 2 * window + 1e-9, (k, written_at, arrivals)
 
 
 def execution(incremental: bool, stall_s: float) -> Execution:

@@ -96,26 +96,30 @@ class TokenBatch:
 
     With ``window`` 0 each is sent as it comes. Otherwise (a request whose tokens the client
     does not see one by one: a non-stream answer, a buffered tool call) the first is sent at
-    once (it marks the first token), and later ones wait until ``window`` seconds have passed
-    since the oldest waiting one, or until ``flush``: consecutive plain tokens become one
-    event (their texts joined, the last token's id), and the waiting events go in one write.
-    Each channel message costs the gateway a wake-up on a machine whose cores the engine
-    uses; the gateway sends a window well under its stall bound, so waiting tokens never
-    look like a stall."""
+    once (it marks the first token), and a later one waits while tokens come less than
+    ``window`` apart, until ``window`` has passed since the oldest waiting one, or until
+    ``flush``: consecutive plain tokens become one event (their texts joined, the last
+    token's id), and the waiting events go in one write. A token that comes ``window`` or
+    more after the one before it is sent at once (with what waits), so between two writes the
+    gateway waits at most the engine's own longest gap plus ``2 * window``: each channel
+    message costs the gateway a wake-up on a machine whose cores the engine uses, and the
+    gateway's window is at most a quarter of its stall bound, so waiting never makes a stall."""
 
     def __init__(self, chan: Channel, window: float) -> None:
         self._chan = chan
         self._window = window
         self._waiting: list[dict[str, Any]] = []
-        self._since = 0.0
+        self._since = 0.0  # when the oldest waiting event came
+        self._last = 0.0  # when the latest token came
         self._sent_any = False
 
     def add(self, ev: dict[str, Any]) -> None:
+        now = time.monotonic()
+        slow, self._last = now - self._last >= self._window, now
         if self._window <= 0 or not self._sent_any:
             self._sent_any = True
             self._chan.send(ev)
             return
-        now = time.monotonic()
         last = self._waiting[-1] if self._waiting else None
         if last is not None and "lp" not in last and "lp" not in ev:
             last["text"] += ev["text"]
@@ -124,7 +128,7 @@ class TokenBatch:
             if not self._waiting:
                 self._since = now
             self._waiting.append(ev)
-        if now - self._since >= self._window:
+        if slow or now - self._since >= self._window:
             self.flush()
 
     def flush(self) -> None:
