@@ -47,8 +47,10 @@ def sse_token_times(client: httpx.Client, url: str, body: dict[str, Any]) -> tup
     The client is a measuring instrument sharing the engine's cores (the bare engine has none),
     so it reads the answer from the socket itself, on a connection of its own to
     ``client.base_url``: one ``recv`` and a prefix test per frame, no HTTP client stack per
-    chunk (httpx's cost about 0.3 ms of CPU per token here). A non-200 answer raises
-    ``httpx.HTTPStatusError`` as httpx would.
+    chunk (httpx's cost about 0.3 ms of CPU per token here). It counts on the server sending
+    each SSE frame as one chunk (uvicorn does: a frame is one ``send``), and waits at most the
+    client's read timeout for each ``recv``. A non-200 answer raises ``httpx.HTTPStatusError``
+    as httpx would.
     """
     host, port = client.base_url.host, client.base_url.port or 80
     payload = json.dumps({**body, "stream": True}).encode()
@@ -60,7 +62,7 @@ def sse_token_times(client: httpx.Client, url: str, body: dict[str, Any]) -> tup
     rest = b""  # the start of a line whose end has not arrived
     status, headers = 0, {}
     t0 = time.perf_counter()
-    with socket.create_connection((host, port)) as sock:
+    with socket.create_connection((host, port), timeout=client.timeout.read or 300) as sock:
         sock.sendall(head + payload)
         while True:
             data = sock.recv(65536)

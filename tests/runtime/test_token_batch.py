@@ -5,10 +5,12 @@ plain tokens are joined into one event (texts in order, the last id), tokens wit
 stay events of their own, and what waits goes in one write, at the window or at ``flush``.
 Gateway side (``Execution._msg``): a stream's tokens are never held (window 0); a
 non-incremental answer's window is COALESCE_S, and never more than a quarter of the
-attempt's stall bound. Fast tier: no model."""
+attempt's stall bound, and ``_next`` waits two windows past the stall bound for its tokens.
+Fast tier: no model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from types import SimpleNamespace
@@ -20,7 +22,8 @@ from hypothesis import strategies as st
 
 from spillover.config import FailoverConfig
 from spillover.engine.worker import Channel, TokenBatch
-from spillover.runtime.executor import COALESCE_S, Execution, RetryBudget
+from spillover.runtime.events import Token
+from spillover.runtime.executor import COALESCE_S, Execution, RetryBudget, _Failure
 
 
 class Writes:
@@ -172,3 +175,28 @@ def test_a_stream_is_never_held_and_a_whole_answer_is_held_within_the_stall_boun
     assert execution(False, 15.0)._msg(dispatch(route))["coalesce_s"] == COALESCE_S
     short = execution(False, 0.2)._msg(dispatch(route))["coalesce_s"]
     assert 0 < short <= (0.2 if route == "gpu" else 0.8) / 4
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_a_held_token_is_not_a_stall_but_a_real_one_still_is(incremental: bool) -> None:
+    """A gap of the stall bound plus one window: a stall for a stream (nothing is held), not
+    for an answer whose tokens the worker may hold (it waits two windows more); a gap of the
+    bound plus three windows is a stall for both."""
+    stall_s = 0.4
+    window = min(COALESCE_S, stall_s / 4)
+
+    async def late_token(after_s: float) -> Any:
+        await asyncio.sleep(after_s)
+        yield Token(7, "x")
+
+    async def next_after(after_s: float) -> Any:
+        exe = execution(incremental, stall_s)
+        return await exe._next(late_token(after_s), dispatch("gpu"))
+
+    if incremental:
+        with pytest.raises(_Failure):
+            asyncio.run(next_after(stall_s + window))
+    else:
+        assert asyncio.run(next_after(stall_s + window)) == Token(7, "x")
+    with pytest.raises(_Failure):
+        asyncio.run(next_after(stall_s + 3 * window))

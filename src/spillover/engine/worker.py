@@ -103,7 +103,7 @@ class TokenBatch:
     more after the one before it is sent at once (with what waits), so between two writes the
     gateway waits at most the engine's own longest gap plus ``2 * window``: each channel
     message costs the gateway a wake-up on a machine whose cores the engine uses, and the
-    gateway's window is at most a quarter of its stall bound, so waiting never makes a stall."""
+    gateway waits two windows longer than its stall bound for such a request's tokens."""
 
     def __init__(self, chan: Channel, window: float) -> None:
         self._chan = chan

@@ -298,8 +298,10 @@ class Execution:
 
     def _coalesce_s(self, d: Dispatch) -> float:
         """How long the worker may hold a token the client does not see one by one, to send
-        several in one message (a wake-up of the gateway each): COALESCE_S, and never more
-        than a quarter of the attempt's stall bound, so held tokens never look like a stall."""
+        several in one message (a wake-up of the gateway each): COALESCE_S, at most a quarter
+        of the attempt's stall bound. ``_next`` waits two windows longer for such an attempt
+        (``engine.worker.TokenBatch``: a gap between its writes is the engine's own plus at
+        most two windows), so held tokens never make a stall."""
         return min(COALESCE_S, self._bound(d, prefill=False) / 4)
 
     def _release(self, job: Job, outcome: str) -> None:
@@ -351,6 +353,8 @@ class Execution:
         if self._cancelled or self._timed_out:
             raise _Stopped
         bound = self._bound(d, prefill)
+        if not self.incremental:  # the worker may hold tokens: up to two windows past the engine's own gap
+            bound += 2 * self._coalesce_s(d)
         left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
             async with self._watchdog.guard(bound if left is None else max(0.0, min(bound, left))):
