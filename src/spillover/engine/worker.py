@@ -114,9 +114,12 @@ class TokenBatch:
         self._sent_any = False
 
     def add(self, ev: dict[str, Any]) -> None:
+        if self._window <= 0:  # a stream: no clock read per token
+            self._chan.send(ev)
+            return
         now = time.monotonic()
         slow, self._last = now - self._last >= self._window, now
-        if self._window <= 0 or not self._sent_any:
+        if not self._sent_any:
             self._sent_any = True
             self._chan.send(ev)
             return

@@ -234,10 +234,8 @@ class SseEncoding(AnswerShapes):
             return []
         if token.logprob is None:
             return [self._text(token.text)]
-        lp = None
-        if token.logprob is not None:
-            lp = self.logprobs([token], self.offset)
-            self.offset += len(token.logprob.token)
+        lp = self.logprobs([token], self.offset)
+        self.offset += len(token.logprob.token)
         return [self.chunk({"content": token.text} if self.chat else token.text, logprobs=lp)]
 
     def closing(self) -> Encoded:
