@@ -53,10 +53,11 @@ def test_a_full_disk_refuses_new_requests_without_binding_their_key(gw: GatewayP
 
 
 def test_requests_in_flight_when_the_disk_fills_end_and_their_outcomes_are_kept(gw: GatewayProcess) -> None:
-    """A running CPU request and one queued behind it when the disk fills: the running one
-    answers its client (200) and the queued one fails at its ADMITTED move with a resumable
-    503; both outcomes wait in memory and reach the journal once the disk has room, and the
-    failed one's key then resumes it (no 409 forever, no slot leaked)."""
+    """A running CPU request and one queued behind it when the disk fills: both answer their
+    clients (200; the queued one's ADMITTED and RUNNING moves are not waited for and wait
+    for the disk: journal rule 7); both outcomes wait in memory and reach the journal, every
+    move in order, once the disk has room, and the queued one's key then answers from the
+    journal (no 409 forever, no slot leaked)."""
     out: dict[str, Any] = {}
     key = uuid.uuid4().hex
     running = {"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0, "spillover": {"prefer": "cpu"}}
@@ -78,8 +79,7 @@ def test_requests_in_flight_when_the_disk_fills_end_and_their_outcomes_are_kept(
             a.join(120)
             b.join(120)
             assert out["running"].status_code == 200, out["running"].text
-            assert out["queued"].status_code == 503, out["queued"].text
-            assert out["queued"].json()["error"]["code"] == "journal_unavailable"
+            assert out["queued"].status_code == 200, out["queued"].text
             assert wait_for(lambda: gw.status()["journal_pending_outcomes"] == 2, 10, "outcomes kept")
         finally:
             set_disk_full(journal(gw), False)
@@ -87,7 +87,11 @@ def test_requests_in_flight_when_the_disk_fills_end_and_their_outcomes_are_kept(
         rid_a = out["running"].headers["x-spillover-request-id"]
         rid_b = out["queued"].headers["x-spillover-request-id"]
         assert c.get(f"/v1/requests/{rid_a}").json()["state"] == "completed"
-        assert c.get(f"/v1/requests/{rid_b}").json()["state"] == "resumable_error"
+        assert c.get(f"/v1/requests/{rid_b}").json()["state"] == "completed"
+        for rid in (rid_a, rid_b):
+            moves = [h["to"] for h in c.get(f"/v1/requests/{rid}").json()["history"]]
+            assert moves == ["accepted", "queued", "admitted", "running", "completed"], (rid, moves)
         again = c.post("/v1/completions", json=queued, headers={"Idempotency-Key": key})
         assert again.status_code == 200 and again.headers["x-spillover-request-id"] == rid_b, again.text
+        assert again.json()["choices"] == out["queued"].json()["choices"]
     assert wait_quiescent(gw.status, journal(gw)) == []

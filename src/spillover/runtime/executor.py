@@ -223,6 +223,11 @@ class Execution:
         if self.journal is not None:
             await self.journal.move(self.rid, target, **fields)
 
+    def _note_move(self, target: State, **fields: Any) -> None:
+        """An intermediate step (ADMITTED, RUNNING), journaled without waiting (journal rule 7)."""
+        if self.journal is not None:
+            self.journal.note_move(self.rid, target, **fields)
+
     def _stopped_error(self) -> SpilloverError:
         if self._timed_out and not self._cancelled:
             return RequestTimedOut(f"request {self.rid} ran longer than the gateway's request_timeout_s")
@@ -245,9 +250,7 @@ class Execution:
                     raise
                 if self._cancelled or self._timed_out:
                     raise self._stopped_error()
-                await self._move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=str(d.reason))
-                if self._cancelled or self._timed_out:  # stopped during the write: never sent to the worker
-                    raise self._stopped_error()
+                self._note_move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=str(d.reason))
                 try:
                     async with contextlib.aclosing(self._run_attempt(job, d)) as attempt:
                         async for ev in attempt:
@@ -387,7 +390,7 @@ class Execution:
             if not isinstance(first, Started):
                 raise _Failure("engine", f"unexpected worker event {first!r} before the start")
             self.scheduler.confirmed(self.rid)
-            await self._move(State.RUNNING, route=d.route, attempts=self.attempt)
+            self._note_move(State.RUNNING, route=d.route, attempts=self.attempt)
             yield RouteInfo(
                 route=d.route,
                 reason=str(d.reason),

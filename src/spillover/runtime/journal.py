@@ -24,6 +24,14 @@ Rules:
    writing, or whose BEGIN or COMMIT fails, is rolled back whole and its writes run again
    one by one, as above. A write whose caller was cancelled before it started is not
    written.
+7. A request's intermediate moves (ADMITTED, RUNNING: ``note_move``) are not waited for:
+   they queue behind the writes before them and commit with the next write that is waited
+   for (usually the same request's next one), or within ``DEFER_S`` when none comes.
+   Replay after a restart does not tell them from QUEUED, so the durability that matters
+   is unchanged: ACCEPTED is fsynced before the first byte, a terminal state and
+   ``tokens_delivered`` are committed before the client is answered, and every transition
+   is still a row. One that cannot be written (a full disk) is written, in order, before
+   the same request's next move or update; until then that write fails as it would have.
 2. Retention is bounded by age (``retention_s``), by count (``max_requests`` finished
    ones) and by bytes: once the used bytes pass ``HIGH_WATER_RATIO`` of ``max_bytes``,
    the oldest finished requests go until ``LOW_WATER_RATIO``. Unfinished ones never do.
@@ -108,23 +116,28 @@ class _Op:
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Any] | None  # None: nobody waits (rule 7)
     loop: asyncio.AbstractEventLoop
 
     def groupable(self) -> bool:
         return self.fn.__name__ in GROUPABLE
 
 
-GROUPABLE = frozenset({"_accept", "_move", "_update"})  # lifecycle writes: never a prune or a script
+GROUPABLE = frozenset({"_accept", "_move", "_update", "_noted_move"})  # lifecycle writes: never a prune or a script
+DEFER_S = 0.25  # an intermediate move nobody waits for is committed at most this late (rule 7)
 GROUP_MAX = 64  # writes one drain pass takes: bounds a group's transaction, WAL growth and wait
 GROWTH_PAGES = 16  # pages a write may take beyond twice what it declares (rule 4's upper bound)
 STATES_KEPT = 100_000  # unfinished requests whose state the journal thread remembers
 REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound grew this share of max_bytes
 
 
+def _nothing() -> None:
+    """A write with nothing to write: ``Journal.flush`` waits for the writes before it."""
+
+
 def _resolve(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
     for op, value, exc in done:
-        if op.future.done():  # its caller was cancelled; the write stands
+        if op.future is None or op.future.done():  # its caller was cancelled; the write stands
             continue
         if exc is not None:
             op.future.set_exception(exc)
@@ -160,6 +173,9 @@ class Journal:
         self._bytes_used = 0  # measured (pages in use), as of the last ``_measure``
         self._bytes_bound = 0  # an upper bound of the bytes in use now (rule 4)
         self._states: dict[str, State] = {}  # unfinished requests' states as last written (``_known``)
+        # Noted moves that could not be written, per request, in order: written before its next move (rule 7).
+        self._unwritten: dict[str, list[tuple[State, dict[str, Any]]]] = {}
+        self._tick_handle: asyncio.TimerHandle | None = None  # rule 7's DEFER_S timer, while noted moves wait
         self._rows = 0
         self.writes = 0
         self.write_errors = 0
@@ -193,18 +209,34 @@ class Journal:
             self._pending.append(_Op(fn, args, fut, loop))
             start, self._draining = not self._draining, True
         if start:
-            try:
-                self._pool.submit(self._drain)
-            except RuntimeError as exc:  # closed: every write waiting now fails as this one
-                with self._pending_lock:
-                    ops, self._pending, self._draining = self._pending, [], False
-                self._settle(ops, [(None, exc)] * len(ops))
+            self._start_drain()
         try:
             return await fut
         except (sqlite3.Error, OSError) as exc:
             raise JournalUnavailable(
                 f"the request journal cannot be written: {exc}", retry_after_s=RETRY_AFTER_S
             ) from exc
+
+    def _start_drain(self) -> None:
+        """Queue a drain pass (the caller set ``_draining``)."""
+        try:
+            self._pool.submit(self._drain)
+        except RuntimeError as exc:  # closed: every write waiting now fails as this one
+            with self._pending_lock:
+                ops, self._pending, self._draining = self._pending, [], False
+            self._settle(ops, [(None, exc)] * len(ops))
+
+    def _tick(self) -> None:
+        """Rule 7's timer (event loop): start a drain for the noted moves still waiting, and
+        come back while any wait."""
+        self._tick_handle = None
+        with self._pending_lock:
+            if not self._pending:
+                return
+            start, self._draining = not self._draining, True
+        if start:
+            self._start_drain()
+        self._tick_handle = asyncio.get_running_loop().call_later(DEFER_S, self._tick)
 
     # -- thread side -----------------------------------------------------------------
     def _drain(self) -> None:
@@ -217,7 +249,7 @@ class Journal:
                 ops, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
             # A caller cancelled before its write started: nothing is written (as a job
             # run_in_executor had not started yet).
-            ops = [op for op in ops if not op.future.cancelled()]
+            ops = [op for op in ops if op.future is None or not op.future.cancelled()]
             i = 0
             while i < len(ops):
                 j = i
@@ -231,7 +263,7 @@ class Journal:
                     i += 1
             ops = []
             with self._pending_lock:
-                if not self._pending:
+                if all(op.future is None for op in self._pending):  # noted moves wait for a write or the timer
                     self._draining = False
                     return
             self._pool.submit(self._drain)
@@ -243,7 +275,11 @@ class Journal:
                 raise
 
     def _alone(self, op: _Op) -> tuple[Any, BaseException | None]:
+        if op.fn is _nothing:  # ``flush``: the writes before it are done
+            return None, None
         try:
+            if op.future is None:  # a noted move: ``_noted_move`` keeps it when the disk fails
+                return op.fn(*op.args), None
             self._synchronous(full=op.fn.__name__ == "_accept")
             return self._counted(op.fn, *op.args), None
         except Exception as exc:
@@ -256,6 +292,7 @@ class Journal:
         error, rolls the whole group back and it runs one by one."""
         db = self._db_()
         counters = (self.writes, self._rows, self.write_errors)
+        unwritten = {rid: list(moves) for rid, moves in self._unwritten.items()}
         results: list[tuple[Any, BaseException | None]] = []
         try:
             journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6: the writes then fail one by one
@@ -281,6 +318,7 @@ class Journal:
                 with suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
             self.writes, self._rows, self.write_errors = counters
+            self._unwritten = unwritten  # the moves written in the group are rolled back
             return [self._alone(op) for op in ops]  # one by one, each as rule 1 says
         finally:
             self._grouped = False
@@ -295,10 +333,14 @@ class Journal:
 
     @staticmethod
     def _settle(ops: list[_Op], results: list[tuple[Any, BaseException | None]]) -> None:
-        """Hand each caller its result, one call into each caller's loop."""
+        """Hand each caller its result, one call into each caller's loop; a noted move has no
+        caller: its error (a bug) is logged."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any, BaseException | None]]] = {}
         for op, (value, exc) in zip(ops, results, strict=True):
-            by_loop.setdefault(op.loop, []).append((op, value, exc))
+            if op.future is not None:
+                by_loop.setdefault(op.loop, []).append((op, value, exc))
+            elif exc is not None:
+                log.error("journal: a noted move %s was refused: %r", op.args[:2], exc)
         for loop, done in by_loop.items():
             with suppress(RuntimeError):  # a closed loop: nobody waits there any more
                 loop.call_soon_threadsafe(_resolve, done)
@@ -460,42 +502,78 @@ class Journal:
         self.writes += 1
         self._rows += 1
 
+    def _noted_move(self, rid: str, target: State, fields: dict[str, Any]) -> None:
+        """A move nobody waits for (rule 7). In a group, any error is the group's (rule 1).
+        Alone, one the disk refuses is kept for the request's next write; any other error (a
+        bug: an illegal move) is logged by ``_settle``."""
+        if self._grouped:
+            self._move(rid, target, fields)
+            return
+        try:
+            self._synchronous(full=False)
+            self._counted(self._move, rid, target, fields)  # rule 6's full disk; errors counted
+        except (sqlite3.Error, OSError) as exc:
+            if len(self._unwritten) >= STATES_KEPT and rid not in self._unwritten:
+                self._unwritten.pop(next(iter(self._unwritten)))
+            self._unwritten.setdefault(rid, []).append((target, fields))
+            log.warning("journal: %s's move to %s waits for its next write: %s", rid, target.value, exc)
+
+    @contextmanager
+    def _caught_up(self, rid: str) -> Iterator[sqlite3.Connection]:
+        """A write's transaction for ``rid``, its noted moves that could not be written first,
+        in order (rule 7). When the write fails they stay unwritten (in a group, its rollback
+        puts them back)."""
+        moves = self._unwritten.pop(rid, None)
+        try:
+            with self._transaction() as db:
+                for target, fields in moves or ():
+                    self._move_row(rid, target, fields)
+                yield db
+        except BaseException:
+            if moves is not None:
+                self._unwritten[rid] = moves
+            raise
+
     def _move(self, rid: str, target: State, fields: dict[str, Any]) -> None:
         texts = [v for v in fields.values() if isinstance(v, str | bytes)]
         need = sum(len(v.encode()) if isinstance(v, str) else len(v) for v in texts)  # bytes, as stored
         self._make_room(keep=rid, need=need)
-        now = time.time()
-        with self._transaction() as db:
-            if (current := self._states.get(rid)) is None:
-                row = db.execute("SELECT state FROM requests WHERE id=?", (rid,)).fetchone()
-                if row is None:
-                    raise KeyError(rid)
-                current = State(row[0])
-            advance(current, target)  # raises IllegalTransition, nothing written
-            sets = {"state": target.value, "updated_s": now, **fields}
-            sets["finished_s"] = now if target in TERMINAL else None
-            cols = ", ".join(f"{k}=?" for k in sets)
-            db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*sets.values(), rid))
-            db.execute(
-                "INSERT INTO transitions (rid, t_s, from_state, to_state, route, attempt, reason)"
-                " VALUES (?,?,?,?,?,?,?)",
-                (
-                    rid,
-                    now,
-                    current.value,
-                    target.value,
-                    fields.get("route"),
-                    fields.get("attempts"),
-                    fields.get("reason"),
-                ),
-            )
-            self._known(rid, target)
+        with self._caught_up(rid):
+            self._move_row(rid, target, fields)
         self.writes += 1
+
+    def _move_row(self, rid: str, target: State, fields: dict[str, Any]) -> None:
+        """One move's rows (inside a transaction): checked against the lifecycle table first."""
+        db = self._db_()
+        now = time.time()
+        if (current := self._states.get(rid)) is None:
+            row = db.execute("SELECT state FROM requests WHERE id=?", (rid,)).fetchone()
+            if row is None:
+                raise KeyError(rid)
+            current = State(row[0])
+        advance(current, target)  # raises IllegalTransition, nothing written
+        sets = {"state": target.value, "updated_s": now, **fields}
+        sets["finished_s"] = now if target in TERMINAL else None
+        cols = ", ".join(f"{k}=?" for k in sets)
+        db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*sets.values(), rid))
+        db.execute(
+            "INSERT INTO transitions (rid, t_s, from_state, to_state, route, attempt, reason) VALUES (?,?,?,?,?,?,?)",
+            (
+                rid,
+                now,
+                current.value,
+                target.value,
+                fields.get("route"),
+                fields.get("attempts"),
+                fields.get("reason"),
+            ),
+        )
+        self._known(rid, target)
 
     def _update(self, rid: str, fields: dict[str, Any]) -> None:
         self._grow(0)
         cols = ", ".join(f"{k}=?" for k in fields)
-        with self._transaction() as db:
+        with self._caught_up(rid) as db:
             db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
         self.writes += 1
 
@@ -607,6 +685,20 @@ class Journal:
         KeyError (unknown id), IllegalTransition or JournalUnavailable; each writes nothing."""
         await self._write(self._move, rid, target, fields)
 
+    def note_move(self, rid: str, target: State, **fields: Any) -> None:
+        """Queue an intermediate move (ADMITTED, RUNNING) without waiting for it (rule 7):
+        it commits with the next write that is waited for, or within ``DEFER_S``. Call it
+        on the event loop."""
+        loop = asyncio.get_running_loop()
+        with self._pending_lock:
+            self._pending.append(_Op(self._noted_move, (rid, target, fields), None, loop))
+        if self._tick_handle is None:
+            self._tick_handle = loop.call_later(DEFER_S, self._tick)
+
+    async def flush(self) -> None:
+        """Wait until every write queued before this call (noted moves included) is done."""
+        await self._write(_nothing)
+
     async def update(self, rid: str, **fields: Any) -> None:
         """Update columns without a transition (e.g. the first token delivered); raises
         JournalUnavailable when it cannot be written."""
@@ -643,6 +735,12 @@ class Journal:
         return await self._run(self._count)
 
     async def close(self) -> None:
+        with suppress(JournalUnavailable):
+            await self.flush()  # the noted moves (rule 7)
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+
         def _close() -> None:
             if self._db is not None:
                 self._db.close()

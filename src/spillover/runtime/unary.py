@@ -46,6 +46,7 @@ log = logging.getLogger("spillover.request")
 OnMove = Callable[[str, dict[str, Any]], Awaitable[None]]
 Emit = Callable[[bytes, dict[str, str]], None]  # one streamed frame, and the headers it is sent under
 SSE = "text/event-stream"
+NOTED = frozenset({State.ADMITTED, State.RUNNING})  # moves journaled without waiting (journal rule 7)
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,12 @@ class UnaryRun:
             self.route = fields["route"]
         if "attempts" in fields:
             self.attempt = int(fields["attempts"])
-        if self.gw.journal is not None:
-            await self.gw.journal.move(self.rid, State(state), **fields)
+        if self.gw.journal is None:
+            return
+        if (target := State(state)) in NOTED:  # an intermediate step: not waited for (journal rule 7)
+            self.gw.journal.note_move(self.rid, target, **fields)
+        else:
+            await self.gw.journal.move(self.rid, target, **fields)
 
     @property
     def streaming(self) -> bool:
