@@ -5,6 +5,7 @@ too), the log stays small, and the workers never notice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -198,5 +199,52 @@ def test_trickled_head_and_idle_keep_alive_are_closed_after_header_timeout(gw: G
     assert closed_at["keep"] <= HEADER_TIMEOUT_S + 3, closed_at
     assert sent < len(head), "the head never completed"
     with connect(gw) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")
+
+
+def test_an_oversized_head_gets_431_and_a_large_body_does_not(gw: GatewayProcess) -> None:
+    """A request head past MAX_HEAD_BYTES, sent at full speed in one header or in many, is
+    answered 431 and closed (the parser itself bounds nothing); a body far larger than that
+    after a normal head is read as a body, not counted as head."""
+    from spillover.http.server import MAX_HEAD_BYTES
+
+    one = b"x" * (MAX_HEAD_BYTES + 1024)
+    many = b"".join(b"X-H%d: %s\r\n" % (i, b"y" * 100) for i in range(MAX_HEAD_BYTES // 100 + 10))
+    for head in (
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + one + b"\r\n\r\n",
+        b"GET /health HTTP/1.1\r\n" + many,
+    ):
+        with connect(gw) as s:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(head)
+            got = read_response(s)
+            assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+            assert s.recv(4096) == b""  # closed
+    body = json.dumps(
+        {"model": "nobody", "messages": [{"role": "user", "content": "z" * (4 * MAX_HEAD_BYTES)}]}
+    ).encode()
+    with connect(gw) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        got = read_response(s)
+        assert got.startswith(b"HTTP/1.1 404 "), got[:300]  # the model is unknown: the body was read whole
+        assert b"model_not_found" in got
+
+
+def test_pipelined_requests_are_all_answered_in_order(gw: GatewayProcess) -> None:
+    """Three requests sent in one write on one connection get three answers, in order, and
+    the connection then waits for the next head as usual."""
+    with connect(gw) as s:
+        s.sendall(
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        )
+        answers = [read_response(s) for _ in range(3)]
+        assert [a.split(b" ", 2)[1] for a in answers] == [b"200"] * 3
+        assert b'"object":"list"' in answers[1].replace(b" ", b"")
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         assert read_response(s).startswith(b"HTTP/1.1 200 ")

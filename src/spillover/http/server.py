@@ -3,8 +3,10 @@
 uvicorn bounds none of these: a connection that never sends a byte, or sends a request
 head one byte at a time, stays open for ever, and enough of them exhaust the process's
 file descriptors (asyncio then logs ``EMFILE`` on every accept, and every other part of
-the gateway that opens a file or a pipe fails). ``bounded_protocol`` builds uvicorn's h11
-protocol with those bounds; ``raise_fd_limit`` makes sure the bounds fit the process.
+the gateway that opens a file or a pipe fails). ``bounded_protocol`` builds uvicorn's
+httptools protocol (llhttp, a C parser: about half the CPU per request of its pure-Python
+h11 one, ``benchmarks.request_cost``) with those bounds; ``raise_fd_limit`` makes sure the
+bounds fit the process.
 
 Rules:
 
@@ -15,9 +17,11 @@ Rules:
    connecting or of the end of its previous response (so the bound covers idle keep-alive
    too). Partial bytes do not restart the clock. Late connections are closed; one that
    has not read its previous response by then is aborted.
-3. Refusals and time-outs are counted (``statistics()``) and logged at most once per
+3. A request head larger than ``MAX_HEAD_BYTES`` is answered 431 and the connection closed
+   (llhttp itself sets no bound; h11's was 16 KiB).
+4. Refusals and time-outs are counted (``statistics()``) and logged at most once per
    ``LOG_EVERY_S``: an attack cannot grow the log.
-4. uvicorn's listen backlog is ``max_connections``, so one accept burst adds at most that
+5. uvicorn's listen backlog is ``max_connections``, so one accept burst adds at most that
    many descriptors before rule 1 closes them. ``raise_fd_limit`` raises the soft
    ``RLIMIT_NOFILE`` to the hard limit and refuses to serve unless two bursts' worth of
    connections plus ``FD_RESERVE`` fit under it.
@@ -34,16 +38,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import h11
 from uvicorn.config import Config as UvicornConfig
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from spillover.errors import CapacityError, ConfigError, to_http
 
 __all__ = [
     "FD_RESERVE",
-    "BoundedH11Protocol",
+    "MAX_HEAD_BYTES",
+    "BoundedHttpProtocol",
     "ConnectionGuard",
     "ConnectionStatistics",
     "bounded_protocol",
@@ -54,6 +58,7 @@ log = logging.getLogger("spillover.http.server")
 
 FD_RESERVE = 128  # descriptors kept for worker pipes, the journal, the sim ledger, logs, the listener
 LOG_EVERY_S = 10.0
+MAX_HEAD_BYTES = 64 * 1024  # a request line and headers (rule 3)
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,12 @@ class ConnectionGuard:
         )
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with rules 1 and 2; build it with ``bounded_protocol``."""
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with rules 1-3; build it with ``bounded_protocol``.
+
+    A connection waits for a head while no request of it is being answered (``_open_heads``
+    is 0): from connecting, and from the end of each response. Pipelined requests whose
+    heads are already parsed count as being answered."""
 
     guard: ConnectionGuard
 
@@ -138,6 +147,11 @@ class BoundedH11Protocol(H11Protocol):
         super().__init__(config, server_state, app_state, _loop)
         self._refused = False
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._in_head = False  # a request line has begun and its headers are not complete
+        # Bytes of the head being received (rule 3). A head that begins after another one's end
+        # in the same chunk (pipelining) is counted from the next chunk: one chunk at most uncounted.
+        self._head_bytes = 0
+        self._open_heads = 0  # complete heads whose responses are not complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         g = self.guard
@@ -160,24 +174,40 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self.transport.is_closing():
             return
+        if self._in_head or self._open_heads == 0:  # the chunk opens with head bytes (rule 3)
+            end = data.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else end
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
         super().data_received(data)
-        self._track_head()
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._open_heads += 1
+        self._disarm_head_deadline()
+        super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        self._open_heads = max(0, self._open_heads - 1)
         super().on_response_complete()
-        self._track_head()
+        if self._open_heads == 0 and not self.transport.is_closing() and self._head_deadline is None:
+            self._arm_head_deadline()  # partial bytes of the next head never restart it
 
-    def _track_head(self) -> None:
-        """Run the head clock exactly while the connection waits for a request head (rule 2)."""
-        if self.transport.is_closing():
-            self._disarm_head_deadline()
-        elif self.conn.their_state is h11.IDLE:
-            if self._head_deadline is None:  # partial bytes never restart it
-                self._arm_head_deadline()
-        else:
-            self._disarm_head_deadline()
+    def _refuse_head(self) -> None:
+        body = b"request head too large"
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        self.transport.close()
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
@@ -190,11 +220,9 @@ class BoundedH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or self._open_heads > 0:
             return
         self.guard.head_timeouts += 1
-        with contextlib.suppress(h11.LocalProtocolError):
-            self.conn.send(h11.ConnectionClosed())
         if self.transport.get_write_buffer_size() > 0:
             self.transport.abort()  # it did not even read the previous response: do not wait for it
         else:
@@ -202,12 +230,12 @@ class BoundedH11Protocol(H11Protocol):
         self.guard.note(time.monotonic())
 
 
-def bounded_protocol(max_connections: int, header_timeout_s: float) -> type[BoundedH11Protocol]:
+def bounded_protocol(max_connections: int, header_timeout_s: float) -> type[BoundedHttpProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` enforcing these bounds; its
     ``guard`` holds the counters of every connection it serves."""
     shared = ConnectionGuard(max_connections, header_timeout_s)
 
-    class Configured(BoundedH11Protocol):
+    class Configured(BoundedHttpProtocol):
         guard = shared
 
     return Configured
@@ -215,7 +243,7 @@ def bounded_protocol(max_connections: int, header_timeout_s: float) -> type[Boun
 
 def raise_fd_limit(max_connections: int) -> int:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard limit and return it; ``ConfigError``
-    when ``max_connections`` does not stay well under it (rule 4)."""
+    when ``max_connections`` does not stay well under it (rule 5)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     if soft == resource.RLIM_INFINITY:
