@@ -110,6 +110,11 @@ class _StateCollector(Collector):
                 "connections closed for not sending a request head in time",
                 value=c["head_timeouts"],
             )
+            yield CounterMetricFamily(
+                "spillover_connections_heads_too_large",
+                "connections answered 431: a request head over the listener's bound",
+                value=c["heads_too_large"],
+            )
         host = GaugeMetricFamily(
             "spillover_host_memory_bytes", "gateway and workers RSS, and the budget", labels=["kind"]
         )

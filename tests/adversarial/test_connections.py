@@ -204,34 +204,72 @@ def test_trickled_head_and_idle_keep_alive_are_closed_after_header_timeout(gw: G
 
 
 def test_an_oversized_head_gets_431_and_a_large_body_does_not(gw: GatewayProcess) -> None:
-    """A request head past MAX_HEAD_BYTES, sent at full speed in one header or in many, is
-    answered 431 and closed (the parser itself bounds nothing); a body far larger than that
-    after a normal head is read as a body, not counted as head."""
+    """A request head past MAX_HEAD_BYTES, sent at full speed in one header, in many, or
+    behind empty lines, is answered 431 and closed (the parser itself bounds nothing), and
+    counted; a body far larger than that after a normal head is read as a body, also when
+    the head's last bytes come in the same read as the body."""
     from spillover.http.server import MAX_HEAD_BYTES
 
+    before = gw.status()["connections"]["heads_too_large"]
     one = b"x" * (MAX_HEAD_BYTES + 1024)
     many = b"".join(b"X-H%d: %s\r\n" % (i, b"y" * 100) for i in range(MAX_HEAD_BYTES // 100 + 10))
-    for head in (
+    heads = [
         b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + one + b"\r\n\r\n",
         b"GET /health HTTP/1.1\r\n" + many,
-    ):
+        b"\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + one + b"\r\n\r\n",
+    ]
+    for head in heads:
         with connect(gw) as s:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 s.sendall(head)
             got = read_response(s)
             assert got.startswith(b"HTTP/1.1 431 "), got[:200]
             assert s.recv(4096) == b""  # closed
+    assert gw.status()["connections"]["heads_too_large"] == before + len(heads)
     body = json.dumps(
         {"model": "nobody", "messages": [{"role": "user", "content": "z" * (4 * MAX_HEAD_BYTES)}]}
     ).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    for cut in (0, 1, 2, 3):  # the head's end split across two reads, or not
+        with connect(gw) as s:
+            s.sendall(head[: len(head) - cut])
+            time.sleep(0.2)
+            s.sendall(head[len(head) - cut :] + body)
+            got = read_response(s)
+            assert got.startswith(b"HTTP/1.1 404 "), (cut, got[:300])  # unknown model: the body was read whole
+            assert b"model_not_found" in got
+
+
+def test_a_body_left_unread_by_an_early_answer_is_not_a_head(gw: GatewayProcess) -> None:
+    """The app may answer before reading a body (415 here): the body's bytes that follow are
+    neither a head (no 431) nor another request; the answer is the only one."""
+    from spillover.http.server import MAX_HEAD_BYTES
+
     with connect(gw) as s:
-        s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        got = read_response(s)
-        assert got.startswith(b"HTTP/1.1 404 "), got[:300]  # the model is unknown: the body was read whole
-        assert b"model_not_found" in got
+        n = 2 * MAX_HEAD_BYTES
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n{" % n)
+        first = read_response(s)
+        assert first.startswith(b"HTTP/1.1 415 "), first[:300]
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(b"z" * (n - 1))
+        s.settimeout(1.0)
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            assert b"431" not in s.recv(4096)
+
+
+def test_a_bad_request_behind_a_good_one_waits_for_its_answer(gw: GatewayProcess) -> None:
+    """A request that cannot be parsed, pipelined behind a good one, does not take the good
+    one's answer: 200 first, then the 400, then the connection closes."""
+    with connect(gw) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGARBAGE\x01 / HTTP/1.1\r\n\r\n")
+        got = b""
+        while chunk := s.recv(4096):  # until the server closes
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200 "), got[:300]
+        assert got.count(b"HTTP/1.1 ") == 2 and got.index(b"HTTP/1.1 400 ") > got.index(b'{"status":"ok"}'), got
 
 
 def test_pipelined_requests_are_all_answered_in_order(gw: GatewayProcess) -> None:

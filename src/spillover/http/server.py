@@ -15,11 +15,16 @@ Rules:
    never reaches the app.
 2. A connection must deliver a complete request head within ``header_timeout_s`` of
    connecting or of the end of its previous response (so the bound covers idle keep-alive
-   too). Partial bytes do not restart the clock. Late connections are closed; one that
-   has not read its previous response by then is aborted.
-3. A request head larger than ``MAX_HEAD_BYTES`` is answered 431 and the connection closed
-   (llhttp itself sets no bound; h11's was 16 KiB).
-4. Refusals and time-outs are counted (``statistics()``) and logged at most once per
+   too, and the rest of a body the app answered without reading). Partial bytes do not
+   restart the clock. Late connections are closed; one that has not read its previous
+   response by then is aborted.
+3. A request head (with the empty lines a client may send before it) larger than
+   ``MAX_HEAD_BYTES`` is answered 431 and the connection closed (llhttp itself sets no
+   bound; h11's was 16 KiB). A head that begins in the same read as the end of the request
+   before it (pipelining) is counted from the next read: one read at most goes uncounted.
+   A refusal (this 431, or uvicorn's 400 for a request it cannot parse) behind pipelined
+   requests still being answered waits for their answers, reading nothing more.
+4. Refusals, time-outs and oversized heads are counted (``statistics()``) and logged at most once per
    ``LOG_EVERY_S``: an attack cannot grow the log.
 5. uvicorn's listen backlog is ``max_connections``, so one accept burst adds at most that
    many descriptors before rule 1 closes them. ``raise_fd_limit`` raises the soft
@@ -31,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +77,11 @@ class ConnectionStatistics:
     header_timeout_s: float
     refused: int
     head_timeouts: int
+    heads_too_large: int
 
 
 class ConnectionGuard:
-    """The bounds and counters shared by every connection of one server (rules 1-3)."""
+    """The bounds and counters shared by every connection of one server (rules 1-4)."""
 
     def __init__(self, max_connections: int, header_timeout_s: float) -> None:
         self.max_connections = max_connections
@@ -81,7 +89,8 @@ class ConnectionGuard:
         self.open = 0
         self.refused = 0
         self.head_timeouts = 0
-        self._logged = (0, 0)  # (refused, head_timeouts) at the last log line
+        self.heads_too_large = 0
+        self._logged = (0, 0, 0)  # (refused, head_timeouts, heads_too_large) at the last log line
         self._last_log_s = float("-inf")
         error = to_http(
             CapacityError(
@@ -106,34 +115,40 @@ class ConnectionGuard:
             header_timeout_s=self.header_timeout_s,
             refused=self.refused,
             head_timeouts=self.head_timeouts,
+            heads_too_large=self.heads_too_large,
         )
 
     def note(self, now_s: float) -> None:
-        """Log what changed since the last line, at most once per ``LOG_EVERY_S`` (rule 3)."""
+        """Log what changed since the last line, at most once per ``LOG_EVERY_S`` (rule 4)."""
         if now_s - self._last_log_s < LOG_EVERY_S:
             return
-        refused, timeouts = self.refused - self._logged[0], self.head_timeouts - self._logged[1]
-        if refused == 0 and timeouts == 0:
+        now = (self.refused, self.head_timeouts, self.heads_too_large)
+        refused, timeouts, too_large = (a - b for a, b in zip(now, self._logged, strict=True))
+        if refused == 0 and timeouts == 0 and too_large == 0:
             return
         self._last_log_s = now_s
-        self._logged = (self.refused, self.head_timeouts)
+        self._logged = now
         log.warning(
             "connections: %d refused (max_connections=%d, open %d), %d closed without a request head "
-            "within header_timeout_s=%g (counts since the last such line)",
+            "within header_timeout_s=%g, %d heads over %d bytes (counts since the last such line)",
             refused,
             self.max_connections,
             self.open,
             timeouts,
             self.header_timeout_s,
+            too_large,
+            MAX_HEAD_BYTES,
         )
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with rules 1-3; build it with ``bounded_protocol``.
+    """uvicorn's httptools protocol with rules 1-4; build it with ``bounded_protocol``.
 
     A connection waits for a head while no request of it is being answered (``_open_heads``
     is 0): from connecting, and from the end of each response. Pipelined requests whose
-    heads are already parsed count as being answered."""
+    heads are already parsed count as being answered. Head bytes (rule 3) are counted from
+    reads that begin inside a head or between requests (not inside a body), up to the end
+    of the head, which may be split across reads."""
 
     guard: ConnectionGuard
 
@@ -147,11 +162,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._refused = False
         self._head_deadline: asyncio.TimerHandle | None = None
-        self._in_head = False  # a request line has begun and its headers are not complete
-        # Bytes of the head being received (rule 3). A head that begins after another one's end
-        # in the same chunk (pipelining) is counted from the next chunk: one chunk at most uncounted.
-        self._head_bytes = 0
+        self._in_message = False  # a request has begun and its body is not complete
+        self._in_head = False  # a request has begun and its head is not complete
+        self._head_bytes = 0  # bytes of the head being received, and of empty lines before it (rule 3)
+        self._head_tail = b""  # the last bytes of a head not yet complete: its end may be split
         self._open_heads = 0  # complete heads whose responses are not complete
+        self._refusal: Callable[[], None] | None = None  # waits for the answers before it (rule 3)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         g = self.guard
@@ -174,18 +190,24 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused or self.transport.is_closing():
+        if self._refused or self._refusal is not None or self.transport.is_closing():
             return
-        if self._in_head or self._open_heads == 0:  # the chunk opens with head bytes (rule 3)
-            end = data.find(b"\r\n\r\n")
-            self._head_bytes += len(data) if end < 0 else end
+        if self._in_head or not self._in_message:  # the read opens with head bytes (rule 3)
+            rest = data if self._in_head else data.lstrip(b"\r\n")  # llhttp skips empty lines before a head
+            probe = self._head_tail + rest
+            end = probe.find(b"\r\n\r\n")
+            used = len(rest) if end < 0 else max(0, end + 4 - len(self._head_tail))
+            self._head_bytes += len(data) - len(rest) + used
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse_head()
+                self.guard.heads_too_large += 1
+                self.guard.note(time.monotonic())
+                self._refuse(self._send_431)
                 return
         super().data_received(data)
+        self._head_tail = (self._head_tail + data)[-3:] if self._in_head else b""
 
     def on_message_begin(self) -> None:
-        self._in_head = True
+        self._in_message = self._in_head = True
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
@@ -195,13 +217,34 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._disarm_head_deadline()
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
+
     def on_response_complete(self) -> None:
         self._open_heads = max(0, self._open_heads - 1)
         super().on_response_complete()
-        if self._open_heads == 0 and not self.transport.is_closing() and self._head_deadline is None:
+        if self._open_heads > 0 or self.transport.is_closing():
+            return
+        if self._refusal is not None:
+            self._refusal()
+        elif self._head_deadline is None:
             self._arm_head_deadline()  # partial bytes of the next head never restart it
 
-    def _refuse_head(self) -> None:
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse, after the answers before it (rule 3)."""
+        self._refuse(functools.partial(super().send_400_response, msg))
+
+    def _refuse(self, send: Callable[[], None]) -> None:
+        """Answer and close now, or once the requests before it are answered (reading nothing more)."""
+        if self._open_heads == 0:
+            send()
+            return
+        self._refusal = send
+        self._disarm_head_deadline()
+        self.flow.pause_reading()
+
+    def _send_431(self) -> None:
         body = b"request head too large"
         self.transport.write(
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
