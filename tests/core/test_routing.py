@@ -162,6 +162,9 @@ RESTART_ROWS = [
     (S.RUNNING, False, 40, True),  # non-stream: nothing reached the client
     (S.RUNNING, True, 0, True),  # a stream before its first token
     (S.RUNNING, True, 1, False),  # a stream that delivered a token
+    (S.QUEUED, True, 3, False),  # a stream queued again for a continuation after a failover
+    (S.ADMITTED, True, 3, False),  # ... and admitted: its noted RUNNING not yet committed
+    (S.QUEUED, False, 3, True),
 ]
 
 

@@ -43,7 +43,7 @@ def spy_groups(j: Journal) -> list[int]:
 
 def test_noted_moves_commit_with_the_next_waited_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Noted ADMITTED and RUNNING are not written until a write is waited for; then all three
-    commit in one transaction, in order."""
+    commit in one transaction, in order, each with its own time."""
     monkeypatch.setattr(journal_module, "DEFER_S", 60.0)
 
     async def body(j: Journal) -> None:
@@ -57,7 +57,9 @@ def test_noted_moves_commit_with_the_next_waited_write(tmp_path: Path, monkeypat
         assert groups == [3]
         rec = await j.get("r")
         assert rec is not None and (rec.state, rec.route) == (State.COMPLETED, "gpu")
-        assert steps(await j.history("r")) == ["accepted", "queued", "admitted", "running", "completed"]
+        history = await j.history("r")
+        assert steps(history) == ["accepted", "queued", "admitted", "running", "completed"]
+        assert history[3]["t_s"] <= history[4]["t_s"] - 0.04  # each move keeps the time it was noted
         assert j.statistics().writes == 4
 
     with_journal(tmp_path, body)

@@ -21,8 +21,9 @@ Rules:
    fallback model (only at a request boundary: never a continuation).
 5. The CPU path must fit the request (rule 1); otherwise the failure is final.
 6. After a gateway restart an unfinished request is replayed when nothing of it reached
-   its client: it never ran (ACCEPTED, QUEUED, ADMITTED), or it was RUNNING but is not a
-   stream or had delivered no token (``replayable_after_restart``).
+   its client: it is not a stream, or it is a stream that had delivered no token, whatever
+   its state (a stream that failed over mid-answer is QUEUED again with tokens delivered)
+   (``replayable_after_restart``).
 
 The reasons admission and routing give are values: ``Reason`` and ``FailoverReason``
 (``core.reasons``, re-exported here).
@@ -170,6 +171,6 @@ def plan_failover(f: FailoverFacts) -> Plan:
 
 def replayable_after_restart(state: State, stream: bool, tokens_delivered: int) -> bool:
     """Whether an unfinished request found after a restart may run again (rule 6)."""
-    if state in (State.ACCEPTED, State.QUEUED, State.ADMITTED):
-        return True
-    return state is State.RUNNING and (not stream or tokens_delivered == 0)
+    if stream and tokens_delivered > 0:
+        return False
+    return state in (State.ACCEPTED, State.QUEUED, State.ADMITTED, State.RUNNING)

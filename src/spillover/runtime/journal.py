@@ -26,7 +26,9 @@ Rules:
    written.
 7. A request's intermediate moves (ADMITTED, RUNNING: ``note_move``) are not waited for:
    they queue behind the writes before them and commit with the next write that is waited
-   for (usually the same request's next one), or within ``DEFER_S`` when none comes.
+   for (usually the same request's next one), or after about ``DEFER_S`` (at most twice
+   that, and ``GROUP_MAX`` of them a pass) when none comes. Each keeps the time it was
+   noted. Noted after ``close``, a move is dropped (the gateway is stopping).
    Replay after a restart does not tell them from QUEUED, so the durability that matters
    is unchanged: ACCEPTED is fsynced before the first byte, a terminal state and
    ``tokens_delivered`` are committed before the client is answered, and every transition
@@ -174,8 +176,9 @@ class Journal:
         self._bytes_bound = 0  # an upper bound of the bytes in use now (rule 4)
         self._states: dict[str, State] = {}  # unfinished requests' states as last written (``_known``)
         # Noted moves that could not be written, per request, in order: written before its next move (rule 7).
-        self._unwritten: dict[str, list[tuple[State, dict[str, Any]]]] = {}
+        self._unwritten: dict[str, list[tuple[State, dict[str, Any], float]]] = {}
         self._tick_handle: asyncio.TimerHandle | None = None  # rule 7's DEFER_S timer, while noted moves wait
+        self._closed = False
         self._rows = 0
         self.writes = 0
         self.write_errors = 0
@@ -502,20 +505,20 @@ class Journal:
         self.writes += 1
         self._rows += 1
 
-    def _noted_move(self, rid: str, target: State, fields: dict[str, Any]) -> None:
+    def _noted_move(self, rid: str, target: State, fields: dict[str, Any], at: float) -> None:
         """A move nobody waits for (rule 7). In a group, any error is the group's (rule 1).
         Alone, one the disk refuses is kept for the request's next write; any other error (a
         bug: an illegal move) is logged by ``_settle``."""
         if self._grouped:
-            self._move(rid, target, fields)
+            self._move(rid, target, fields, at)
             return
         try:
             self._synchronous(full=False)
-            self._counted(self._move, rid, target, fields)  # rule 6's full disk; errors counted
+            self._counted(self._move, rid, target, fields, at)  # rule 6's full disk; errors counted
         except (sqlite3.Error, OSError) as exc:
             if len(self._unwritten) >= STATES_KEPT and rid not in self._unwritten:
                 self._unwritten.pop(next(iter(self._unwritten)))
-            self._unwritten.setdefault(rid, []).append((target, fields))
+            self._unwritten.setdefault(rid, []).append((target, fields, at))
             log.warning("journal: %s's move to %s waits for its next write: %s", rid, target.value, exc)
 
     @contextmanager
@@ -526,26 +529,26 @@ class Journal:
         moves = self._unwritten.pop(rid, None)
         try:
             with self._transaction() as db:
-                for target, fields in moves or ():
-                    self._move_row(rid, target, fields)
+                for target, fields, at in moves or ():
+                    self._move_row(rid, target, fields, at)
                 yield db
         except BaseException:
             if moves is not None:
                 self._unwritten[rid] = moves
             raise
 
-    def _move(self, rid: str, target: State, fields: dict[str, Any]) -> None:
+    def _move(self, rid: str, target: State, fields: dict[str, Any], at: float | None = None) -> None:
         texts = [v for v in fields.values() if isinstance(v, str | bytes)]
         need = sum(len(v.encode()) if isinstance(v, str) else len(v) for v in texts)  # bytes, as stored
         self._make_room(keep=rid, need=need)
         with self._caught_up(rid):
-            self._move_row(rid, target, fields)
+            self._move_row(rid, target, fields, time.time() if at is None else at)
         self.writes += 1
 
-    def _move_row(self, rid: str, target: State, fields: dict[str, Any]) -> None:
-        """One move's rows (inside a transaction): checked against the lifecycle table first."""
+    def _move_row(self, rid: str, target: State, fields: dict[str, Any], now: float) -> None:
+        """One move's rows (inside a transaction), made at ``now``: checked against the
+        lifecycle table first."""
         db = self._db_()
-        now = time.time()
         if (current := self._states.get(rid)) is None:
             row = db.execute("SELECT state FROM requests WHERE id=?", (rid,)).fetchone()
             if row is None:
@@ -687,11 +690,13 @@ class Journal:
 
     def note_move(self, rid: str, target: State, **fields: Any) -> None:
         """Queue an intermediate move (ADMITTED, RUNNING) without waiting for it (rule 7):
-        it commits with the next write that is waited for, or within ``DEFER_S``. Call it
-        on the event loop."""
+        it commits with the next write that is waited for, or after about ``DEFER_S``, with
+        the time of this call. Call it on the event loop."""
+        if self._closed:
+            return
         loop = asyncio.get_running_loop()
         with self._pending_lock:
-            self._pending.append(_Op(self._noted_move, (rid, target, fields), None, loop))
+            self._pending.append(_Op(self._noted_move, (rid, target, fields, time.time()), None, loop))
         if self._tick_handle is None:
             self._tick_handle = loop.call_later(DEFER_S, self._tick)
 
@@ -735,6 +740,7 @@ class Journal:
         return await self._run(self._count)
 
     async def close(self) -> None:
+        self._closed = True
         with suppress(JournalUnavailable):
             await self.flush()  # the noted moves (rule 7)
         if self._tick_handle is not None:
