@@ -124,19 +124,25 @@ async def _held(j: Journal, writes: list[Awaitable[Any]]) -> list[Any]:
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def spy_groups(j: Journal) -> list[int]:
+    """The sizes of the groups ``j`` commits from now on, in order."""
+    groups: list[int] = []
+    real = j._group
+
+    def spy(ops: Any) -> Any:
+        groups.append(len(ops))
+        return real(ops)
+
+    j._group = spy  # type: ignore[method-assign]
+    return groups
+
+
 def test_writes_that_wait_together_commit_as_one_group(tmp_path: Path) -> None:
     """Lifecycle writes queued at once run in one transaction: each caller gets its own
     result, the rows and histories are exactly those of one-by-one writes."""
 
     async def body(j: Journal) -> None:
-        groups: list[int] = []
-        real = j._group
-
-        def spy(ops: Any) -> Any:
-            groups.append(len(ops))
-            return real(ops)
-
-        j._group = spy  # type: ignore[method-assign]
+        groups = spy_groups(j)
         assert await _held(j, [accept(j, f"r{i}") for i in range(8)]) == [None] * 8
         moves = [j.move(f"r{i}", State.QUEUED, route="gpu", attempts=1) for i in range(8)]
         assert await _held(j, moves) == [None] * 8

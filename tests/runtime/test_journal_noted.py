@@ -15,7 +15,7 @@ from spillover.core.routing import replayable_after_restart
 from spillover.errors import JournalUnavailable
 from spillover.runtime import journal as journal_module
 from spillover.runtime.journal import Journal, set_disk_full
-from tests.runtime.test_journal import _held, run_journal, with_journal
+from tests.runtime.test_journal import _held, run_journal, spy_groups, with_journal
 
 
 async def queued(j: Journal, rid: str, *, stream: bool = False) -> None:
@@ -27,18 +27,6 @@ async def queued(j: Journal, rid: str, *, stream: bool = False) -> None:
 
 def steps(history: list[dict[str, Any]]) -> list[str]:
     return [h["to"] for h in history]
-
-
-def spy_groups(j: Journal) -> list[int]:
-    groups: list[int] = []
-    real = j._group
-
-    def spy(ops: Any) -> Any:
-        groups.append(len(ops))
-        return real(ops)
-
-    j._group = spy  # type: ignore[method-assign]
-    return groups
 
 
 def test_noted_moves_commit_with_the_next_waited_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,16 +24,6 @@ Rules:
    writing, or whose BEGIN or COMMIT fails, is rolled back whole and its writes run again
    one by one, as above. A write whose caller was cancelled before it started is not
    written.
-7. A request's intermediate moves (ADMITTED, RUNNING: ``note_move``) are not waited for:
-   they queue behind the writes before them and commit with the next write that is waited
-   for (usually the same request's next one), or after about ``DEFER_S`` (at most twice
-   that, and ``GROUP_MAX`` of them a pass) when none comes. Each keeps the time it was
-   noted. Noted after ``close``, a move is dropped (the gateway is stopping).
-   Replay after a restart does not tell them from QUEUED, so the durability that matters
-   is unchanged: ACCEPTED is fsynced before the first byte, a terminal state and
-   ``tokens_delivered`` are committed before the client is answered, and every transition
-   is still a row. One that cannot be written (a full disk) is written, in order, before
-   the same request's next move or update; until then that write fails as it would have.
 2. Retention is bounded by age (``retention_s``), by count (``max_requests`` finished
    ones) and by bytes: once the used bytes pass ``HIGH_WATER_RATIO`` of ``max_bytes``,
    the oldest finished requests go until ``LOW_WATER_RATIO``. Unfinished ones never do.
@@ -54,6 +44,16 @@ Rules:
 6. Fault injection (the drill, tests): while a file named ``<journal>.disk-full`` exists
    (``set_disk_full``, ``spillover sim disk-full``), every write fails as on a full disk
    (ENOSPC), through the same path as a real one.
+7. A request's intermediate moves (ADMITTED, RUNNING: ``note_move``) are not waited for:
+   they queue behind the writes before them and commit with the next write that is waited
+   for (usually the same request's next one), or after about ``DEFER_S`` (at most twice
+   that, and ``GROUP_MAX`` of them a pass) when none comes. Each keeps the time it was
+   noted. Noted after ``close``, a move is dropped (the gateway is stopping).
+   Replay after a restart does not tell them from QUEUED, so the durability that matters
+   is unchanged: ACCEPTED is fsynced before the first byte, a terminal state and
+   ``tokens_delivered`` are committed before the client is answered, and every transition
+   is still a row. One that cannot be written (a full disk) is written, in order, before
+   the same request's next move or update; until then that write fails as it would have.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class _Op:
 
 
 GROUPABLE = frozenset({"_accept", "_move", "_update", "_noted_move"})  # lifecycle writes: never a prune or a script
-DEFER_S = 0.25  # an intermediate move nobody waits for is committed at most this late (rule 7)
+DEFER_S = 0.25  # an intermediate move nobody waits for is committed about this late (rule 7)
 GROUP_MAX = 64  # writes one drain pass takes: bounds a group's transaction, WAL growth and wait
 GROWTH_PAGES = 16  # pages a write may take beyond twice what it declares (rule 4's upper bound)
 STATES_KEPT = 100_000  # unfinished requests whose state the journal thread remembers
