@@ -200,7 +200,8 @@ def test_disconnect_while_generating_frees_slot_and_reservation(gw: GatewayProce
 
 def test_delete_by_id_cancels_a_running_request(gw: GatewayProcess) -> None:
     """DELETE /v1/requests/{id} stops a running request: the client gets 409
-    request_cancelled, the slot and reservation are free within 1 s."""
+    request_cancelled, the slot and reservation are free within 1 s. Before that, GET
+    shows the live request as far as it got (its noted moves, journal rule 7, included)."""
     ready_worker(gw, "gpu")
     with httpx.Client(base_url=gw.url, timeout=120) as c:
         weights = gw.status()["device"]["ledger"]["predicted_bytes"]
@@ -214,6 +215,10 @@ def test_delete_by_id_cancels_a_running_request(gw: GatewayProcess) -> None:
             30,
             "running on the GPU",
         )
+        live = c.get(f"/v1/requests/{rid}").json()
+        assert live["live"] and live["state"] in ("admitted", "running"), live
+        steps = [h["to"] for h in live["history"]]
+        assert steps == ["accepted", "queued", "admitted"] + ["running"] * (live["state"] == "running"), live
         t0 = time.monotonic()
         doc = c.delete(f"/v1/requests/{rid}").json()
         th.join(30)

@@ -246,6 +246,8 @@ def create_app(gw: Gateway) -> Starlette:
         return plain_json(await _request_document(rid))
 
     async def _request_document(rid: str) -> dict[str, Any]:
+        if gw.journal is not None and rid in gw.requests.live:
+            await gw.journal.flush()  # its noted moves (journal rule 7) are in what is read
         rec = await gw.journal.get(rid) if gw.journal else None
         if rec is None or gw.journal is None:
             raise NotFound(f"no request {rid!r} in the journal", code="request_not_found")
