@@ -71,17 +71,26 @@ def close_times(socks: list[socket.socket], t0: float, deadline_s: float) -> dic
 
 
 def read_response(s: socket.socket) -> bytes:
-    """One HTTP/1.1 response with a Content-Length body."""
-    data = b""
-    while b"\r\n\r\n" not in data:
+    """One HTTP/1.1 response with a Content-Length body (the first, when more follow)."""
+    return read_responses(s, 1)[0]
+
+
+def read_responses(s: socket.socket, n: int) -> list[bytes]:
+    """``n`` HTTP/1.1 responses with Content-Length bodies, however the reads split them."""
+    data, out = b"", []
+    while len(out) < n:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            lines = head.split(b"\r\n")
+            length = next(int(h.split(b":")[1]) for h in lines if h.lower().startswith(b"content-length:"))
+            if len(rest) >= length:
+                out.append(head + sep + rest[:length])
+                data = rest[length:]
+                continue
         chunk = s.recv(4096)
-        assert chunk, data
+        assert chunk, (out, data)
         data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += s.recv(4096)
-    return head + b"\r\n\r\n" + body
+    return out
 
 
 def test_connections_past_the_limit_are_refused_and_slow_heads_closed(gw: GatewayProcess) -> None:
@@ -281,7 +290,7 @@ def test_pipelined_requests_are_all_answered_in_order(gw: GatewayProcess) -> Non
             b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
             b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
         )
-        answers = [read_response(s) for _ in range(3)]
+        answers = read_responses(s, 3)
         assert [a.split(b" ", 2)[1] for a in answers] == [b"200"] * 3
         assert b'"object":"list"' in answers[1].replace(b" ", b"")
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
