@@ -89,6 +89,7 @@ from spillover.runtime.journal_records import (
 )
 
 __all__ = [
+    "NOTED",
     "SCHEMA",
     "Journal",
     "JournalRecord",
@@ -127,6 +128,7 @@ class _Op:
 
 GROUPABLE = frozenset({"_accept", "_move", "_update", "_noted_move"})  # lifecycle writes: never a prune or a script
 DEFER_S = 0.25  # an intermediate move nobody waits for is committed about this late (rule 7)
+NOTED = frozenset({State.ADMITTED, State.RUNNING})  # the intermediate moves callers note (rule 7)
 GROUP_MAX = 64  # writes one drain pass takes: bounds a group's transaction, WAL growth and wait
 GROWTH_PAGES = 16  # pages a write may take beyond twice what it declares (rule 4's upper bound)
 STATES_KEPT = 100_000  # unfinished requests whose state the journal thread remembers

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
 from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
+from spillover.runtime.journal import NOTED
 from spillover.runtime.outcomes import classify_error
 from spillover.runtime.run import Answer, Encoded, Streaming, as_error
 
@@ -46,7 +47,6 @@ log = logging.getLogger("spillover.request")
 OnMove = Callable[[str, dict[str, Any]], Awaitable[None]]
 Emit = Callable[[bytes, dict[str, str]], None]  # one streamed frame, and the headers it is sent under
 SSE = "text/event-stream"
-NOTED = frozenset({State.ADMITTED, State.RUNNING})  # moves journaled without waiting (journal rule 7)
 
 
 @dataclass(frozen=True)
