@@ -68,9 +68,13 @@ class _StateCollector(Collector):
             yield fails
         if st.get("breaker"):
             b = GaugeMetricFamily(
-                "spillover_breaker_state", "GPU breaker: 0 closed, 1 half-open, 2 open", labels=["worker"]
+                "spillover_breaker_state",
+                "a device worker's breaker (gpu0; split0): 0 closed, 1 half-open, 2 open",
+                labels=["worker"],
             )
             b.add_metric(["gpu0"], _BREAKER[st["breaker"]["circuit"]])
+            if st.get("split_breaker"):
+                b.add_metric([st["split_breaker"]["worker_id"]], _BREAKER[st["split_breaker"]["circuit"]])
             yield b
         up = GaugeMetricFamily("spillover_worker_up", "1 when the worker is ready", labels=["worker", "lane"])
         restarts = CounterMetricFamily("spillover_worker_restarts", "worker restarts", labels=["worker"])

@@ -4,6 +4,7 @@ degraded, with the reason), and a split worker's fault replays on the CPU replic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -68,3 +69,31 @@ def test_a_split_worker_fault_replays_on_the_cpu_replica(gw: GatewayProcess) -> 
     assert r.headers["x-spillover-route"] == "cpu"
     assert r.headers["x-spillover-reason"] == "failover:alloc_failed"
     assert r.json()["spillover"]["attempts"] == 2
+
+
+def test_a_failing_split_worker_opens_its_own_breaker(gw: GatewayProcess) -> None:
+    """Allocations on the split worker keep failing: after the breaker's threshold its own
+    breaker opens (status, reasons, metric), later requests go straight to the CPU replica
+    (one attempt), and once the cooldown ends and the device allocates again a probe is served
+    on the split worker again."""
+    body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    sim(gw).fail_next(100)
+    with httpx.Client(base_url=gw.url, timeout=120) as http:
+        for _ in range(4):  # the threshold (3), counting the previous test's failure
+            r = http.post("/v1/completions", json=body)
+            assert (r.status_code, r.headers["x-spillover-route"]) == (200, "cpu"), r.text
+            if gw.status()["split_breaker"]["circuit"] == "open":
+                break
+        st = gw.status()
+        assert st["split_breaker"]["circuit"] == "open" and st["split_breaker"]["worker_id"] == "split0"
+        assert st["breaker"]["circuit"] == "closed" and "split breaker open" in st["reasons"]
+        assert 'spillover_breaker_state{worker="split0"} 2.0' in http.get("/metrics").text
+        r = http.post("/v1/completions", json=body)
+        assert (r.status_code, r.headers["x-spillover-route"], r.json()["spillover"]["attempts"]) == (200, "cpu", 1)
+        sim(gw).fail_next(0)
+        deadline = time.monotonic() + 60
+        while gw.status()["split_breaker"]["circuit"] == "open":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        r = http.post("/v1/completions", json=body)
+        assert (r.status_code, r.headers["x-spillover-route"]) == (200, "split"), r.text

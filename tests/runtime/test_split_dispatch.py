@@ -136,3 +136,45 @@ def test_a_split_slot_that_frees_within_the_delay_takes_the_job(memory: MemoryMo
         assert s.decision_counts == {"split:resident_does_not_fit": 2}
 
     asyncio.run(main())
+
+
+def test_the_split_worker_has_its_own_breaker(memory: MemoryModel) -> None:
+    """Failed split attempts open the split breaker (not the GPU's): the next job goes the
+    admission's way (the CPU lane); after the cooldown one probe goes to the split again, and
+    successful probes close it."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, split, cpu = _scheduler(memory, clock, resident=False)
+        assert s.policy is not None
+        for i in range(s.policy.breaker.failure_threshold):
+            job = Job(rid=f"f{i}", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+            s.submit_nowait(job)
+            d = await asyncio.wait_for(job.future, 1)
+            assert d.route == "split"
+            split.release_slot(job.rid)
+            s.finished(job.rid, d, "failed")
+        assert (s.split_breaker.circuit.value, s.breaker.circuit.value) == ("open", "closed")
+        job = Job(rid="after", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(job)
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, str(d.reason), d.worker) == ("cpu", "gpu_unavailable", cpu)
+        cpu.release_slot("after")
+        s.finished("after", d, "ok")
+        clock.advance(s.split_breaker.cooldown_s + 0.1)
+        s.pump_once()
+        assert s.split_breaker.circuit.value == "half_open"
+        for i in range(s.policy.breaker.close_after_successes):
+            probe = Job(rid=f"p{i}", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+            s.submit_nowait(probe)
+            d = await asyncio.wait_for(probe.future, 1)
+            assert (d.route, d.probe_round) == ("split", s.split_breaker.opens)
+            other = Job(rid=f"o{i}", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+            s.submit_nowait(other)  # one probe at a time: the next one goes the admission's way
+            assert (await asyncio.wait_for(other.future, 1)).route == "cpu"
+            cpu.release_slot(other.rid)
+            split.release_slot(probe.rid)
+            s.finished(probe.rid, d, "ok")
+        assert s.split_breaker.circuit.value == "closed" and gpu is None
+
+    asyncio.run(main())

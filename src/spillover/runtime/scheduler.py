@@ -40,6 +40,7 @@ from spillover.core.breaker import (
     BreakerState,
     Circuit,
     advance,
+    allows,
     attempt_ended,
     probe_started,
 )
@@ -92,6 +93,7 @@ class Scheduler:
         self.split_memory: MemoryModel | None = None
         self.split_ctx_cap_tokens = 0
         self.split_total = 0  # jobs the split workers took
+        self.split_breaker = BreakerState()  # the split workers' own breaker (the GPU's is ``breaker``)
         self._wake = asyncio.Event()
         self._delay_due = math.inf  # the earliest end of an admission delay seen by the last pass
         self._view: LaneView | None = None  # the lanes as a pass saw them (see pump_once)
@@ -220,8 +222,13 @@ class Scheduler:
         ``client`` only end a probe)."""
         if d.route in DEVICE_ROUTES and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
-        if d.route == "gpu" and self.policy is not None and outcome in ATTEMPT_OUTCOMES:
-            self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, self.clock(), self.policy.breaker)
+        if self.policy is not None and outcome in ATTEMPT_OUTCOMES:
+            if d.route == "gpu":
+                self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, self.clock(), self.policy.breaker)
+            elif d.route == "split":
+                self.split_breaker = attempt_ended(
+                    self.split_breaker, outcome, d.probe_round, self.clock(), self.policy.breaker
+                )
         self.kick()
 
     # -- the pump ------------------------------------------------------------------
@@ -249,11 +256,11 @@ class Scheduler:
             if lane is not None and lane.queue:
                 due = min(due, min(j.enqueued_s for j in lane.queue) + lane.cfg.queue_max_age_s)
         due = min(due, self._delay_due)
-        b = self.breaker
-        if b.circuit is Circuit.OPEN:
-            due = min(due, b.opened_at_s + b.cooldown_s)
-        elif b.circuit is Circuit.HALF_OPEN and b.probes_in_flight and self.policy is not None:
-            due = min(due, b.probe_started_s + self.policy.breaker.probe_timeout_s)
+        for b in (self.breaker, self.split_breaker):
+            if b.circuit is Circuit.OPEN:
+                due = min(due, b.opened_at_s + b.cooldown_s)
+            elif b.circuit is Circuit.HALF_OPEN and b.probes_in_flight and self.policy is not None:
+                due = min(due, b.probe_started_s + self.policy.breaker.probe_timeout_s)
         if self.cpu.queue and self._host_held:
             due = min(due, now + HOST_RECHECK_S)
         return due
@@ -279,6 +286,7 @@ class Scheduler:
         self._delay_due = math.inf
         if self.policy is not None:
             self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.policy.breaker)
+            self.split_breaker = advance(self.split_breaker, BreakerEvent.TICK, now, self.policy.breaker)
         for lane in (self.gpu, self.cpu):
             if lane is None:
                 continue
@@ -419,11 +427,14 @@ class Scheduler:
         ready = [w for w in self.split_workers if w.state is WorkerState.READY]
         if not ready or job.prompt_tokens + job.max_tokens > self.split_ctx_cap_tokens:
             return "no"
+        if not allows(self.split_breaker, self.policy.breaker):  # its own breaker: the admission's way
+            return "no"
         waiting = now - job.enqueued_s < self.policy.delay_max_s
         worker = next((w for w in ready if w.free_slots > 0), None)
         fp = self.split_memory.request_footprint(job.prompt_tokens, job.max_tokens)
         if worker is None or self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
             return "wait" if waiting else "no"
+        self.split_breaker, probe_round = probe_started(self.split_breaker, now, self.policy.breaker)
         self.gpu.queue.remove(job)
         self.split_total += 1
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
@@ -447,6 +458,7 @@ class Scheduler:
                 now - job.enqueued_s,
                 job.position,
                 job.estimated_delay_ms,
+                probe_round,
             )
         )
         return "dispatched"

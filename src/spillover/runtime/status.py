@@ -58,6 +58,9 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
         reasons.append("gpu worker not ready")
     if breaker != "closed":
         reasons.append(f"gpu breaker {breaker}")
+    sched = gw.chat.scheduler
+    if sched is not None and sched.split_workers and sched.split_breaker.circuit.value != "closed":
+        reasons.append(f"split breaker {sched.split_breaker.circuit.value}")
     if gw.device is None:
         reasons.append("no gpu lane")
     n, why = gw.degraded.recent(time.monotonic())
@@ -119,6 +122,12 @@ def status_document(gw: Gateway) -> dict[str, Any]:
             else None
         ),
         "breaker": asdict(sched.breaker) | {"circuit": breaker} if sched else None,
+        "split_breaker": (  # the split worker's own breaker (issue 13 item 1), when there is one
+            asdict(sched.split_breaker)
+            | {"circuit": sched.split_breaker.circuit.value, "worker_id": sched.split_workers[0].spec.worker_id}
+            if sched and sched.split_workers
+            else None
+        ),
         "lanes": [asdict(x) for x in sched.statistics()] if sched else [],
         "workers": workers,
         "recent_decisions": list(sched.decisions)[-20:] if sched else [],
