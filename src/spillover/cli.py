@@ -18,6 +18,7 @@ from spillover.errors import ConfigError
 __all__ = ["main"]
 
 MIB = 1024 * 1024
+UINT32_MAX = 2**32 - 1
 
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -180,6 +181,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     for flag, value, low in (("--ctx", a.ctx, 1), ("--batch", a.batch, 1), ("--ubatch", a.ubatch, 1)):
         if value < low:
             raise ConfigError(f"estimate: {flag} must be at least {low}")
+    if a.ctx > UINT32_MAX:  # llama.cpp's n_ctx is 32 bits: a larger one would wrap in its plan
+        raise ConfigError(f"estimate: --ctx must be at most {UINT32_MAX} (llama.cpp's n_ctx is 32 bits)")
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ConfigError("estimate: --gpu-layers must be -1 (all) or more")
     if a.device_mib is not None and a.device_mib < 1:
@@ -247,7 +250,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
             }
     except ValueError as exc:  # PlanRefused included
         raise ConfigError(f"estimate: {exc}") from None
-    out = {"model": a.model, "name": spec.name, "arch": spec.arch, **est.as_dict()}
+    out = {"model": a.model, "name": spec.name, "arch": spec.arch, **est.as_dict(), "gpu_backend": offloads}
     if fit is not None:
         out["fit"] = fit
     if a.json:
@@ -255,7 +258,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         return 0
     print(_estimate_text(out, offloads))
     if compute is None and not a.no_plan:
-        print("llama.cpp could not plan this model here: the compute buffer is the envelope (an upper bound)")
+        print("llama.cpp could not plan these settings here: the compute buffer is the envelope (an upper bound)")
     return 0
 
 
@@ -496,7 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--margin", type=float, default=0.02, help="margin as a share of KV+compute+output (default 0.02)")
     e.add_argument("--no-plan", action="store_true", help="the memory model's compute envelope, not llama.cpp's plan")
-    e.add_argument("--json", action="store_true", help="print one JSON object (total_bytes, components, device, host)")
+    e.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (total_bytes, components, device, host; gpu_backend: this build offloads)",
+    )
     e.set_defaults(func=cmd_estimate)
 
     c = sub.add_parser("config", help="print every setting with its default and doc, as TOML")

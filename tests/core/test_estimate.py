@@ -75,10 +75,27 @@ def test_gpu_every_layer_but_not_the_output() -> None:
     assert e.host.compute_bytes == COMPUTE_300
 
 
-def test_gpu_zero_layers_is_all_host_by_file_bytes() -> None:
+def test_gpu_zero_layers_is_the_cpu_backends_own_figure() -> None:
+    """Nothing offloaded: the host holds what the CPU backend reports (cpu_model_bytes), and
+    without that figure the file's bytes plus the CPU's repacked copies."""
     e = estimate(SPEC, 300, placement="gpu", gpu_layers=0)
     assert e.device.total_bytes == 0
-    assert e.host.weights_bytes == 4_001 + 500 and e.host.compute_bytes == COMPUTE_300
+    assert e.host.weights_bytes == 4_555 and e.host.compute_bytes == COMPUTE_300
+    assert e.total_bytes == estimate(SPEC, 300).total_bytes
+    unknown = replace(SPEC, cpu_model_bytes=0, layer_repack_sizes=(10, 20, 30, 40), output_repack_bytes=7)
+    assert estimate(unknown, 300, placement="gpu", gpu_layers=0).host.weights_bytes == 4_001 + 100 + 500 + 7
+
+
+def test_the_hosts_layers_carry_the_cpu_backends_repacked_copies() -> None:
+    """Layers left on the host are run by the CPU backend, which holds a repacked copy of its
+    repackable matrices beside the mapped file; the device holds the file's bytes only. The
+    output matrix's copy goes with the output layer."""
+    packed = replace(SPEC, layer_repack_sizes=(10, 20, 30, 40), output_repack_bytes=7)
+    two = estimate(packed, 300, placement="gpu", gpu_layers=2)
+    assert (two.device.weights_bytes, two.host.weights_bytes) == (2_001, 2_000 + 10 + 20 + 200 + 300 + 7)
+    four = estimate(packed, 300, placement="gpu", gpu_layers=4)
+    assert (four.device.weights_bytes, four.host.weights_bytes) == (4_001, 200 + 300 + 7)
+    assert estimate(packed, 300, placement="gpu").host.weights_bytes == 200
 
 
 def test_a_tied_output_is_copied_only_onto_the_device() -> None:
@@ -182,3 +199,30 @@ def test_search_edges() -> None:
     assert largest_context(lambda n: True, limit=100) == 0
     assert largest_gpu_layers(lambda n: n == 0, 4) == 0
     assert largest_gpu_layers(lambda n: n <= 5, 4) == 5
+
+
+def test_llama_cpps_refusal_names_its_error_not_its_notes() -> None:
+    """The reason quotes llama.cpp's error lines, not an informational line that mentions
+    what 'cannot be used' before falling back."""
+    from spillover.engine.plan import _reason
+
+    lines = [
+        "done_getting_tensors: tensor 'token_embd.weight' (q4_0) cannot be used with preferred buffer type "
+        "CPU_REPACK, using CPU instead\n",
+        "llama_kv_cache: allocating 40000.00 MiB\n",
+        "llama_init_from_model: failed to initialize the context: std::bad_alloc\n",
+    ]
+    assert _reason(lines) == (
+        "llama.cpp refuses these settings: llama_init_from_model: failed to initialize the context: std::bad_alloc"
+    )
+    assert _reason(["V cache quantization requires flash_attn\n"]).endswith("requires flash_attn")
+    assert _reason([]).endswith("refused to create the context")
+
+
+def test_a_type_the_bindings_do_not_export_has_ggmls_value() -> None:
+    import llama_cpp
+
+    from spillover.engine.calibrate import ggml_type
+
+    assert ggml_type("bf16") == 30  # GGML_TYPE_BF16 in ggml.h
+    assert ggml_type("q8_0") == llama_cpp.GGML_TYPE_Q8_0 and ggml_type("F16") == llama_cpp.GGML_TYPE_F16

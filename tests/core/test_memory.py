@@ -193,6 +193,15 @@ def test_flash_attention_mask_grows_with_the_context() -> None:
     assert MemoryModel(TINY, flash_attn=True).compute_paths(4096)[1] == 4_194_304 + 122_880
 
 
+def test_flash_attention_casts_an_f32_cache_to_f16() -> None:
+    """Flash attention reads an f32 cache's K and V views as f16 copies, both at once: 4096
+    cells x 1 KV head x (4 + 4) dims x 2 bytes = 65_536 on the attention path; other cache
+    types are read as they are."""
+    paths = {t: MemoryModel(TINY, kv_type=t, flash_attn=True).compute_paths(4096)[1] for t in ("f32", "f16", "bf16")}
+    assert paths == {"f32": 4_194_304 + 122_880 + 65_536, "f16": 4_194_304 + 122_880, "bf16": 4_194_304 + 122_880}
+    assert MemoryModel(TINY, kv_type="f32").compute_paths(4096)[1] == MemoryModel(TINY).compute_paths(4096)[1]
+
+
 def test_heads_llama_cpp_cannot_build_are_refused() -> None:
     """Query heads must be a multiple of KV heads, and a block-type cache quantizes each head's
     row: heads of 16 values cannot be q8_0 even when two of them make 32."""

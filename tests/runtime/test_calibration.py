@@ -42,7 +42,13 @@ def off_grid(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
 
 @pytest.mark.parametrize(
     ("n_ctx", "n_batch", "n_ubatch", "kv_type", "flash_attn"),
-    [(1234, 200, 72, "q4_0", True), (333, 4096, 4096, "f16", False), (5000, 768, 384, "q8_0", True)],
+    [
+        (1234, 200, 72, "q4_0", True),
+        (333, 4096, 4096, "f16", False),
+        (5000, 768, 384, "q8_0", True),
+        (3000, 2048, 2, "f32", True),  # flash attention's f16 copy of an f32 cache is most of it
+        (2000, 512, 128, "bf16", False),  # a type the bindings export no constant for
+    ],
 )
 def test_estimate_cli_off_the_grid(
     off_grid: str, capsys: pytest.CaptureFixture[str], n_ctx: int, n_batch: int, n_ubatch: int, kv_type: str,
@@ -61,8 +67,11 @@ def test_estimate_cli_off_the_grid(
     for extra in ([], ["--no-plan"]):
         assert main(["estimate", *args, *extra, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["placement"] == "cpu" and out["total_bytes"] == sum(
-            out["components"][k] for k in ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes")
+        assert (
+            out["placement"] == "cpu"
+            and out["gpu_backend"] is False
+            and out["total_bytes"]
+            == sum(out["components"][k] for k in ("weights_bytes", "kv_bytes", "compute_bytes", "output_bytes"))
         )
         totals[bool(extra)] = out["total_bytes"]
     assert -0.01 <= (totals[False] - m.total_bytes) / m.total_bytes <= 0.03
@@ -91,9 +100,11 @@ def test_estimate_cli_refuses_what_llama_cpp_refuses(
     assert "not a readable GGUF" in capsys.readouterr().err
     assert main(["estimate", str(tmp_path / "missing.gguf"), "--ctx", "512"]) == 2
     for bad in (["--ctx", "0"], ["--ctx", "8", "--ubatch", "0"], ["--ctx", "8", "--gpu-layers", "-2"],
-                ["--ctx", "8", "--device-mib", "0"], ["--ctx", "8", "--margin", "1.5"]):  # fmt: skip
+                ["--ctx", "8", "--device-mib", "0"], ["--ctx", "8", "--margin", "1.5"],
+                ["--ctx", str(2**32)]):  # fmt: skip
         assert main(["estimate", off_grid, *bad]) == 2
-    assert "--margin" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--margin" in err and "32 bits" in err  # llama.cpp's n_ctx would wrap
 
 
 def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,3 +146,21 @@ def test_a_llama_cpp_abort_ends_only_the_planning_child(tmp_path, model_path: st
     with pytest.raises(PlanRefused, match=r"llama\.cpp refuses"):
         plan_buffers_isolated(str(narrow), 256, kv_type="q8_0", flash_attn=True)
     assert plan_buffers_isolated(str(narrow), 256) is not None
+
+
+def test_nothing_offloaded_is_what_the_cpu_backend_holds(off_grid: str) -> None:
+    """`--gpu-layers 0` under the offload rules puts everything on the host, run by the CPU
+    backend: the same bytes as a real load here (repacked Q4_0 copies included), and the
+    per-layer repack counts add up to the model's."""
+    from spillover.core.estimate import estimate
+    from spillover.engine.gguf_meta import read_model_spec
+    from spillover.engine.plan import plan_buffers
+
+    spec = read_model_spec(off_grid)
+    assert sum(spec.layer_repack_sizes) == spec.repack_bytes > 0 and spec.output_repack_bytes > 0
+    m = measure_buffers(off_grid, 1000, 512)
+    plan = plan_buffers(off_grid, 1000, 512)
+    assert plan is not None
+    e = estimate(spec, 1000, placement="gpu", gpu_layers=0, compute=lambda _n: plan.compute_bytes)
+    assert e.device.total_bytes == 0
+    assert abs(e.total_bytes - m.total_bytes) / m.total_bytes <= 0.001

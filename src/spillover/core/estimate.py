@@ -178,7 +178,9 @@ def estimate(
     output_on_device = placed > n
     sizes = list(spec.layer_sizes) or [spec.layer_bytes // max(1, n)] * n
     device_layers = sum(sizes[n - on_device :])
-    host_layers = sum(sizes[: n - on_device])
+    # The host's layers are run by the CPU backend: its repacked copies are held beside the
+    # mapped file (cpu_model_bytes' rule, layer by layer); a device holds the file's bytes.
+    host_layers = sum(sizes[: n - on_device]) + sum(spec.layer_repack_sizes[: n - on_device])
     # A tied output is a second copy of token_embd only when it sits on another device.
     head = spec.output_layer_bytes
     host_head = head - spec.input_bytes if spec.tied_output else head
@@ -192,8 +194,11 @@ def estimate(
         device_compute,
         out if output_on_device else 0,
     )
+    host_weights = host_layers + spec.input_bytes + (0 if output_on_device else host_head + spec.output_repack_bytes)
+    if placed == 0 and spec.cpu_model_bytes:  # nothing offloaded: the CPU backend's own figure
+        host_weights = spec.cpu_model_bytes
     host = Parts(
-        host_layers + spec.input_bytes + (0 if output_on_device else host_head),
+        host_weights,
         kv_layer * (n - on_device),
         host_compute,
         0 if output_on_device else out,

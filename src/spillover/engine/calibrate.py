@@ -32,11 +32,19 @@ def by_buffer(pattern: re.Pattern[str], text: str) -> dict[str, int]:
     return out
 
 
+# ggml.h's enum values of KV cache types the pinned llama-cpp-python does not export as
+# constants (its ``GGML_TYPE_*`` list stops before bf16, which llama.cpp itself takes).
+GGML_TYPES_UNEXPORTED = {"bf16": 30}  # GGML_TYPE_BF16
+
+
 def ggml_type(kv_type: str) -> int:
-    """llama.cpp's enum value of a KV cache type name (f16, q8_0, ...)."""
+    """llama.cpp's enum value of a KV cache type name (f16, q8_0, bf16, ...)."""
     import llama_cpp
 
-    return int(getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}"))
+    value = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}", None)
+    if value is None:
+        value = GGML_TYPES_UNEXPORTED[kv_type.lower()]
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -71,19 +71,23 @@ def read_model_spec(path: str | Path) -> ModelSpec:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens.data) if tokens is not None else 0
     layer_sizes = [0] * n_layers
+    layer_repacks = [0] * n_layers
     other_bytes = 0
-    repack_bytes = 0
+    output_repack = 0
     input_bytes = 0
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         if t.name.startswith("blk."):
             layer_sizes[int(t.name.split(".")[1])] += int(t.n_bytes)
             if _repacked(t):
-                repack_bytes += int(t.n_bytes)
+                layer_repacks[int(t.name.split(".")[1])] += int(t.n_bytes)
         else:
             other_bytes += int(t.n_bytes)
             if t.name == "token_embd.weight":
                 input_bytes = int(t.n_bytes)
+            # the output matrix: output.weight, or token_embd when tied (cpu_model_bytes' rule)
+            if _repacked(t) or (not has_output and t.name == "token_embd.weight" and _repackable(t)):
+                output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
     file_type = int(_field(reader, "general.file_type", -1))
     return ModelSpec(
@@ -102,13 +106,15 @@ def read_model_spec(path: str | Path) -> ModelSpec:
         other_bytes=other_bytes,
         file_bytes=os.path.getsize(path),
         file_type=file_type,
-        repack_bytes=repack_bytes,
+        repack_bytes=sum(layer_repacks),
         n_ff=_n_ff(_field(reader, f"{arch}.feed_forward_length", 0)),
         cpu_model_bytes=cpu_model_bytes(list(reader.tensors)),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,
         output_layer_bytes=output_layer_bytes,
         tied_output=not has_output,
+        layer_repack_sizes=tuple(layer_repacks),
+        output_repack_bytes=output_repack,
     )
 
 

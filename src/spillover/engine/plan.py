@@ -113,9 +113,19 @@ def plan_buffers(
     return PlannedBuffers(compute=compute, output=by_buffer(OUTPUT_LINE, text))
 
 
+# Lines llama.cpp logs on a refusal (its errors), and informational ones that look alike
+# ("... cannot be used with preferred buffer type CPU_REPACK, using CPU instead").
+_ERROR_WORDS = ("error", "fail", "bad_alloc", "requires", "not supported", "invalid")
+_NOT_ERRORS = ("using cpu instead",)
+
+
 def _reason(lines: list[str]) -> str:
     """llama.cpp's last error lines, as one sentence."""
-    errors = [ln.strip() for ln in lines if "error" in ln.lower() or "fail" in ln.lower() or "not " in ln]
+    errors = [
+        ln.strip()
+        for ln in lines
+        if any(w in ln.lower() for w in _ERROR_WORDS) and not any(w in ln.lower() for w in _NOT_ERRORS)
+    ]
     text = "; ".join(errors[-2:]) or "llama.cpp refused to create the context"
     return f"llama.cpp refuses these settings: {text}"
 
