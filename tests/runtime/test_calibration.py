@@ -164,3 +164,23 @@ def test_nothing_offloaded_is_what_the_cpu_backend_holds(off_grid: str) -> None:
     e = estimate(spec, 1000, placement="gpu", gpu_layers=0, compute=lambda _n: plan.compute_bytes)
     assert e.device.total_bytes == 0
     assert abs(e.total_bytes - m.total_bytes) / m.total_bytes <= 0.001
+
+
+@pytest.mark.parametrize("wtype", ["Q4_1", "Q5_0", "Q5_1", "BF16", "MXFP4"])
+def test_other_weight_types_are_held_as_predicted(tmp_path, model_path: str, wtype: str) -> None:
+    """Weights of the other types the gguf package writes: the CPU backend's model buffer is
+    predicted to the rounding of its log (MXFP4 is repacked in groups of 8 rows: a KV head of
+    36 rows is not), and the whole estimate within 0.1 %."""
+    from spillover.core.estimate import estimate
+    from spillover.engine.gguf_meta import read_model_spec
+    from spillover.engine.plan import plan_buffers
+
+    shape = TinyLlamaSpec(n_layers=2, n_embd=256, n_head=8, n_head_kv=1, head_dim=36, n_ff=512, wtype=wtype, name=wtype)
+    path = str(write_tiny_llama(tmp_path / f"{wtype}.gguf", model_path, shape))
+    spec = read_model_spec(path)
+    m = measure_buffers(path, 700, 256)
+    plan = plan_buffers(path, 700, 256)
+    assert plan is not None
+    assert abs(spec.cpu_model_bytes - m.model_bytes) <= 16 * 1024  # the log's 0.01 MiB
+    e = estimate(spec, 700, n_batch=256, compute=lambda _n: plan.compute_bytes)
+    assert abs(e.total_bytes - m.total_bytes) / m.total_bytes <= 0.001

@@ -11,9 +11,10 @@ from spillover.core.memory import ModelSpec
 __all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "read_model_spec"]
 
 # Weight types llama.cpp's CPU backend (x86-64 with AVX2, as here) repacks into interleaved
-# rows, with the row count each needs to divide (measured on this build: Q4_0 and Q4_K
-# matrices are repacked, Q8_0, Q5_0, Q6_K and Q4_1 are not). ARM builds repack other types.
-CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4}
+# rows, with the row count each needs to divide (measured on this build: Q4_0, Q4_K and MXFP4
+# matrices are repacked, in groups of 8 rows; Q8_0, Q5_0, Q5_1, Q6_K, Q4_1, BF16 and TQ2_0
+# are not). ARM builds repack other types.
+CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4, "MXFP4": 8}
 
 
 def _repackable(t: Any) -> bool:

@@ -12,7 +12,18 @@ from pathlib import Path
 
 __all__ = ["TinyLlamaSpec", "write_tiny_llama"]
 
-_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, ...
+_FILE_TYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "BF16": 32,
+    "TQ2_0": 37,
+    "MXFP4": 38,
+}  # llama_ftype
 
 
 @dataclass(frozen=True)
@@ -25,7 +36,7 @@ class TinyLlamaSpec:
     n_head_kv: int = 2
     n_ff: int = 768
     n_ctx_train: int = 8192
-    wtype: str = "F16"  # weight type of the matrices: F32, F16, Q8_0, Q4_0 (rows of 32)
+    wtype: str = "F16"  # weight type of the matrices: F32, F16, BF16, or a type gguf quantizes (Q8_0, Q4_0, ...)
     head_dim: int = 0  # 0: n_embd // n_head (else key_length = value_length = head_dim)
     tied: bool = False  # no output.weight: llama.cpp reuses token_embd for the logits
     name: str = "tiny-llama-gqa4"
