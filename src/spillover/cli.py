@@ -18,7 +18,7 @@ from spillover.errors import ConfigError
 __all__ = ["main"]
 
 MIB = 1024 * 1024
-UINT32_MAX = 2**32 - 1
+N_CTX_MAX = 2**32 - 256  # llama.cpp's n_ctx is 32 bits and padded to 256 cells: above this it wraps
 
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -181,8 +181,10 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     for flag, value, low in (("--ctx", a.ctx, 1), ("--batch", a.batch, 1), ("--ubatch", a.ubatch, 1)):
         if value < low:
             raise ConfigError(f"estimate: {flag} must be at least {low}")
-    if a.ctx > UINT32_MAX:  # llama.cpp's n_ctx is 32 bits: a larger one would wrap in its plan
-        raise ConfigError(f"estimate: --ctx must be at most {UINT32_MAX} (llama.cpp's n_ctx is 32 bits)")
+    if a.ctx > N_CTX_MAX:  # a larger one would wrap in llama.cpp's plan
+        raise ConfigError(
+            f"estimate: --ctx must be at most {N_CTX_MAX} (llama.cpp's n_ctx is 32 bits, in 256-cell steps)"
+        )
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ConfigError("estimate: --gpu-layers must be -1 (all) or more")
     if a.device_mib is not None and a.device_mib < 1:

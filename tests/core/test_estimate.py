@@ -202,21 +202,23 @@ def test_search_edges() -> None:
 
 
 def test_llama_cpps_refusal_names_its_error_not_its_notes() -> None:
-    """The reason quotes llama.cpp's error lines, not an informational line that mentions
-    what 'cannot be used' before falling back."""
+    """The reason quotes the lines llama.cpp logs at its error level (with their
+    continuations), not notes whose words look like errors (a model named 'Invalid-Requires')."""
     from spillover.engine.plan import _reason
 
     lines = [
-        "done_getting_tensors: tensor 'token_embd.weight' (q4_0) cannot be used with preferred buffer type "
-        "CPU_REPACK, using CPU instead\n",
-        "llama_kv_cache: allocating 40000.00 MiB\n",
-        "llama_init_from_model: failed to initialize the context: std::bad_alloc\n",
+        (2, "print_info: general.name = Invalid-Requires-Errors-7B\n"),
+        (3, "done_getting_tensors: tensor 'token_embd.weight' cannot be used with CPU_REPACK, using CPU instead\n"),
+        (4, "llama_init_from_model: failed to initialize the context:"),
+        (5, " std::bad_alloc\n"),
+        (2, "llama_kv_cache: not supported here, fine\n"),
     ]
     assert _reason(lines) == (
         "llama.cpp refuses these settings: llama_init_from_model: failed to initialize the context: std::bad_alloc"
     )
-    assert _reason(["V cache quantization requires flash_attn\n"]).endswith("requires flash_attn")
-    assert _reason([]).endswith("refused to create the context")
+    two = [(4, "first error\n"), (2, "note\n"), (5, "a note's continuation\n"), (4, "second error\n")]
+    assert _reason(two).endswith("first error; second error")
+    assert _reason([(2, "only notes\n")]).endswith("refused to create the context")
 
 
 def test_a_type_the_bindings_do_not_export_has_ggmls_value() -> None:

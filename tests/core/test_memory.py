@@ -232,3 +232,17 @@ def test_v_rows_are_checked_too() -> None:
     with pytest.raises(ValueError, match="hold 4"):
         MemoryModel(replace(TINY, head_dim_k=32), kv_type="q8_0", flash_attn=True)
     assert MemoryModel(replace(TINY, head_dim_k=32, head_dim_v=32), kv_type="f32").kv_bytes_per_token() == 4 * 64 * 4
+
+
+def test_partial_offload_places_the_last_layers_own_bytes() -> None:
+    """n_gpu_layers = k puts the last k layers on the device: their own sizes (a quantization
+    mix makes the last layers larger), with their repacked copies on the CPU backend; the
+    whole model adds the other tensors and the output matrix's copy."""
+    mixed = replace(
+        TINY, layer_sizes=(100, 100, 300, 500), layer_bytes=1000, repack_bytes=70, layer_repack_sizes=(0, 10, 20, 40)
+    )
+    assert MemoryModel(mixed, n_gpu_layers=2).weights_bytes() == 800  # not 2/4 of 1000
+    assert MemoryModel(mixed, n_gpu_layers=2, cpu_repack=True).weights_bytes() == 800 + 60
+    whole = replace(mixed, output_repack_bytes=9)
+    assert MemoryModel(whole, cpu_repack=True).weights_bytes() == 1000 + 70 + 500 + 9  # no cpu_model_bytes known
+    assert MemoryModel(whole).weights_bytes() == 1000 + 500

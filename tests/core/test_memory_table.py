@@ -14,7 +14,10 @@ from spillover.core.estimate import estimate
 from spillover.core.memory import MemoryModel, ModelSpec
 
 TABLE = json.loads((Path(__file__).parent / "data" / "memory_table.json").read_text())
-SPECS = {name: ModelSpec(**{**d, "layer_sizes": tuple(d["layer_sizes"])}) for name, d in TABLE["specs"].items()}
+SPECS = {  # JSON lists back to the spec's tuples
+    name: ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    for name, d in TABLE["specs"].items()
+}
 PRINTED = 16 * 1024  # llama.cpp prints MiB with two decimals, per buffer
 ENVELOPE_OVER = 0.06  # the envelope's worst over-estimate on the table (5.8 %): room kept free
 

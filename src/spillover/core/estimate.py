@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from spillover.core.memory import MemoryModel, ModelSpec
+from spillover.core.memory import MemoryModel, ModelSpec, layer_shares
 
 __all__ = ["PLACEMENTS", "Estimate", "Parts", "estimate", "largest_context", "largest_gpu_layers"]
 
@@ -176,11 +176,12 @@ def estimate(
     placed = n + 1 if gpu_layers < 0 else min(gpu_layers, n + 1)
     on_device = min(placed, n)
     output_on_device = placed > n
-    sizes = list(spec.layer_sizes) or [spec.layer_bytes // max(1, n)] * n
+    sizes = layer_shares(spec.layer_sizes, spec.layer_bytes, n)
     device_layers = sum(sizes[n - on_device :])
     # The host's layers are run by the CPU backend: its repacked copies are held beside the
     # mapped file (cpu_model_bytes' rule, layer by layer); a device holds the file's bytes.
-    host_layers = sum(sizes[: n - on_device]) + sum(spec.layer_repack_sizes[: n - on_device])
+    repacks = layer_shares(spec.layer_repack_sizes, spec.repack_bytes, n)
+    host_layers = sum(sizes[: n - on_device]) + sum(repacks[: n - on_device])
     # A tied output is a second copy of token_embd only when it sits on another device.
     head = spec.output_layer_bytes
     host_head = head - spec.input_bytes if spec.tied_output else head

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["KV_TYPES", "Footprint", "MemoryModel", "ModelSpec", "kv_row_bytes", "ollama_estimate"]
+__all__ = ["KV_TYPES", "Footprint", "MemoryModel", "ModelSpec", "kv_row_bytes", "layer_shares", "ollama_estimate"]
 
 MIB = 1024 * 1024
 # KV cache types llama.cpp takes for --cache-type-k/v: (bytes per block, elements per block).
@@ -93,6 +93,8 @@ class ModelSpec:
     tied_output: bool = False  # no output.weight: the logits multiply by token_embd
     layer_repack_sizes: tuple[int, ...] = ()  # bytes of each layer's tensors the CPU backend repacks
     output_repack_bytes: int = 0  # the output matrix's repacked copy when the CPU backend runs it
+    n_expert_used: int = 0  # a mixture of experts: experts each token runs (0: a dense feed-forward)
+    n_ff_expert: int = 0  # an expert's feed-forward width (0: n_ff)
 
     @property
     def weights_bytes(self) -> int:
@@ -113,6 +115,14 @@ class Footprint:
     @property
     def total_bytes(self) -> int:
         return self.kv_bytes + self.compute_bytes + self.fragmentation_bytes
+
+
+def layer_shares(sizes: tuple[int, ...], total: int, n_layers: int) -> list[int]:
+    """Each layer's bytes: the recorded sizes, or equal shares of ``total`` when there are none."""
+    if sizes:
+        return list(sizes)
+    n = max(1, n_layers)
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
 
 
 def _pad(n: int, to: int) -> int:
@@ -164,12 +174,16 @@ class MemoryModel:
     def weights_bytes(self) -> int:
         """Weights resident on the device for this placement."""
         s = self.spec
-        on = self.layers_on_device()
-        if self.cpu_repack and on == s.n_layers and s.cpu_model_bytes:
+        n, on = s.n_layers, self.layers_on_device()
+        if self.cpu_repack and on == n and s.cpu_model_bytes:
             return s.cpu_model_bytes
-        layers = s.layer_bytes * on // max(1, s.n_layers)
-        repack = s.repack_bytes * on // max(1, s.n_layers) if self.cpu_repack else 0
-        return layers + repack + (s.other_bytes if on == s.n_layers else 0)
+        # the last ``on`` layers, as llama.cpp places them (their own sizes: a quantization mix
+        # makes some layers larger than others)
+        layers = sum(layer_shares(s.layer_sizes, s.layer_bytes, n)[n - on :])
+        repack = sum(layer_shares(s.layer_repack_sizes, s.repack_bytes, n)[n - on :]) if self.cpu_repack else 0
+        if on < n:
+            return layers + repack
+        return layers + repack + s.other_bytes + (s.output_repack_bytes if self.cpu_repack else 0)
 
     # -- per context ---------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -209,7 +223,9 @@ class MemoryModel:
           ``ATTENTION_ROWS`` rows of the wider of ``n_embd`` and the query
           (``n_head x head_k``); with flash attention no scores are kept, but an f32 cache's
           K and V views are cast to f16 (``n_kv`` cells of every KV head, both at once);
-        - the feed-forward, two ``ub x n_ff`` f32 tensors beside ``FFN_ROWS`` rows;
+        - the feed-forward, two ``ub x n_ff`` f32 tensors beside ``FFN_ROWS`` rows (a mixture
+          of experts: three ``ub x n_expert_used x n_ff_expert`` ones and the experts'
+          ``ub x n_expert_used x n_embd`` outputs);
 
         The attention path holds the KQ mask (``n_kv`` x ``ub`` padded to 64; f32, or f16 with
         flash attention); with flash attention the mask stays allocated beside the other two.
@@ -241,7 +257,12 @@ class MemoryModel:
             2 * n_kv * s.n_head_kv * (s.head_dim_k + s.head_dim_v) if self.flash_attn and self.kv_type == "f32" else 0
         )
         attn_path = scores + mask + rows + cast
-        ffn_path = 2 * ub * s.n_ff * 4 + max(FFN_ROWS * embd, kept + 3 * embd)
+        # A mixture of experts runs each token through n_expert_used experts: their gate, up
+        # and activated rows are alive at once (3 x ub x used x width f32, measured), and
+        # then each expert's output row before they are weighted and summed.
+        used = s.n_expert_used
+        ffn = used * (3 * (s.n_ff_expert or s.n_ff) + s.n_embd) if used else 2 * s.n_ff
+        ffn_path = ub * ffn * 4 + max(FFN_ROWS * embd, kept + 3 * embd)
         return logits_path, attn_path, ffn_path
 
     def output_bytes(self) -> int:

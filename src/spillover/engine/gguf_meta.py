@@ -18,9 +18,10 @@ CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4, "MXFP4": 8}
 
 
 def _repackable(t: Any) -> bool:
-    """A matrix of a type the CPU backend repacks, with rows in whole interleave groups."""
+    """A matrix of a type the CPU backend repacks, with rows in whole interleave groups: a 2-D
+    weight, or a mixture of experts' 3-D stack of them (``ffn_*_exps``, measured)."""
     rows = CPU_REPACK_TYPES.get(t.tensor_type.name)
-    return rows is not None and len(t.shape) == 2 and int(t.shape[1]) % rows == 0
+    return rows is not None and len(t.shape) in (2, 3) and int(t.shape[1]) % rows == 0
 
 
 def _repacked(t: Any) -> bool:
@@ -109,6 +110,8 @@ def read_model_spec(path: str | Path) -> ModelSpec:
         file_type=file_type,
         repack_bytes=sum(layer_repacks),
         n_ff=_n_ff(_field(reader, f"{arch}.feed_forward_length", 0)),
+        n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        n_ff_expert=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0),
         cpu_model_bytes=cpu_model_bytes(list(reader.tensors)),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,

@@ -69,11 +69,11 @@ def plan_buffers(
     """
     import llama_cpp
 
-    lines: list[str] = []
+    lines: list[tuple[int, str]] = []  # (ggml log level, text)
 
     @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
     def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        lines.append(text.decode("utf-8", "replace"))
+        lines.append((level, text.decode("utf-8", "replace")))
 
     n_batch = min(n_ctx, n_batch)
     mp = llama_cpp.llama_model_default_params()
@@ -106,27 +106,29 @@ def plan_buffers(
                 llama_cpp.llama_model_free(model)
         finally:
             llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-    text = "".join(lines)
+    text = "".join(t for _, t in lines)
     compute = by_buffer(COMPUTE_LINE, text)
     if not compute:
         return None
     return PlannedBuffers(compute=compute, output=by_buffer(OUTPUT_LINE, text))
 
 
-# Lines llama.cpp logs on a refusal (its errors), and informational ones that look alike
-# ("... cannot be used with preferred buffer type CPU_REPACK, using CPU instead").
-_ERROR_WORDS = ("error", "fail", "bad_alloc", "requires", "not supported", "invalid")
-_NOT_ERRORS = ("using cpu instead",)
+LOG_ERROR, LOG_CONT = 4, 5  # ggml_log_level: GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT
 
 
-def _reason(lines: list[str]) -> str:
-    """llama.cpp's last error lines, as one sentence."""
-    errors = [
-        ln.strip()
-        for ln in lines
-        if any(w in ln.lower() for w in _ERROR_WORDS) and not any(w in ln.lower() for w in _NOT_ERRORS)
-    ]
-    text = "; ".join(errors[-2:]) or "llama.cpp refused to create the context"
+def _reason(lines: list[tuple[int, str]]) -> str:
+    """llama.cpp's last error lines (logged at its error level, with their continuations),
+    as one sentence; its other lines are notes, whatever words they hold."""
+    errors: list[str] = []
+    last = 0
+    for level, text in lines:
+        if level == LOG_ERROR:
+            errors.append(text.strip())
+        elif level == LOG_CONT and last == LOG_ERROR and errors:
+            errors[-1] = f"{errors[-1]} {text.strip()}"
+        if level != LOG_CONT:
+            last = level
+    text = "; ".join(e for e in errors[-2:] if e) or "llama.cpp refused to create the context"
     return f"llama.cpp refuses these settings: {text}"
 
 

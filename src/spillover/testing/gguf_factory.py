@@ -40,6 +40,8 @@ class TinyLlamaSpec:
     head_dim: int = 0  # 0: n_embd // n_head (else key_length = value_length = head_dim)
     tied: bool = False  # no output.weight: llama.cpp reuses token_embd for the logits
     name: str = "tiny-llama-gqa4"
+    n_expert: int = 0  # > 0: a mixture of experts (3-D expert matrices of n_ff, an f32 router)
+    n_expert_used: int = 2
 
     @property
     def head_size(self) -> int:
@@ -77,6 +79,9 @@ def write_tiny_llama(
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
     w.add_feed_forward_length(spec.n_ff)
+    if spec.n_expert:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
@@ -99,13 +104,16 @@ def write_tiny_llama(
         w.add_chat_template(str(template.contents()))
     rng = np.random.default_rng(0)
 
-    def t(name: str, *shape: int, norm: bool = False) -> None:
+    def t(name: str, *shape: int, norm: bool = False, f32: bool = False) -> None:
         if norm:
             w.add_tensor(name, np.ones(shape, dtype=np.float32))
             return
         data = (rng.standard_normal(shape) * 0.02).astype(np.float32)
-        if spec.wtype in ("F32", "F16"):
-            w.add_tensor(name, data.astype(np.float16 if spec.wtype == "F16" else np.float32))
+        if f32 or spec.wtype == "F32":
+            w.add_tensor(name, data)
+            return
+        if spec.wtype == "F16":
+            w.add_tensor(name, data.astype(np.float16))
             return
         from gguf import GGMLQuantizationType, quants
 
@@ -123,6 +131,12 @@ def write_tiny_llama(
         t(f"blk.{i}.attn_v.weight", spec.n_head_kv * hd, spec.n_embd)
         t(f"blk.{i}.attn_output.weight", spec.n_embd, spec.n_head * hd)
         t(f"blk.{i}.ffn_norm.weight", spec.n_embd, norm=True)
+        if spec.n_expert:
+            t(f"blk.{i}.ffn_gate_inp.weight", spec.n_expert, spec.n_embd, f32=True)
+            t(f"blk.{i}.ffn_gate_exps.weight", spec.n_expert, spec.n_ff, spec.n_embd)
+            t(f"blk.{i}.ffn_up_exps.weight", spec.n_expert, spec.n_ff, spec.n_embd)
+            t(f"blk.{i}.ffn_down_exps.weight", spec.n_expert, spec.n_embd, spec.n_ff)
+            continue
         t(f"blk.{i}.ffn_gate.weight", spec.n_ff, spec.n_embd)
         t(f"blk.{i}.ffn_up.weight", spec.n_ff, spec.n_embd)
         t(f"blk.{i}.ffn_down.weight", spec.n_embd, spec.n_ff)
