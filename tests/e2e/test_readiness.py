@@ -65,15 +65,25 @@ def test_auto_keeps_warm_when_the_budget_is_tight_and_on_demand_when_it_is_loose
 
 
 def test_a_budget_between_the_modes_picks_the_cheapest_that_meets_it() -> None:
-    """The budget set just above a mode's measured figure (read from a first run) picks it
-    (a mode measured at start-up moves a little between runs: the cut is put halfway to
-    the next mode's figure)."""
+    """The budget set halfway between two modes' measured figures (read from a first run)
+    picks the cheapest mode that meets it by the second run's own figures: mmap, unless the
+    second run measured differently (on two busy cores a figure can move by more than the
+    gap), and then the mode those figures call for, never another."""
     with gateway("auto", budget_ms=1.0) as gw:
         rec = settled(gw, "warm")["recovery_ms"]
     budget = (rec["mmap"] + rec["on_demand"]) / 2  # mmap meets it, on_demand does not
     with gateway("auto", budget_ms=budget) as gw:
-        r = settled(gw, "mmap")
-        assert r["why"] == "cheapest_within_budget" and r["model_loaded"] and r["contexts"] == 0
+
+        def picked() -> dict[str, Any] | None:
+            r = readiness(gw)
+            return r if r["mode"] == r["holding"] and r["why"] != "not_measured" else None
+
+        r = wait_for(picked, 30, "CPU replica settled")
+        now = r["recovery_ms"]
+        expected = next((m for m in ("on_demand", "mmap", "warm") if now[m] <= budget), "warm")
+        assert r["mode"] == expected, (budget, rec, r)
+        if expected == "mmap":  # the usual case (the first run's figures held)
+            assert r["why"] == "cheapest_within_budget" and r["model_loaded"] and r["contexts"] == 0
 
 
 def test_on_demand_replica_recovers_within_its_measured_time() -> None:

@@ -158,7 +158,7 @@ def test_the_split_worker_has_its_own_breaker(memory: MemoryModel) -> None:
         job = Job(rid="after", prompt_tokens=8, max_tokens=8, arrived_s=clock())
         s.submit_nowait(job)
         d = await asyncio.wait_for(job.future, 1)
-        assert (d.route, str(d.reason), d.worker) == ("cpu", "gpu_unavailable", cpu)
+        assert (d.route, str(d.reason), d.worker) == ("cpu", "breaker_open", cpu)
         cpu.release_slot("after")
         s.finished("after", d, "ok")
         clock.advance(s.split_breaker.cooldown_s + 0.1)
@@ -178,3 +178,44 @@ def test_the_split_worker_has_its_own_breaker(memory: MemoryModel) -> None:
         assert s.split_breaker.circuit.value == "closed" and gpu is None
 
     asyncio.run(main())
+
+
+def test_a_refusal_while_the_split_breaker_is_open_waits_for_its_cooldown(memory: MemoryModel) -> None:
+    """Only the split on the device, no CPU route: while its breaker is open a job is refused
+    naming the breaker, with a Retry-After of at least the breaker's cooldown."""
+    from spillover.core.breaker import BreakerPolicy
+    from spillover.errors import CapacityError
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, _ = _scheduler(memory, clock, resident=False)
+        assert s.policy is not None
+        s.policy = dataclasses.replace(s.policy, allow_cpu_route=False, breaker=BreakerPolicy(cooldown_s=20.0))
+        for i in range(s.policy.breaker.failure_threshold):
+            job = Job(rid=f"f{i}", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+            s.submit_nowait(job)
+            d = await asyncio.wait_for(job.future, 1)
+            split.release_slot(job.rid)
+            s.finished(job.rid, d, "failed")
+        assert s.split_breaker.circuit.value == "open"
+        refused = Job(rid="x", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(refused)
+        try:
+            await asyncio.wait_for(refused.future, 1)
+        except CapacityError as exc:
+            assert "breaker_open" in str(exc) and exc.retry_after_s >= 20.0, (str(exc), exc.retry_after_s)
+        else:
+            raise AssertionError("served while the only device worker's breaker is open and no CPU route")
+
+    asyncio.run(main())
+
+
+def test_quiescence_counts_a_split_probe_still_in_flight() -> None:
+    """The invariants' quiescence check sees the split breaker too: a probe never released is
+    a violation, as it is on the GPU breaker."""
+    from spillover.testing.invariants import violations
+
+    probe = {"circuit": "half_open", "probes_in_flight": 1}
+    assert violations({"workers": [], "split_breaker": probe}) == ["split breaker half-open with 1 probes in flight"]
+    assert violations({"workers": [], "breaker": probe}) == ["breaker half-open with 1 probes in flight"]
+    assert violations({"workers": [], "split_breaker": {"circuit": "closed", "probes_in_flight": 0}}) == []

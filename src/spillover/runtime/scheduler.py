@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -351,6 +352,8 @@ class Scheduler:
             if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
                 self._delay_due = min(self._delay_due, job.enqueued_s + self.policy.delay_max_s)
                 return
+            if split == "breaker" and not self.gpu_workers:  # only the split runs: its breaker is the device's
+                d = self._split_breaker_open(d, now)
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
             self._dispatch_gpu(job, d, now, self.gpu)
@@ -411,7 +414,18 @@ class Scheduler:
         )
         return True
 
-    def _dispatch_split(self, job: Job, d: Route | Reject, now: float) -> Literal["dispatched", "wait", "no"]:
+    def _split_breaker_open(self, d: Route | Reject, now: float) -> Route | Reject:
+        """The admission's decision for a job the split worker's open breaker turned away when
+        no resident worker runs: it says ``breaker_open`` (as the GPU breaker's own decisions
+        do), and a refusal's Retry-After is at least the breaker's cooldown."""
+        if isinstance(d, Route):
+            return dataclasses.replace(d, reason=Reason.BREAKER_OPEN)
+        wait = self.split_breaker.retry_after_s(now)
+        return dataclasses.replace(d, cause=Reason.BREAKER_OPEN, retry_after_s=max(d.retry_after_s, wait))
+
+    def _dispatch_split(
+        self, job: Job, d: Route | Reject, now: float
+    ) -> Literal["dispatched", "wait", "breaker", "no"]:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
@@ -421,14 +435,15 @@ class Scheduler:
         When a ready split worker could take it but has no free slot or no room now, the job
         waits (``wait``) until ``delay_max_s`` after it was queued, as admission's own delay
         does (a slot ends, a release or a fresh reading brings the room back); past that, or
-        with no split worker ready or a job longer than its cap, the decision stands (``no``)."""
+        with no split worker ready or a job longer than its cap, the decision stands (``no``);
+        while the split worker's own breaker turns jobs away, too (``breaker``)."""
         if self.ledger is None or self.split_memory is None or self.gpu is None or self.policy is None:
             return "no"
         ready = [w for w in self.split_workers if w.state is WorkerState.READY]
         if not ready or job.prompt_tokens + job.max_tokens > self.split_ctx_cap_tokens:
             return "no"
         if not allows(self.split_breaker, self.policy.breaker):  # its own breaker: the admission's way
-            return "no"
+            return "breaker"
         waiting = now - job.enqueued_s < self.policy.delay_max_s
         worker = next((w for w in ready if w.free_slots > 0), None)
         fp = self.split_memory.request_footprint(job.prompt_tokens, job.max_tokens)

@@ -51,9 +51,10 @@ def violations(status: dict[str, Any], states: dict[str, str] | None = None) -> 
         out.append(f"{status['live_requests']} live requests")
     if status.get("idempotency_keys_held"):
         out.append(f"{status['idempotency_keys_held']} idempotency keys held")
-    breaker = status.get("breaker") or {}
-    if breaker.get("circuit") == "half_open" and breaker.get("probes_in_flight"):
-        out.append(f"breaker half-open with {breaker['probes_in_flight']} probes in flight")
+    for key in ("breaker", "split_breaker"):
+        breaker = status.get(key) or {}
+        if breaker.get("circuit") == "half_open" and breaker.get("probes_in_flight"):
+            out.append(f"{key.replace('_', ' ')} half-open with {breaker['probes_in_flight']} probes in flight")
     if status.get("journal_pending_outcomes"):
         out.append(f"{status['journal_pending_outcomes']} outcomes not yet journaled")
     for rid, state in sorted((states or {}).items()):
