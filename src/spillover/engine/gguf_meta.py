@@ -30,6 +30,13 @@ def _repacked(t: Any) -> bool:
     return _repackable(t) and t.name != "token_embd.weight"
 
 
+def _tied_output_copy(tensors: list[Any]) -> int:
+    """Without ``output.weight`` the logits multiply by ``token_embd``: the CPU backend reads
+    it in place as the input and holds a repacked copy of it as the output matrix, when it
+    repacks its type."""
+    return sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and _repackable(t))
+
+
 def cpu_model_bytes(tensors: list[Any]) -> int:
     """The model buffers llama.cpp's CPU backend reports: the mapped file span from the first
     to the last tensor it reads in place (repacked tensors between them included, as the
@@ -39,7 +46,7 @@ def cpu_model_bytes(tensors: list[Any]) -> int:
     mapped = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in tensors if not _repacked(t)]
     repack = sum(int(t.n_bytes) for t in tensors if _repacked(t))
     if tied:
-        repack += sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and _repackable(t))
+        repack += _tied_output_copy(tensors)
     span = max(e for _, e in mapped) - min(b for b, _ in mapped) if mapped else 0
     return span + repack
 
@@ -75,20 +82,22 @@ def read_model_spec(path: str | Path) -> ModelSpec:
     layer_sizes = [0] * n_layers
     layer_repacks = [0] * n_layers
     other_bytes = 0
-    output_repack = 0
+    tensors = list(reader.tensors)
+    has_output = any(t.name == "output.weight" for t in tensors)
+    # the output matrix's repacked copy: output.weight's, or token_embd's when tied (cpu_model_bytes' rule)
+    output_repack = 0 if has_output else _tied_output_copy(tensors)
     input_bytes = 0
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
+    for t in tensors:
         if t.name.startswith("blk."):
-            layer_sizes[int(t.name.split(".")[1])] += int(t.n_bytes)
+            layer = int(t.name.split(".")[1])
+            layer_sizes[layer] += int(t.n_bytes)
             if _repacked(t):
-                layer_repacks[int(t.name.split(".")[1])] += int(t.n_bytes)
+                layer_repacks[layer] += int(t.n_bytes)
         else:
             other_bytes += int(t.n_bytes)
             if t.name == "token_embd.weight":
                 input_bytes = int(t.n_bytes)
-            # the output matrix: output.weight, or token_embd when tied (cpu_model_bytes' rule)
-            if _repacked(t) or (not has_output and t.name == "token_embd.weight" and _repackable(t)):
+            if _repacked(t):  # output.weight (token_embd is never repacked in place)
                 output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
     file_type = int(_field(reader, "general.file_type", -1))
@@ -112,7 +121,7 @@ def read_model_spec(path: str | Path) -> ModelSpec:
         n_ff=_n_ff(_field(reader, f"{arch}.feed_forward_length", 0)),
         n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
         n_ff_expert=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0),
-        cpu_model_bytes=cpu_model_bytes(list(reader.tensors)),
+        cpu_model_bytes=cpu_model_bytes(tensors),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,
         output_layer_bytes=output_layer_bytes,
