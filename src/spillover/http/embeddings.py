@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from spillover.errors import ContextLengthExceeded, InvalidRequest, SpilloverError, to_http
+from spillover.http import jsonout
 from spillover.http.fields import check_fields, stored
 from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
@@ -209,8 +210,7 @@ def encode_answer(rid: str, req: EmbedRequest, res: EmbedResult) -> Encoded:
             "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens},
             "spillover": sp,
         }
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    return Encoded(200, [body], signal_headers(sp), JSON)
+    return Encoded(200, [jsonout.dumps(doc)], signal_headers(sp), JSON)
 
 
 def encode_error(err: SpilloverError, rid: str, *, shape: str) -> Encoded:
