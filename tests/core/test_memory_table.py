@@ -29,10 +29,14 @@ def _id(c: dict[str, Any]) -> str:
 
 
 def test_the_table_covers_the_grid() -> None:
-    """Shapes, odd contexts, clamped batches, three KV types, flash attention on and off."""
+    """Shapes (mixtures of experts, repacked weights among them), odd contexts, clamped
+    batches, five KV types, flash attention on and off."""
     cells = TABLE["cells"]
-    assert len(SPECS) >= 11 and len(cells) >= 400
-    assert {c["kv_type"] for c in cells} == {"f16", "q8_0", "q4_0"}
+    assert len(SPECS) >= 16 and len(cells) >= 600
+    assert {c["kv_type"] for c in cells} == {"f16", "q8_0", "q4_0", "f32", "bf16"}
+    assert {(c["kv_type"], c["flash_attn"]) for c in cells} >= {("f32", True), ("f32", False), ("bf16", True)}
+    assert any(s.n_expert_used > 0 for s in SPECS.values()) and any(s.repack_bytes > 0 for s in SPECS.values())
+    assert {c["shape"] for c in cells} == set(SPECS)
     assert {c["flash_attn"] for c in cells} == {False, True}
     assert any(c["n_ctx"] % 256 for c in cells) and any(c["n_batch"] > c["n_ctx"] for c in cells)
     assert len({(c["n_batch"], c["n_ubatch"]) for c in cells}) >= 6
