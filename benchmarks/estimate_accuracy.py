@@ -8,8 +8,8 @@ MXFP4 weights (MXFP4 and the Q4_0 family are repacked by the CPU backend), mixtu
 (8 experts, 2 used; 4 of 4), tied and untied output, deep-narrow and wide-shallow. Each cell
 (context, n_batch/n_ubatch, KV cache type f16 / q8_0 / q4_0 / f32 / bf16, flash attention) is
 a real llama.cpp load on the CPU backend whose logged model, KV, compute and output buffers are
-the measurement. Contexts include ones that are not multiples
-of 256 and batch sizes that are clamped.
+the measurement. Contexts include ones that are not multiples of 256 and batch sizes that are
+clamped.
 
 For each cell it prints nothing; per shape and overall it prints the error of the total of:
 - ``estimate``: what ``spillover estimate`` reports (exact weights/KV/output from the GGUF
@@ -87,6 +87,7 @@ WRITTEN = {
 }
 CONTEXTS = (256, 300, 512, 777, 1000, 1500, 2049, 3000, 4096, 6000)
 BATCHES = ((512, 512), (2048, 512), (256, 128), (128, 32), (1024, 1024), (64, 64), (512, 256), (100, 50))
+CELLS = 640  # sampled from the full grid by default (the recorded table's size)
 KV = (
     ("f16", False),
     ("f16", True),
@@ -160,7 +161,7 @@ def errors(spec: ModelSpec, cell: dict[str, Any]) -> tuple[float, float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", type=int, default=640, help="cells sampled from the full grid (default 640)")
+    ap.add_argument("--cells", type=int, default=CELLS, help=f"cells sampled from the full grid (default {CELLS})")
     ap.add_argument("--full", action="store_true", help="every cell of the grid")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help=f"record the table in {TABLE.relative_to(ROOT)}")
@@ -215,7 +216,7 @@ def main() -> int:
     if a.write:
         table = {
             "command": "python -m benchmarks.estimate_accuracy --write"
-            + ("" if a.cells == 640 and not a.full else f" --cells {a.cells}" if not a.full else " --full"),
+            + ("" if a.cells == CELLS and not a.full else f" --cells {a.cells}" if not a.full else " --full"),
             "specs": {name: spec_json(s) for name, s in specs.items()},
             "cells": cells,
         }
