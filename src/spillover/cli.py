@@ -193,10 +193,14 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         raise ConfigError("estimate: --margin is a share, from 0 to below 1")
     if not os.path.isfile(a.model):
         raise ConfigError(f"estimate: {a.model!r} is not a file")
+    with open(a.model, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":  # the reader's own error for it is about numpy dtypes
+        raise ConfigError(f"estimate: {a.model!r} is not a readable GGUF file (it does not start with 'GGUF')")
     try:
         spec = read_model_spec(a.model)
-    except Exception as exc:  # gguf raises assorted errors for a file that is not GGUF
-        raise ConfigError(f"estimate: {a.model!r} is not a readable GGUF file ({exc})") from None
+    except Exception as exc:  # gguf raises assorted errors for a truncated or damaged file
+        raise ConfigError(f"estimate: {a.model!r} is not a readable GGUF file (truncated or damaged: {exc})") from None
     from spillover.core.memory import MemoryModel
 
     try:  # settings llama.cpp refuses are refused before it is asked to plan them
@@ -476,7 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ctx", type=int, required=True, help="context size in tokens (llama.cpp's n_ctx)")
     e.add_argument("--batch", type=int, default=512, help="logical batch, n_batch (default 512; clamped to --ctx)")
     e.add_argument("--ubatch", type=int, default=512, help="micro-batch, n_ubatch (default 512; clamped to --batch)")
-    e.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f16", help="KV cache type (default f16)")
+    e.add_argument(
+        "--kv-type",
+        type=str.lower,
+        choices=sorted(KV_TYPES),
+        default="f16",
+        help="KV cache type (default f16; any case)",
+    )
     e.add_argument(
         "--flash-attn", action="store_true", help="flash attention on (llama.cpp needs it for a quantized V cache)"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from spillover.core.memory import MemoryModel, ModelSpec
@@ -92,12 +94,17 @@ def test_estimate_cli_refuses_what_llama_cpp_refuses(
 ) -> None:
     from spillover.cli import main
 
-    assert main(["estimate", off_grid, "--ctx", "512", "--kv-type", "q8_0"]) == 2
-    assert "flash attention" in capsys.readouterr().err
+    for kv in ("q8_0", "Q8_0"):  # the type in any case, as llama.cpp's own names are written
+        assert main(["estimate", off_grid, "--ctx", "512", "--kv-type", kv]) == 2
+        assert "flash attention" in capsys.readouterr().err
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"not a model")
     assert main(["estimate", str(not_gguf), "--ctx", "512"]) == 2
-    assert "not a readable GGUF" in capsys.readouterr().err
+    assert "does not start with 'GGUF'" in capsys.readouterr().err
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(Path(off_grid).read_bytes()[:5000])  # the header and part of the metadata
+    assert main(["estimate", str(truncated), "--ctx", "512"]) == 2
+    assert "not a readable GGUF file (truncated or damaged" in capsys.readouterr().err
     assert main(["estimate", str(tmp_path / "missing.gguf"), "--ctx", "512"]) == 2
     for bad in (["--ctx", "0"], ["--ctx", "8", "--ubatch", "0"], ["--ctx", "8", "--gpu-layers", "-2"],
                 ["--ctx", "8", "--device-mib", "0"], ["--ctx", "8", "--margin", "1.5"],
