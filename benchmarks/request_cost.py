@@ -13,11 +13,22 @@ much of it the gateway's idle loops (device and host-memory readings, health pin
 HTTP server's tick: measured first, with no request) spend over the run's wall time. It then
 streams ``--streams`` chat completions one after another and prints the gateway's CPU per
 streamed token (what item 4's ratio at threads = cores pays for each token), idle loops included.
+
+Each figure comes with the gateway's wake-ups (voluntary context switches of all its threads)
+per request or token, and two floors measured on the same machine in the same run: ``GET
+/health`` through the same server (the HTTP server and framework alone, no gateway work), and
+what one thread's wake-up from a sleep costs here; after the streams, a bare ASGI app under
+uvicorn (``benchmarks._bare_stream``, no framework) streaming as many chunks at the same rate:
+the server stack's own cost a streamed token. A request crosses several wake-ups (the HTTP
+read, the journal thread and back for each durable write, the worker and back), so the
+machine's wake-up cost times their number is a floor no code on the event loop gets under.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -28,6 +39,7 @@ import psutil
 
 from benchmarks._common import sse_token_times
 from spillover.testing import GatewayProcess
+from spillover.testing.process import free_port
 
 KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "chat, 1 token": (
@@ -38,10 +50,38 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+HEALTH = "GET /health (HTTP only)"
+
+
 def cpu_s(gw: GatewayProcess) -> float:
     assert gw.proc is not None
     t = psutil.Process(gw.proc.pid).cpu_times()
     return float(t.user + t.system)
+
+
+def wakeups(gw: GatewayProcess) -> tuple[int, int]:
+    """Voluntary context switches so far: of all the gateway's threads, and of its main thread
+    (the event loop) alone (psutil's figure is the main thread's only)."""
+    assert gw.proc is not None
+    total = main = 0
+    for tid in os.listdir(f"/proc/{gw.proc.pid}/task"):
+        try:
+            with open(f"/proc/{gw.proc.pid}/task/{tid}/status") as f:
+                n = int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        total += n
+        main += n if int(tid) == gw.proc.pid else 0
+    return total, main
+
+
+def wake_cost_us(n: int = 200, sleep_s: float = 0.01) -> float:
+    """CPU microseconds one thread spends per wake-up from a short sleep on this machine (the
+    scheduler's and the kernel's share of any hand-off between threads or processes)."""
+    c0 = time.thread_time()
+    for _ in range(n):
+        time.sleep(sleep_s)
+    return 1e6 * (time.thread_time() - c0) / n
 
 
 def idle_cpu(gw: GatewayProcess, seconds: float = 5.0) -> float:
@@ -51,31 +91,35 @@ def idle_cpu(gw: GatewayProcess, seconds: float = 5.0) -> float:
     return (cpu_s(gw) - c0) / (time.perf_counter() - w0)
 
 
-def run(gw: GatewayProcess, path: str, body: dict[str, Any], n: int, concurrency: int) -> tuple[float, float]:
-    """(gateway CPU ms per request, requests per second)."""
+def run(
+    gw: GatewayProcess, path: str, body: dict[str, Any] | None, n: int, concurrency: int
+) -> tuple[float, float, tuple[float, float]]:
+    """(gateway CPU ms per request, requests per second, gateway wake-ups per request: all
+    threads, the event loop); a GET when ``body`` is None."""
+    method = "GET" if body is None else "POST"
     with httpx.Client(base_url=gw.url, timeout=120) as c:
         for _ in range(10):  # warm-up
-            assert c.post(path, json=body).status_code == 200
+            assert c.request(method, path, json=body).status_code == 200
     errors: list[int] = []
 
     def client(k: int) -> None:
         with httpx.Client(base_url=gw.url, timeout=120) as c:
             for _ in range(n // concurrency):
-                r = c.post(path, json=body)
+                r = c.request(method, path, json=body)
                 if r.status_code != 200:
                     errors.append(r.status_code)
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    c0, w0 = cpu_s(gw), time.perf_counter()
+    c0, v0, w0 = cpu_s(gw), wakeups(gw), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    c1, w1 = cpu_s(gw), time.perf_counter()
+    c1, v1, w1 = cpu_s(gw), wakeups(gw), time.perf_counter()
     if errors:
         raise SystemExit(f"{len(errors)} requests failed: {sorted(set(errors))}")
     done = (n // concurrency) * concurrency
-    return 1000 * (c1 - c0) / done, done / (w1 - w0)
+    return 1000 * (c1 - c0) / done, done / (w1 - w0), ((v1[0] - v0[0]) / done, (v1[1] - v0[1]) / done)
 
 
 STREAM = {
@@ -86,15 +130,44 @@ STREAM = {
 }
 
 
-def stream_cost(gw: GatewayProcess, streams: int) -> tuple[float, float]:
-    """(gateway CPU us per streamed token, tokens per second) over ``streams`` streams in a row."""
+def stream_cost(gw: GatewayProcess, streams: int) -> tuple[float, float, float]:
+    """(gateway CPU us per streamed token, tokens per second, gateway wake-ups per token) over
+    ``streams`` streams in a row."""
     with httpx.Client(base_url=gw.url, timeout=300) as c:
         sse_token_times(c, "/v1/chat/completions", STREAM)  # warm-up
-        c0, w0, tokens = cpu_s(gw), time.perf_counter(), 0
+        c0, v0, w0, tokens = cpu_s(gw), wakeups(gw), time.perf_counter(), 0
         for _ in range(streams):
             tokens += len(sse_token_times(c, "/v1/chat/completions", STREAM)[1])
-        c1, w1 = cpu_s(gw), time.perf_counter()
-    return 1e6 * (c1 - c0) / max(1, tokens), tokens / (w1 - w0)
+        c1, v1, w1 = cpu_s(gw), wakeups(gw), time.perf_counter()
+    return 1e6 * (c1 - c0) / max(1, tokens), tokens / (w1 - w0), (v1[0] - v0[0]) / max(1, tokens)
+
+
+def stream_floor(tokens: int, tps: float) -> tuple[float, float]:
+    """(CPU us per chunk, wake-ups per chunk) of a bare ASGI app (``benchmarks._bare_stream``)
+    under uvicorn, with the gateway's event loop and HTTP parser, streaming ``tokens`` chunks
+    at ``tps`` a second: what the server stack costs a streamed token before any gateway work."""
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", "benchmarks._bare_stream:app", "--port", str(port)]
+    proc = subprocess.Popen([*argv, "--loop", "auto", "--http", "httptools", "--log-level", "warning"])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+            for _ in range(100):  # until it listens
+                try:
+                    c.get("/", params={"n": "0"})
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            p = psutil.Process(proc.pid)
+            query = {"n": str(tokens), "every_s": str(1 / tps)}
+            t0, v0 = p.cpu_times(), p.num_ctx_switches().voluntary  # one thread: psutil's figure is all of it
+            with c.stream("POST", "/", params=query) as r:
+                got = sum(1 for line in r.iter_lines() if line.startswith("data: {"))
+            t1, v1 = p.cpu_times(), p.num_ctx_switches().voluntary
+    finally:
+        proc.terminate()
+        proc.wait()
+    cpu = (t1.user + t1.system) - (t0.user + t0.system)
+    return 1e6 * cpu / max(1, got), (v1 - v0) / max(1, got)
 
 
 def main() -> int:
@@ -108,15 +181,29 @@ def main() -> int:
         idle = idle_cpu(gw)
         print(f"{a.requests} requests at concurrency {a.concurrency}; gateway process CPU (user + system)")
         print(f"idle gateway: {1000 * idle:.1f} ms of CPU a second")
-        print(f"{'kind':<22} {'CPU ms/request':>15} {'of it idle loops':>17} {'requests/s':>11}")
+        print(
+            f"{'kind':<24} {'CPU ms/request':>15} {'of it idle loops':>17} {'requests/s':>11}"
+            f" {'wake-ups (event loop)':>22}"
+        )
         worst = 0.0
-        for name, (path, body) in KINDS.items():
-            ms, rps = run(gw, path, body, a.requests, a.concurrency)
-            worst = max(worst, ms)
-            print(f"{name:<22} {ms:>15.2f} {1000 * idle / rps:>17.2f} {rps:>11.1f}")
+        for name, (path, body) in {**KINDS, HEALTH: ("/health", None)}.items():
+            ms, rps, wakes = run(gw, path, body, a.requests, a.concurrency)
+            if name != HEALTH:  # the floor, not a kind of request the target is about
+                worst = max(worst, ms)
+            both = f"{wakes[0]:.1f} ({wakes[1]:.1f})"
+            print(f"{name:<24} {ms:>15.2f} {1000 * idle / rps:>17.2f} {rps:>11.1f} {both:>22}")
         if a.streams > 0:
-            us, tps = stream_cost(gw, a.streams)
-            print(f"streamed chat tokens (one stream at a time): {us:.0f} us of gateway CPU a token at {tps:.1f} tok/s")
+            us, tps, token_wakes = stream_cost(gw, a.streams)
+            print(
+                f"streamed chat tokens (one stream at a time): {us:.0f} us of gateway CPU a token at {tps:.1f} tok/s,"
+                f" {token_wakes:.1f} wake-ups a token (idle loops included)"
+            )
+            floor_us, floor_wakes = stream_floor(max(50, round(8 * tps)), tps)
+            print(
+                f"floor: a bare ASGI app under uvicorn streaming a chunk every {1000 / tps:.0f} ms: {floor_us:.0f} us"
+                f" of CPU a chunk, {floor_wakes:.1f} wake-ups a chunk"
+            )
+    print(f"floor: one thread's wake-up from a sleep on this machine costs {wake_cost_us():.0f} us of CPU")
     print("target: <= 1 ms of gateway CPU per request:", "MET" if worst <= 1.0 else "NOT MET")
     return 0 if worst <= 1.0 else 1
 
