@@ -15,13 +15,13 @@ streams ``--streams`` chat completions one after another and prints the gateway'
 streamed token (what item 4's ratio at threads = cores pays for each token), idle loops included.
 
 Each figure comes with the gateway's wake-ups (voluntary context switches of all its threads)
-per request or token, and two floors measured on the same machine in the same run: ``GET
-/health`` through the same server (the HTTP server and framework alone, no gateway work), and
-what one thread's wake-up from a sleep costs here; after the streams, a bare ASGI app under
-uvicorn (``benchmarks._bare_stream``, no framework) streaming as many chunks at the same rate:
-the server stack's own cost a streamed token. A request crosses several wake-ups (the HTTP
-read, the journal thread and back for each durable write, the worker and back), so the
-machine's wake-up cost times their number is a floor no code on the event loop gets under.
+per request or token, and three floors measured on the same machine in the same run: ``GET
+/health`` through the same server (the HTTP server and framework alone, no gateway work); after
+the streams, a bare ASGI app under uvicorn (``benchmarks._bare_stream``, no framework)
+streaming as many chunks at the same rate (the server stack's own cost a streamed token); and
+what one thread's wake-up from a sleep costs here. A request crosses several wake-ups (the
+HTTP read, the journal thread and back for each durable write, the worker and back), so the
+machine's wake-up cost times their number is a floor under what a request can cost.
 """
 
 from __future__ import annotations
