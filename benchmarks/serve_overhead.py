@@ -16,7 +16,9 @@ engine threads and the gateway share the cores: at threads = cores the gateway's
 token is taken from the engine. The ratio is the median of the rounds' own ratios (bare and
 gateway measured back to back in each round), printed with their range. The streaming client
 reads the socket itself (``_common.sse_token_times``): it is the measuring instrument, and the
-bare engine has none.
+bare engine has none. Each cell also prints the CPU a streamed token takes over the stream
+rounds: in the gateway process (its idle loops included), in the streaming client, and in the
+GPU worker beside the bare engine's own (``StreamCost``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks._common import at_once, median, sse_token_times
 from spillover.config import default_model_path
@@ -65,6 +69,51 @@ def wall_tps(runs: list[tuple[float, float, int]]) -> float:
     return sum(n for _, _, n in runs) / (max(t1 for _, t1, _ in runs) - min(t0 for t0, _, _ in runs))
 
 
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return float(t.user + t.system)
+
+
+@dataclass
+class StreamCost:
+    """CPU seconds over the streaming rounds, to show where a streamed token's CPU goes: the
+    gateway process (idle loops included: they run on the same cores), the streaming client
+    (the benchmark's own reading threads), the GPU worker process, and the bare engine (this
+    process during the bare rounds, nothing else running in it then)."""
+
+    gateway_s: float = 0.0
+    worker_s: float = 0.0
+    client_s: float = 0.0
+    tokens: int = 0
+    bare_s: float = 0.0
+    bare_tokens: int = 0
+
+    @staticmethod
+    def processes(gw: GatewayProcess) -> tuple[float, float]:
+        """(gateway CPU s, GPU worker CPU s) so far."""
+        assert gw.proc is not None
+        p = psutil.Process(gw.proc.pid)
+        workers = [k for k in p.children(recursive=True) if "gpu0" in " ".join(k.cmdline())]
+        return cpu_s(p), sum(cpu_s(k) for k in workers)
+
+    def add_gateway(self, gw: GatewayProcess, before: tuple[float, float], tokens: int) -> None:
+        after = self.processes(gw)
+        self.gateway_s += after[0] - before[0]
+        self.worker_s += after[1] - before[1]
+        self.tokens += tokens
+
+    def report(self) -> None:
+        if not self.tokens or not self.bare_tokens:
+            return
+        us = 1e6 / self.tokens
+        gw, client = self.gateway_s * us, self.client_s * us
+        worker_ms, bare_ms = self.worker_s * us / 1000, 1000 * self.bare_s / self.bare_tokens
+        print(
+            f"CPU a streamed token: gateway {gw:.0f} us (idle loops included), client {client:.0f} us;"
+            f" GPU worker {worker_ms:.1f} ms vs bare engine {bare_ms:.1f} ms"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -90,6 +139,7 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
     tokens = llms[0].tokenize(PROMPT.encode(), add_bos=True, special=False)
     args = ["--gpu", "sim:4096", "--gpu-slots", str(conc), "--gpu-threads", str(threads), "--cpu-threads", "1"]
     bare_tps, gw_tps, bare_lat, gw_lat, bare_e2e, gw_e2e = [], [], [], [], [], []
+    cost = StreamCost()  # where the streamed tokens' CPU goes, over the stream rounds
     failures: list[str] = []  # gateway answers that were not a GPU completion (printed, left out)
     body = {"prompt": PROMPT, "max_tokens": a.tokens, "temperature": 0}
 
@@ -104,8 +154,10 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
             out: list[tuple[float, list[float]]] = []
 
             def one() -> None:
+                c0 = time.thread_time()
                 try:
                     t0, ts, hdr = sse_token_times(c, "/v1/completions", body)
+                    cost.client_s += time.thread_time() - c0
                 except httpx.HTTPStatusError as exc:
                     failures.append(f"stream {exc.response.status_code}: {exc.response.read()[:300]!r}")
                     return
@@ -114,7 +166,9 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
                     return
                 out.append((t0, ts))
 
+            before = cost.processes(gw)
             at_once([one] * conc)
+            cost.add_gateway(gw, before, sum(len(ts) for _, ts in out))
             return out
 
         def gw_plain_round() -> list[tuple[float, float, int]]:
@@ -134,7 +188,11 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
         gw_stream_round()  # warm-up: every slot's context has decoded once
         bare_round(a.tokens)
         for _ in range(a.rounds):
-            bare = span_tps(bare_round(a.tokens))
+            c0 = cpu_s(psutil.Process())
+            bare_runs = bare_round(a.tokens)
+            cost.bare_s += cpu_s(psutil.Process()) - c0
+            cost.bare_tokens += sum(len(ts) for _, ts in bare_runs)
+            bare = span_tps(bare_runs)
             streams = gw_stream_round()
             if len(streams) == conc:  # a round with a failed request is not a like-for-like round
                 bare_tps.append(bare)
@@ -166,6 +224,7 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
     ):
         spread = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
         print(f"{name:34}{median(b):10.1f}{median(g):10.1f}{median(ratios):8.3f}  {spread}")
+    cost.report()
     if bare_lat:
         bl, gl = median(bare_lat) * 1000, median(gw_lat) * 1000
         print(f"{'1-token latency ms (med ' + str(a.latency_n) + ')':34}{bl:10.1f}{gl:10.1f}{gl / bl:8.3f}")
