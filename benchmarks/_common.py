@@ -11,8 +11,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import psutil
 
-__all__ = ["at_once", "median", "p95", "sse_token_times"]
+__all__ = ["at_once", "cpu_s", "median", "p95", "sse_token_times"]
+
+
+def cpu_s(p: psutil.Process) -> float:
+    """The process's CPU seconds so far (user + system)."""
+    t = p.cpu_times()
+    return float(t.user + t.system)
 
 
 def at_once(calls: list[Callable[[], None]]) -> None:

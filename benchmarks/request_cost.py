@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks._common import sse_token_times
+from benchmarks._common import cpu_s, sse_token_times
 from spillover.testing import GatewayProcess
 from spillover.testing.process import free_port
 
@@ -53,10 +53,9 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
 HEALTH = "GET /health (HTTP only)"
 
 
-def cpu_s(gw: GatewayProcess) -> float:
+def gateway_cpu_s(gw: GatewayProcess) -> float:
     assert gw.proc is not None
-    t = psutil.Process(gw.proc.pid).cpu_times()
-    return float(t.user + t.system)
+    return cpu_s(psutil.Process(gw.proc.pid))
 
 
 def wakeups(gw: GatewayProcess) -> tuple[int, int]:
@@ -86,9 +85,9 @@ def wake_cost_us(n: int = 200, sleep_s: float = 0.01) -> float:
 
 def idle_cpu(gw: GatewayProcess, seconds: float = 5.0) -> float:
     """The gateway's CPU seconds per second with no request (its loops)."""
-    c0, w0 = cpu_s(gw), time.perf_counter()
+    c0, w0 = gateway_cpu_s(gw), time.perf_counter()
     time.sleep(seconds)
-    return (cpu_s(gw) - c0) / (time.perf_counter() - w0)
+    return (gateway_cpu_s(gw) - c0) / (time.perf_counter() - w0)
 
 
 def run(
@@ -110,12 +109,12 @@ def run(
                     errors.append(r.status_code)
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    c0, v0, w0 = cpu_s(gw), wakeups(gw), time.perf_counter()
+    c0, v0, w0 = gateway_cpu_s(gw), wakeups(gw), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    c1, v1, w1 = cpu_s(gw), wakeups(gw), time.perf_counter()
+    c1, v1, w1 = gateway_cpu_s(gw), wakeups(gw), time.perf_counter()
     if errors:
         raise SystemExit(f"{len(errors)} requests failed: {sorted(set(errors))}")
     done = (n // concurrency) * concurrency
@@ -135,10 +134,10 @@ def stream_cost(gw: GatewayProcess, streams: int) -> tuple[float, float, float]:
     ``streams`` streams in a row."""
     with httpx.Client(base_url=gw.url, timeout=300) as c:
         sse_token_times(c, "/v1/chat/completions", STREAM)  # warm-up
-        c0, v0, w0, tokens = cpu_s(gw), wakeups(gw), time.perf_counter(), 0
+        c0, v0, w0, tokens = gateway_cpu_s(gw), wakeups(gw), time.perf_counter(), 0
         for _ in range(streams):
             tokens += len(sse_token_times(c, "/v1/chat/completions", STREAM)[1])
-        c1, v1, w1 = cpu_s(gw), wakeups(gw), time.perf_counter()
+        c1, v1, w1 = gateway_cpu_s(gw), wakeups(gw), time.perf_counter()
     return 1e6 * (c1 - c0) / max(1, tokens), tokens / (w1 - w0), (v1[0] - v0[0]) / max(1, tokens)
 
 
@@ -159,15 +158,14 @@ def stream_floor(tokens: int, tps: float) -> tuple[float, float]:
                     time.sleep(0.1)
             p = psutil.Process(proc.pid)
             query = {"n": str(tokens), "every_s": str(1 / tps)}
-            t0, v0 = p.cpu_times(), p.num_ctx_switches().voluntary  # one thread: psutil's figure is all of it
+            c0, v0 = cpu_s(p), p.num_ctx_switches().voluntary  # one thread: psutil's figure is all of it
             with c.stream("POST", "/", params=query) as r:
                 got = sum(1 for line in r.iter_lines() if line.startswith("data: {"))
-            t1, v1 = p.cpu_times(), p.num_ctx_switches().voluntary
+            c1, v1 = cpu_s(p), p.num_ctx_switches().voluntary
     finally:
         proc.terminate()
         proc.wait()
-    cpu = (t1.user + t1.system) - (t0.user + t0.system)
-    return 1e6 * cpu / max(1, got), (v1 - v0) / max(1, got)
+    return 1e6 * (c1 - c0) / max(1, got), (v1 - v0) / max(1, got)
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks._common import at_once, median, sse_token_times
+from benchmarks._common import at_once, cpu_s, median, sse_token_times
 from spillover.config import default_model_path
 from spillover.testing import GatewayProcess
 
@@ -67,11 +67,6 @@ def span_tps(runs: list[tuple[float, list[float]]]) -> float:
 def wall_tps(runs: list[tuple[float, float, int]]) -> float:
     """Completion tokens over the wall time from the first request sent to the last answer."""
     return sum(n for _, _, n in runs) / (max(t1 for _, t1, _ in runs) - min(t0 for t0, _, _ in runs))
-
-
-def cpu_s(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return float(t.user + t.system)
 
 
 @dataclass
