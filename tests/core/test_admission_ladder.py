@@ -9,6 +9,7 @@ import pytest
 
 from spillover.core.admission import AdmissionPolicy, Delay, Demote, Route, Shrink, decide
 from spillover.core.breaker import BreakerState
+from spillover.core.ledger import RELEASE_SETTLE_S
 from spillover.core.memory import MemoryModel
 from spillover.core.placement import promote_due
 from spillover.core.reasons import Reason
@@ -73,6 +74,30 @@ def test_a_demotion_under_way_counts_as_memory_coming_back(policy: AdmissionPoli
     lanes = replace(LANES, demotable=(("other", int((short + 5) * MIB)),), demoting_bytes=int((short + 1) * MIB))
     d = decide(req(), ledger(300, 250), lanes, BreakerState(), NOW, policy)
     assert isinstance(d, Delay)
+
+
+@pytest.mark.parametrize(
+    ("released_before_reading_s", "expected"),
+    [
+        (-0.1, Delay),  # released after the reading was taken: it still shows the bytes, they are coming back
+        (RELEASE_SETTLE_S / 2, Delay),  # too soon before it for the device to have freed them
+        (RELEASE_SETTLE_S, Demote),  # the reading shows them freed: nothing is coming back, demote now
+    ],
+)
+def test_a_release_the_reading_already_shows_is_not_waited_for(
+    policy: AdmissionPolicy, memory: MemoryModel, released_before_reading_s: float, expected: type
+) -> None:
+    """A request released just before the chat arrived (the drill's service_demotion after a burst)
+    is counted as coming back only until a reading taken long enough after it: after that the chat
+    demotes the idle batch service at once instead of spending its delay bound waiting for memory
+    the reading already shows free (and then leaving for the CPU with the demotion under way)."""
+    short = _short_mib(memory)
+    lanes = replace(LANES, demotable=(("emb", int((short + 1) * MIB)),))
+    led = ledger(300, 250, at=NOW - 0.5)
+    led.force_reserve("burst", int((short + 1) * MIB), NOW - 5, "request")
+    led.release("burst", NOW - 0.05 - released_before_reading_s)
+    led.observe(250 * MIB, NOW - 0.05)
+    assert isinstance(decide(req(), led, lanes, BreakerState(), NOW, policy), expected)
 
 
 def test_shrink_comes_before_demotion(policy: AdmissionPolicy, memory: MemoryModel) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillover.core.ledger import DeviceLedger, LedgerStatistics, Reservation
+from spillover.core.ledger import RELEASE_SETTLE_S, DeviceLedger, LedgerStatistics, Reservation
 
 MIB = 1024 * 1024
 
@@ -327,6 +327,44 @@ def test_recently_released_forgets_the_oldest_first() -> None:
     assert led.recently_released(5.9) == 11 * MIB
     assert led.recently_released(6.5) == 3 * MIB
     assert led.recently_released(7.0) == 0
+
+
+def test_a_release_a_later_reading_shows_is_no_longer_coming_back() -> None:
+    """Released at t=5: a reading taken before 5 + RELEASE_SETTLE_S may still show the bytes (remembered);
+    one taken then or later shows them freed, so they are forgotten before ``freshness_s``."""
+    led = make()
+    led.force_reserve("a", 8 * MIB, 0.0, "request")
+    led.observe(8 * MIB, 4.9)
+    led.release("a", 5.0)
+    assert led.recently_released(5.1) == 8 * MIB  # the reading was taken before the release
+    led.observe(0, 5.0 + RELEASE_SETTLE_S - 0.05)
+    assert led.recently_released(5.3) == 8 * MIB  # too soon after the release to show it
+    led.observe(0, 5.0 + RELEASE_SETTLE_S)
+    assert led.recently_released(5.3) == 0
+
+
+def test_unloaded_weights_are_coming_back_for_the_whole_freshness() -> None:
+    """A model's weights are freed as its process exits, which a reading may show later: a later
+    reading does not forget them, ``freshness_s`` (1 s) does."""
+    led = make()
+    led.force_reserve("w", 8 * MIB, 0.0, "weights")
+    led.release("w", 5.0)
+    led.observe(8 * MIB, 5.0 + 2 * RELEASE_SETTLE_S)
+    assert led.recently_released(5.9) == 8 * MIB
+    assert led.recently_released(6.01) == 0
+
+
+def test_only_the_releases_a_reading_shows_are_forgotten() -> None:
+    """Of two releases, the one the last reading was taken long enough after is forgotten; the other
+    is still coming back until a later reading or ``freshness_s``."""
+    led = make()
+    led.force_reserve("a", 8 * MIB, 0.0, "request")
+    led.force_reserve("b", 3 * MIB, 0.0, "request")
+    led.release("a", 5.0)
+    led.release("b", 5.2)
+    led.observe(3 * MIB, 5.3)
+    assert led.recently_released(5.35) == 3 * MIB
+    assert led.recently_released(6.25) == 0  # past freshness (1 s) with no newer reading
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,9 @@ Rules:
    confirmed before the reading was taken cannot be in it; they are added to it:
    ``headroom = capacity - margin - max(predicted, observed + unconfirmed)``.
    (Memory released but not yet freed is still in the reading, so it is counted too.)
+   A release is remembered as memory coming back (``recently_released``) for ``freshness_s``;
+   a request's pages only until a reading taken ``RELEASE_SETTLE_S`` or more after their
+   release (that reading shows them freed, or they are not coming back).
 4. ``reserve_nowait`` grants only what fits in headroom (never over-commits) and returns
    ``None`` when it does not fit: running out is a value.
 5. Every reservation is released exactly once; releasing an unknown id raises KeyError.
@@ -21,11 +24,19 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["RETURNING_KINDS", "DeviceLedger", "LedgerStatistics", "Reservation"]
+__all__ = ["RELEASE_SETTLE_S", "RETURNING_KINDS", "DeviceLedger", "LedgerStatistics", "Reservation"]
 
 # Releases remembered as memory coming back (``recently_released``): a request's pages, and
 # an unloaded model's weights (a demoted service, a worker that died). A tenant is not ours.
 RETURNING_KINDS = frozenset({"request", "weights"})
+# How long after the ledger releases a request's pages the device may still hold them: the
+# worker frees them before it reports the request's end. A reading taken this long after the
+# release shows them freed; counting them as coming back after that would make admission wait
+# (``Delay``) for memory the reading already shows, up to ``freshness_s``, and spend a request's
+# whole delay bound on nothing (a chat that could have demoted a batch service at once). An
+# unloaded model's weights keep ``freshness_s``: a process's memory is freed as it exits, which a
+# reading may show later (the sim device sees a dead process's memory go within a second).
+RELEASE_SETTLE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,7 @@ class DeviceLedger:
     _granted_total: int = 0
     _released_total: int = 0
     _peak_requests: int = 0
-    _recent_releases: deque[tuple[float, int]] = field(default_factory=deque)
+    _recent_releases: deque[tuple[float, int, str]] = field(default_factory=deque)  # (when, bytes, kind)
     _confirmed: dict[str, float] = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -167,15 +178,20 @@ class DeviceLedger:
         self._confirmed.pop(holder, None)
         self._released_total += 1
         if now_s is not None and res.kind in RETURNING_KINDS:
-            self._recent_releases.append((now_s, res.nbytes))
+            self._recent_releases.append((now_s, res.nbytes, res.kind))
         return res
 
     def recently_released(self, now_s: float) -> int:
-        """Request (and weights) bytes released within ``freshness_s``: memory a reading may
-        still show as used, and that is coming back (not another tenant's pressure)."""
-        while self._recent_releases and now_s - self._recent_releases[0][0] > self.freshness_s:
-            self._recent_releases.popleft()
-        return sum(b for _, b in self._recent_releases)
+        """Request and weights bytes released within ``freshness_s``, requests' only when released
+        after the last reading less ``RELEASE_SETTLE_S`` (rule 3): memory the reading may still
+        show as used, and that is coming back (not another tenant's pressure)."""
+        settled = -math.inf if self._observed_at_s is None else self._observed_at_s - RELEASE_SETTLE_S
+        self._recent_releases = deque(
+            (t, b, kind)
+            for t, b, kind in self._recent_releases
+            if now_s - t <= self.freshness_s and (kind != "request" or t > settled)
+        )
+        return sum(b for _, b, _ in self._recent_releases)
 
     def held_bytes(self, holder: str) -> int:
         """Bytes ``holder`` holds now (0: no reservation)."""
