@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -56,9 +57,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     lock = statelock.acquire(cfg.state_path())
     try:
         import uvicorn
+        from uvicorn.config import STARTUP_FAILURE
 
         from spillover.http.app import create_app
-        from spillover.http.server import bounded_protocol, raise_fd_limit
+        from spillover.http.server import TickingServer, bounded_protocol, raise_fd_limit
         from spillover.runtime.gateway import Gateway
 
         s = cfg.server
@@ -77,18 +79,25 @@ def cmd_serve(a: argparse.Namespace) -> int:
         app = create_app(gw)
         protocol = bounded_protocol(s.max_connections, s.header_timeout_s)
         gw.listener = protocol.guard.statistics
-        uvicorn.run(
-            app,
-            host=s.host,
-            port=s.port,
-            log_level="info",
-            access_log=s.access_log,
-            timeout_graceful_shutdown=5,
-            http=protocol,
-            loop="auto",  # uvloop (a pinned dependency) where it is installed, else asyncio
-            backlog=s.max_connections,
-            timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
+        # uvicorn.run's own steps, with the server whose tick is the gateway's (TickingServer).
+        server = TickingServer(
+            uvicorn.Config(
+                app,
+                host=s.host,
+                port=s.port,
+                log_level="info",
+                access_log=s.access_log,
+                timeout_graceful_shutdown=5,
+                http=protocol,
+                loop="auto",  # uvloop (a pinned dependency) where it is installed, else asyncio
+                backlog=s.max_connections,
+                timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
+            )
         )
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:  # it could not start (e.g. the port is taken): as uvicorn.run exits
+            sys.exit(STARTUP_FAILURE)
     finally:
         lock.release()
     if gw.loops.fatal is not None:

@@ -21,7 +21,7 @@ from spillover.core.lifecycle import IllegalTransition, State
 from spillover.core.reasons import Reason
 from spillover.core.routing import DEVICE_ROUTES
 from spillover.errors import JournalUnavailable
-from spillover.runtime import statelock
+from spillover.runtime import statelock, ticks
 from spillover.runtime.chat import ChatModel, chat_models
 from spillover.runtime.devices import GpuDevice, cuda_available
 from spillover.runtime.embeddings import EmbeddingsService
@@ -230,7 +230,8 @@ class Gateway:
         on_wait(False)
 
     async def _observe_loop(self) -> None:
-        """Read the device every ``OBSERVE_INTERVAL_S``. The sim ledger is a small locked file,
+        """Read the device every ``OBSERVE_INTERVAL_S`` (on the shared tick, ``runtime.ticks``: the
+        other periodic loops wake with it). The sim ledger is a small locked file,
         read inline (a thread hop costs more than the read); NVML is read in a thread. The
         schedulers look again when the reading changed, and at least every ``KICK_EVERY_S``
         (a reading that stays the same only renews its freshness)."""
@@ -250,7 +251,7 @@ class Gateway:
             except Exception as exc:  # a failed reading goes stale; admission stops trusting it
                 last = None
                 log.warning("device reading failed: %s", exc)
-            await asyncio.sleep(OBSERVE_INTERVAL_S)
+            await ticks.sleep(OBSERVE_INTERVAL_S)
 
     async def store_outcome(self, rid: str, state: State, **fields: Any) -> None:
         """Journal a request's terminal state. When the journal cannot take it now (a full

@@ -13,13 +13,13 @@ the room the guard leaves them.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spillover.core.hostguard import HostView
+from spillover.runtime import ticks
 from spillover.runtime.devices import host_available_bytes, processes_rss
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.worker_client import WorkerClient, WorkerState
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HOST_OBSERVE_INTERVAL_S", "CpuLaneHost", "HostMemory", "HostStatistics"]
 
-HOST_OBSERVE_INTERVAL_S = 0.25
+HOST_OBSERVE_INTERVAL_S = 0.2  # a whole number of ``ticks.TICK_S``: the reading wakes with the device's
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class HostMemory:
                     # everything loaded: the rest of the reading is what no replica report covers
                     self.base_bytes = max(1, rss - self.replicas_bytes())
             await self.tick_readiness()
-            await asyncio.sleep(HOST_OBSERVE_INTERVAL_S)
+            await ticks.sleep(HOST_OBSERVE_INTERVAL_S)
 
     @staticmethod
     def cpu_contexts(lane: CpuLaneHost, worker: WorkerClient) -> int:

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from spillover.config import SupervisorConfig
+from spillover.runtime import ticks
 from spillover.runtime.devices import GpuDevice
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
 from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec, WorkerState
@@ -203,14 +204,15 @@ class Supervisor:
                 await w.ping()
             except Exception:  # an unanswered ping is what the pong age below detects
                 log.exception("worker %s: ping failed", w.spec.worker_id)
-            slept_from = time.monotonic()
-            await asyncio.sleep(self.cfg.health_interval_s)
-            late = time.monotonic() - slept_from - self.cfg.health_interval_s
+            slept_from, loop_from = time.monotonic(), asyncio.get_running_loop().time()
+            # On the shared tick (``runtime.ticks``): every worker's ping wakes with the other periodic loops.
+            planned = await ticks.sleep(self.cfg.health_interval_s) - loop_from  # the interval, within half a tick
+            late = time.monotonic() - slept_from - planned
             for _ in range(2):  # two loop turns: the pipe's pending lines are read (and a pong seen)
                 await asyncio.sleep(0)
             if w.last_pong_s != pong_s:
                 pong_s, late_s = w.last_pong_s, 0.0
-            if (pong_s or 0.0) < slept_from + self.cfg.health_interval_s:  # the lateness came after the pong
+            if (pong_s or 0.0) < slept_from + planned:  # the lateness came after the pong
                 late_s += max(0.0, late)
             age = time.monotonic() - (pong_s or 0.0)
             if age - late_s > self.cfg.health_timeout_s:
