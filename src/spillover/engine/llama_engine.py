@@ -144,6 +144,10 @@ class Tokenizer:
         result = self._formatter(messages=messages, tools=tools)
         return str(result.prompt)
 
+    def busy(self) -> bool:
+        """Whether another thread is tokenizing now (a caller on the event loop would wait for it)."""
+        return self._lock.locked()
+
     def tokenize(self, text: str, *, special: bool = True, add_bos: bool = True) -> list[int]:
         """Token ids for ``text``; with ``add_bos`` the model's BOS/EOS when it asks for them.
 

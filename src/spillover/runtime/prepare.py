@@ -191,10 +191,35 @@ def _check_logit_bias(chat: ChatModel, req: GenerationRequest) -> None:
             )
 
 
+# A prompt up to this many characters (message fields' text, no tools) is rendered and tokenized
+# on the event loop: ~0.5 ms for a short one, ~2 ms at this size on a 2-core VM, less CPU than the
+# thread hop it saves (a wake-up of the thread and one of the loop, ~0.1-0.3 ms each here, plus
+# the GIL handed back and forth). A larger one, or one with tools, takes a thread so the loop
+# does not stall other requests' tokens for long.
+INLINE_RENDER_CHARS = 1000
+
+
+def _renders_inline(req: GenerationRequest) -> bool:
+    """Whether ``req``'s prompt is small enough to render on the event loop."""
+    if req.kind == "text":
+        return len(req.prompt) <= INLINE_RENDER_CHARS
+    if req.tools:
+        return False
+    left = INLINE_RENDER_CHARS
+    for m in req.messages:  # the fields' text as Python shows it: a bound of what the template puts in
+        left -= len(str(m))
+        if left < 0:
+            return False
+    return True
+
+
 async def _render_or_400(tok: Any, req: GenerationRequest) -> list[int]:
-    """``_render`` in a thread; a chat template that refuses the conversation (Jinja's
-    ``raise_exception``, e.g. roles that do not alternate) is the client's 400."""
+    """``_render``: on the loop when small (``_renders_inline``) and the tokenizer is free, else in
+    a thread. A chat template that refuses the conversation (Jinja's ``raise_exception``, e.g.
+    roles that do not alternate) is the client's 400."""
     try:
+        if _renders_inline(req) and not tok.busy():  # a busy tokenizer would stall the loop
+            return render(tok, req)
         return await asyncio.to_thread(render, tok, req)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from exc
