@@ -40,6 +40,26 @@ def test_queued_job_wakes_the_scheduler_at_its_maximum_age() -> None:
     asyncio.run(main())
 
 
+def test_a_device_change_wakes_the_pump_only_for_waiting_work() -> None:
+    """``look_again`` (a reading changed, another service took or gave back bytes) wakes a scheduler
+    with a queued job, and leaves one with empty queues asleep; ``kick`` always wakes it."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s = scheduler(clock)
+        s.look_again()
+        assert not s._wake.is_set()
+        s.kick()
+        assert s._wake.is_set()
+        s._wake.clear()
+        s.submit_nowait(Job(rid="a", prompt_tokens=4, max_tokens=4, arrived_s=clock()), lane="cpu")
+        s._wake.clear()
+        s.look_again()
+        assert s._wake.is_set()
+
+    asyncio.run(main())
+
+
 def test_open_breaker_wakes_at_the_end_of_its_cooldown() -> None:
     """An open breaker: the pass that moves it to half-open is due when the cooldown ends."""
     clock = FakeClock(100.0)

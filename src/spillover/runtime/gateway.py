@@ -193,9 +193,10 @@ class Gateway:
         del self.events[:-100]
 
     def kick_scheduler(self) -> None:
-        """Device bytes changed outside a chat scheduler (another service or model): each looks again."""
+        """Device bytes changed outside a chat scheduler (a reading, another service or model): each
+        with work waiting looks again (``Scheduler.look_again``)."""
         for sched in self.schedulers():
-            sched.kick()
+            sched.look_again()
 
     def worker_event(self, worker: Any, ev: SupervisorEvent) -> None:
         """A supervisor event of any service's worker: logged, and a GPU worker's weights are

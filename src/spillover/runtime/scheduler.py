@@ -203,6 +203,14 @@ class Scheduler:
         """Wake the pump."""
         self._wake.set()
 
+    def look_again(self) -> None:
+        """Device bytes changed outside this scheduler (a reading, another service's request or
+        worker): wake the pump when a job waits on a lane. With both queues empty a pass would
+        decide nothing, and the deadlines it keeps (the breaker's) wake it anyway (``_due``); an
+        embeddings request would otherwise cost every idle chat scheduler a pass, twice."""
+        if self.cpu.queue or (self.gpu is not None and self.gpu.queue):
+            self._wake.set()
+
     def record_timing(
         self, lane: str, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float
     ) -> None:
