@@ -192,10 +192,11 @@ def _check_logit_bias(chat: ChatModel, req: GenerationRequest) -> None:
 
 
 # A prompt up to this many characters (message fields' text, no tools) is rendered and tokenized
-# on the event loop: ~0.5 ms for a short one, ~2 ms at this size on a 2-core VM, less CPU than the
-# thread hop it saves (a wake-up of the thread and one of the loop, ~0.1-0.3 ms each here, plus
-# the GIL handed back and forth). A larger one, or one with tools, takes a thread so the loop
-# does not stall other requests' tokens for long.
+# on the event loop: ~0.5 ms for a short one, 1-3.4 ms at this size on a 2-core VM (3.4 ms: 950
+# CJK characters, the slowest text tried), less CPU than the thread hop it saves (a wake-up of
+# the thread and one of the loop, ~0.1-0.3 ms each here, plus the GIL handed back and forth).
+# A larger one, or one with tools, takes a thread so the loop does not stall other requests'
+# tokens for long.
 INLINE_RENDER_CHARS = 1000
 
 
