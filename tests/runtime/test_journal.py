@@ -106,14 +106,17 @@ def test_retention_by_count_drops_the_oldest_finished(tmp_path: Path) -> None:
 
 
 async def _held(j: Journal, writes: list[Awaitable[Any]]) -> list[Any]:
-    """Run ``writes`` while the journal thread is busy, so they all wait for it together
-    (one group commit when they are lifecycle writes); their results or errors, in order."""
+    """Run ``writes`` while the journal thread is busy (a read holds the connection, so none
+    is written on the event loop: rule 8), so they all wait for it together (one group commit
+    when they are lifecycle writes); their results or errors, in order."""
     import threading
 
     while j._draining:  # the last drain hands back its results before it ends
         await asyncio.sleep(0.001)
     gate = threading.Event()
-    blocker = asyncio.get_running_loop().run_in_executor(j._pool, gate.wait)
+    blocker = asyncio.ensure_future(j._run(gate.wait))
+    while not j._db_lock.locked():
+        await asyncio.sleep(0.001)
     try:
         tasks = [asyncio.ensure_future(w) for w in writes]
         await asyncio.sleep(0.05)  # every write is waiting now

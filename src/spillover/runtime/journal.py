@@ -4,8 +4,9 @@ A request is ACCEPTED only once its row is committed with ``synchronous=FULL`` (
 before the first response byte. Later transitions commit with ``synchronous=NORMAL``:
 in WAL mode they survive a killed gateway (the SIGKILL case), only an OS crash could
 lose the last of them. Every lifecycle move is a row in ``transitions``. On start-up the
-journal is the truth (see ``Journal.unfinished``). All SQLite work runs on one dedicated
-thread, so writes keep their order and the event loop never blocks on disk.
+journal is the truth (see ``Journal.unfinished``). SQLite work runs on one dedicated thread,
+except the writes rule 8 lets the event loop make itself; writes keep their order, and the
+event loop never waits for an fsync.
 
 This module owns the connection, its transactions and the lifecycle writes. What is stored
 (schema, ``JournalRecord``) is in ``runtime.journal_records``; the size bounds, retention and
@@ -54,6 +55,17 @@ Rules:
    ``tokens_delivered`` are committed before the client is answered, and every transition
    is still a row. One that cannot be written (a full disk) is written, in order, before
    the same request's next move or update; until then that write fails as it would have.
+8. A move or an update that finds the journal thread idle (no write queued or running, no
+   read running) is written on the caller's event loop, with the noted moves before it, in
+   order: it commits with ``synchronous=NORMAL``, which in WAL mode appends to the WAL and
+   does not fsync, so the loop does not wait for the disk, and the two thread hand-offs a
+   write costs are saved. It stays on the thread when it could need a prune (rule 4) or a
+   checkpoint: the thread checkpoints (PASSIVE) after a pass once an upper bound of the
+   bytes written to the WAL since the last checkpoint reaches half the WAL allowance
+   (``CHECKPOINT_SHARE`` of ``SizeBounds.wal_pages``), and a write on the loop must stay
+   under it; SQLite's own automatic checkpoint at ``wal_pages`` is the backstop (it could
+   run on the loop only if the bound were exceeded, or a reader held back the last
+   checkpoint). An accept (fsync) and a prune always run on the thread.
 """
 
 from __future__ import annotations
@@ -131,12 +143,19 @@ DEFER_S = 0.25  # an intermediate move nobody waits for is committed about this 
 NOTED = frozenset({State.ADMITTED, State.RUNNING})  # the intermediate moves callers note (rule 7)
 GROUP_MAX = 64  # writes one drain pass takes: bounds a group's transaction, WAL growth and wait
 GROWTH_PAGES = 16  # pages a write may take beyond twice what it declares (rule 4's upper bound)
+INLINE = frozenset({"_move", "_update"})  # writes rule 8 lets the event loop make (no fsync)
+CHECKPOINT_SHARE = 0.5  # of the WAL allowance: the thread checkpoints past it; loop writes stay under it (rule 8)
 STATES_KEPT = 100_000  # unfinished requests whose state the journal thread remembers
 REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound grew this share of max_bytes
 
 
 def _nothing() -> None:
     """A write with nothing to write: ``Journal.flush`` waits for the writes before it."""
+
+
+def _need(fields: dict[str, Any]) -> int:
+    """The bytes a write's text and blob fields take, as stored."""
+    return sum(len(v.encode()) if isinstance(v, str) else len(v) for v in fields.values() if isinstance(v, str | bytes))
 
 
 def _resolve(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
@@ -171,6 +190,10 @@ class Journal:
         self._pending: list[_Op] = []
         self._pending_lock = threading.Lock()
         self._draining = False
+        # Held by whoever uses the connection: a drain pass or a read on the journal thread,
+        # or a write on the event loop (rule 8), which only tries it.
+        self._db_lock = threading.Lock()
+        self._wal_bound = 0  # bytes written to the WAL since the last checkpoint, an upper bound (rule 8)
         self._grouped = False  # the journal thread is inside a group's transaction
         self._sync_full = False  # PRAGMA synchronous is FULL (else NORMAL, the connection's default here)
         self._db: sqlite3.Connection | None = None
@@ -203,24 +226,56 @@ class Journal:
         )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *args)
+
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._db_lock:
+            return fn(*args)
 
     async def _write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a write on the journal thread (with whatever other writes wait then: rule 1);
-        a SQLite or OS error becomes JournalUnavailable."""
+        """Run a write on the journal thread (with whatever other writes wait then: rule 1),
+        or here when rule 8 allows; a SQLite or OS error becomes JournalUnavailable."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
-        with self._pending_lock:
-            self._pending.append(_Op(fn, args, fut, loop))
-            start, self._draining = not self._draining, True
-        if start:
-            self._start_drain()
+        op = _Op(fn, args, fut, loop)
+        if not self._write_here(op):
+            with self._pending_lock:
+                self._pending.append(op)
+                start, self._draining = not self._draining, True
+            if start:
+                self._start_drain()
         try:
             return await fut
         except (sqlite3.Error, OSError) as exc:
             raise JournalUnavailable(
                 f"the request journal cannot be written: {exc}", retry_after_s=RETRY_AFTER_S
             ) from exc
+
+    def _write_here(self, op: _Op) -> bool:
+        """Rule 8: write ``op`` on this (the event loop's) thread, after the noted moves that
+        wait, when the journal thread is idle and none of them could need a prune or a
+        checkpoint. False: it was not written (the caller queues it for the thread)."""
+        if op.fn.__name__ not in INLINE or self._draining or self._db is None:
+            return False
+        if not self._db_lock.acquire(blocking=False):  # a read is running on the thread
+            return False
+        try:
+            with self._pending_lock:
+                if self._draining:  # a pass was queued meanwhile (another loop's write)
+                    return False
+                if any(o.future is not None for o in self._pending):  # only noted moves wait while idle
+                    return False
+                ops = [*self._pending, op]
+                grow = sum(self._growth(_need(o.args[-2] if o.future is None else o.args[-1])) for o in ops)
+                if self._bytes_bound + grow > self._bounds.high_water or self._wal_bound + grow > self._checkpoint_at:
+                    return False
+                self._pending = []
+            results: list[tuple[Any, BaseException | None]] = []
+            self._write_ops(ops, results)
+        finally:
+            self._db_lock.release()
+        self._settle(ops, results)
+        return True
 
     def _start_drain(self) -> None:
         """Queue a drain pass (the caller set ``_draining``)."""
@@ -249,35 +304,60 @@ class Journal:
         writes as one group, anything else alone. Then, when more wait, queue another pass
         behind whatever the pool holds (a read waits for one pass at most)."""
         ops: list[_Op] = []
+        results: list[tuple[Any, BaseException | None]] = []
         try:
             with self._pending_lock:
                 ops, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
             # A caller cancelled before its write started: nothing is written (as a job
             # run_in_executor had not started yet).
             ops = [op for op in ops if op.future is None or not op.future.cancelled()]
-            i = 0
-            while i < len(ops):
-                j = i
-                while j < len(ops) and ops[j].groupable():
-                    j += 1
-                if j - i >= 2:
-                    self._settle(ops[i:j], self._group(ops[i:j]))
-                    i = j
-                else:
-                    self._settle([ops[i]], [self._alone(ops[i])])
-                    i += 1
-            ops = []
-            with self._pending_lock:
-                if all(op.future is None for op in self._pending):  # noted moves wait for a write or the timer
-                    self._draining = False
-                    return
-            self._pool.submit(self._drain)
+            with self._db_lock:
+                self._write_ops(ops, results)
+            with self._pending_lock:  # idle (rule 8) before the callers hear: their next write may be theirs
+                more = any(op.future is not None for op in self._pending)  # noted moves wait for a write or the timer
+                self._draining = more
+            self._settle(ops, results)
+            ops, results = [], []
+            self._checkpoint_if_due()
+            if more:
+                self._pool.submit(self._drain)
         except BaseException as exc:  # a bug, or the pool closed: no caller may wait for ever
             with self._pending_lock:
-                ops, self._pending, self._draining = ops + self._pending, [], False
-            self._settle(ops, [(None, exc)] * len(ops))
+                rest, self._pending, self._draining = ops[len(results) :] + self._pending, [], False
+            self._settle(ops[: len(results)], results)
+            self._settle(rest, [(None, exc)] * len(rest))
             if not isinstance(exc, RuntimeError):
                 raise
+
+    def _write_ops(self, ops: list[_Op], results: list[tuple[Any, BaseException | None]]) -> None:
+        """Write ``ops`` in order (holding ``_db_lock``): runs of two or more lifecycle writes
+        as one group, anything else alone; each one's result is appended to ``results``."""
+        i = 0
+        while i < len(ops):
+            j = i
+            while j < len(ops) and ops[j].groupable():
+                j += 1
+            if j - i >= 2:
+                results += self._group(ops[i:j])
+                i = j
+            else:
+                results.append(self._alone(ops[i]))
+                i += 1
+
+    def _checkpoint_if_due(self) -> None:
+        """Journal thread, after a pass: checkpoint (PASSIVE) once the WAL bound reaches
+        ``CHECKPOINT_SHARE`` of the allowance (rule 8). What a reader holds back stays in the WAL
+        for the next one, or SQLite's own."""
+        if self._wal_bound < self._checkpoint_at:
+            return
+        with self._db_lock:
+            if self._db is None:
+                return
+            self._wal_bound = 0
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            except sqlite3.Error as exc:  # a full disk: SQLite's own checkpoint tries again
+                log.warning("journal: checkpoint failed: %s", exc)
 
     def _alone(self, op: _Op) -> tuple[Any, BaseException | None]:
         if op.fn is _nothing:  # ``flush``: the writes before it are done
@@ -338,15 +418,19 @@ class Journal:
 
     @staticmethod
     def _settle(ops: list[_Op], results: list[tuple[Any, BaseException | None]]) -> None:
-        """Hand each caller its result, one call into each caller's loop; a noted move has no
-        caller: its error (a bug) is logged."""
+        """Hand each caller its result: at once on the caller's loop (rule 8), else with one
+        call into each caller's loop; a noted move has no caller: its error (a bug) is logged."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any, BaseException | None]]] = {}
         for op, (value, exc) in zip(ops, results, strict=True):
             if op.future is not None:
                 by_loop.setdefault(op.loop, []).append((op, value, exc))
             elif exc is not None:
                 log.error("journal: a noted move %s was refused: %r", op.args[:2], exc)
+        here = asyncio._get_running_loop()
         for loop, done in by_loop.items():
+            if loop is here:
+                _resolve(done)
+                continue
             with suppress(RuntimeError):  # a closed loop: nobody waits there any more
                 loop.call_soon_threadsafe(_resolve, done)
 
@@ -410,10 +494,22 @@ class Journal:
             with suppress(sqlite3.Error):  # else a later write does
                 self._measure()
 
+    @property
+    def _checkpoint_at(self) -> float:
+        """The WAL bound at which the thread checkpoints (rule 8)."""
+        return CHECKPOINT_SHARE * self._bounds.wal_pages * self._bounds.page_size
+
+    def _growth(self, need: int) -> int:
+        """More bytes than a write declaring ``need`` can take or write (its row's overflow
+        pages, page splits of the tables and indexes)."""
+        return 2 * need + GROWTH_PAGES * self._bounds.page_size
+
     def _grow(self, need: int) -> None:
-        """A write declaring ``need`` bytes is under way: raise the upper bound by more than
-        it can take (its row's overflow pages, page splits of the tables and indexes)."""
-        self._bytes_bound += 2 * need + GROWTH_PAGES * self._bounds.page_size
+        """A write declaring ``need`` bytes is under way: raise the upper bounds of the bytes
+        in use and of those written to the WAL since the last checkpoint."""
+        growth = self._growth(need)
+        self._bytes_bound += growth
+        self._wal_bound += growth
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -540,9 +636,7 @@ class Journal:
             raise
 
     def _move(self, rid: str, target: State, fields: dict[str, Any], at: float | None = None) -> None:
-        texts = [v for v in fields.values() if isinstance(v, str | bytes)]
-        need = sum(len(v.encode()) if isinstance(v, str) else len(v) for v in texts)  # bytes, as stored
-        self._make_room(keep=rid, need=need)
+        self._make_room(keep=rid, need=_need(fields))
         with self._caught_up(rid):
             self._move_row(rid, target, fields, time.time() if at is None else at)
         self.writes += 1
@@ -576,7 +670,7 @@ class Journal:
         self._known(rid, target)
 
     def _update(self, rid: str, fields: dict[str, Any]) -> None:
-        self._grow(0)
+        self._grow(_need(fields))
         cols = ", ".join(f"{k}=?" for k in fields)
         with self._caught_up(rid) as db:
             db.execute(f"UPDATE requests SET {cols} WHERE id=?", (*fields.values(), rid))
@@ -647,6 +741,7 @@ class Journal:
                 gone += journal_bounds.shed_oldest(db, self._bounds, keep, need)
         self._rows -= gone
         journal_bounds.release_space(db, self._bounds)
+        self._wal_bound = 0
         self._measure()
         return gone
 
