@@ -261,9 +261,10 @@ class Journal:
             return False
         try:
             with self._pending_lock:
-                if self._draining:  # a pass was queued meanwhile (another loop's write)
-                    return False
-                if any(o.future is not None for o in self._pending):  # only noted moves wait while idle
+                # A pass was queued meanwhile (another loop's write). Not draining means only
+                # noted moves wait: a waited write always sets ``_draining`` (``_write``), and a
+                # pass clears it only when none waits (``_drain``).
+                if self._draining:
                     return False
                 ops = [*self._pending, op]
                 grow = sum(self._growth(_need(o.args[-2] if o.future is None else o.args[-1])) for o in ops)
