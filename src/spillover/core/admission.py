@@ -11,7 +11,10 @@ Rules, applied in order (the first that matches wins):
 4. Device usage cannot be trusted (no fresh observation): route to CPU
    (``observation_stale``).
 5. The footprint fits the headroom: ``Admit`` (``fits``) when a slot is free, else
-   ``Delay`` (``gpu_busy``) while the wait is within ``delay_max_s``.
+   ``Delay`` (``gpu_busy``) while the wait is within ``delay_max_s``. That delay lasts until
+   the bound, not one poll interval: what ends it comes as an event that starts a pass (a
+   slot given back, a worker's change, a device reading that changed), so a busy GPU is not
+   polled. The memory delays of rule 6 are (what returns also comes back with time).
 6. It does not fit. The reason is ``margin`` when it would fit but for the safety margin,
    ``observed_pressure`` when what is observed exceeds what we predicted (someone else
    holds memory), and ``kv_pages_exhausted`` otherwise. Then:
@@ -175,11 +178,13 @@ def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: Reason, p: Admission
     return Route(reason)
 
 
-def _may_wait(req: AdmissionRequest, now_s: float, p: AdmissionPolicy) -> float | None:
+def _may_wait(req: AdmissionRequest, now_s: float, p: AdmissionPolicy, *, poll: bool = True) -> float | None:
+    """Until when a delayed request waits before it is decided again: the next poll (or the
+    bound, whichever is first), or with ``poll`` False the bound itself; None past the bound."""
     deadline = req.arrived_s + p.delay_max_s
     if now_s >= deadline:
         return None
-    return min(deadline, now_s + p.delay_poll_s)
+    return min(deadline, now_s + p.delay_poll_s) if poll else deadline
 
 
 def _shrunk(req: AdmissionRequest, room: int, cap: int, p: AdmissionPolicy) -> Shrink | None:
@@ -226,7 +231,7 @@ def decide(
     if fp.total_bytes <= room:
         if lanes.gpu_free_slots > 0:
             return Admit(nbytes=fp.total_bytes, kv_tokens=fp.kv_tokens)
-        until = _may_wait(req, now_s, p)
+        until = _may_wait(req, now_s, p, poll=False)  # a freed slot kicks a pass (rule 5)
         if until is not None:
             return Delay(until, Reason.GPU_BUSY)
         return _to_cpu(req, lanes, Reason.GPU_BUSY, p)
