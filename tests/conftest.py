@@ -5,10 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from spillover.config import default_model_path
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.testing import FakeClock, GatewayProcess
+
+# Hypothesis's per-example wall-clock deadline (200 ms) measures the machine, not the code: on
+# 2 shared cores under a test run's own load, an example that constructs an event loop can miss
+# it and fail a correct test. No deadline anywhere; pytest-timeout still bounds each test.
+settings.register_profile("spillover", deadline=None)
+settings.load_profile("spillover")
 
 # Keep every test gateway's log, to read after a failure.
 GatewayProcess.log_archive = Path(__file__).resolve().parents[1] / "artifacts" / "gateway-logs"
