@@ -14,7 +14,7 @@ Rules, applied in order (the first that matches wins):
    ``Delay`` (``gpu_busy``) while the wait is within ``delay_max_s``. That delay lasts until
    the bound, not one poll interval: what ends it comes as an event that starts a pass (a
    slot given back, a worker's change, a device reading that changed), so a busy GPU is not
-   polled. The memory delays of rule 6 are (what returns also comes back with time).
+   polled. Rule 6's memory delays still poll: what returns also comes back with time.
 6. It does not fit. The reason is ``margin`` when it would fit but for the safety margin,
    ``observed_pressure`` when what is observed exceeds what we predicted (someone else
    holds memory), and ``kv_pages_exhausted`` otherwise. Then:
