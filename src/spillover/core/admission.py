@@ -178,13 +178,18 @@ def _to_cpu(req: AdmissionRequest, lanes: LaneView, reason: Reason, p: Admission
     return Route(reason)
 
 
-def _may_wait(req: AdmissionRequest, now_s: float, p: AdmissionPolicy, *, poll: bool = True) -> float | None:
-    """Until when a delayed request waits before it is decided again: the next poll (or the
-    bound, whichever is first), or with ``poll`` False the bound itself; None past the bound."""
+def _bound(req: AdmissionRequest, now_s: float, p: AdmissionPolicy) -> float | None:
+    """The end of the request's delay bound, or None once it has passed (a busy GPU's delay
+    lasts until then: rule 5)."""
     deadline = req.arrived_s + p.delay_max_s
-    if now_s >= deadline:
-        return None
-    return min(deadline, now_s + p.delay_poll_s) if poll else deadline
+    return None if now_s >= deadline else deadline
+
+
+def _may_wait(req: AdmissionRequest, now_s: float, p: AdmissionPolicy) -> float | None:
+    """Until when a memory delay waits before it is decided again: the next poll, or the bound
+    when that comes first; None past the bound."""
+    deadline = _bound(req, now_s, p)
+    return None if deadline is None else min(deadline, now_s + p.delay_poll_s)
 
 
 def _shrunk(req: AdmissionRequest, room: int, cap: int, p: AdmissionPolicy) -> Shrink | None:
@@ -231,7 +236,7 @@ def decide(
     if fp.total_bytes <= room:
         if lanes.gpu_free_slots > 0:
             return Admit(nbytes=fp.total_bytes, kv_tokens=fp.kv_tokens)
-        until = _may_wait(req, now_s, p, poll=False)  # a freed slot kicks a pass (rule 5)
+        until = _bound(req, now_s, p)  # a freed slot kicks a pass (rule 5)
         if until is not None:
             return Delay(until, Reason.GPU_BUSY)
         return _to_cpu(req, lanes, Reason.GPU_BUSY, p)
