@@ -8,12 +8,12 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import psutil
 
-__all__ = ["at_once", "cpu_s", "median", "p95", "sse_token_times"]
+__all__ = ["SseRun", "at_once", "cpu_s", "median", "p95", "sse_token_times"]
 
 
 def cpu_s(p: psutil.Process) -> float:
@@ -48,24 +48,42 @@ def sse_events(r: httpx.Response) -> Iterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
-def sse_token_times(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, list[float], dict]:
-    """POST a streaming request; return (t_sent, arrival time of each content chunk, headers).
+class SseRun(NamedTuple):
+    """One streamed answer as its client saw it."""
+
+    t0: float  # when the request was sent
+    times: list[float]  # the arrival of each frame with text (one or more tokens each)
+    tokens: int  # completion tokens, from the answer's usage frame
+    headers: dict[str, str]
+
+    def decode_tps(self) -> float:
+        """Tokens after the first over the time from the first text to the last. The first
+        frame carries the first token alone (the gateway never holds it); later frames may
+        carry several (``[server].stream_coalesce_ms``), so frames are not tokens."""
+        if len(self.times) < 2:
+            return float("nan")
+        return (self.tokens - 1) / (self.times[-1] - self.times[0])
+
+
+def sse_token_times(client: httpx.Client, url: str, body: dict[str, Any]) -> SseRun:
+    """POST a streaming request (with ``stream_options.include_usage``); what its client saw.
 
     The client is a measuring instrument sharing the engine's cores (the bare engine has none),
     so it reads the answer from the socket itself, on a connection of its own to
     ``client.base_url``: one ``recv`` and a prefix test per frame, no HTTP client stack per
-    chunk (httpx's cost about 0.3 ms of CPU per token here). It counts on the server sending
+    frame (httpx's cost about 0.3 ms of CPU per token here). It counts on the server sending
     each SSE frame as one chunk (uvicorn does: a frame is one ``send``), and waits at most the
     client's read timeout for each ``recv``. A non-200 answer raises ``httpx.HTTPStatusError``
     as httpx would.
     """
     host, port = client.base_url.host, client.base_url.port or 80
-    payload = json.dumps({**body, "stream": True}).encode()
+    payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
     head = (
         f"POST {url} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
     ).encode()
     times: list[float] = []
+    tokens = -1
     rest = b""  # the start of a line whose end has not arrived
     status, headers = 0, {}
     t0 = time.perf_counter()
@@ -90,13 +108,19 @@ def sse_token_times(client: httpx.Client, url: str, body: dict[str, Any]) -> tup
                 rest = b"\n".join([*lines, rest])
                 continue
             for line in lines:
+                if not line.startswith(b'data: {"id"'):
+                    continue
                 tail = line[-160:]
                 has_text = b'"text":"' in tail or b'"content":"' in tail
                 empty = b'"text":""' in line or b'"content":""' in line
-                if line.startswith(b'data: {"id"') and has_text and not empty:
+                if has_text and not empty:
                     times.append(now)
+                elif b'"usage":{' in line and b'"choices":[]' in line:
+                    tokens = int(json.loads(line[6:])["usage"]["completion_tokens"])
     if status != 200:
         request = httpx.Request("POST", client.base_url.join(url))
         response = httpx.Response(status or 502, headers=headers, content=rest, request=request)
         raise httpx.HTTPStatusError(f"{status} from {url}", request=request, response=response)
-    return t0, times, headers
+    if tokens < 0:
+        raise RuntimeError(f"{url}: the stream ended without its usage frame")
+    return SseRun(t0, times, tokens, headers)

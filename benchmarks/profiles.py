@@ -88,12 +88,12 @@ def wait_ready(gw: GatewayProcess, lane: str, not_pid: int | None = None, timeou
 def workload(c: httpx.Client, n: int, prompt_tokens: int) -> tuple[float, float, list[str]]:
     prefill, decode, routes = [], [], []
     for _ in range(n):
-        t0, times, headers = sse_token_times(c, "/v1/completions", BODY)
-        routes.append(headers.get("x-spillover-route", "?"))
-        if times:
-            prefill.append(prompt_tokens / (times[0] - t0))
-        if len(times) > 1:
-            decode.append((len(times) - 1) / (times[-1] - times[0]))
+        run = sse_token_times(c, "/v1/completions", BODY)
+        routes.append(run.headers.get("x-spillover-route", "?"))
+        if run.times:
+            prefill.append(prompt_tokens / (run.times[0] - run.t0))
+        if len(run.times) > 1:
+            decode.append(run.decode_tps())
     return median(prefill), median(decode), routes
 
 
@@ -106,7 +106,7 @@ def recover(gw: GatewayProcess, c: httpx.Client, lane: str) -> tuple[float, floa
     first_ms = float("nan")
     while time.perf_counter() - t0 < 120:
         try:
-            _, times, _ = sse_token_times(c, "/v1/completions", {**BODY, "max_tokens": 4})
+            times = sse_token_times(c, "/v1/completions", {**BODY, "max_tokens": 4}).times
         except httpx.HTTPStatusError:  # nothing could serve it yet (503): ask again
             time.sleep(0.05)
             continue

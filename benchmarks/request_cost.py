@@ -136,7 +136,7 @@ def stream_cost(gw: GatewayProcess, streams: int) -> tuple[float, float, float]:
         sse_token_times(c, "/v1/chat/completions", STREAM)  # warm-up
         c0, v0, w0, tokens = gateway_cpu_s(gw), wakeups(gw), time.perf_counter(), 0
         for _ in range(streams):
-            tokens += len(sse_token_times(c, "/v1/chat/completions", STREAM)[1])
+            tokens += sse_token_times(c, "/v1/chat/completions", STREAM).tokens
         c1, v1, w1 = gateway_cpu_s(gw), wakeups(gw), time.perf_counter()
     return 1e6 * (c1 - c0) / max(1, tokens), tokens / (w1 - w0), (v1[0] - v0[0]) / max(1, tokens)
 

@@ -4,7 +4,7 @@ Prints decode tokens/s of both and their ratio (target >= 0.97), streaming and n
 and the latency of a 1-token completion through each (median of >= 20), measured in one run
 with the two interleaved.
 
-    .venv/bin/python -m benchmarks.serve_overhead [--rounds 5] [--latency-n 25] [--threads 1,2]
+    .venv/bin/python -m benchmarks.serve_overhead [--rounds 6] [--latency-n 25] [--threads 1,2]
         [--concurrency 1,4]
 
 Each (threads, concurrency) cell is measured separately. Bare: ``concurrency`` llama contexts
@@ -14,12 +14,14 @@ the span from the first token to the last (stream), or completion tokens over th
 (non-stream), so both sides pay the same contention. On a 2-core machine with the sim device,
 engine threads and the gateway share the cores: at threads = cores the gateway's own CPU per
 token is taken from the engine. The ratio is the median of the rounds' own ratios (bare and
-gateway measured back to back in each round), printed with their range. The streaming client
-reads the socket itself (``_common.sse_token_times``): it is the measuring instrument, and the
-bare engine has none. Each cell also prints the CPU a streamed token takes over the stream
-rounds: in the gateway process (its idle loops included), in the streaming client, and in the
-GPU worker beside the bare engine's own (``StreamCost``).
-"""
+gateway measured back to back in each round, the side that goes first alternating from round
+to round, so an even number of rounds measures each order equally), printed with their
+range. The streaming client reads the socket itself (``_common.sse_token_times``): it is the
+measuring instrument, and the bare engine has none. Each cell also prints the CPU a streamed
+token takes over the stream rounds: in the gateway process (its idle loops included), in the
+streaming client, and in the GPU worker beside the bare engine's own (``StreamCost``). The
+gateway sends a stream's tokens as ``[server].stream_coalesce_ms`` groups them (the default),
+so the stream figures count tokens from the answer's usage, not frames."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks._common import at_once, cpu_s, median, sse_token_times
+from benchmarks._common import SseRun, at_once, cpu_s, median, sse_token_times
 from spillover.config import default_model_path
 from spillover.testing import GatewayProcess
 
@@ -54,14 +56,16 @@ def bare_run(llm: Any, tokens: list[int], n: int) -> tuple[float, list[float]]:
     return t0, times
 
 
-def span_tps(runs: list[tuple[float, list[float]]]) -> float:
-    """Tokens after each run's first, over the span from the first first-token to the last token."""
-    runs = [(t0, ts) for t0, ts in runs if len(ts) > 1]
+def span_tps(runs: list[tuple[list[float], int]]) -> float:
+    """Tokens after each run's first, over the span from the first first-token to the last
+    token; a run is (the arrival times of its texts, its tokens): a streamed frame may carry
+    several tokens (``SseRun``), a bare run's times are one per token."""
+    runs = [(ts, n) for ts, n in runs if len(ts) > 1]
     if not runs:
         return float("nan")
-    start = min(ts[0] for _, ts in runs)
-    end = max(ts[-1] for _, ts in runs)
-    return sum(len(ts) - 1 for _, ts in runs) / (end - start)
+    start = min(ts[0] for ts, _ in runs)
+    end = max(ts[-1] for ts, _ in runs)
+    return sum(n - 1 for _, n in runs) / (end - start)
 
 
 def wall_tps(runs: list[tuple[float, float, int]]) -> float:
@@ -111,7 +115,7 @@ class StreamCost:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds per cell; the side measured first alternates")
     ap.add_argument("--latency-n", type=int, default=25)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", default="1,2", help="comma-separated llama.cpp thread counts")
@@ -145,25 +149,26 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
 
     with GatewayProcess(args) as gw, httpx.Client(base_url=gw.url, timeout=300) as c:
 
-        def gw_stream_round() -> list[tuple[float, list[float]]]:
-            out: list[tuple[float, list[float]]] = []
+        def gw_stream_round() -> list[SseRun]:
+            out: list[SseRun] = []
 
             def one() -> None:
                 c0 = time.thread_time()
                 try:
-                    t0, ts, hdr = sse_token_times(c, "/v1/completions", body)
+                    run = sse_token_times(c, "/v1/completions", body)
                     cost.client_s += time.thread_time() - c0
                 except httpx.HTTPStatusError as exc:
                     failures.append(f"stream {exc.response.status_code}: {exc.response.read()[:300]!r}")
                     return
+                hdr = run.headers
                 if hdr["x-spillover-route"] != "gpu":
                     failures.append(f"stream served on {hdr['x-spillover-route']}: {hdr.get('x-spillover-reason')}")
                     return
-                out.append((t0, ts))
+                out.append(run)
 
             before = cost.processes(gw)
             at_once([one] * conc)
-            cost.add_gateway(gw, before, sum(len(ts) for _, ts in out))
+            cost.add_gateway(gw, before, sum(r.tokens for r in out))
             return out
 
         def gw_plain_round() -> list[tuple[float, float, int]]:
@@ -182,20 +187,36 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
 
         gw_stream_round()  # warm-up: every slot's context has decoded once
         bare_round(a.tokens)
-        for _ in range(a.rounds):
+
+        def bare_stream_round() -> list[tuple[float, list[float]]]:
             c0 = cpu_s(psutil.Process())
-            bare_runs = bare_round(a.tokens)
+            runs = bare_round(a.tokens)
             cost.bare_s += cpu_s(psutil.Process()) - c0
-            cost.bare_tokens += sum(len(ts) for _, ts in bare_runs)
-            bare = span_tps(bare_runs)
-            streams = gw_stream_round()
+            cost.bare_tokens += sum(len(ts) for _, ts in runs)
+            return runs
+
+        for i in range(a.rounds):
+            # Which side runs first alternates from round to round: the second of a pair
+            # found the cores warmer or busier (the other side's threads just stopped), so
+            # a fixed order biased every round's ratio the same way.
+            gateway_first = i % 2 == 1
+            if gateway_first:
+                streams = gw_stream_round()
+                bare_runs = bare_stream_round()
+            else:
+                bare_runs = bare_stream_round()
+                streams = gw_stream_round()
             if len(streams) == conc:  # a round with a failed request is not a like-for-like round
-                bare_tps.append(bare)
-                gw_tps.append(span_tps(streams))
-            bare = wall_tps([(t0, ts[-1], len(ts)) for t0, ts in bare_round(a.tokens)])
-            plain = gw_plain_round()
+                bare_tps.append(span_tps([(ts, len(ts)) for _, ts in bare_runs]))
+                gw_tps.append(span_tps([(r.times, r.tokens) for r in streams]))
+            if gateway_first:
+                plain = gw_plain_round()
+                bare_plain = bare_round(a.tokens)
+            else:
+                bare_plain = bare_round(a.tokens)
+                plain = gw_plain_round()
             if len(plain) == conc:
-                bare_e2e.append(bare)
+                bare_e2e.append(wall_tps([(t0, ts[-1], len(ts)) for t0, ts in bare_plain]))
                 gw_e2e.append(wall_tps(plain))
         for _ in range(a.latency_n if conc == 1 else 0):
             t0, bt = bare_run(llms[0], tokens, 1)

@@ -42,6 +42,7 @@ __all__ = [
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_ALIASES = ("smollm2",)
 SERVICE_KINDS = ("chat", "embeddings", "transcription")
+MAX_STREAM_COALESCE_MS = 1000.0  # a window past this would read as a stalled stream to a person
 
 
 def _doc(default: Any, doc: str) -> Any:
@@ -90,6 +91,11 @@ class ServerConfig:
     )
     body_timeout_s: float = _doc(
         30.0, "longest a client may take to send its request body once the head arrived (408 past it)"
+    )
+    stream_coalesce_ms: float = _doc(
+        20.0,
+        "longest a streamed token may wait in the worker to go out with the tokens after it, in one "
+        "channel message and one stream event (the first token never waits); 0 sends each as it comes",
     )
     degraded_notice: bool = _doc(
         False, "append a one-line notice to answers served degraded (for chat UIs without the spillover filter)"
@@ -407,6 +413,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[server].max_body_bytes must be at least 1024")
     if s.max_connections < 1 or s.header_timeout_s <= 0 or s.body_timeout_s <= 0:
         raise ConfigError("[server] max_connections must be >= 1, header_timeout_s and body_timeout_s > 0")
+    if not (math.isfinite(s.stream_coalesce_ms) and 0 <= s.stream_coalesce_ms <= MAX_STREAM_COALESCE_MS):
+        raise ConfigError(f"[server].stream_coalesce_ms must be 0..{MAX_STREAM_COALESCE_MS:.0f}")
     if not _is_loopback(s.host) and not s.api_key:
         raise ConfigError(
             f"binding {s.host} exposes the server beyond this machine: set [server].api_key "

@@ -1,12 +1,13 @@
-"""Tokens the client does not see one by one travel in fewer channel messages.
+"""Tokens travel in fewer channel messages (and a stream's in fewer stream events).
 
 Worker side (``engine.worker.TokenBatch``): with a window the first token goes at once, later
-plain tokens are joined into one event (texts in order, the last id), tokens with logprobs
-stay events of their own, and what waits goes in one write, at the window or at ``flush``.
-Gateway side (``Execution._msg``): a stream's tokens are never held (window 0); a
-non-incremental answer's window is COALESCE_S, and never more than a quarter of the
-attempt's stall bound, and ``_next`` waits two windows past the stall bound for its tokens.
-Fast tier: no model."""
+plain tokens are joined into one event (texts in order, the last id, every id in ``ids``),
+tokens with logprobs stay events of their own, and what waits goes in one write, at the
+window or at ``flush``. Gateway side (``Execution._msg``): a stream's window is its
+``stream_coalesce_s`` (``[server].stream_coalesce_ms``; 0 holds nothing); a non-incremental
+answer's is COALESCE_S; neither is ever more than a quarter of the attempt's stall bound,
+``_next`` waits two windows past the stall bound, and a stream's delivered tokens are every
+id an event carries. Fast tier: no model."""
 
 from __future__ import annotations
 
@@ -42,10 +43,12 @@ class Writes:
         return [json.loads(line) for line in self.writes[i].splitlines()]
 
 
-def tok(i: int, text: str, lp: bool = False) -> dict[str, Any]:
+def tok(i: int, text: str, lp: bool = False, ids: list[int] | None = None) -> dict[str, Any]:
     ev: dict[str, Any] = {"ev": "token", "rid": "r", "id": i, "text": text}
     if lp:
         ev["lp"] = [-0.5, list(text.encode()), []]
+    if ids is not None:
+        ev["ids"] = ids
     return ev
 
 
@@ -76,7 +79,7 @@ def test_the_first_token_goes_at_once_and_the_rest_wait_for_the_window(clock: li
     assert len(out.writes) == 1  # within the window: held
     clock[0] += 0.06  # 0.11 s since the oldest held one
     batch.add(tok(4, " world"))
-    assert out.messages(1) == [tok(4, "llo, world")]  # joined in order, the last id
+    assert out.messages(1) == [tok(4, "llo, world", ids=[2, 3, 4])]  # joined in order, the last id, every id
     batch.add(tok(5, "!"))
     batch.flush()
     assert out.messages(2) == [tok(5, "!")]
@@ -94,7 +97,7 @@ def test_tokens_with_logprobs_keep_their_own_events_in_one_write(clock: list[flo
     batch.add(tok(5, "e", lp=True))
     batch.flush()
     assert len(out.writes) == 2
-    assert out.messages(1) == [tok(2, "b", lp=True), tok(4, "cd"), tok(5, "e", lp=True)]
+    assert out.messages(1) == [tok(2, "b", lp=True), tok(4, "cd", ids=[3, 4]), tok(5, "e", lp=True)]
 
 
 def test_a_token_after_a_slow_gap_goes_at_once_with_what_waits(clock: list[float]) -> None:
@@ -108,7 +111,26 @@ def test_a_token_after_a_slow_gap_goes_at_once_with_what_waits(clock: list[float
     batch.add(tok(3, "c"))  # fast again: held
     clock[0] += 0.5
     batch.add(tok(4, "d"))  # slow: sent at once, after the one that waited
-    assert len(out.writes) == 3 and out.messages(2) == [tok(4, "cd")]
+    assert len(out.writes) == 3 and out.messages(2) == [tok(4, "cd", ids=[3, 4])]
+
+
+def test_text_released_at_the_end_joins_without_a_token_of_its_own(clock: list[float]) -> None:
+    """An event with id -1 (text the engine held back, released at the end) adds its text,
+    not an id: the joined event's id stays the last real token's."""
+    out = Writes()
+    batch = TokenBatch(Channel(out), 0.1)  # type: ignore[arg-type]
+    batch.add(tok(1, "a"))
+    batch.add(tok(2, "b"))
+    batch.add(tok(-1, "c"))
+    batch.flush()
+    assert out.messages(1) == [tok(2, "bc", ids=[2])]
+    out2 = Writes()
+    batch = TokenBatch(Channel(out2), 0.1)  # type: ignore[arg-type]
+    batch.add(tok(1, "a"))
+    batch.add(tok(-1, "x"))
+    batch.add(tok(3, "y"))
+    batch.flush()
+    assert out2.messages(1) == [tok(3, "xy", ids=[3])]
 
 
 @settings(max_examples=300, deadline=None)
@@ -140,8 +162,10 @@ def test_the_gateway_never_waits_much_longer_than_the_engine(window: float, gaps
             arrivals.append(now[0])
             batch.add(tok(i, f"<{i}>"))
         batch.flush()  # the generation ends right after its last token
-    texts = "".join(m["text"] for i in range(len(out.writes)) for m in out.messages(i))
-    assert texts == "".join(f"<{i}>" for i in range(len(gaps)))
+    messages = [m for i in range(len(out.writes)) for m in out.messages(i)]
+    events = [Token(m["id"], m["text"], ids=tuple(m.get("ids", ()))) for m in messages]
+    assert "".join(e.text for e in events) == "".join(f"<{i}>" for i in range(len(gaps)))
+    assert [t for e in events for t in e.token_ids] == list(range(len(gaps)))  # every id, once, in order
     assert written_at[0] == arrivals[0]
     for k in range(1, len(written_at)):
         carried = [i for i in range(1, len(gaps)) if written_at[k - 1] < arrivals[i] <= written_at[k]]
@@ -149,7 +173,7 @@ def test_the_gateway_never_waits_much_longer_than_the_engine(window: float, gaps
         assert written_at[k] - written_at[k - 1] <= longest + 2 * window + 1e-9, (k, written_at, arrivals)
 
 
-def execution(incremental: bool, stall_s: float) -> Execution:
+def execution(incremental: bool, stall_s: float, stream_window_s: float = 0.0) -> Execution:
     return Execution(
         rid="r1",
         tokens=[1, 2, 3],
@@ -162,6 +186,7 @@ def execution(incremental: bool, stall_s: float) -> Execution:
         failover=FailoverConfig(stall_timeout_s=stall_s),
         budget=RetryBudget(10),
         kill_worker=lambda w: None,
+        stream_coalesce_s=stream_window_s,
     )
 
 
@@ -170,33 +195,36 @@ def dispatch(route: str) -> Any:
 
 
 @pytest.mark.parametrize("route", ["gpu", "cpu"])
-def test_a_stream_is_never_held_and_a_whole_answer_is_held_within_the_stall_bound(route: str) -> None:
-    assert execution(True, 15.0)._msg(dispatch(route))["coalesce_s"] == 0.0
-    assert execution(False, 15.0)._msg(dispatch(route))["coalesce_s"] == COALESCE_S
-    short = execution(False, 0.2)._msg(dispatch(route))["coalesce_s"]
-    assert 0 < short <= (0.2 if route == "gpu" else 0.8) / 4
+def test_a_stream_is_held_its_own_window_and_a_whole_answer_coalesce_s_within_the_stall_bound(route: str) -> None:
+    assert execution(True, 15.0)._msg(dispatch(route))["coalesce_s"] == 0.0  # window 0: never held
+    assert execution(True, 15.0, 0.02)._msg(dispatch(route))["coalesce_s"] == 0.02
+    assert execution(False, 15.0, 0.02)._msg(dispatch(route))["coalesce_s"] == COALESCE_S
+    for incremental in (True, False):
+        short = execution(incremental, 0.2, 0.5)._msg(dispatch(route))["coalesce_s"]
+        assert 0 < short <= (0.2 if route == "gpu" else 0.8) / 4
 
 
-@pytest.mark.parametrize("incremental", [True, False])
-def test_a_held_token_is_not_a_stall_but_a_real_one_still_is(incremental: bool) -> None:
-    """A gap of the stall bound plus one window: a stall for a stream (nothing is held), not
-    for an answer whose tokens the worker may hold (it waits two windows more); a gap of the
-    bound plus three windows is a stall for both."""
+@pytest.mark.parametrize(("incremental", "stream_window_s"), [(True, 0.0), (True, 0.05), (False, 0.0)])
+def test_a_held_token_is_not_a_stall_but_a_real_one_still_is(incremental: bool, stream_window_s: float) -> None:
+    """A gap of the stall bound plus one window: a stall for a stream whose tokens are never
+    held (window 0), not for a request whose tokens the worker may hold (it waits two windows
+    more); a gap of the bound plus three windows is a stall for all."""
     stall_s = 0.4
-    window = min(COALESCE_S, stall_s / 4)
+    held = not incremental or stream_window_s > 0
+    window = min(COALESCE_S if not incremental else stream_window_s or COALESCE_S, stall_s / 4)
 
     async def late_token(after_s: float) -> Any:
         await asyncio.sleep(after_s)
         yield Token(7, "x")
 
     async def next_after(after_s: float) -> Any:
-        exe = execution(incremental, stall_s)
+        exe = execution(incremental, stall_s, stream_window_s)
         return await exe._next(late_token(after_s), dispatch("gpu"))
 
-    if incremental:
+    if held:
+        assert asyncio.run(next_after(stall_s + window)) == Token(7, "x")
+    else:
         with pytest.raises(_Failure):
             asyncio.run(next_after(stall_s + window))
-    else:
-        assert asyncio.run(next_after(stall_s + window)) == Token(7, "x")
     with pytest.raises(_Failure):
         asyncio.run(next_after(stall_s + 3 * window))

@@ -132,7 +132,7 @@ class DrillClient:
     def _stream(
         self, path: str, body: dict[str, Any], hdrs: dict[str, str], on_token: Any, t0: float
     ) -> dict[str, Any]:
-        out: dict[str, Any] = {"text": "", "tokens": 0}
+        out: dict[str, Any] = {"text": "", "frames": 0}  # frames with text: a frame may carry several tokens
         with self.http.stream("POST", path, json={**body, "stream": True}, headers=hdrs) as r:
             out |= self._headers(r.headers) | {"status": r.status_code}
             if r.status_code != 200:
@@ -156,12 +156,12 @@ class DrillClient:
                 for ch in ev.get("choices", []):
                     piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                     if piece:
-                        if out["tokens"] == 0:
+                        if out["frames"] == 0:
                             out["ttft_s"] = round(time.monotonic() - t0, 4)
                         out["text"] += piece
-                        out["tokens"] += 1
+                        out["frames"] += 1
                         if on_token is not None:
-                            on_token(out["tokens"])
+                            on_token(out["frames"])
         return out
 
     def finals(self) -> None:

@@ -24,10 +24,10 @@ Worker -> gateway events::
     {"ev": "started", "rid"}                  memory granted, generation begins
     {"ev": "token", "rid", "id", "text"[, "lp"]}  one per generated token; "lp" when logprobs
                                               were asked: [logprob, piece bytes, [[id, bytes, logprob]...]].
-                                              With "coalesce_s" > 0 (tokens the client does not see
-                                              one by one) the tokens after the first are sent at most
-                                              every coalesce_s: plain ones as one event (texts joined,
-                                              the last id), all in one write (``TokenBatch``)
+                                              With "coalesce_s" > 0 the tokens after the first are
+                                              sent at most every coalesce_s (about: ``TokenBatch``):
+                                              plain ones as one event (texts joined, "id" the last
+                                              token's, "ids" every token's in order), all in one write
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
                                               | context_overflow | bad_grammar (the request's fault)
@@ -94,16 +94,18 @@ class Channel:
 class TokenBatch:
     """A request's token events on their way to the gateway.
 
-    With ``window`` 0 each is sent as it comes. Otherwise (a request whose tokens the client
-    does not see one by one: a non-stream answer, a buffered tool call) the first is sent at
-    once (it marks the first token), and a later one waits while tokens come less than
-    ``window`` apart, until ``window`` has passed since the oldest waiting one, or until
-    ``flush``: consecutive plain tokens become one event (their texts joined, the last
-    token's id), and the waiting events go in one write. A token that comes ``window`` or
-    more after the one before it is sent at once (with what waits), so between two writes the
-    gateway waits at most the engine's own longest gap plus ``2 * window``: each channel
-    message costs the gateway a wake-up on a machine whose cores the engine uses, and the
-    gateway waits two windows longer than its stall bound for such a request's tokens."""
+    With ``window`` 0 each is sent as it comes. Otherwise (the gateway's choice: a stream's
+    window is ``[server].stream_coalesce_ms``, a request whose tokens the client does not see
+    one by one gets a longer one) the first is sent at once (it marks the first token), and a
+    later one waits while tokens come less than ``window`` apart, until ``window`` has passed
+    since the oldest waiting one, or until ``flush``: consecutive plain tokens become one
+    event (their texts joined, ``id`` the last token's, ``ids`` every real token's in order,
+    so a stream's gateway knows each token it delivered), and the waiting events go in one
+    write. A token that comes ``window`` or more after the one before it is sent at once
+    (with what waits), so between two writes the gateway waits at most the engine's own
+    longest gap plus ``2 * window``: each channel message costs the gateway a wake-up (and a
+    stream's client one more) on a machine whose cores the engine uses, and the gateway waits
+    two windows longer than its stall bound for the request's tokens."""
 
     def __init__(self, chan: Channel, window: float) -> None:
         self._chan = chan
@@ -125,8 +127,13 @@ class TokenBatch:
             return
         last = self._waiting[-1] if self._waiting else None
         if last is not None and "lp" not in last and "lp" not in ev:
+            ids = last.get("ids")
+            if ids is None:
+                ids = last["ids"] = [last["id"]] if last["id"] >= 0 else []
+            if ev["id"] >= 0:  # -1: text released at the end, no token of its own
+                ids.append(ev["id"])
+                last["id"] = ev["id"]
             last["text"] += ev["text"]
-            last["id"] = ev["id"]
         else:
             if not self._waiting:
                 self._since = now

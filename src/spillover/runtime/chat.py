@@ -279,6 +279,7 @@ class ChatModel:
             on_recovered=self.readiness.observe if self.readiness is not None else lambda ms: None,
             cpu_fallback=self.fallback_name is not None,
             timeout_at_s=time.monotonic() + gw.cfg.server.request_timeout_s,
+            stream_coalesce_s=gw.cfg.server.stream_coalesce_ms / 1000,
             **kw,
         )
 

@@ -59,12 +59,22 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Token:
     """One generated token (``id`` -1: text released at the end, no new token), with its
-    log-probability and the likeliest alternatives when the request asked for them."""
+    log-probability and the likeliest alternatives when the request asked for them; or
+    several plain tokens the worker sent as one event (``ids``: each one's id, in order;
+    ``id`` the last one's, ``text`` all of theirs)."""
 
     id: int
     text: str
     logprob: TokenLogprob | None = None
     top: tuple[TokenLogprob, ...] = ()
+    ids: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every generated token the event carries, in order (none: text released at the end)."""
+        if self.ids:
+            return self.ids
+        return (self.id,) if self.id >= 0 else ()
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,8 @@ def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
         if ev == "token":
             lp = msg.get("lp")
             if lp is None:
-                return Token(int(msg["id"]), str(msg["text"]))
+                ids = msg.get("ids")
+                return Token(int(msg["id"]), str(msg["text"]), ids=() if ids is None else tuple(int(i) for i in ids))
             chosen = TokenLogprob.decode([None, lp[1], lp[0]])
             return Token(int(msg["id"]), str(msg["text"]), chosen, tuple(TokenLogprob.decode(a) for a in lp[2]))
         if ev == "vectors":

@@ -129,6 +129,7 @@ class Execution:
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
     cpu_fallback: bool = False  # the CPU lane serves a configured fallback model, not a replica
     open_ended: bool = False  # no max_tokens asked: up to the serving lane's context limit
+    stream_coalesce_s: float = 0.0  # how long a streamed token may wait to go with the next ones
     _watchdog: Watchdog = field(default_factory=Watchdog)  # ``_next``'s bound: one timer for many tokens
 
     def __repr__(self) -> str:
@@ -295,17 +296,19 @@ class Execution:
             "max_tokens": d.max_tokens,
             "kv_tokens": d.kv_tokens,
             "reserve_bytes": d.reserve_bytes,
-            "coalesce_s": 0.0 if self.incremental else self._coalesce_s(d),
+            "coalesce_s": self._coalesce_s(d),
             **self.params,
         }
 
     def _coalesce_s(self, d: Dispatch) -> float:
-        """How long the worker may hold a token the client does not see one by one, to send
-        several in one message (a wake-up of the gateway each): COALESCE_S, at most a quarter
-        of the attempt's stall bound. ``_next`` waits two windows longer for such an attempt
-        (``engine.worker.TokenBatch``: a gap between its writes is the engine's own plus at
-        most two windows), so held tokens never make a stall."""
-        return min(COALESCE_S, self._bound(d, prefill=False) / 4)
+        """How long the worker may hold a token to send several in one message (a wake-up of
+        the gateway each, and of a stream's client): a stream's ``stream_coalesce_s``
+        (``[server].stream_coalesce_ms``), COALESCE_S for tokens the client does not see one
+        by one; at most a quarter of the attempt's stall bound. ``_next`` waits two windows
+        longer (``engine.worker.TokenBatch``: a gap between its writes is the engine's own
+        plus at most two windows), so held tokens never make a stall."""
+        window = self.stream_coalesce_s if self.incremental else COALESCE_S
+        return min(window, self._bound(d, prefill=False) / 4)
 
     def _release(self, job: Job, outcome: str) -> None:
         """Give the job's lease back: exactly once, only if it was dispatched, and only once
@@ -355,9 +358,7 @@ class Execution:
         interruption (cancel, time limit) raises ``_Stopped``."""
         if self._cancelled or self._timed_out:
             raise _Stopped
-        bound = self._bound(d, prefill)
-        if not self.incremental:  # the worker may hold tokens: up to two windows past the engine's own gap
-            bound += 2 * self._coalesce_s(d)
+        bound = self._bound(d, prefill) + 2 * self._coalesce_s(d)  # held tokens: two windows past the engine's gap
         left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
             async with self._watchdog.guard(bound if left is None else max(0.0, min(bound, left))):
@@ -413,8 +414,8 @@ class Execution:
                         self.on_recovered((time.monotonic() - self._fault_at) * 1000)
                         self._fault_at = None
                     first_token = False
-                    if self.incremental and ev.id >= 0:
-                        self.delivered.append(ev.id)
+                    if self.incremental:
+                        self.delivered.extend(ev.token_ids)
                     yield ev
                 elif isinstance(ev, Done):
                     outcome = "ok"
