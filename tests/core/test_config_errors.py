@@ -57,6 +57,9 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[cpu_lane]\nrecovery_budget_ms = nan\n",
         '[[services]]\nname = "c2"\nkind = "chat"\ncpu_readiness = "mapped"\n',
         '[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = -5\n',
+        "[server]\nstream_coalesce_ms = -1\n",
+        "[server]\nstream_coalesce_ms = nan\n",
+        "[server]\nstream_coalesce_ms = 1000.5\n",
     ],
 )
 def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
@@ -65,6 +68,11 @@ def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
     f.write_text(toml)
     with pytest.raises(ConfigError):
         load_config(str(f))
+
+
+@pytest.mark.parametrize("ms", [0, 20, 1000])
+def test_stream_coalesce_ms_takes_zero_to_a_second(ms: int) -> None:
+    assert load_config(overrides={"server": {"stream_coalesce_ms": float(ms)}}).server.stream_coalesce_ms == ms
 
 
 def test_fallback_model_name(tmp_path: Path) -> None:
