@@ -28,8 +28,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -66,6 +67,20 @@ def span_tps(runs: list[tuple[list[float], int]]) -> float:
     start = min(ts[0] for ts, _ in runs)
     end = max(ts[-1] for ts, _ in runs)
     return sum(n - 1 for _, n in runs) / (end - start)
+
+
+G = TypeVar("G")
+B = TypeVar("B")
+
+
+def back_to_back(gateway_first: bool, gateway: Callable[[], G], bare: Callable[[], B]) -> tuple[G, B]:
+    """Measure both sides, one right after the other, the gateway first when asked:
+    (the gateway's result, the bare engine's)."""
+    if gateway_first:
+        got = gateway()
+        return got, bare()
+    base = bare()
+    return gateway(), base
 
 
 def wall_tps(runs: list[tuple[float, float, int]]) -> float:
@@ -200,21 +215,11 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
             # found the cores warmer or busier (the other side's threads just stopped), so
             # a fixed order biased every round's ratio the same way.
             gateway_first = i % 2 == 1
-            if gateway_first:
-                streams = gw_stream_round()
-                bare_runs = bare_stream_round()
-            else:
-                bare_runs = bare_stream_round()
-                streams = gw_stream_round()
+            streams, bare_runs = back_to_back(gateway_first, gw_stream_round, bare_stream_round)
             if len(streams) == conc:  # a round with a failed request is not a like-for-like round
                 bare_tps.append(span_tps([(ts, len(ts)) for _, ts in bare_runs]))
                 gw_tps.append(span_tps([(r.times, r.tokens) for r in streams]))
-            if gateway_first:
-                plain = gw_plain_round()
-                bare_plain = bare_round(a.tokens)
-            else:
-                bare_plain = bare_round(a.tokens)
-                plain = gw_plain_round()
+            plain, bare_plain = back_to_back(gateway_first, gw_plain_round, lambda: bare_round(a.tokens))
             if len(plain) == conc:
                 bare_e2e.append(wall_tps([(t0, ts[-1], len(ts)) for t0, ts in bare_plain]))
                 gw_e2e.append(wall_tps(plain))

@@ -43,15 +43,16 @@ def stream(gw: GatewayProcess, path: str, body: dict[str, Any]) -> tuple[list[di
             doc = json.loads(line[6:])
             if doc.get("usage"):
                 usage = doc["usage"]
-            for ch in doc.get("choices") or []:
-                text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                if text:
-                    frames.append(ch)
+            frames += [ch for ch in doc.get("choices") or [] if text_of(ch)]
     return frames, usage
 
 
 def text_of(ch: dict[str, Any]) -> str:
-    return str(ch["text"] if "text" in ch else ch["delta"]["content"])
+    """A choice's text: a completion's ``text``, a chat chunk's ``delta.content`` or a whole
+    chat answer's ``message.content`` ("" for none)."""
+    if "text" in ch:
+        return str(ch["text"] or "")
+    return str((ch.get("delta") or ch.get("message") or {}).get("content") or "")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -66,9 +67,8 @@ def test_grouped_frames_carry_the_same_answer(gw: tuple[GatewayProcess, int], pa
     whole = httpx.post(f"{g.url}{path}", json=body, timeout=120)
     assert whole.status_code == 200, whole.text
     doc = whole.json()
-    whole_text = doc["choices"][0]["text"] if path == "/v1/completions" else doc["choices"][0]["message"]["content"]
-    first = httpx.post(f"{g.url}{path}", json={**body, "max_tokens": 1}, timeout=120).json()["choices"][0]
-    first_text = first["text"] if path == "/v1/completions" else first["message"]["content"]
+    whole_text = text_of(doc["choices"][0])
+    first_text = text_of(httpx.post(f"{g.url}{path}", json={**body, "max_tokens": 1}, timeout=120).json()["choices"][0])
 
     frames, usage = stream(g, path, body)
     assert "".join(map(text_of, frames)) == whole_text
