@@ -5,11 +5,15 @@ cooldown, the host-guard recheck; an idle scheduler sleeps the safety-net interv
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from dataclasses import replace
+from typing import Any
 
 from spillover.config import LaneConfig
 from spillover.core.breaker import BreakerState, Circuit
 from spillover.runtime.scheduler import HOST_RECHECK_S, IDLE_WAKE_S, Job, Scheduler
+from spillover.runtime.ticks import TICK_S
 from spillover.testing import FakeClock
 
 
@@ -78,5 +82,44 @@ def test_work_held_by_the_host_guard_is_looked_at_again_soon() -> None:
         assert s._due(clock()) == 100.0 + IDLE_WAKE_S  # no worker: a worker's start is an event
         s._host_held = True  # as a pass sets it when the host guard refuses the job
         assert s._due(clock()) == 100.0 + HOST_RECHECK_S
+
+    asyncio.run(main())
+
+
+def test_an_idle_pass_waits_on_the_shared_tick_and_a_deadline_exactly() -> None:
+    """``run``: with nothing due, the next pass waits for the safety net, whose timer is a grid
+    point of ``runtime.ticks`` (it wakes with the periodic loops, not on a wake-up of its own);
+    a queued job's maximum age is waited for to the moment, off the grid."""
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        whens: list[float] = []
+        real_at = loop.call_at
+
+        def call_at(when: float, cb: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+            if getattr(cb, "__qualname__", "").startswith("Timeout."):  # the pass's wait, not this test's sleeps
+                whens.append(when)
+            return real_at(when, cb, *args, **kw)
+
+        loop.call_at = call_at  # type: ignore[method-assign]
+        clock = FakeClock(100.0)
+        s = scheduler(clock)
+        task = asyncio.create_task(s.run())
+        await asyncio.sleep(0.01)  # one pass: idle
+        idle_at = loop.time()
+        s.submit_nowait(Job(rid="a", prompt_tokens=4, max_tokens=4, arrived_s=clock()), lane="cpu")
+        clock.advance(2.8)  # the job's maximum age (3 s) is 0.2 s away
+        kicked_at = loop.time()
+        s.kick()
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert len(whens) == 2
+        net, deadline = whens
+        assert abs(net - idle_at - IDLE_WAKE_S) <= TICK_S / 2 + 0.011
+        assert math.isclose(net / TICK_S, round(net / TICK_S), abs_tol=1e-6)
+        assert 0.19 <= deadline - kicked_at <= 0.2 + 0.002  # the pass ran just after the kick
+        return whens
 
     asyncio.run(main())

@@ -4,6 +4,7 @@ point whoever waits for it, and cancellation of one sleeper only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -127,3 +128,47 @@ def test_each_event_loop_has_its_own_grid_points() -> None:
     for make_loop in LOOPS * 2:
         due = run(make_loop, ticks.sleep(TICK_S))
         assert on_grid(due)
+
+
+@pytest.mark.parametrize("make_loop", LOOPS, ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("period", [0.0, TICK_S / 3, TICK_S, 0.5])
+def test_a_timeout_at_the_grid_point_fires_with_the_sleeps_of_that_point(
+    make_loop: Callable[[], asyncio.AbstractEventLoop], period: float
+) -> None:
+    """Rule 4: ``at(period)`` is where ``sleep(period)`` ends; a safety net's
+    ``timeout_at(at(period))`` sets its timer for that very time, so it fires in the turn in which
+    the grid point's timer wakes the periodic sleeps (turns counted on asyncio's loop)."""
+
+    async def body() -> tuple[float, float, list[float], list[int]]:
+        loop = asyncio.get_running_loop()
+        await ticks.sleep(0)
+        turn = [0]
+        fired: list[int] = []  # the turn each timer's callback ran in
+        real_once, real_at = getattr(loop, "_run_once", None), loop.call_at
+        if real_once is not None:  # asyncio's loop: count its turns
+
+            def run_once() -> None:
+                turn[0] += 1
+                real_once()
+
+            loop._run_once = run_once  # type: ignore[attr-defined]
+        whens: list[float] = []
+
+        def call_at(when: float, cb: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+            whens.append(when)
+            return real_at(when, lambda *a: (fired.append(turn[0]), cb(*a)), *args, **kw)
+
+        loop.call_at = call_at  # type: ignore[method-assign]
+        when = ticks.at(period)
+        sleeping = asyncio.ensure_future(ticks.sleep(period))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(ticks.at(period)):
+                await asyncio.Event().wait()
+        return when, await sleeping, whens, fired
+
+    when, due, whens, fired = run(make_loop, body())
+    assert when == due and on_grid(due)
+    assert whens == [due, due]  # the grid point's one timer, and the safety net's at the same time
+    assert len(fired) == 2
+    if make_loop is asyncio.new_event_loop:
+        assert fired[0] == fired[1] > 0

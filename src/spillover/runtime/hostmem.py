@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from spillover.core.hostguard import HostView
 from spillover.runtime import ticks
-from spillover.runtime.devices import host_available_bytes, processes_rss
+from spillover.runtime.devices import ProcReader
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
@@ -85,6 +85,7 @@ class HostMemory:
         self.peak_bytes = 0
         self.base_bytes = 0
         self._cpu_worker_starts: tuple[int, ...] = ()
+        self._proc = ProcReader()  # the /proc files, kept open: read several times a second
 
     def __repr__(self) -> str:
         mib = 1024 * 1024
@@ -114,7 +115,7 @@ class HostMemory:
         while True:
             every = self.supervisors()
             pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
-            rss = processes_rss(pids)  # the gateway and its workers: a few /proc reads, inline
+            rss = self._proc.rss(pids)  # the gateway and its workers: a few /proc reads, inline
             self.observed_bytes = rss
             self.peak_bytes = max(self.peak_bytes, rss)
             cpus = [(lane, lane.worker()) for lane in self.lanes]
@@ -161,7 +162,7 @@ class HostMemory:
         (the larger of the observed and the predicted use, less the replica's own holding), and
         no more than the machine has available beside what the replica holds already."""
         if available_bytes is None:
-            available_bytes = host_available_bytes()
+            available_bytes = self._proc.available()
         w = lane.worker()
         own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
         used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
@@ -173,7 +174,7 @@ class HostMemory:
         """Let each replica's readiness pick for its room; ask the worker to move when it must."""
         if not any(lane.readiness is not None for lane in self.lanes):
             return
-        available = host_available_bytes()  # one reading for every lane of this tick
+        available = self._proc.available()  # one reading for every lane of this tick
         for lane in self.lanes:
             w = lane.worker()
             if lane.readiness is None or w is None:
@@ -209,6 +210,6 @@ class HostMemory:
             observed_bytes=self.observed_bytes,
             slot_bytes=lane.context_bytes + (0 if loaded else lane.weights_bytes),
             budget_bytes=self.budget_bytes,
-            available_bytes=host_available_bytes(),
+            available_bytes=self._proc.available(),
             min_free_bytes=self.min_free_bytes,
         )

@@ -51,6 +51,7 @@ from spillover.core.memory import MemoryModel
 from spillover.core.reasons import Reason
 from spillover.core.routing import DEVICE_ROUTES, lane_max_tokens
 from spillover.errors import CapacityError, QueueFull
+from spillover.runtime import ticks
 from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, places_promised
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
@@ -252,8 +253,12 @@ class Scheduler:
             except Exception:  # a bug must not stop every later dispatch: log it, go on
                 log.exception("scheduler pass failed")
             now = self.clock()
+            due = self._due(now)
+            # Only the safety net: it ends on the shared tick (``runtime.ticks`` rule 4), no wake-up of its own.
+            net = due >= now + IDLE_WAKE_S
+            when = ticks.at(IDLE_WAKE_S) if net else asyncio.get_running_loop().time() + max(MIN_WAKE_S, due - now)
             with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for makes a task each pass
-                async with asyncio.timeout(max(MIN_WAKE_S, self._due(now) - now)):
+                async with asyncio.timeout_at(when):
                     await self._wake.wait()
 
     def _due(self, now: float) -> float:

@@ -61,6 +61,7 @@ from spillover.core.breaker import (
 from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
 from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
+from spillover.runtime import ticks
 from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, SupervisorEvent, WorkerGone
 from spillover.runtime.lanes import places_promised
 from spillover.runtime.supervisor import Supervisor
@@ -73,7 +74,7 @@ __all__ = ["DeviceService", "Served", "ServiceStatistics"]
 
 log = logging.getLogger("spillover.services")
 OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
-IDLE_WAKE_S = 0.5
+IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an event otherwise
 STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
 
 
@@ -502,8 +503,8 @@ class DeviceService(abc.ABC):
                 self._promote_if_due(time.monotonic())
             except Exception:
                 log.exception("%s: pump pass failed", self.name)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(IDLE_WAKE_S):
+            with contextlib.suppress(TimeoutError):  # a safety net, on the shared tick (``runtime.ticks`` rule 4)
+                async with asyncio.timeout_at(ticks.at(IDLE_WAKE_S)):
                     await self._wake.wait()
 
     def _view(self, nbytes: int, avoid_gpu: bool, now: float) -> PlacementView:

@@ -5,7 +5,8 @@ health ping, the HTTP server's tick) each slept on a timer of its own, so an idl
 woke 25-35 times a second, each wake-up costing a few hundred microseconds of CPU on a
 small machine (``benchmarks.request_cost`` prints the floor) and, at threads = cores, taken
 from the engine. ``sleep`` ends on a common grid of ``TICK_S`` instead: every periodic sleep
-due at the same grid point is woken by one timer, in one turn of the loop.
+due at the same grid point is woken by one timer, in one turn of the loop. The schedulers'
+safety nets (a pass when no event came for 0.5 s) end on the grid too (rule 4).
 
 Rules:
 
@@ -16,6 +17,11 @@ Rules:
 2. All sleeps of one event loop that end at the same grid point share one timer handle.
 3. A cancelled sleep raises ``CancelledError`` as ``asyncio.sleep`` does and leaves the other
    sleeps of its grid point as they were.
+4. ``at(period)`` is rule 1's grid point as a loop time, for a wait that is not a sleep (a
+   safety net: ``asyncio.timeout_at(ticks.at(period))`` around an event's wait). Its timer
+   fires in the same turn as the grid point's own (the loop's timers share its clock), so
+   it adds no wake-up while a periodic sleep waits for that point, as the device reading's
+   always does.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import asyncio
 import math
 import weakref
 
-__all__ = ["TICK_S", "sleep"]
+__all__ = ["TICK_S", "at", "sleep"]
 
 TICK_S = 0.1  # the grid: the device reading's own period
 
@@ -38,8 +44,7 @@ class _Ticker:
 
     def wait(self, period: float) -> asyncio.Future[float]:
         """Rule 1's grid point for ``period`` from now, as a future resolved then (rule 2)."""
-        now = self._loop.time()
-        k = max(math.ceil((now + period - TICK_S / 2) / TICK_S), math.floor(now / TICK_S) + 1)
+        k = _point(self._loop.time(), period)
         fut: asyncio.Future[float] = self._loop.create_future()
         waiters = self._waiting.get(k)
         if waiters is None:
@@ -49,10 +54,20 @@ class _Ticker:
         return fut
 
     def _fire(self, k: int) -> None:
-        at = k * TICK_S
+        when = k * TICK_S
         for fut in self._waiting.pop(k, ()):
             if not fut.done():  # a cancelled sleep's future is done (rule 3)
-                fut.set_result(at)
+                fut.set_result(when)
+
+
+def _point(now: float, period: float) -> int:
+    """Rule 1: the index of the grid point a wait of ``period`` from ``now`` ends at."""
+    return max(math.ceil((now + period - TICK_S / 2) / TICK_S), math.floor(now / TICK_S) + 1)
+
+
+def at(period: float) -> float:
+    """Rule 4: the running loop's time of the grid point ``sleep(period)`` would end at."""
+    return _point(asyncio.get_running_loop().time(), period) * TICK_S
 
 
 _tickers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ticker] = weakref.WeakKeyDictionary()
