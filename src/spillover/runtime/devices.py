@@ -34,7 +34,7 @@ def processes_rss(pids: list[int]) -> int:
         total = 0
         for pid in pids:
             with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/statm", "rb") as fh:
-                total += int(fh.read().split()[1]) * _PAGE_BYTES
+                total += _statm_rss(fh.read())
         return total
     import psutil
 
@@ -55,6 +55,11 @@ def host_available_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def _statm_rss(statm: bytes) -> int:
+    """The resident bytes of a ``/proc/PID/statm`` text (its second field, in pages)."""
+    return int(statm.split()[1]) * _PAGE_BYTES
 
 
 def _mem_available(meminfo: bytes) -> int:
@@ -105,7 +110,7 @@ class ProcReader:
         total = 0
         for pid in pids:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total += int(self._read(pid, f"/proc/{pid}/statm").split()[1]) * _PAGE_BYTES
+                total += _statm_rss(self._read(pid, f"/proc/{pid}/statm"))
         return total
 
     def available(self) -> int:
