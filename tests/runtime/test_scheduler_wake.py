@@ -8,13 +8,13 @@ import asyncio
 import contextlib
 import math
 from dataclasses import replace
-from typing import Any
 
 from spillover.config import LaneConfig
 from spillover.core.breaker import BreakerState, Circuit
 from spillover.runtime.scheduler import HOST_RECHECK_S, IDLE_WAKE_S, Job, Scheduler
 from spillover.runtime.ticks import TICK_S
 from spillover.testing import FakeClock
+from tests.runtime.fakes import watch_timers
 
 
 def scheduler(clock: FakeClock) -> Scheduler:
@@ -93,15 +93,8 @@ def test_an_idle_pass_waits_on_the_shared_tick_and_a_deadline_exactly() -> None:
 
     async def main() -> list[float]:
         loop = asyncio.get_running_loop()
-        whens: list[float] = []
-        real_at = loop.call_at
-
-        def call_at(when: float, cb: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
-            if getattr(cb, "__qualname__", "").startswith("Timeout."):  # the pass's wait, not this test's sleeps
-                whens.append(when)
-            return real_at(when, cb, *args, **kw)
-
-        loop.call_at = call_at  # type: ignore[method-assign]
+        # the pass's wait, not this test's sleeps
+        whens = watch_timers(loop, only=lambda cb: getattr(cb, "__qualname__", "").startswith("Timeout."))
         clock = FakeClock(100.0)
         s = scheduler(clock)
         task = asyncio.create_task(s.run())

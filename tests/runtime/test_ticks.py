@@ -14,6 +14,7 @@ import uvloop
 
 from spillover.runtime import ticks
 from spillover.runtime.ticks import TICK_S
+from tests.runtime.fakes import watch_timers
 
 T = TypeVar("T")
 LOOPS: list[Callable[[], asyncio.AbstractEventLoop]] = [asyncio.new_event_loop, uvloop.new_event_loop]
@@ -25,19 +26,6 @@ def run(make_loop: Callable[[], asyncio.AbstractEventLoop], coro: Coroutine[Any,
         return loop.run_until_complete(coro)
     finally:
         loop.close()
-
-
-def counting_timers(loop: asyncio.AbstractEventLoop) -> list[float]:
-    """The times of the timers ``loop.call_at`` is asked for from now on."""
-    whens: list[float] = []
-    real = loop.call_at
-
-    def call_at(when: float, cb: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
-        whens.append(when)
-        return real(when, cb, *args, **kw)
-
-    loop.call_at = call_at  # type: ignore[method-assign]
-    return whens
 
 
 def on_grid(t: float) -> bool:
@@ -74,7 +62,7 @@ def test_loops_of_different_periods_share_one_timer_per_grid_point(
 
     async def body() -> tuple[list[float], dict[float, list[str]]]:
         loop = asyncio.get_running_loop()
-        whens = counting_timers(loop)
+        whens = watch_timers(loop)
         woken: dict[float, list[str]] = {}
         await ticks.sleep(0)  # start on a grid point, as the loops do after their first wake
 
@@ -144,7 +132,7 @@ def test_a_timeout_at_the_grid_point_fires_with_the_sleeps_of_that_point(
         await ticks.sleep(0)
         turn = [0]
         fired: list[int] = []  # the turn each timer's callback ran in
-        real_once, real_at = getattr(loop, "_run_once", None), loop.call_at
+        real_once = getattr(loop, "_run_once", None)
         if real_once is not None:  # asyncio's loop: count its turns
 
             def run_once() -> None:
@@ -152,13 +140,7 @@ def test_a_timeout_at_the_grid_point_fires_with_the_sleeps_of_that_point(
                 real_once()
 
             loop._run_once = run_once  # type: ignore[attr-defined]
-        whens: list[float] = []
-
-        def call_at(when: float, cb: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
-            whens.append(when)
-            return real_at(when, lambda *a: (fired.append(turn[0]), cb(*a)), *args, **kw)
-
-        loop.call_at = call_at  # type: ignore[method-assign]
+        whens = watch_timers(loop, on_fire=lambda: fired.append(turn[0]))
         when = ticks.at(period)
         sleeping = asyncio.ensure_future(ticks.sleep(period))
         with contextlib.suppress(TimeoutError):
@@ -166,7 +148,10 @@ def test_a_timeout_at_the_grid_point_fires_with_the_sleeps_of_that_point(
                 await asyncio.Event().wait()
         return when, await sleeping, whens, fired
 
-    when, due, whens, fired = run(make_loop, body())
+    for _ in range(3):  # a grid point passed between ``at`` and the sleep's start (a loaded machine): again
+        when, due, whens, fired = run(make_loop, body())
+        if when == due:
+            break
     assert when == due and on_grid(due)
     assert whens == [due, due]  # the grid point's one timer, and the safety net's at the same time
     assert len(fired) == 2

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from spillover.runtime.watchdog import Watchdog
+from tests.runtime.fakes import watch_timers
 
 
 def run(coro: object) -> object:
@@ -34,23 +35,14 @@ def test_blocks_that_end_in_time_never_time_out_and_share_one_timer() -> None:
     async def body() -> int:
         w = Watchdog()
         loop = asyncio.get_running_loop()
-        calls = 0
-        real = loop.call_at
-
-        def counting(when: float, cb: object, *args: object) -> asyncio.TimerHandle:
-            nonlocal calls
-            calls += 1
-            return real(when, cb, *args)  # type: ignore[arg-type]
-
-        loop.call_at = counting  # type: ignore[method-assign]
+        whens = watch_timers(loop)
         try:
             for _ in range(200):
                 async with w.guard(10.0):
                     await asyncio.sleep(0)
         finally:
-            loop.call_at = real  # type: ignore[method-assign]
             w.close()
-        return calls
+        return len(whens)
 
     assert run(body()) == 1
 

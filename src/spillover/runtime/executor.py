@@ -351,14 +351,22 @@ class Execution:
             bound *= CPU_STALL_FACTOR  # a hung CPU worker is killed too (no replica: a resumable error)
         return bound
 
+    def _stall_s(self, d: Dispatch, prefill: bool) -> float:
+        """How long ``_next`` waits for an event: the stall bound, and two coalescing windows
+        past it (held tokens: a gap between the worker's writes is the engine's own plus at
+        most two windows)."""
+        return self._bound(d, prefill) + 2 * self._coalesce_s(d)
+
     async def _next(
-        self, it: AsyncIterator[RequestEvent], d: Dispatch, *, prefill: bool = False
+        self, it: AsyncIterator[RequestEvent], d: Dispatch, bound: float | None = None
     ) -> Started | Token | Done:
-        """The next worker event; a stall, a worker's death or error raise ``_Failure``, an
-        interruption (cancel, time limit) raises ``_Stopped``."""
+        """The next worker event within ``bound`` seconds (``_stall_s`` without the prefill
+        when not given: an attempt computes it once, not per token); a stall, a worker's death
+        or error raise ``_Failure``, an interruption (cancel, time limit) raises ``_Stopped``."""
         if self._cancelled or self._timed_out:
             raise _Stopped
-        bound = self._bound(d, prefill) + 2 * self._coalesce_s(d)  # held tokens: two windows past the engine's gap
+        if bound is None:
+            bound = self._stall_s(d, prefill=False)
         left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
             async with self._watchdog.guard(bound if left is None else max(0.0, min(bound, left))):
@@ -407,8 +415,9 @@ class Execution:
                 failover=self._cause,
             )
             first_token = True
+            steady_s = self._stall_s(d, prefill=False)
             while True:
-                ev = await self._next(it, d, prefill=first_token)
+                ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s)
                 if isinstance(ev, Token):
                     if first_token and self._fault_at is not None and d.route == "cpu":
                         self.on_recovered((time.monotonic() - self._fault_at) * 1000)
