@@ -320,10 +320,11 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
     lines.append(f"compute buffer from the {out['compute_source']}; total_bytes = {out['total_bytes']}")
     fit = out.get("fit")
     if fit:
+        at = f"--gpu-layers {out['gpu_layers']}"
+        ctx = f"largest context {fit['largest_ctx']} (at {at})" if fit["largest_ctx"] else f"no context fits at {at}"
         lines.append(
             f"in {fit['device_mib']} MiB of device memory: {'fits' if fit['fits'] else 'does NOT fit'}; "
-            f"largest context {fit['largest_ctx']} (at --gpu-layers {out['gpu_layers']}), "
-            f"largest --gpu-layers {fit['largest_gpu_layers']} (at context {out['n_ctx']})"
+            f"{ctx}, largest --gpu-layers {fit['largest_gpu_layers']} (at context {out['n_ctx']})"
         )
     return "\n".join(lines)
 

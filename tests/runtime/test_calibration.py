@@ -137,6 +137,17 @@ def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.Captur
     assert device(8192, fit["largest_gpu_layers"]) <= budget < device(8192, fit["largest_gpu_layers"] + 1)
 
 
+def test_estimate_text_says_when_no_context_fits(model_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A device smaller than the weights on it: the text answer says no context fits with those
+    layers (not "largest context 0"), and still gives the largest --gpu-layers that fits."""
+    from spillover.cli import main
+
+    assert main(["estimate", model_path, "--ctx", "4096", "--device-mib", "50", "--no-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit; no context fits at --gpu-layers 31, largest --gpu-layers " in out
+    assert "largest context" not in out
+
+
 def test_a_llama_cpp_abort_ends_only_the_planning_child(tmp_path, model_path: str) -> None:
     """6 query heads over 4 KV heads make llama.cpp fail an assertion and abort while it builds
     the graph: the isolated plan reports "cannot plan" and this process lives on. Settings it
