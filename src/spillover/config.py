@@ -163,7 +163,9 @@ class ServiceConfig:
     gpu_slots: int = _doc(2, "requests its GPU worker runs at once")
     cpu_slots: int = _doc(1, "requests its CPU worker runs at once")
     cpu_readiness: str = _doc(
-        "", "chat: how ready its CPU replica is kept: warm | mmap | on_demand | auto; empty = [cpu_lane].readiness"
+        "",
+        "chat only (other kinds load their CPU replica at start): how ready its CPU replica is kept: "
+        "warm | mmap | on_demand | auto; empty = [cpu_lane].readiness",
     )
     recovery_budget_ms: float = _doc(
         0.0,
@@ -575,6 +577,11 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: slots, n_threads, batch_size and max_inputs must be >= 1")
         if svc.queue_depth < 0 or svc.queue_max_age_s <= 0:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
+        if svc.kind != "chat" and (svc.cpu_readiness or svc.recovery_budget_ms):
+            raise ConfigError(
+                f"{where}: cpu_readiness and recovery_budget_ms apply to chat services only; an "
+                f"{svc.kind} service's CPU replica is always loaded at start (warm)"
+            )
         _validate_readiness(
             where,
             "cpu_readiness",

@@ -57,6 +57,8 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[cpu_lane]\nrecovery_budget_ms = nan\n",
         '[[services]]\nname = "c2"\nkind = "chat"\ncpu_readiness = "mapped"\n',
         '[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = -5\n',
+        '[[services]]\nname = "e2"\nkind = "embeddings"\ncpu_readiness = "on_demand"\n',
+        '[[services]]\nname = "t2"\nkind = "transcription"\nrecovery_budget_ms = 300\n',
         "[server]\nstream_coalesce_ms = -1\n",
         "[server]\nstream_coalesce_ms = nan\n",
         "[server]\nstream_coalesce_ms = 1000.5\n",
