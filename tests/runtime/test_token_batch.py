@@ -219,7 +219,8 @@ def test_a_held_token_is_not_a_stall_but_a_real_one_still_is(incremental: bool, 
 
     async def next_after(after_s: float) -> Any:
         exe = execution(incremental, stall_s, stream_window_s)
-        return await exe._next(late_token(after_s), dispatch("gpu"))
+        d = dispatch("gpu")
+        return await exe._next(late_token(after_s), d, exe._stall_s(d, prefill=False))
 
     if held:
         assert asyncio.run(next_after(stall_s + window)) == Token(7, "x")

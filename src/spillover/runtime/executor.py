@@ -357,16 +357,12 @@ class Execution:
         most two windows)."""
         return self._bound(d, prefill) + 2 * self._coalesce_s(d)
 
-    async def _next(
-        self, it: AsyncIterator[RequestEvent], d: Dispatch, bound: float | None = None
-    ) -> Started | Token | Done:
-        """The next worker event within ``bound`` seconds (``_stall_s`` without the prefill
-        when not given: an attempt computes it once, not per token); a stall, a worker's death
-        or error raise ``_Failure``, an interruption (cancel, time limit) raises ``_Stopped``."""
+    async def _next(self, it: AsyncIterator[RequestEvent], d: Dispatch, bound: float) -> Started | Token | Done:
+        """The next worker event within ``bound`` seconds (``_stall_s``: an attempt computes
+        its steady bound once, not per token); a stall, a worker's death or error raise
+        ``_Failure``, an interruption (cancel, time limit) raises ``_Stopped``."""
         if self._cancelled or self._timed_out:
             raise _Stopped
-        if bound is None:
-            bound = self._stall_s(d, prefill=False)
         left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
             async with self._watchdog.guard(bound if left is None else max(0.0, min(bound, left))):
@@ -393,9 +389,10 @@ class Execution:
             raise self._stopped_error()
         job.running = True
         it = d.worker.generate(self._msg(d))
+        steady_s = self._stall_s(d, prefill=False)
         outcome = "failed"
         try:
-            first = await self._next(it, d)
+            first = await self._next(it, d, steady_s)
             if not isinstance(first, Started):
                 raise _Failure("engine", f"unexpected worker event {first!r} before the start")
             self.scheduler.confirmed(self.rid)
@@ -415,7 +412,6 @@ class Execution:
                 failover=self._cause,
             )
             first_token = True
-            steady_s = self._stall_s(d, prefill=False)
             while True:
                 ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s)
                 if isinstance(ev, Token):
