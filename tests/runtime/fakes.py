@@ -21,9 +21,11 @@ def watch_timers(
     *,
     only: Callable[[Any], bool] = lambda cb: True,
     on_fire: Callable[[], None] | None = None,
+    asked_at: list[float] | None = None,
 ) -> list[float]:
     """The times of the timers ``loop.call_at`` is asked for from now on (for callbacks that
-    ``only`` accepts); ``on_fire`` runs just before each such timer's callback."""
+    ``only`` accepts); ``on_fire`` runs just before each such timer's callback; ``asked_at``,
+    when given, gets the loop's time at each such ask."""
     whens: list[float] = []
     real = loop.call_at
 
@@ -31,6 +33,8 @@ def watch_timers(
         if not only(cb):
             return real(when, cb, *args, **kw)
         whens.append(when)
+        if asked_at is not None:
+            asked_at.append(loop.time())
         if on_fire is None:
             return real(when, cb, *args, **kw)
         fire = on_fire
