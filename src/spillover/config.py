@@ -164,13 +164,14 @@ class ServiceConfig:
     cpu_slots: int = _doc(1, "requests its CPU worker runs at once")
     cpu_readiness: str = _doc(
         "",
-        "chat only (other kinds load their CPU replica at start): how ready its CPU replica is kept: "
-        "warm | mmap | on_demand | auto; empty = [cpu_lane].readiness",
+        "how ready its CPU replica is kept: warm | mmap | on_demand | auto; empty = [cpu_lane].readiness for "
+        "chat, warm for embeddings and transcription (one model, no per-request context: warm and mmap both "
+        "keep it loaded)",
     )
     recovery_budget_ms: float = _doc(
         0.0,
-        "chat, cpu_readiness = auto: longest a GPU fault may take to reach the first CPU token; 0 = "
-        "[cpu_lane].recovery_budget_ms",
+        "cpu_readiness = auto: longest a GPU fault may take to reach the first CPU result (token, vectors, "
+        "segment); 0 = [cpu_lane].recovery_budget_ms",
     )
     n_threads: int = _doc(1, "threads per worker")
     batch_size: int = _doc(32, "inputs per encoder run (a request is computed in chunks of this many)")
@@ -207,13 +208,16 @@ class LaneConfig:
     canary_ratio: float = _doc(0.0, "share of normal traffic served here to keep the path exercised (CPU lane)")
     readiness: str = _doc(
         "auto",
-        "CPU lane: how ready the CPU replica is kept. warm (model and every slot's context loaded), mmap "
+        "CPU lane: how ready a chat model's CPU replica is kept (an embeddings or transcription service "
+        "sets its own cpu_readiness). warm (model and every slot's context loaded), mmap "
         "(model loaded, contexts made on demand), on_demand (process started, model loaded at the first "
         "failover), or auto (the cheapest of those whose measured recovery time meets recovery_budget_ms, "
         "re-picked when host memory is short)",
     )
     recovery_budget_ms: float = _doc(
-        1000.0, "CPU lane, readiness = auto: longest a GPU fault may take to reach the first CPU token"
+        1000.0,
+        "CPU lane, readiness = auto: longest a GPU fault may take to reach the first CPU result (every "
+        "service's default)",
     )
 
 
@@ -344,6 +348,14 @@ class Config:
         if not self.model.fallback_path:
             return None
         return self.model.fallback_name or Path(self.model.fallback_path).name.removesuffix(".gguf")
+
+    def service_readiness(self, svc: ServiceConfig) -> tuple[str, float]:
+        """A service's CPU replica readiness and recovery budget: its own settings, else a chat
+        service's come from [cpu_lane]; an embeddings or transcription replica is ``warm``
+        (loaded at start, as before readiness modes) unless its own ``cpu_readiness`` says
+        otherwise. The budget defaults to [cpu_lane].recovery_budget_ms for every kind."""
+        mode = svc.cpu_readiness or (self.cpu_lane.readiness if svc.kind == "chat" else "warm")
+        return mode, svc.recovery_budget_ms or self.cpu_lane.recovery_budget_ms
 
     def state_path(self) -> Path:
         """The state folder as an absolute path (the user's data folder when unset)."""
@@ -577,17 +589,9 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: slots, n_threads, batch_size and max_inputs must be >= 1")
         if svc.queue_depth < 0 or svc.queue_max_age_s <= 0:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
-        if svc.kind != "chat" and (svc.cpu_readiness or svc.recovery_budget_ms):
-            raise ConfigError(
-                f"{where}: cpu_readiness and recovery_budget_ms apply to chat services only; an "
-                f"{svc.kind} service's CPU replica is always loaded at start (warm)"
-            )
-        _validate_readiness(
-            where,
-            "cpu_readiness",
-            svc.cpu_readiness or cfg.cpu_lane.readiness,
-            svc.recovery_budget_ms or cfg.cpu_lane.recovery_budget_ms,
-        )
+        if svc.cpu == "none" and (svc.cpu_readiness or svc.recovery_budget_ms):
+            raise ConfigError(f'{where}: cpu_readiness and recovery_budget_ms need a CPU replica (cpu = "none" here)')
+        _validate_readiness(where, "cpu_readiness", *cfg.service_readiness(svc))
         if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
         if svc.kind == "transcription" and svc.path and not Path(svc.path, "model.bin").is_file():

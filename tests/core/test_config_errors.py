@@ -57,8 +57,10 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[cpu_lane]\nrecovery_budget_ms = nan\n",
         '[[services]]\nname = "c2"\nkind = "chat"\ncpu_readiness = "mapped"\n',
         '[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = -5\n',
-        '[[services]]\nname = "e2"\nkind = "embeddings"\ncpu_readiness = "on_demand"\n',
-        '[[services]]\nname = "t2"\nkind = "transcription"\nrecovery_budget_ms = 300\n',
+        '[[services]]\nname = "e2"\nkind = "embeddings"\ncpu_readiness = "hot"\n',
+        '[[services]]\nname = "t2"\nkind = "transcription"\nrecovery_budget_ms = -1\n',
+        '[[services]]\nname = "e2"\nkind = "embeddings"\ncpu = "none"\ncpu_readiness = "on_demand"\n',
+        '[[services]]\nname = "c2"\nkind = "chat"\ncpu = "none"\nrecovery_budget_ms = 300\n',
         "[server]\nstream_coalesce_ms = -1\n",
         "[server]\nstream_coalesce_ms = nan\n",
         "[server]\nstream_coalesce_ms = 1000.5\n",
@@ -128,3 +130,16 @@ def test_a_chat_service_inherits_the_cpu_lanes_readiness_unless_it_sets_its_own(
     _, a, b = chat_models(load_config(str(f)))
     assert (a.cpu_lane.readiness, a.cpu_lane.recovery_budget_ms) == ("warm", 250)
     assert (b.cpu_lane.readiness, b.cpu_lane.recovery_budget_ms) == ("auto", 5000)
+
+
+def test_an_embeddings_or_transcription_replica_is_warm_unless_its_service_says_otherwise(tmp_path: Path) -> None:
+    """[cpu_lane].readiness is the chat services' default only; the budget is every kind's."""
+    f = tmp_path / "c.toml"
+    f.write_text(
+        '[cpu_lane]\nreadiness = "on_demand"\nrecovery_budget_ms = 250\n'
+        '[[services]]\nname = "e"\nkind = "embeddings"\n'
+        '[[services]]\nname = "t"\nkind = "transcription"\ncpu_readiness = "auto"\nrecovery_budget_ms = 900\n'
+        '[[services]]\nname = "c"\nkind = "chat"\n'
+    )
+    cfg = load_config(str(f))
+    assert [cfg.service_readiness(s) for s in cfg.services] == [("warm", 250), ("auto", 900), ("on_demand", 250)]

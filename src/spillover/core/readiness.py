@@ -1,13 +1,15 @@
-"""How ready a chat service's CPU replica is kept: ``warm``, ``mmap`` or ``on_demand``, or
-``auto``, which picks by a recovery budget.
+"""How ready a service's CPU replica is kept: ``warm``, ``mmap`` or ``on_demand``, or
+``auto``, which picks by a recovery budget. An embeddings or transcription replica has no
+per-request context (``engine.holder``): its ``ctx_ms`` is 0 and its context costs nothing,
+so ``warm`` and ``mmap`` predict the same and keep the same.
 
 Rules:
 
-1. A mode's *recovery time* is the time from a GPU fault to the first CPU token, predicted
-   from the steps the replica must still take (``recovery_ms``):
-   - ``warm`` (model and contexts ready): a first token;
-   - ``mmap`` (model loaded, contexts on demand): a context, then a first token;
-   - ``on_demand`` (process started, nothing loaded): the model load, a context, a first token.
+1. A mode's *recovery time* is the time from a GPU fault to the first CPU result (a token,
+   vectors, a segment), predicted from the steps the replica must still take (``recovery_ms``):
+   - ``warm`` (model and contexts ready): a first result;
+   - ``mmap`` (model loaded, contexts on demand): a context, then a first result;
+   - ``on_demand`` (process started, nothing loaded): the model load, a context, a first result.
    Each step's figure is the replica's own measurement (at start-up, then every time it
    really does the step).
 2. A mode's *host cost* is what it keeps in host memory while idle (``host_cost``): warm

@@ -24,35 +24,40 @@ import base64
 import time
 from typing import Any
 
-from spillover.engine.worker import DeviceWorker, _error
+from spillover.engine.worker import UnaryWorker, _error
 
 __all__ = ["EmbedWorker"]
 
 
-class EmbedWorker(DeviceWorker):
+class EmbedWorker(UnaryWorker):
     """An embeddings worker (``--kind embeddings``)."""
 
     request_op = "embed"
 
-    def load(self) -> None:
+    def model_fingerprint(self) -> dict[str, str]:
         from pathlib import Path
 
-        from spillover.engine.embedder import Embedder
         from spillover.engine.llama_engine import file_digest
 
-        device = self.args.device if self.kind == "cuda" else "cpu"
-        self.embedder = Embedder(self.args.model, n_threads=self.args.n_threads, device=device)
         digest = file_digest(f"{self.args.model}/model.onnx", cache_dir=Path(self.args.state_dir))
-        self.fingerprint = {
+        return {
             "model": digest[:16],
             "batch_size": str(self.args.batch_size),
             "backend": "cuda" if self.kind == "cuda" else "cpu",
         }
 
-    def run_request(self, msg: dict[str, Any]) -> None:
-        self.run_charged(msg, self._embed)
+    def load_model(self) -> Any:
+        from spillover.engine.embedder import Embedder
 
-    def _embed(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        device = self.args.device if self.kind == "cuda" else "cpu"
+        return Embedder(self.args.model, n_threads=self.args.n_threads, device=device)
+
+    def probe(self, model: Any) -> None:
+        from spillover.engine.embedder import EmbedTokenizer
+
+        model.embed([EmbedTokenizer(self.args.model).wrap([])], 1)  # an empty text: [CLS] [SEP]
+
+    def compute(self, model: Any, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
 
         from spillover.engine.embedder import chunks
@@ -69,7 +74,7 @@ class EmbedWorker(DeviceWorker):
                 return _error(rid, "cancelled", "cancelled")
             if self.sim is not None and self.oom_armed.is_set() and self.sim.take_running_fault():
                 return _error(rid, "oom", "device out of memory in the encoder")
-            parts.append(self.embedder.embed(inputs[start:stop], batch_size))
+            parts.append(model.embed(inputs[start:stop], batch_size))
             self.progress += stop - start
         vectors = np.concatenate(parts, axis=0).astype("<f4", copy=False)
         self.chan.send(

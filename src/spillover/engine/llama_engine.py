@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spillover.engine.holder import MODES, check_mode, held_report
 from spillover.engine.textstream import StopScanner
 
 __all__ = ["Engine", "GenerateParams", "Step", "Tokenizer", "fingerprint_parts"]
@@ -436,7 +437,7 @@ def _borrowed_llama(model: Any, params: dict[str, Any]) -> Any:
             internals.LlamaModel = real  # type: ignore[misc]
 
 
-READINESS_MODES = ("warm", "mmap", "on_demand")  # what a worker keeps ready between requests
+READINESS_MODES = MODES  # what a worker keeps ready between requests (``engine.holder``)
 
 
 class Engine:
@@ -472,8 +473,6 @@ class Engine:
         readiness: str = "warm",
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
-        if readiness not in READINESS_MODES:
-            raise ValueError(f"readiness must be one of {', '.join(READINESS_MODES)}, not {readiness!r}")
         self.model_path = model_path
         self.n_ctx = n_ctx
         self.n_gpu_layers = n_gpu_layers
@@ -486,7 +485,7 @@ class Engine:
             "n_gpu_layers": n_gpu_layers,
             "verbose": False,
         }
-        self.readiness = readiness
+        self.readiness = check_mode(readiness)
         self.timings: dict[str, float] = {}  # load_ms, ctx_ms, first_ms: the latest of each
         self._on_change = on_change
         self._model: Any = None  # the shared llama_model wrapper, or None
@@ -514,12 +513,7 @@ class Engine:
     def held(self) -> dict[str, Any]:
         """What it holds now and what each step last cost (the worker's ``held`` report)."""
         with self._lock:
-            return {
-                "mode": self.readiness,
-                "model": self.model_loaded,
-                "contexts": self.contexts,
-                "timings": {k: round(v, 3) for k, v in self.timings.items()},
-            }
+            return held_report(self.readiness, self.model_loaded, self.contexts, self.timings)
 
     def _changed(self) -> None:
         """Report what it holds, under the lock so reports leave in the order of the changes."""
@@ -603,10 +597,8 @@ class Engine:
 
     def set_readiness(self, mode: str) -> None:
         """Move to ``mode`` (see the class): load what it keeps, free what it does not."""
-        if mode not in READINESS_MODES:
-            raise ValueError(f"readiness must be one of {', '.join(READINESS_MODES)}, not {mode!r}")
         with self._lock:
-            self.readiness = mode
+            self.readiness = check_mode(mode)
             self._shedding = mode != "warm"  # asked: what it holds beyond the mode goes, busy slots too
             self._settle()
         self._changed()

@@ -32,9 +32,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from spillover.engine.worker import DeviceWorker, _error
+from spillover.engine.worker import UnaryWorker, _error
 
-__all__ = ["TranscribeWorker", "compute_type"]
+__all__ = ["PROBE_SAMPLES", "TranscribeWorker", "compute_type"]
+
+PROBE_SAMPLES = 8000  # the readiness probe: half a second of silence at 16 kHz
 
 
 def compute_type(kind: str) -> str:
@@ -42,20 +44,28 @@ def compute_type(kind: str) -> str:
     return "float16" if kind == "cuda" else "int8"
 
 
-class TranscribeWorker(DeviceWorker):
+class TranscribeWorker(UnaryWorker):
     """A transcription worker (``--kind transcription``)."""
 
     request_op = "transcribe"
 
-    def load(self) -> None:
+    def model_fingerprint(self) -> dict[str, str]:
         from pathlib import Path
-
-        from faster_whisper import WhisperModel
 
         from spillover.engine.llama_engine import file_digest
 
+        digest = file_digest(f"{self.args.model}/model.bin", cache_dir=Path(self.args.state_dir))
+        return {
+            "model": digest[:16],
+            "compute_type": compute_type(self.kind),
+            "backend": "cuda" if self.kind == "cuda" else "cpu",
+        }
+
+    def load_model(self) -> Any:
+        from faster_whisper import WhisperModel
+
         index = int(self.args.device.split(":", 1)[1]) if self.kind == "cuda" else 0
-        self.model = WhisperModel(
+        return WhisperModel(
             self.args.model,
             device="cuda" if self.kind == "cuda" else "cpu",
             device_index=index,
@@ -64,17 +74,21 @@ class TranscribeWorker(DeviceWorker):
             num_workers=1,
             local_files_only=True,
         )
-        digest = file_digest(f"{self.args.model}/model.bin", cache_dir=Path(self.args.state_dir))
-        self.fingerprint = {
-            "model": digest[:16],
-            "compute_type": compute_type(self.kind),
-            "backend": "cuda" if self.kind == "cuda" else "cpu",
-        }
 
-    def run_request(self, msg: dict[str, Any]) -> None:
-        self.run_charged(msg, self._transcribe)
+    def probe(self, model: Any) -> None:
+        import numpy as np
 
-    def _transcribe(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        segments, _ = model.transcribe(
+            np.zeros(PROBE_SAMPLES, dtype=np.float32),
+            language="en",
+            beam_size=1,
+            temperature=[0.0],
+            condition_on_previous_text=False,
+            vad_filter=False,
+        )
+        list(segments)  # decoded lazily
+
+    def compute(self, model: Any, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
         from spillover.engine.audio import BadAudio, decode
 
         self.chan.send({"ev": "started", "rid": rid})
@@ -90,7 +104,7 @@ class TranscribeWorker(DeviceWorker):
             import ctranslate2
 
             ctranslate2.set_random_seed(int(msg.get("seed") or 0))
-        segments, info = self.model.transcribe(
+        segments, info = model.transcribe(
             audio.samples,
             task=str(msg.get("task") or "transcribe"),
             language=msg.get("language") or None,

@@ -16,7 +16,8 @@ Gateway -> worker ops::
      "presence_penalty", "repeat_penalty", "top_k", "min_p", "logit_bias", "logprobs", "coalesce_s"}
     {"op": "cancel", "rid"}
     {"op": "ping", "seq"}
-    {"op": "readiness", "mode"}               chat: keep warm | mmap | on_demand ready (``Engine``)
+    {"op": "readiness", "mode"}               keep warm | mmap | on_demand ready (chat: ``Engine``;
+                                              embeddings, transcription: ``engine.holder``)
 
 Worker -> gateway events::
 
@@ -32,7 +33,7 @@ Worker -> gateway events::
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
                                               | context_overflow | bad_grammar (the request's fault)
     {"ev": "pong", "seq", "progress", "contexts"}  progress: tokens generated so far, in total
-    {"ev": "held", "mode", "model", "contexts", "timings"}  chat: what the engine holds changed
+    {"ev": "held", "mode", "model", "contexts", "timings"}  what the engine holds changed
                                               (timings: the latest load_ms, ctx_ms, first_ms)
     {"ev": "fatal", "kind", "message"}        then the process exits
 
@@ -183,6 +184,7 @@ class DeviceWorker(abc.ABC):
                 sys.exit(EXIT_LOAD_FAILED)
         self.fingerprint: dict[str, str] = {}
         self.ready_sent = False
+        self.keeper: Any = None  # what keeps the model as ready as asked (Engine, ModelHolder); set by load()
         t0 = time.monotonic()
         self.load()
         self.load_s = time.monotonic() - t0
@@ -233,9 +235,24 @@ class DeviceWorker(abc.ABC):
         if self.sim is not None:
             self.sim.free(f"req:{rid}")
 
+    def _held(self) -> None:
+        """Tell the gateway what the engine holds now (a ``held`` event: mode, model,
+        contexts and the latest load / context / first-token timings); before ``ready``
+        the ready event's info carries it."""
+        if self.keeper is not None and self.ready_sent:
+            self.chan.send({"ev": "held", **self.keeper.held()})
+
+    def set_readiness(self, mode: str) -> None:
+        try:
+            self.keeper.set_readiness(mode)
+        except Exception as exc:  # a load that fails is reported, the worker keeps serving
+            print(f"readiness {mode} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._held()
+
     def info(self) -> dict[str, Any]:
         """The ``ready`` event's info."""
-        return {
+        held = {"held": self.keeper.held()} if self.keeper is not None else {}
+        return held | {
             "pid": os.getpid(),
             "worker_id": self.args.worker_id,
             "kind": self.args.kind,
@@ -294,7 +311,7 @@ class DeviceWorker(abc.ABC):
                 with self._active_lock:  # a cancel for a request already answered is dropped
                     if str(msg["rid"]) in self.active:
                         self.cancelled.add(str(msg["rid"]))
-            elif op == "readiness" and hasattr(self, "set_readiness"):
+            elif op == "readiness" and self.keeper is not None:
                 threading.Thread(target=self.set_readiness, args=(str(msg.get("mode")),), daemon=True).start()
             elif op == "ping":
                 self.chan.send(
@@ -307,6 +324,46 @@ class DeviceWorker(abc.ABC):
                 )
         # stdin closed: the gateway is gone; leave without waiting for work.
         os._exit(0)
+
+
+class UnaryWorker(DeviceWorker):
+    """A kind with one whole answer per request (embeddings, transcription): one model that
+    every slot shares, kept as ready as ``--readiness`` says by an ``engine.holder.ModelHolder``.
+    A CPU replica probes its model once at start (the step timings its readiness is picked
+    by); a worker on a device loads it and is done."""
+
+    @abc.abstractmethod
+    def load_model(self) -> Any:
+        """Load the kind's model (called again after the holder dropped it)."""
+
+    @abc.abstractmethod
+    def probe(self, model: Any) -> None:
+        """Run a tiny request on ``model`` (timed: the first result after a load)."""
+
+    @abc.abstractmethod
+    def model_fingerprint(self) -> dict[str, str]:
+        """The fingerprint's parts (read from the files: the model need not be loaded)."""
+
+    @abc.abstractmethod
+    def compute(self, model: Any, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """Run one request on ``model``; its last event."""
+
+    def load(self) -> None:
+        from spillover.engine.holder import ModelHolder
+
+        self.fingerprint = self.model_fingerprint()
+        self.keeper = ModelHolder(self.load_model, self.probe, readiness=self.args.readiness, on_change=self._held)
+        if self.kind == "cpu":
+            self.keeper.measure()
+        else:
+            self.keeper.start()
+
+    def run_request(self, msg: dict[str, Any]) -> None:
+        self.run_charged(msg, self._compute)
+
+    def _compute(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        with self.keeper.use() as model:
+            return self.compute(model, rid, msg)
 
 
 class Worker(DeviceWorker):
@@ -326,6 +383,7 @@ class Worker(DeviceWorker):
             readiness=args.readiness,
             on_change=self._held,
         )
+        self.keeper = self.engine
         self.engine.measure()
         tok = Tokenizer(args.model)
         backend = "cuda" if self.kind == "cuda" else "cpu"
@@ -337,21 +395,7 @@ class Worker(DeviceWorker):
         return self.engine.contexts
 
     def info(self) -> dict[str, Any]:
-        return super().info() | {"slots": self.engine.slots, "n_ctx": self.args.n_ctx, "held": self.engine.held()}
-
-    def _held(self) -> None:
-        """Tell the gateway what the engine holds now (a ``held`` event: mode, model,
-        contexts and the latest load / context / first-token timings); before ``ready``
-        the ready event's info carries it."""
-        if getattr(self, "engine", None) is not None and self.ready_sent:
-            self.chan.send({"ev": "held", **self.engine.held()})
-
-    def set_readiness(self, mode: str) -> None:
-        try:
-            self.engine.set_readiness(mode)
-        except Exception as exc:  # a load that fails is reported, the worker keeps serving
-            print(f"readiness {mode} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            self._held()
+        return super().info() | {"slots": self.engine.slots, "n_ctx": self.args.n_ctx}
 
     def _page_fault(self) -> bool:
         """At a KV page boundary: does an injected running-OOM fault hit this request?"""
@@ -479,8 +523,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--readiness",
         default="warm",
         choices=READINESS_MODES,
-        help="chat: what to keep ready between requests (warm: model and every slot's context; mmap: the "
-        "model, contexts on first use; on_demand: nothing, the model loads at the first request)",
+        help="what to keep ready between requests (warm: the model and every slot's context; mmap: the "
+        "model, contexts on first use; on_demand: nothing, the model loads at the first request). Embeddings "
+        "and transcription have no per-request context: warm and mmap both keep the model",
     )
     return p.parse_args(argv)
 

@@ -366,6 +366,7 @@ def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
         )
 
     slug = _slug(s.name)
+    mode, budget = cfg.service_readiness(s)
     return ChatModel(
         name=s.name,
         aliases=tuple(s.aliases),
@@ -374,8 +375,8 @@ def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
         gpu_lane=lane(cfg.gpu_lane, s.gpu_slots) if s.gpu else None,
         cpu_lane=dataclasses.replace(
             lane(cfg.cpu_lane, s.cpu_slots),
-            readiness=s.cpu_readiness or cfg.cpu_lane.readiness,
-            recovery_budget_ms=s.recovery_budget_ms or cfg.cpu_lane.recovery_budget_ms,
+            readiness=mode,
+            recovery_budget_ms=budget,
         ),
         cpu_path=s.cpu == "replica",
         worker_ids=(f"{slug}-gpu", f"{slug}-cpu", f"{slug}-split"),

@@ -47,13 +47,16 @@ class HostStatistics:
 
 @dataclass(frozen=True)
 class CpuLaneHost:
-    """One chat model's CPU lane as the guard sees it: its scheduler (whose CPU worker and
-    peak concurrency count), what its model and one of its contexts cost, and its readiness."""
+    """One CPU replica as the guard sees it: a chat model's lane (its scheduler, whose CPU
+    worker and peak concurrency count) or an embeddings or transcription service's replica
+    (``replica``: its worker; no per-request context), what its model and one of its contexts
+    cost, and its readiness."""
 
     scheduler: Callable[[], Scheduler | None]
     weights_bytes: int
     context_bytes: int
     readiness: ReplicaReadiness | None = None
+    replica: Callable[[], WorkerClient | None] | None = None  # a service's replica (no scheduler)
 
     @property
     def slot_bytes(self) -> int:
@@ -61,6 +64,8 @@ class CpuLaneHost:
         return self.weights_bytes + self.context_bytes
 
     def worker(self) -> WorkerClient | None:
+        if self.replica is not None:
+            return self.replica()
         sched = self.scheduler()
         return sched.cpu_workers[0] if sched is not None and sched.cpu_workers else None
 
@@ -80,7 +85,7 @@ class HostMemory:
         self.supervisors = supervisors  # every worker of the gateway: their RSS counts
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
-        self.lanes: list[CpuLaneHost] = []  # the chat models' CPU lanes, the primary's first
+        self.lanes: list[CpuLaneHost] = []  # CPU replicas: the chat models' lanes (the primary's first), services'
         self.observed_bytes = 0
         self.peak_bytes = 0
         self.base_bytes = 0
@@ -97,7 +102,7 @@ class HostMemory:
     @property
     def slot_bytes(self) -> int:
         """What one context of the primary chat model's CPU lane costs (memory model)."""
-        return self.lanes[0].slot_bytes if self.lanes else 0
+        return next((lane.slot_bytes for lane in self.lanes if lane.replica is None), 0)
 
     def statistics(self) -> HostStatistics:
         return HostStatistics(
@@ -195,6 +200,22 @@ class HostMemory:
         lane = CpuLaneHost(scheduler, weights_bytes, context_bytes, readiness)
         self.lanes.append(lane)
         return lambda running: self._view(lane, running)
+
+    def add_replica(
+        self, worker: Callable[[], WorkerClient | None], *, weights_bytes: int, readiness: ReplicaReadiness
+    ) -> CpuLaneHost:
+        """Register an embeddings or transcription service's CPU replica (its model, no context)."""
+        lane = CpuLaneHost(lambda: None, weights_bytes, 0, readiness, replica=worker)
+        self.lanes.append(lane)
+        return lane
+
+    def load_allowed(self, lane: CpuLaneHost) -> bool:
+        """Whether ``lane``'s replica may hold its model now: it does already, or the room the
+        guard leaves it holds the model (a request to an unloaded replica loads it)."""
+        w = lane.worker()
+        if w is None or w.state is not WorkerState.READY or self.model_loaded(lane, w):
+            return True
+        return self.room_bytes(lane) >= lane.weights_bytes
 
     def _view(self, lane: CpuLaneHost, running: int) -> HostView:
         """What the host guard is shown for a dispatch on ``lane`` with ``running`` requests running."""

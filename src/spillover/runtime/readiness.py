@@ -1,4 +1,4 @@
-"""Keeps one chat service's CPU replica as ready as its recovery budget asks (``core.readiness``
+"""Keeps one service's CPU replica as ready as its recovery budget asks (``core.readiness``
 decides; this applies it).
 
 ``ReplicaReadiness.tick`` runs with every host-memory reading (``HostMemory.run``): it takes
@@ -120,7 +120,7 @@ class ReplicaReadiness:
         return choice.mode
 
     def observe(self, ms: float) -> None:
-        """A failover reached its first CPU token ``ms`` after the fault, with the replica in
+        """A failover reached its first CPU result ``ms`` after the fault, with the replica in
         the mode it held then (shown in /v1/status; see the module docstring)."""
         w = self.worker()
         mode = (self.holding(w) if w is not None else "") or self.choice.mode

@@ -31,6 +31,11 @@ Rules:
    once its weights have fitted with room to spare for ``promote_after_s``
    (``core.placement.promote_due``), and not demoted again for as long (no flapping).
    Both are journaled, counted in /metrics and shown in /v1/status with their reason.
+7. Its CPU replica is kept as ready as its ``cpu_readiness`` says (``runtime.readiness``, as
+   for chat; ``engine.holder`` in the worker): the host-RAM guard counts the replica's model
+   while it holds it, and a request is placed on a replica that does not hold it (it loads it)
+   only when the guard's room holds the model. A failover's fault-to-CPU-result time is shown
+   with the mode.
 """
 
 from __future__ import annotations
@@ -63,7 +68,9 @@ from spillover.core.reasons import FailoverReason, Reason
 from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
 from spillover.runtime import ticks
 from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, SupervisorEvent, WorkerGone
+from spillover.runtime.hostmem import CpuLaneHost
 from spillover.runtime.lanes import places_promised
+from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
@@ -95,6 +102,29 @@ class _Dispatch:
     reason: Reason
     nbytes: int  # charged to the device (0 off the GPU)
     probe_round: int | None = None
+
+
+@dataclass(eq=False)
+class _Recovery:
+    """A failover's time from the GPU fault to the CPU attempt's first result (its first answer
+    event, else its answer), told to the replica's readiness once (rule 7)."""
+
+    fault_at: float
+    readiness: ReplicaReadiness
+    told: bool = False
+
+    def seen(self) -> None:
+        if not self.told:
+            self.told = True
+            self.readiness.observe((time.monotonic() - self.fault_at) * 1000)
+
+    def wrap(self, on_part: Callable[[RequestEvent], None] | None) -> Callable[[RequestEvent], None]:
+        def part(ev: RequestEvent) -> None:
+            self.seen()
+            if on_part is not None:
+                on_part(ev)
+
+        return part
 
 
 @dataclass(frozen=True)
@@ -135,6 +165,7 @@ class ServiceStatistics:
     promotions: int
     ladder: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
+    cpu_readiness: dict[str, Any] | None = None  # its CPU replica's readiness (None: no CPU path)
 
 
 class DeviceService(abc.ABC):
@@ -169,6 +200,8 @@ class DeviceService(abc.ABC):
         self._room_since: float | None = None
         self._promoted_s = -math.inf
         self._wake = asyncio.Event()
+        self.readiness: ReplicaReadiness | None = None  # its CPU replica's (rule 7)
+        self.host_lane: CpuLaneHost | None = None
 
     initial_rate = {"gpu": 0.05, "cpu": 0.1}
 
@@ -192,6 +225,10 @@ class DeviceService(abc.ABC):
         """Kind-specific ``WorkerSpec`` fields."""
         return {}
 
+    def host_weights_bytes(self) -> int:
+        """The host bytes its CPU replica's loaded model takes (the device figure by default)."""
+        return self.weights_bytes()
+
     async def start(self) -> None:
         """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops)."""
         await self.load_model()
@@ -208,7 +245,20 @@ class DeviceService(abc.ABC):
                 ),
             )
         if self.cfg.cpu == "replica":
-            self.cpu = Supervisor(self._spec("cpu", "cpu"), gw.cfg.supervisor, on_change=self._worker_event)
+            mode, budget = gw.cfg.service_readiness(self.cfg)
+            self.readiness = ReplicaReadiness(
+                mode,
+                budget,
+                lambda: self.cpu.worker if self.cpu is not None else None,
+                weights_bytes=self.host_weights_bytes(),
+                context_bytes=0,
+                alone=self.gpu is None,
+            )
+            self.host_lane = gw.host.add_replica(
+                self.readiness.worker, weights_bytes=self.host_weights_bytes(), readiness=self.readiness
+            )
+            spec = dataclasses.replace(self._spec("cpu", "cpu"), readiness=self.readiness.initial_mode())
+            self.cpu = Supervisor(spec, gw.cfg.supervisor, on_change=self._worker_event)
         for sup in self.supervisors():
             gw.loops.add(f"sup-{sup.worker.spec.worker_id}", sup.run)
         gw.loops.add(f"pump-{self.name}", self._pump_loop)
@@ -285,28 +335,35 @@ class DeviceService(abc.ABC):
         it arrives (for a stream), with the attempt's lane, reason and number. A failure
         that is the request's own (``bad_audio``) is raised at once as ``request_error`` makes it."""
         fault: str | None = None
+        fault_at = 0.0
         max_attempts = self.gw.cfg.failover.max_attempts
         while True:
             attempt += 1
             d = await self._dispatch(rid, nbytes, work, avoid_gpu=fault is not None)
             reason = str(FailoverReason(fault)) if fault else str(d.reason)
+            recovery = self._recovery(fault_at) if fault is not None and d.lane == "cpu" else None
             try:  # the lease is ours from here: released once, however the attempt ends (rule 4)
                 await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
                 part = functools.partial(on_part, lane=d.lane, reason=reason, attempt=attempt) if on_part else None
-                got = await self._run_on(d, rid, msg, work, on_move, part)
+                got = await self._run_on(d, rid, msg, work, on_move, recovery.wrap(part) if recovery else part)
             finally:
                 self._release(rid, d)
             if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], Done):
+                if recovery is not None:  # no answer event came before it: the answer is the first result
+                    recovery.seen()
                 self.served[d.lane] += 1
                 return Served(got[0], got[1], d.lane, reason, attempt)
             kind, message = got
             self.request_error(kind, message)
             if d.lane != "gpu" or self.cpu is None or attempt >= max_attempts or not self.gw.budget.take():
                 raise WorkerFailed(f"the {d.lane} worker failed this request ({kind}: {message})", retry_after_s=1.0)
-            fault = kind
+            fault, fault_at = kind, time.monotonic()
             self.failovers += 1
             self.gw.metrics.failovers.labels(kind).inc()
             await on_move("queued", {"route": "cpu", "reason": str(FailoverReason(kind)), "attempts": attempt})
+
+    def _recovery(self, fault_at: float) -> _Recovery | None:
+        return _Recovery(fault_at, self.readiness) if self.readiness is not None else None
 
     def request_error(self, kind: str, message: str) -> None:
         """Raise the client's error for a failure that is the request's own (not the lane's:
@@ -514,6 +571,8 @@ class DeviceService(abc.ABC):
         host_ok = True
         if c is not None and self.gw.cfg.device.host_guard and self.gw.host.observed_bytes:
             host_ok = self.gw.host.observed_bytes < self.gw.host.budget_bytes
+            if host_ok and self.host_lane is not None:  # rule 7: an unloaded replica loads its model
+                host_ok = self.gw.host.load_allowed(self.host_lane)
         return PlacementView(
             gpu_configured=g is not None,
             gpu_ready=g is not None and g.state is WorkerState.READY,
@@ -617,4 +676,5 @@ class DeviceService(abc.ABC):
             promotions=self.promotions,
             ladder=list(self.ladder),
             workers=[s.status_row() for s in self.supervisors()],
+            cpu_readiness=self.readiness.status() if self.readiness is not None else None,
         )

@@ -74,6 +74,10 @@ class TranscriptionService(DeviceService):
     def weights_bytes(self) -> int:
         return self.memory.weights_bytes("float16") if self.memory else 0
 
+    def host_weights_bytes(self) -> int:
+        """Its CPU replica runs int8 (``engine.transcribe_worker.compute_type``)."""
+        return self.memory.weights_bytes("int8") if self.memory else 0
+
     def probe_bytes(self) -> int:
         return self.predicted_bytes(5.0)
 

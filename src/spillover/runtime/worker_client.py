@@ -65,7 +65,7 @@ class WorkerSpec:
     n_batch: int
     weights_bytes: int = 0
     sim_name: str = "sim0"
-    readiness: str = "warm"  # chat: what the engine keeps ready between requests (``Engine``)
+    readiness: str = "warm"  # what the engine keeps ready between requests (``Engine``, ``ModelHolder``)
     gpu_layers: int = -1  # chat on a device: layers placed there (-1 all; a split worker fewer)
     kind: str = "chat"  # "chat" | "embeddings"
     batch_size: int = 32  # embeddings: inputs per encoder run
@@ -212,7 +212,7 @@ class WorkerClient:
         self._last_fatal: WorkerGone | None = None
         self.alloc_failures = 0
         self.contexts = 0
-        self.held: dict[str, Any] = {}  # a chat worker's last ``held`` report: mode, model, contexts, timings
+        self.held: dict[str, Any] = {}  # the worker's last ``held`` report: mode, model, contexts, timings
         self.held_seq = 0  # bumped by each report
 
     def __repr__(self) -> str:
@@ -348,7 +348,7 @@ class WorkerClient:
         self.held_seq += 1
 
     async def set_readiness(self, mode: str) -> None:
-        """Ask a chat worker to keep ``mode`` ready; its ``held`` report follows once done."""
+        """Ask the worker to keep ``mode`` ready; its ``held`` report follows once done."""
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):
             await self._send({"op": "readiness", "mode": mode})
 
