@@ -165,8 +165,8 @@ class ServiceConfig:
     cpu_readiness: str = _doc(
         "",
         "how ready its CPU replica is kept: warm | mmap | on_demand | auto; empty = [cpu_lane].readiness for "
-        "chat, warm for embeddings and transcription (one model, no per-request context: warm and mmap both "
-        "keep it loaded)",
+        "chat; for embeddings and transcription empty = loaded at start and kept, whatever the host room (one "
+        "model, no per-request context: warm and mmap both keep it loaded)",
     )
     recovery_budget_ms: float = _doc(
         0.0,
@@ -351,9 +351,9 @@ class Config:
 
     def service_readiness(self, svc: ServiceConfig) -> tuple[str, float]:
         """A service's CPU replica readiness and recovery budget: its own settings, else a chat
-        service's come from [cpu_lane]; an embeddings or transcription replica is ``warm``
-        (loaded at start, as before readiness modes) unless its own ``cpu_readiness`` says
-        otherwise. The budget defaults to [cpu_lane].recovery_budget_ms for every kind."""
+        service's come from [cpu_lane]; an embeddings or transcription replica without its own
+        ``cpu_readiness`` is loaded at start and kept (``warm``, no mode managed: the host room
+        never unloads it). The budget defaults to [cpu_lane].recovery_budget_ms for every kind."""
         mode = svc.cpu_readiness or (self.cpu_lane.readiness if svc.kind == "chat" else "warm")
         return mode, svc.recovery_budget_ms or self.cpu_lane.recovery_budget_ms
 
@@ -591,6 +591,11 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"{where}: queue_depth must be >= 0 and queue_max_age_s > 0")
         if svc.cpu == "none" and (svc.cpu_readiness or svc.recovery_budget_ms):
             raise ConfigError(f'{where}: cpu_readiness and recovery_budget_ms need a CPU replica (cpu = "none" here)')
+        if svc.kind != "chat" and svc.recovery_budget_ms and not svc.cpu_readiness:
+            raise ConfigError(
+                f"{where}: recovery_budget_ms needs cpu_readiness on an {svc.kind} service (without it the "
+                "CPU replica is loaded at start and kept)"
+            )
         _validate_readiness(where, "cpu_readiness", *cfg.service_readiness(svc))
         if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")

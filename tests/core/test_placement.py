@@ -35,7 +35,8 @@ ROWS = [
     ({"demoted": True, "gpu_ready": False}, "cpu", Reason.DEMOTED, Reason.DEMOTED),
     ({"gpu_free_slots": 0, "cpu_free_slots": 0}, "wait", Reason.NO_LANE_FREE, Reason.GPU_BUSY),
     ({"nbytes": 2000, "cpu_ready": False}, "wait", Reason.NO_LANE_FREE, Reason.NO_DEVICE_ROOM),
-    ({"nbytes": 2000, "host_allows": False}, "wait", Reason.NO_LANE_FREE, Reason.NO_DEVICE_ROOM),
+    ({"nbytes": 2000, "host_allows": False}, "wait", Reason.HOST_BUDGET, Reason.NO_DEVICE_ROOM),
+    ({"nbytes": 2000, "host_allows": False, "cpu_free_slots": 0}, "wait", Reason.NO_LANE_FREE, Reason.NO_DEVICE_ROOM),
     # The GPU is preferred even when the CPU is free; the CPU is used even when the GPU
     # will free up soon: whichever can start it now (rule 1).
     ({"cpu_free_slots": 5}, "gpu", Reason.FITS, Reason.FITS),

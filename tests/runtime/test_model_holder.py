@@ -139,3 +139,79 @@ def test_unknown_modes_are_refused() -> None:
     with pytest.raises(ValueError, match="readiness must be one of"):
         h.set_readiness("hot")
     assert h.readiness == "warm"
+
+
+def test_load_soon_is_one_load_for_every_caller_and_done_at_once_when_loaded() -> None:
+    gate = threading.Event()
+    f = Fake()
+
+    def slow() -> Any:
+        gate.wait(5)
+        return f.load()
+
+    h = ModelHolder(slow, f.probe, readiness="on_demand", on_change=f.changed)
+    f.holder = h
+    a, b = h.load_soon(), h.load_soon()
+    assert a is b and not a.done()
+    gate.set()
+    a.result(5)
+    assert h.loaded and f.loads == 1 and f.reports[-1]["model"] is True
+    assert h.load_soon().done()  # loaded: nothing to wait for
+
+
+def test_a_failed_load_soon_fails_its_waiters_and_the_next_one_tries_again() -> None:
+    calls = {"n": 0}
+
+    def flaky() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("no memory")
+        return object()
+
+    h = ModelHolder(flaky, lambda m: None, readiness="on_demand")
+    with pytest.raises(RuntimeError, match="no memory"):
+        h.load_soon().result(5)
+    h.load_soon().result(5)
+    assert h.loaded and calls["n"] == 2
+
+
+def test_a_dropped_model_gives_its_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spillover.engine import holder as holder_mod
+
+    trims: list[int] = []
+    monkeypatch.setattr(holder_mod, "release_memory", lambda: trims.append(1))
+    f = Fake()
+    h = f.make("warm")
+    h.start()
+    assert trims == []
+    h.set_readiness("on_demand")
+    assert not h.loaded and trims == [1]
+    h.set_readiness("on_demand")  # nothing loaded: nothing to give back
+    assert trims == [1]
+
+
+def test_a_request_waiting_for_a_slow_load_answers_its_cancel_at_once() -> None:
+    """The worker's wait for the model sees the cancel (the gateway kills a worker that does
+    not end a cancelled request soon); the load goes on and the model is kept."""
+    from spillover.engine.worker import UnaryWorker
+
+    gate = threading.Event()
+    h = ModelHolder(lambda: gate.wait(10) and object(), lambda m: None, readiness="on_demand")
+
+    class Kind(UnaryWorker):  # only its wait for the model runs (no process, no channel)
+        def load_model(self) -> Any: ...
+        def probe(self, model: Any) -> None: ...
+        def model_fingerprint(self) -> dict[str, str]:
+            return {}
+
+        def compute(self, model: Any, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+            raise AssertionError("a cancelled request must not run")
+
+    w = object.__new__(Kind)
+    w.keeper, w.cancelled = h, {"r1"}
+    out = w._compute("r1", {})
+    assert out["ev"] == "error" and out["kind"] == "cancelled"
+    assert not h.loaded  # still loading
+    gate.set()
+    h.load_soon().result(5)
+    assert h.loaded

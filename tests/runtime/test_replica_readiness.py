@@ -68,6 +68,23 @@ def test_a_move_the_replica_did_not_make_is_asked_again_only_after_a_pause(monke
     assert r.tick(10_000) == "warm"
 
 
+def test_a_mode_whose_load_failed_in_the_worker_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker took the mode but could not load the model (it reports warm without it): the
+    mode is asked again after the pause, not left looking met."""
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    w = worker("on_demand", False, 0)
+    r = replica(w, budget_ms=70)
+    assert r.tick(10_000) == "warm"
+    report(w, "warm", False, 0)  # the move was taken, the load failed
+    assert r.tick(10_000) is None  # within the pause
+    now[0] += readiness_mod.ASK_AGAIN_S
+    assert r.tick(10_000) == "warm"
+    report(w, "warm", True, 2)
+    now[0] += readiness_mod.ASK_AGAIN_S
+    assert r.tick(10_000) is None  # loaded: left alone
+
+
 def test_a_restarted_replica_is_asked_at_once() -> None:
     w = worker("on_demand", False, 0)
     r = replica(w, budget_ms=70)

@@ -11,7 +11,9 @@ Rules:
    replayed on the CPU path at a request boundary.
 3. The reason names what decided: ``fits`` on the GPU; on the CPU, why not the GPU
    (``gpu_busy``, ``no_device_room``, ``observation_stale``, ``breaker_open``,
-   ``gpu_unavailable``, ``gpu_not_configured``, ``demoted``, or the failover).
+   ``gpu_unavailable``, ``gpu_not_configured``, ``demoted``, or the failover); waiting,
+   ``host_budget`` when a CPU slot is free but host memory does not allow it, else
+   ``no_lane_free``.
 5. A demoted service is promoted back (``promote_due``) only once its weights have fitted
    with ``reserve_bytes`` to spare, continuously, for ``hold_s``: hysteresis, no flapping.
 4. Pure: no I/O, no clock; ``runtime`` gathers the view and acts on the result.
@@ -76,8 +78,10 @@ def place(v: PlacementView) -> LaneChoice:
     gpu = Reason.GPU_UNAVAILABLE if v.avoid_gpu else _gpu_verdict(v)
     if gpu is Reason.FITS:
         return LaneChoice("gpu", Reason.FITS, gpu)
-    if v.cpu_ready and v.cpu_free_slots > 0 and v.host_allows:
-        return LaneChoice("cpu", gpu, gpu)
+    if v.cpu_ready and v.cpu_free_slots > 0:
+        if v.host_allows:
+            return LaneChoice("cpu", gpu, gpu)
+        return LaneChoice("wait", Reason.HOST_BUDGET, gpu)  # a free CPU slot, no host room for it
     return LaneChoice("wait", Reason.NO_LANE_FREE, gpu)
 
 

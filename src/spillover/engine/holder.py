@@ -17,14 +17,25 @@ Rules:
    ends (no request loses its model mid-way).
 4. Every change of what it holds is reported through ``on_change``, under the lock, so
    reports leave in the order of the changes.
+5. A dropped model's memory goes back to the system: the allocator's free pages are returned
+   (glibc ``malloc_trim``), else the process would keep most of it and the host-RAM guard,
+   which stops counting the model, would be wrong (measured: 70 MiB of a 125 MiB process
+   kept after an embeddings model was dropped, 60 MiB of it returned by the trim).
+6. ``load_soon`` starts a load on a thread of its own and returns at once, so a request that
+   waits for its model can still see its cancel (the worker answers it at once; the load
+   finishes and is kept).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import Future
 from typing import Any
 
 __all__ = ["MODES", "ModelHolder", "check_mode", "held_report"]
@@ -37,6 +48,14 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"readiness must be one of {', '.join(MODES)}, not {mode!r}")
     return mode
+
+
+def release_memory() -> None:
+    """Rule 5: collect, then hand the allocator's free pages back (glibc only; else a no-op)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        ctypes.CDLL(name).malloc_trim(0)
 
 
 def held_report(mode: str, model: bool, contexts: int, timings: dict[str, float]) -> dict[str, Any]:
@@ -65,6 +84,8 @@ class ModelHolder:
         self._users = 0  # requests using the model now
         self._shed_asked = False  # on_demand was asked while requests used the model: it goes after them
         self._lock = threading.RLock()
+        self._loading: Future[Any] | None = None  # a load_soon in flight
+        self._loading_lock = threading.Lock()  # for ``_loading`` alone: a load holds ``_lock`` throughout
 
     def __repr__(self) -> str:
         return f"<ModelHolder {self.readiness} loaded={self.loaded} users={self._users}>"
@@ -107,7 +128,45 @@ class ModelHolder:
         if self.readiness != "on_demand":
             self._loaded_model()
         elif self._users == 0:
+            self._drop()
+
+    def _drop(self) -> None:
+        """Drop the model (the caller holds the lock) and give its memory back (rule 5)."""
+        if self._model is not None:
             self._model = None
+            release_memory()
+
+    def load_soon(self) -> Future[Any]:
+        """Rule 6: a future that is done once the model is loaded (at once when it is)."""
+        with self._loading_lock:  # never waits for a load in flight (``_lock`` is held through it)
+            if self._loading is not None:
+                return self._loading
+            done: Future[Any] = Future()
+            if self.loaded:
+                done.set_result(None)
+                return done
+            self._loading = done
+
+        def load() -> None:
+            try:
+                with self._lock:
+                    was = self.loaded
+                    self._loaded_model()
+                    if not was:
+                        self._on_change()
+            except BaseException as exc:  # the request that waits for it fails with it
+                failed: BaseException | None = exc
+            else:
+                failed = None
+            with self._loading_lock:
+                self._loading = None
+            if failed is not None:
+                done.set_exception(failed)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=load, name="model-load", daemon=True).start()
+        return done
 
     def set_readiness(self, mode: str) -> None:
         """Rule 3."""
@@ -117,7 +176,7 @@ class ModelHolder:
             self._settle()
             self._on_change()
 
-    @contextmanager
+    @contextlib.contextmanager
     def use(self) -> Iterator[Any]:
         """The model for one request, loaded first when it is not (rule 1)."""
         with self._lock:
@@ -133,5 +192,5 @@ class ModelHolder:
                 self._users -= 1
                 if self._users == 0 and self._shed_asked:
                     self._shed_asked = False
-                    self._model = None
+                    self._drop()
                     self._on_change()

@@ -54,12 +54,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import IO, Any
 
 from spillover.engine.llama_engine import READINESS_MODES
 
+LOAD_POLL_S = 0.01  # how often a request waiting for its model's load looks for its cancel
 SIM_WATCH_S = 0.05  # how often the sim device's change counter is looked at (a reset or hang is seen within this)
 
 __all__ = ["main"]
@@ -362,6 +363,14 @@ class UnaryWorker(DeviceWorker):
         self.run_charged(msg, self._compute)
 
     def _compute(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """Wait for the model (an unloaded one loads now), answering a cancel meanwhile at once:
+        the gateway waits only so long for a cancelled request's end, and a load can take
+        longer (``ModelHolder.load_soon``); then run the request."""
+        loading = self.keeper.load_soon()
+        while not wait([loading], timeout=LOAD_POLL_S).done:
+            if rid in self.cancelled:
+                return _error(rid, "cancelled", "cancelled")
+        loading.result()  # a load that failed is this request's engine error
         with self.keeper.use() as model:
             return self.compute(model, rid, msg)
 

@@ -108,7 +108,9 @@ class ReplicaReadiness:
         # In the mode already, but holding more than the mode keeps and than the room allows
         # (on_demand and mmap keep what their requests opened): asked again, it sheds that.
         over = self.held_bytes(w) > max(cost[choice.mode], room_bytes)
-        if current == choice.mode and not over:
+        # In the mode, but without the model the mode keeps (its load failed): asked again.
+        short = choice.mode != "on_demand" and not w.held.get("model", True)
+        if current == choice.mode and not over and not short:
             return None
         asked = (choice.mode, w.starts, w.held_seq)  # asked again only after a report that did not move
         now = time.monotonic()

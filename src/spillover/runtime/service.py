@@ -35,7 +35,9 @@ Rules:
    for chat; ``engine.holder`` in the worker): the host-RAM guard counts the replica's model
    while it holds it, and a request is placed on a replica that does not hold it (it loads it)
    only when the guard's room holds the model. A failover's fault-to-CPU-result time is shown
-   with the mode.
+   with the mode. Without ``cpu_readiness`` the replica is loaded at start and kept whatever
+   the host room, as before readiness modes (its row's ``cpu_readiness`` is null): a mode the
+   host room could take away is only ever one that was asked for.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ __all__ = ["DeviceService", "Served", "ServiceStatistics"]
 log = logging.getLogger("spillover.services")
 OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
 IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an event otherwise
+HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
 STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
 
 
@@ -244,7 +247,9 @@ class DeviceService(abc.ABC):
                     gw.reserve_weights, nbytes=self.weights_bytes(), on_wait=self._load_waits
                 ),
             )
-        if self.cfg.cpu == "replica":
+        if self.cfg.cpu == "replica" and not self.cfg.cpu_readiness:  # loaded at start and kept (rule 7)
+            self.cpu = Supervisor(self._spec("cpu", "cpu"), gw.cfg.supervisor, on_change=self._worker_event)
+        elif self.cfg.cpu == "replica":
             mode, budget = gw.cfg.service_readiness(self.cfg)
             self.readiness = ReplicaReadiness(
                 mode,
@@ -597,7 +602,8 @@ class DeviceService(abc.ABC):
             self.queue.remove(job)
             job.future.set_exception(
                 CapacityError(
-                    f"waited {self.cfg.queue_max_age_s:.0f}s for an {self.name} worker",
+                    f"waited {self.cfg.queue_max_age_s:.0f}s for a {self.name} worker"
+                    + (HOST_SHORT_WORDS if self.last_choice[1] == Reason.HOST_BUDGET else ""),
                     retry_after_s=self.eta_s(job.work),
                     code="queue_timeout",
                 )
