@@ -127,7 +127,7 @@ def test_a_timeout_at_the_grid_point_fires_with_the_sleeps_of_that_point(
     ``timeout_at(at(period))`` sets its timer for that very time, so it fires in the turn in which
     the grid point's timer wakes the periodic sleeps (turns counted on asyncio's loop)."""
 
-    async def body() -> tuple[float, float, list[float], list[int]]:
+    async def body() -> tuple[float, float, list[float], list[int], float]:
         loop = asyncio.get_running_loop()
         await ticks.sleep(0)
         turn = [0]
@@ -143,14 +143,18 @@ def test_a_timeout_at_the_grid_point_fires_with_the_sleeps_of_that_point(
         whens = watch_timers(loop, on_fire=lambda: fired.append(turn[0]))
         when = ticks.at(period)
         sleeping = asyncio.ensure_future(ticks.sleep(period))
+        entered = loop.time()  # a deadline already past when the safety net enters sets no timer
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(ticks.at(period)):
                 await asyncio.Event().wait()
-        return when, await sleeping, whens, fired
+        return when, await sleeping, whens, fired, entered
 
-    for _ in range(3):  # a grid point passed between ``at`` and the sleep's start (a loaded machine): again
-        when, due, whens, fired = run(make_loop, body())
-        if when == due:
+    # The test's own setup races a loaded machine: the grid point may pass between ``at`` and
+    # the sleep's start, or before the safety net enters (asyncio then calls it soon, no timer).
+    # Either way the body runs again; the assertions below are unchanged.
+    for _ in range(3):
+        when, due, whens, fired, entered = run(make_loop, body())
+        if when == due and entered < due:
             break
     assert when == due and on_grid(due)
     assert whens == [due, due]  # the grid point's one timer, and the safety net's at the same time
