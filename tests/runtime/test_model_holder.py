@@ -4,6 +4,7 @@ between requests (its readiness), with a fake model so the rules are checked exa
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -113,16 +114,22 @@ def test_moving_back_up_loads_now_and_a_pending_shed_is_forgotten() -> None:
     assert h.loaded and f.loads == 2
 
 
-def test_a_failed_load_leaves_nothing_held_and_the_next_use_tries_again() -> None:
-    f = Fake()
+def fails_once(message: str) -> tuple[Callable[[], Any], dict[str, int]]:
+    """A load that raises ``message`` the first time and then loads; and its call count."""
     calls = {"n": 0}
 
-    def flaky() -> Any:
+    def load() -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
-            raise RuntimeError("out of memory")
+            raise RuntimeError(message)
         return object()
 
+    return load, calls
+
+
+def test_a_failed_load_leaves_nothing_held_and_the_next_use_tries_again() -> None:
+    f = Fake()
+    flaky, _ = fails_once("out of memory")
     h = ModelHolder(flaky, f.probe, readiness="on_demand")
     with pytest.raises(RuntimeError), h.use():
         pass
@@ -160,14 +167,7 @@ def test_load_soon_is_one_load_for_every_caller_and_done_at_once_when_loaded() -
 
 
 def test_a_failed_load_soon_fails_its_waiters_and_the_next_one_tries_again() -> None:
-    calls = {"n": 0}
-
-    def flaky() -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("no memory")
-        return object()
-
+    flaky, calls = fails_once("no memory")
     h = ModelHolder(flaky, lambda m: None, readiness="on_demand")
     with pytest.raises(RuntimeError, match="no memory"):
         h.load_soon().result(5)

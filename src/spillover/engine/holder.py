@@ -108,6 +108,14 @@ class ModelHolder:
             self.timings.setdefault("ctx_ms", 0.0)
         return self._model
 
+    def _load_reported(self) -> Any:
+        """The model, loaded now when it is not and the load reported (the caller holds the lock)."""
+        was = self.loaded
+        model = self._loaded_model()
+        if not was:
+            self._on_change()
+        return model
+
     def measure(self) -> None:
         """Rule 2: load and probe once (timing both), then hold what the mode keeps."""
         with self._lock:
@@ -150,10 +158,7 @@ class ModelHolder:
         def load() -> None:
             try:
                 with self._lock:
-                    was = self.loaded
-                    self._loaded_model()
-                    if not was:
-                        self._on_change()
+                    self._load_reported()
             except BaseException as exc:  # the request that waits for it fails with it
                 failed: BaseException | None = exc
             else:
@@ -180,11 +185,8 @@ class ModelHolder:
     def use(self) -> Iterator[Any]:
         """The model for one request, loaded first when it is not (rule 1)."""
         with self._lock:
-            was = self.loaded
-            model = self._loaded_model()
+            model = self._load_reported()
             self._users += 1
-            if not was:
-                self._on_change()
         try:
             yield model
         finally:

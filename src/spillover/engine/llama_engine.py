@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spillover.engine.holder import MODES, check_mode, held_report
+from spillover.engine.holder import check_mode, held_report
 from spillover.engine.textstream import StopScanner
 
 __all__ = ["Engine", "GenerateParams", "Step", "Tokenizer", "fingerprint_parts"]
@@ -435,9 +435,6 @@ def _borrowed_llama(model: Any, params: dict[str, Any]) -> Any:
             return _llama_cls()(**params)
         finally:
             internals.LlamaModel = real  # type: ignore[misc]
-
-
-READINESS_MODES = MODES  # what a worker keeps ready between requests (``engine.holder``)
 
 
 class Engine:

@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import IO, Any
 
-from spillover.engine.llama_engine import READINESS_MODES
+from spillover.engine.holder import MODES
 
 LOAD_POLL_S = 0.01  # how often a request waiting for its model's load looks for its cancel
 SIM_WATCH_S = 0.05  # how often the sim device's change counter is looked at (a reset or hang is seen within this)
@@ -531,7 +531,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--readiness",
         default="warm",
-        choices=READINESS_MODES,
+        choices=MODES,
         help="what to keep ready between requests (warm: the model and every slot's context; mmap: the "
         "model, contexts on first use; on_demand: nothing, the model loads at the first request). Embeddings "
         "and transcription have no per-request context: warm and mmap both keep the model",
