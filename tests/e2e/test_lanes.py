@@ -232,6 +232,40 @@ def test_delete_by_id_cancels_a_running_request(gw: GatewayProcess) -> None:
         assert out["r"].status_code == 409 and out["r"].json()["error"]["code"] == "request_cancelled"
 
 
+def test_delete_during_a_long_prefill_frees_the_slot_at_once(gw: GatewayProcess) -> None:
+    """A request cancelled while its long prompt is being evaluated stops inside that decode
+    (``Engine.abort``): its slot and reservation are free within 1 s, where the prompt
+    alone takes seconds here (measured first, on the same worker)."""
+    ready_worker(gw, "gpu")
+    body = {"prompt": " ".join(f"item {i} of the list," for i in range(200)), "max_tokens": 1, "temperature": 0}
+    with httpx.Client(base_url=gw.url, timeout=120) as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.headers["x-spillover-route"] == "gpu", r.text
+        whole = time.monotonic() - t0
+        if whole < 2.5:
+            pytest.skip(f"the prompt takes {whole:.1f}s here: too quick to tell a stopped decode from its end")
+        weights = gw.status()["device"]["ledger"]["predicted_bytes"]
+        th = threading.Thread(target=lambda: c.post("/v1/completions", json=body))
+        th.start()
+        rid = wait_for(
+            lambda: next((x["rid"] for x in gw.status()["running"] if x["route"] == "gpu"), None),
+            30,
+            "running on the GPU",
+        )
+        time.sleep(0.3)  # inside the prompt's evaluation
+        t1 = time.monotonic()
+        assert c.delete(f"/v1/requests/{rid}").json()["state"] == "cancelled"
+        wait_for(
+            lambda: gw.worker("gpu")["busy"] == 0 and gw.status()["device"]["ledger"]["predicted_bytes"] == weights,
+            whole,
+            "freed",
+        )
+        freed = time.monotonic() - t1
+        th.join(30)
+        assert freed < 1.0, f"freed {freed:.2f}s after the cancel; the prompt alone takes {whole:.1f}s"
+
+
 def test_degraded_flags_exact_over_a_mixed_run(gw: GatewayProcess) -> None:
     """Every response served by CPU says X-Spillover-Degraded: 1 (header and body), none
     served by GPU does: zero missing and zero false flags."""

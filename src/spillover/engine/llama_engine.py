@@ -1,9 +1,10 @@
 """llama.cpp through llama-cpp-python: loading, chat templates, tokenizing and generating.
 
 One ``Engine`` holds one model, loaded once (mmap'ed) and shared by every slot's own llama
-context; how much of it stays loaded between requests is its ``readiness``. The gateway
-uses a vocab-only ``Tokenizer`` to count prompt tokens before admission, so both workers
-see the very same token ids.
+context; how much of it stays loaded between requests is its ``readiness``. A cancelled
+request stops inside its current ``llama_decode`` (``Engine.abort``: a long prompt's prefill
+too), not only between tokens. The gateway uses a vocab-only ``Tokenizer`` to count prompt
+tokens before admission, so both workers see the very same token ids.
 
 A chat prompt is tokenized by ``Tokenizer.tokenize_chat``: only the chat template's own
 markers become control tokens; text from the client (every message content, including the
@@ -13,6 +14,8 @@ gateway's tool-instruction message) is tokenized with ``special=False``, so
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import json
 import secrets
@@ -55,6 +58,56 @@ class _Content:
     """Client text inside a rendered chat prompt: never parsed for markers."""
 
     text: str
+
+
+@functools.cache
+def _abort_callback() -> Any:
+    """llama.cpp's abort callback (``bool (*)(void *data)``, asked by the CPU backend after
+    every node of the graph it computes) as C's own ``strlen``: the data is a slot's
+    two-byte flag (``_AbortFlag``), empty while the request runs, one character once it is
+    cancelled. No Python runs per node, so the check costs nothing and needs no GIL (a
+    Python callback would take the GIL a thousand times a decode, and wait for it whenever
+    another slot's thread holds it). The length is 0 or 1, so the low byte the caller reads
+    as the bool is the whole answer, on every C calling convention llama.cpp runs on. None
+    where the C library cannot be found: a cancel is then seen between tokens only, as it is
+    for a graph a GPU backend computes (only the CPU backend asks the callback)."""
+    import llama_cpp.llama_cpp as lib
+
+    try:
+        libc = ctypes.CDLL(None) if not hasattr(ctypes, "windll") else ctypes.cdll.msvcrt
+        address = ctypes.cast(libc.strlen, ctypes.c_void_p).value
+        setter = lib._lib.llama_set_abort_callback
+    except (OSError, AttributeError):
+        return None
+    if address is None:
+        return None
+    setter.argtypes = [ctypes.c_void_p, lib.ggml_abort_callback, ctypes.c_void_p]
+    setter.restype = None
+    return lib.ggml_abort_callback(address)
+
+
+class _AbortFlag:
+    """A slot's cancel flag, read by llama.cpp between graph nodes (``_abort_callback``).
+
+    Rules: ``arm`` installs it on the slot's context and clears it before the request's
+    cancel is looked at (so a cancel that comes meanwhile is seen either way); ``set`` is
+    called after the request is marked cancelled. A decode that sees it set stops and
+    returns 2 (``llama_decode``: aborted), llama.cpp removes what that decode had put in the
+    KV cache, and the next request starts from an empty context as always."""
+
+    def __init__(self) -> None:
+        self._buf = ctypes.create_string_buffer(2)
+
+    def arm(self, llm: Any) -> None:
+        self._buf[0] = b"\0"
+        callback = _abort_callback()
+        if callback is not None:
+            import llama_cpp.llama_cpp as lib
+
+            lib._lib.llama_set_abort_callback(llm._ctx.ctx, callback, ctypes.cast(self._buf, ctypes.c_void_p))
+
+    def set(self) -> None:
+        self._buf[0] = b"x"
 
 
 def _strings(obj: Any) -> Iterator[str]:
@@ -488,6 +541,7 @@ class Engine:
         self._model: Any = None  # the shared llama_model wrapper, or None
         self._model_params: Any = None
         self._slots: list[Any] = [None] * slots
+        self._aborts = [_AbortFlag() for _ in range(slots)]
         self._free = list(range(slots))
         self._shedding = False  # a move down waits for busy slots to free the rest
         self._lock = threading.RLock()
@@ -650,6 +704,11 @@ class Engine:
         self._changed()
         return created
 
+    def abort(self, slot: int) -> None:
+        """Stop the slot's running decode now (its request was cancelled: mark it so first,
+        as ``generate``'s ``should_stop`` sees it); see ``_AbortFlag``."""
+        self._aborts[slot].set()
+
     @staticmethod
     def _grammar(llm: Any, text: str) -> Any:
         """The output grammar, parsed once by llama.cpp here so that a grammar it refuses is
@@ -675,7 +734,8 @@ class Engine:
     ) -> Iterator[Step | str]:
         """Yield ``Step`` per new token, then the finish reason.
 
-        Finish reasons: ``stop`` | ``length`` | ``cancelled`` | ``diverged``.
+        Finish reasons: ``stop`` | ``length`` | ``cancelled`` | ``diverged``. A decode that
+        ``abort`` stopped ends with ``cancelled`` too.
 
         ``prefix`` continues a generation whose first tokens were already delivered: the
         prompt is evaluated exactly as in an uninterrupted run (one batched eval), then
@@ -684,10 +744,33 @@ class Engine:
         ``diverged`` before a single new token is produced. Only greedy requests may be
         continued (the gateway checks).
         """
+        llm = self._slot_llm(slot)
+        self._aborts[slot].arm(llm)
+        if should_stop():
+            yield "cancelled"
+            return
+        try:
+            yield from self._generate(
+                llm, prompt_tokens, params, kv_tokens=kv_tokens, should_stop=should_stop, prefix=prefix
+            )
+        except RuntimeError:
+            if not should_stop():  # llama_decode failed: not an abort
+                raise
+            yield "cancelled"
+
+    def _generate(
+        self,
+        llm: Any,
+        prompt_tokens: list[int],
+        params: GenerateParams,
+        *,
+        kv_tokens: int,
+        should_stop: Callable[[], bool],
+        prefix: list[int] | None,
+    ) -> Iterator[Step | str]:
         import llama_cpp
         import numpy as np
 
-        llm = self._slot_llm(slot)
         prefix = list(prefix or [])
         limit = min(kv_tokens, self.n_ctx)
         budget = min(params.max_tokens, limit - len(prompt_tokens))

@@ -199,6 +199,11 @@ class DeviceWorker(abc.ABC):
     def run_request(self, msg: dict[str, Any]) -> None:
         """Run one request op; its last event is sent through ``finish``."""
 
+    def stop_now(self, rid: str) -> None:
+        """``rid`` was just marked cancelled (under ``_active_lock``): a kind whose engine can
+        stop inside a step does so here. The others see the mark between steps."""
+        return None
+
     def run_charged(self, msg: dict[str, Any], compute: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
         """Run one request that holds a single reservation while it computes (embeddings,
         transcription): charge ``reserve_bytes`` (a refusal is ``alloc_failed`` and nothing
@@ -312,6 +317,7 @@ class DeviceWorker(abc.ABC):
                 with self._active_lock:  # a cancel for a request already answered is dropped
                     if str(msg["rid"]) in self.active:
                         self.cancelled.add(str(msg["rid"]))
+                        self.stop_now(str(msg["rid"]))
             elif op == "readiness" and self.keeper is not None:
                 threading.Thread(target=self.set_readiness, args=(str(msg.get("mode")),), daemon=True).start()
             elif op == "ping":
@@ -376,10 +382,18 @@ class UnaryWorker(DeviceWorker):
 
 
 class Worker(DeviceWorker):
-    """A chat worker: llama.cpp slots generating tokens."""
+    """A chat worker: llama.cpp slots generating tokens. A cancel stops its request's
+    running decode at once (``Engine.abort``), a long prompt's prefill included: its slot
+    (and its device reservation) are not held for the rest of a prompt nobody waits for."""
+
+    def stop_now(self, rid: str) -> None:
+        if (slot := self._slot_of.get(rid)) is not None:
+            self.engine.abort(slot)
 
     def load(self) -> None:
         from spillover.engine.llama_engine import Engine, Tokenizer, fingerprint_parts
+
+        self._slot_of: dict[str, int] = {}  # running requests' slots, under _active_lock
 
         args = self.args
         self.engine = Engine(
@@ -427,6 +441,8 @@ class Worker(DeviceWorker):
             if slot is None:
                 final = _error(rid, "engine", "no free slot")
                 return
+            with self._active_lock:  # a cancel from now on stops the slot's decode (stop_now)
+                self._slot_of[rid] = slot
             if not self.charge(rid, reserve):
                 final = _error(rid, "alloc_failed", f"device refused {reserve} bytes")
                 return
@@ -440,6 +456,8 @@ class Worker(DeviceWorker):
             if charged:
                 self.uncharge(rid)
             if slot is not None:
+                with self._active_lock:  # before the slot can serve another request
+                    self._slot_of.pop(rid, None)
                 self.engine.release_slot(slot)
             self.finish(rid, final)
 
