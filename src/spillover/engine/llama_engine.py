@@ -61,16 +61,17 @@ class _Content:
 
 
 @functools.cache
-def _abort_callback() -> Any:
-    """llama.cpp's abort callback (``bool (*)(void *data)``, asked by the CPU backend after
-    every node of the graph it computes) as C's own ``strlen``: the data is a slot's
-    two-byte flag (``_AbortFlag``), empty while the request runs, one character once it is
-    cancelled. No Python runs per node, so the check costs nothing and needs no GIL (a
-    Python callback would take the GIL a thousand times a decode, and wait for it whenever
-    another slot's thread holds it). The length is 0 or 1, so the low byte the caller reads
-    as the bool is the whole answer, on every C calling convention llama.cpp runs on. None
-    where the C library cannot be found: a cancel is then seen between tokens only, as it is
-    for a graph a GPU backend computes (only the CPU backend asks the callback)."""
+def _abort_installer() -> Callable[[Any, Any], None] | None:
+    """What sets a context's abort callback: ``install(ctx, flag)`` gives llama.cpp's
+    ``llama_set_abort_callback`` (``bool (*)(void *data)``, asked by the CPU backend after
+    every node of the graph it computes) C's own ``strlen`` as the callback and a slot's
+    two-byte flag (``_AbortFlag``) as its data: empty while the request runs, one character
+    once it is cancelled. No Python runs per node, so the check costs nothing and needs no
+    GIL (a Python callback would take the GIL a thousand times a decode, and wait for it
+    whenever another slot's thread holds it). The length is 0 or 1, so the low byte the caller
+    reads as the bool is the whole answer, on every C calling convention llama.cpp runs on.
+    None where the C library cannot be found: a cancel is then seen between tokens only, as
+    it is for a graph a GPU backend computes (only the CPU backend asks the callback)."""
     import llama_cpp.llama_cpp as lib
 
     try:
@@ -83,11 +84,16 @@ def _abort_callback() -> Any:
         return None
     setter.argtypes = [ctypes.c_void_p, lib.ggml_abort_callback, ctypes.c_void_p]
     setter.restype = None
-    return lib.ggml_abort_callback(address)
+    callback = lib.ggml_abort_callback(address)
+
+    def install(ctx: Any, flag: Any) -> None:
+        setter(ctx, callback, ctypes.cast(flag, ctypes.c_void_p))
+
+    return install
 
 
 class _AbortFlag:
-    """A slot's cancel flag, read by llama.cpp between graph nodes (``_abort_callback``).
+    """A slot's cancel flag, read by llama.cpp between graph nodes (``_abort_installer``).
 
     Rules: ``arm`` installs it on the slot's context and clears it before the request's
     cancel is looked at (so a cancel that comes meanwhile is seen either way); ``set`` is
@@ -100,11 +106,8 @@ class _AbortFlag:
 
     def arm(self, llm: Any) -> None:
         self._buf[0] = b"\0"
-        callback = _abort_callback()
-        if callback is not None:
-            import llama_cpp.llama_cpp as lib
-
-            lib._lib.llama_set_abort_callback(llm._ctx.ctx, callback, ctypes.cast(self._buf, ctypes.c_void_p))
+        if (install := _abort_installer()) is not None:
+            install(llm._ctx.ctx, self._buf)
 
     def set(self) -> None:
         self._buf[0] = b"x"
