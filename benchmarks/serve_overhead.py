@@ -37,6 +37,7 @@ import psutil
 
 from benchmarks._common import SseRun, at_once, cpu_s, median, sse_token_times
 from spillover.config import default_model_path
+from spillover.engine.llamacpp import load_llama_cpp
 from spillover.testing import GatewayProcess
 
 PROMPT = "Here is a long list of numbers, counting up: 1, 2, 3, 4, 5, 6, 7,"
@@ -143,8 +144,7 @@ def main() -> int:
 
 
 def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
-    from llama_cpp import Llama
-
+    Llama = load_llama_cpp().Llama  # loads as the workers do (the AMX guard)
     model = default_model_path()
     llms = [
         Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)

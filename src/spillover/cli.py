@@ -265,7 +265,10 @@ def cmd_estimate(a: argparse.Namespace) -> int:
             }
     except ValueError as exc:  # PlanRefused included
         raise ConfigError(f"estimate: {exc}") from None
+    from spillover.engine.llamacpp import cpu_backend_repacks
+
     out = {"model": a.model, "name": spec.name, "arch": spec.arch, **est.as_dict(), "gpu_backend": offloads}
+    out["cpu_repack"] = cpu_backend_repacks()  # the host's weights include the CPU backend's repacked copies
     if fit is not None:
         out["fit"] = fit
     if a.json:
@@ -524,7 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (total_bytes, components, device, host; gpu_backend: this build offloads)",
+        help=(
+            "print one JSON object (total_bytes, components, device, host; gpu_backend: this build offloads; "
+            "cpu_repack: its CPU backend repacks weights)"
+        ),
     )
     e.set_defaults(func=cmd_estimate)
 

@@ -168,14 +168,17 @@ def test_a_llama_cpp_abort_ends_only_the_planning_child(tmp_path, model_path: st
 
 def test_nothing_offloaded_is_what_the_cpu_backend_holds(off_grid: str) -> None:
     """`--gpu-layers 0` under the offload rules puts everything on the host, run by the CPU
-    backend: the same bytes as a real load here (repacked Q4_0 copies included), and the
-    per-layer repack counts add up to the model's."""
+    backend: the same bytes as a real load here (repacked Q4_0 copies included where this
+    machine's llama.cpp repacks), and the per-layer repack counts add up to the model's."""
     from spillover.core.estimate import estimate
     from spillover.engine.gguf_meta import read_model_spec
+    from spillover.engine.llamacpp import cpu_backend_repacks
     from spillover.engine.plan import plan_buffers
 
     spec = read_model_spec(off_grid)
-    assert sum(spec.layer_repack_sizes) == spec.repack_bytes > 0 and spec.output_repack_bytes > 0
+    rules = read_model_spec(off_grid, cpu_repack=True)  # the repack rules, whether this machine repacks or not
+    assert sum(rules.layer_repack_sizes) == rules.repack_bytes > 0 and rules.output_repack_bytes > 0
+    assert spec == rules if cpu_backend_repacks() else spec.repack_bytes == spec.output_repack_bytes == 0
     m = measure_buffers(off_grid, 1000, 512)
     plan = plan_buffers(off_grid, 1000, 512)
     assert plan is not None
@@ -211,12 +214,14 @@ def test_a_mixture_of_experts_is_held_and_planned_as_predicted(tmp_path, model_p
     feed-forward is the compute buffer's largest path, which the envelope covers."""
     from spillover.core.estimate import estimate
     from spillover.engine.gguf_meta import read_model_spec
+    from spillover.engine.llamacpp import cpu_backend_repacks
     from spillover.engine.plan import plan_buffers
 
     shape = TinyLlamaSpec(n_layers=1, n_embd=256, n_ff=2048, wtype=wtype, n_expert=8, n_expert_used=8, name="moe")
     path = str(write_tiny_llama(tmp_path / f"moe-{wtype}.gguf", model_path, shape))
     spec = read_model_spec(path)
-    assert spec.n_expert_used == 8 and (spec.repack_bytes > 0) == (wtype != "F16")
+    assert spec.n_expert_used == 8 and (spec.repack_bytes > 0) == (wtype != "F16" and cpu_backend_repacks())
+    assert read_model_spec(path, cpu_repack=True).repack_bytes > 0 or wtype == "F16"
     m = measure_buffers(path, 1000, 512)
     plan = plan_buffers(path, 1000, 512)
     assert plan is not None and plan.compute_bytes == m.compute_bytes

@@ -12,6 +12,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from spillover.engine.llamacpp import load_llama_cpp
+
 __all__ = ["COMPUTE_LINE", "OUTPUT_LINE", "MeasuredBuffers", "by_buffer", "ggml_type", "measure_buffers"]
 
 MIB = 1024 * 1024
@@ -78,8 +80,7 @@ def measure_buffers(
 ) -> MeasuredBuffers:
     """Load ``model_path`` with a context of ``n_ctx`` (batch, micro-batch, KV cache type and
     flash attention as given) and return the buffers llama.cpp reported."""
-    from llama_cpp import Llama
-
+    Llama = load_llama_cpp().Llama
     cache_type = ggml_type(kv_type)
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):

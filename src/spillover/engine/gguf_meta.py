@@ -13,40 +13,42 @@ __all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "read_model_spec"]
 # Weight types llama.cpp's CPU backend (x86-64 with AVX2, as here) repacks into interleaved
 # rows, with the row count each needs to divide (measured on this build: Q4_0, Q4_K and MXFP4
 # matrices are repacked, in groups of 8 rows; Q8_0, Q5_0, Q5_1, Q6_K, Q4_1, BF16 and TQ2_0
-# are not). ARM builds repack other types.
+# are not). ARM builds repack other types. Where models load without extra buffer types (a CPU
+# with AMX: ``engine.llamacpp``), nothing is repacked.
 CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4, "MXFP4": 8}
+Repacks = dict[str, int]  # type name -> interleave rows: CPU_REPACK_TYPES, or {} (no repacking)
 
 
-def _repackable(t: Any) -> bool:
+def _repackable(t: Any, repacks: Repacks) -> bool:
     """A matrix of a type the CPU backend repacks, with rows in whole interleave groups: a 2-D
     weight, or a mixture of experts' 3-D stack of them (``ffn_*_exps``, measured)."""
-    rows = CPU_REPACK_TYPES.get(t.tensor_type.name)
+    rows = repacks.get(t.tensor_type.name)
     return rows is not None and len(t.shape) in (2, 3) and int(t.shape[1]) % rows == 0
 
 
-def _repacked(t: Any) -> bool:
+def _repacked(t: Any, repacks: Repacks) -> bool:
     """Whether the CPU backend moves this tensor to its repack buffer: a repackable matrix
     multiplied in the graph (``token_embd`` is read with get_rows, so it stays)."""
-    return _repackable(t) and t.name != "token_embd.weight"
+    return _repackable(t, repacks) and t.name != "token_embd.weight"
 
 
-def _tied_output_copy(tensors: list[Any]) -> int:
+def _tied_output_copy(tensors: list[Any], repacks: Repacks) -> int:
     """Without ``output.weight`` the logits multiply by ``token_embd``: the CPU backend reads
     it in place as the input and holds a repacked copy of it as the output matrix, when it
     repacks its type."""
-    return sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and _repackable(t))
+    return sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and _repackable(t, repacks))
 
 
-def cpu_model_bytes(tensors: list[Any]) -> int:
+def cpu_model_bytes(tensors: list[Any], repacks: Repacks) -> int:
     """The model buffers llama.cpp's CPU backend reports: the mapped file span from the first
     to the last tensor it reads in place (repacked tensors between them included, as the
     mapping is one range), plus the repack buffer. A model without ``output.weight`` multiplies
     by ``token_embd``, so a repackable embedding gets a repacked copy as the output matrix."""
     tied = not any(t.name == "output.weight" for t in tensors)
-    mapped = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in tensors if not _repacked(t)]
-    repack = sum(int(t.n_bytes) for t in tensors if _repacked(t))
+    mapped = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in tensors if not _repacked(t, repacks)]
+    repack = sum(int(t.n_bytes) for t in tensors if _repacked(t, repacks))
     if tied:
-        repack += _tied_output_copy(tensors)
+        repack += _tied_output_copy(tensors, repacks)
     span = max(e for _, e in mapped) - min(b for b, _ in mapped) if mapped else 0
     return span + repack
 
@@ -59,9 +61,19 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return value
 
 
-def read_model_spec(path: str | Path) -> ModelSpec:
-    """Parse layers, heads, head sizes, vocabulary and tensor bytes from a GGUF file."""
+def read_model_spec(path: str | Path, *, cpu_repack: bool | None = None) -> ModelSpec:
+    """Parse layers, heads, head sizes, vocabulary and tensor bytes from a GGUF file.
+
+    ``cpu_repack``: whether llama.cpp's CPU backend repacks weights (the repack fields and
+    ``cpu_model_bytes``); None: as this machine's llama.cpp loads models
+    (``engine.llamacpp.cpu_backend_repacks``)."""
     from gguf import GGUFReader
+
+    if cpu_repack is None:
+        from spillover.engine.llamacpp import cpu_backend_repacks
+
+        cpu_repack = cpu_backend_repacks()
+    repacks = CPU_REPACK_TYPES if cpu_repack else {}
 
     reader = GGUFReader(str(path), "r")
     arch = str(_field(reader, "general.architecture", "llama"))
@@ -85,19 +97,19 @@ def read_model_spec(path: str | Path) -> ModelSpec:
     tensors = list(reader.tensors)
     has_output = any(t.name == "output.weight" for t in tensors)
     # the output matrix's repacked copy: output.weight's, or token_embd's when tied (cpu_model_bytes' rule)
-    output_repack = 0 if has_output else _tied_output_copy(tensors)
+    output_repack = 0 if has_output else _tied_output_copy(tensors, repacks)
     input_bytes = 0
     for t in tensors:
         if t.name.startswith("blk."):
             layer = int(t.name.split(".")[1])
             layer_sizes[layer] += int(t.n_bytes)
-            if _repacked(t):
+            if _repacked(t, repacks):
                 layer_repacks[layer] += int(t.n_bytes)
         else:
             other_bytes += int(t.n_bytes)
             if t.name == "token_embd.weight":
                 input_bytes = int(t.n_bytes)
-            if _repacked(t):  # output.weight (token_embd is never repacked in place)
+            if _repacked(t, repacks):  # output.weight (token_embd is never repacked in place)
                 output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
     file_type = int(_field(reader, "general.file_type", -1))
@@ -121,7 +133,7 @@ def read_model_spec(path: str | Path) -> ModelSpec:
         n_ff=_n_ff(_field(reader, f"{arch}.feed_forward_length", 0)),
         n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
         n_ff_expert=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0),
-        cpu_model_bytes=cpu_model_bytes(tensors),
+        cpu_model_bytes=cpu_model_bytes(tensors, repacks),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,
         output_layer_bytes=output_layer_bytes,

@@ -28,15 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from spillover.engine.holder import check_mode, held_report
+from spillover.engine.llamacpp import load_llama_cpp
 from spillover.engine.textstream import StopScanner
 
 __all__ = ["Engine", "GenerateParams", "Step", "Tokenizer", "fingerprint_parts"]
 
 
 def _llama_cls() -> Any:
-    import llama_cpp
-
-    return llama_cpp.Llama
+    return load_llama_cpp().Llama
 
 
 TEMPLATE_RUNS_KEPT = 256  # template-only text runs whose ids a tokenizer remembers
@@ -578,9 +577,9 @@ class Engine:
         """The shared model, loaded now if it is not (timed: ``load_ms``)."""
         with self._lock:
             if self._model is None:
-                import llama_cpp
                 import llama_cpp._internals as internals
 
+                llama_cpp = load_llama_cpp()
                 params = llama_cpp.llama_model_default_params()
                 # -1 = every layer, as Llama(n_gpu_layers=-1) asks llama.cpp for it (INT32_MAX)
                 params.n_gpu_layers = 0x7FFFFFFF if self.n_gpu_layers < 0 else self.n_gpu_layers

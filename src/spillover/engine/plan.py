@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spillover.engine.calibrate import COMPUTE_LINE, OUTPUT_LINE, by_buffer, ggml_type
+from spillover.engine.llamacpp import load_llama_cpp
 
 __all__ = ["PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
 
@@ -67,8 +68,7 @@ def plan_buffers(
     The batch sizes are clamped as llama-cpp-python clamps them (``n_batch`` to the context,
     ``n_ubatch`` to ``n_batch``), so the plan is of the context the engine would create.
     """
-    import llama_cpp
-
+    llama_cpp = load_llama_cpp()
     lines: list[tuple[int, str]] = []  # (ggml log level, text)
 
     @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
