@@ -44,6 +44,7 @@ from spillover.config import default_model_path
 from spillover.core.estimate import estimate
 from spillover.core.memory import ModelSpec, ollama_estimate
 from spillover.engine.gguf_meta import read_model_spec
+from spillover.engine.llamacpp import cpu_backend_repacks
 from spillover.testing.gguf_factory import TinyLlamaSpec, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +167,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help=f"record the table in {TABLE.relative_to(ROOT)}")
     a = ap.parse_args()
+    if a.write and not cpu_backend_repacks():  # the table's repacked shapes would be recorded without
+        sys.stderr.write(
+            "--write: this machine's llama.cpp repacks no weights (AMX, or a build without REPACK); the recorded\n"
+            "table holds the CPU backend's repack rules: record it on a machine that repacks\n"
+        )
+        return 2
     with tempfile.TemporaryDirectory() as d:
         paths = models(Path(d))
         specs = {name: read_model_spec(p) for name, p in paths.items()}
@@ -212,7 +219,8 @@ def main() -> int:
         f"memory model envelope (admission, no engine): {env_under:+.2%} to {env_over:+.2%} "
         f"(target under <= 1 %: {'MET' if ok_env else 'NOT MET'}; over is room kept free)"
     )
-    print("measured = llama.cpp's reported model + KV + compute + output buffers (CPU backend, this build)")
+    repack = "weights repacked" if cpu_backend_repacks() else "no repacked weights (AMX, or a build without REPACK)"
+    print(f"measured = llama.cpp's reported model + KV + compute + output buffers (CPU backend, this build: {repack})")
     if a.write:
         table = {
             "command": "python -m benchmarks.estimate_accuracy --write"
