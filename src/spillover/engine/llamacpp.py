@@ -9,8 +9,9 @@ closed unfixed) and pull request #26954 (the tile permission is asked on the mai
 and the tile configuration on the stack is optimised away). A crash on the first real prompt
 would take every worker down on such a machine, so where llama.cpp reports ``AMX_INT8 = 1``
 every model is loaded with ``use_extra_bufts = False``: its weights stay in the plain CPU
-buffer. That also leaves out the CPU backend's repacking of Q4_0/IQ4_NL weights (a decode
-speed-up on AVX2 machines), on AMX machines only.
+buffer. That also leaves out the CPU backend's repacking of Q4_0/Q4_K/IQ4_NL/MXFP4 weights (a
+decode speed-up on AVX2 machines), on AMX machines only: the memory model then counts no
+repacked copy (``cpu_backend_repacks``).
 
 The setting goes through llama-cpp-python's ``llama_model_default_params``, which its ``Llama``
 constructor and spillover's own loads (``Engine``, ``plan_buffers``) both start from, so a
