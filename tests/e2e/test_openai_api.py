@@ -225,17 +225,6 @@ def test_without_a_seed_each_request_samples_afresh_and_reports_its_seed(client:
     assert again.choices[0].message.content == a.choices[0].message.content
 
 
-def test_without_max_tokens_an_answer_may_run_past_the_old_256_cap(client: openai.OpenAI) -> None:
-    """No max_tokens means up to the context limit (OpenAI's meaning), not a fixed 256."""
-    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", temperature=0)
-    assert r.usage is not None and r.usage.completion_tokens > 256, r.usage
-    sp = (r.model_extra or {})["spillover"]
-    assert (
-        sp["limits"]["max_tokens"] + r.usage.prompt_tokens == sp["limits"]["ctx"]
-        or r.choices[0].finish_reason == "stop"
-    )
-
-
 def test_responses_api_is_a_clear_404_naming_what_is_served(client: openai.OpenAI) -> None:
     """responses.create gets a 404 that says which endpoints to use, and is not retried."""
     with pytest.raises(openai.NotFoundError) as e:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from spillover.testing import GatewayProcess
@@ -46,6 +47,20 @@ def test_no_max_tokens_runs_to_the_serving_lanes_context_limit(gw: GatewayProces
     assert sp["route"] == lane and doc["choices"][0]["finish_reason"] == "length"
     assert usage["prompt_tokens"] + usage["completion_tokens"] == ctx, (usage, sp)
     assert sp["shrunk"] is False  # nothing was asked, so nothing was shrunk
+
+
+def test_the_openai_client_without_max_tokens_runs_past_the_old_256_cap(gw: GatewayProcess) -> None:
+    """The official openai client sends no max_tokens when it is not given: the answer then
+    runs to the serving lane's context limit (OpenAI's meaning), not a fixed 256. On this
+    gateway's 384-token GPU context that is past 256 in a few seconds; on the default 2048 it
+    took over a minute of CI for the same proof."""
+    ready_worker(gw, "gpu")
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=COUNT, temperature=0)
+    assert r.usage is not None and r.usage.completion_tokens > 256, r.usage
+    sp = (r.model_extra or {})["spillover"]
+    assert sp["route"] == "gpu" and r.choices[0].finish_reason == "length", sp
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == GPU_CTX == sp["limits"]["ctx"], (r.usage, sp)
 
 
 def test_shrink_by_default_fits_a_too_long_max_tokens_to_the_cpu_lane(gw: GatewayProcess) -> None:
