@@ -73,12 +73,29 @@ def test_a_move_with_the_thread_idle_is_written_on_the_loop_after_its_noted_move
 
 def test_a_move_queued_behind_a_write_waits_its_turn_on_the_thread(tmp_path: Path) -> None:
     """A move made while the request's accept still waits for the thread is not written
-    before it (it would not find the request): it goes to the thread, behind it."""
+    before it (it would not find the request): it goes to the thread, behind it. The journal
+    thread is kept busy until the move is made, so the accept is still queued then: a thread
+    that finished it first would leave the journal idle, and the move would rightly be written
+    on the loop (a CI run with two test processes at once caught the test assuming a slower
+    thread)."""
 
     async def body(j: Journal) -> None:
         calls = spy_threads(j, "_move")
         for i in range(20):
-            await asyncio.gather(queued(j, f"r{i}"), j.move(f"r{i}", State.ADMITTED, route="gpu"))
+            gate = threading.Event()
+            busy = j._pool.submit(gate.wait, 10)  # the thread's next job, ahead of the accept's pass
+            accept = asyncio.ensure_future(queued(j, f"r{i}"))
+            for _ in range(1000):  # until the accept waits for the thread
+                if j._draining:
+                    break
+                await asyncio.sleep(0.001)
+            assert j._draining
+            move = asyncio.ensure_future(j.move(f"r{i}", State.ADMITTED, route="gpu"))
+            await asyncio.sleep(0.01)
+            assert not move.done() and not accept.done()  # both wait for the thread, in order
+            gate.set()
+            await asyncio.gather(accept, move)
+            assert busy.result() is True
             assert (await j.get(f"r{i}")).state is State.ADMITTED  # type: ignore[union-attr]
         assert on_thread(calls, "_move") == [True] * 20
 
