@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from spillover.config import DEFAULT_MODEL_NAME
 from spillover.testing import GatewayProcess
 from tests.e2e.helpers import ready_worker
 
@@ -56,7 +57,7 @@ def test_the_openai_client_without_max_tokens_runs_past_the_old_256_cap(gw: Gate
     took over a minute of CI for the same proof."""
     ready_worker(gw, "gpu")
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    r = client.completions.create(model="smollm2-135m-instruct", prompt=COUNT, temperature=0)
+    r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=COUNT, temperature=0)
     assert r.usage is not None and r.usage.completion_tokens > 256, r.usage
     sp = (r.model_extra or {})["spillover"]
     assert sp["route"] == "gpu" and r.choices[0].finish_reason == "length", sp
