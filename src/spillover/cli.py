@@ -213,7 +213,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     from spillover.core.memory import MemoryModel
 
     try:  # settings llama.cpp refuses are refused before it is asked to plan them
-        MemoryModel(spec, kv_type=a.kv_type, n_batch=a.batch, n_ubatch=a.ubatch, flash_attn=a.flash_attn)
+        model = MemoryModel(spec, kv_type=a.kv_type, n_batch=a.batch, n_ubatch=a.ubatch, flash_attn=a.flash_attn)
     except ValueError as exc:
         raise ConfigError(f"estimate: {exc}") from None
     import llama_cpp
@@ -224,9 +224,11 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         placement = "gpu" if offloads or a.gpu_layers is not None or a.device_mib is not None else "cpu"
     layers = -1 if a.gpu_layers is None else a.gpu_layers
 
-    from spillover.engine.plan import PlanRefused, plan_buffers_isolated
+    from spillover.engine.plan import PLAN_CELLS_MAX, PlanRefused, plan_buffers_isolated
 
     def planned(n_ctx: int) -> int | None:
+        if model.cells(n_ctx) > PLAN_CELLS_MAX:  # no dry run (its memory grows with the context): the envelope
+            return model.compute_bytes(n_ctx)
         p = plan_buffers_isolated(a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn)
         return None if p is None else p.compute_bytes
 
@@ -234,8 +236,9 @@ def cmd_estimate(a: argparse.Namespace) -> int:
 
     plan_of = functools.cache(planned)  # the fit search asks again for a few contexts
     compute = None
+    too_long = model.cells(a.ctx) > PLAN_CELLS_MAX
     try:
-        if not a.no_plan and plan_of(a.ctx) is not None:
+        if not a.no_plan and not too_long and plan_of(a.ctx) is not None:
             compute = _planned_compute(plan_of)
     except PlanRefused as exc:
         raise ConfigError(f"estimate: {exc}") from None
@@ -275,7 +278,12 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     print(_estimate_text(out, offloads))
-    if compute is None and not a.no_plan:
+    if compute is None and too_long and not a.no_plan:
+        print(
+            f"no llama.cpp plan above {PLAN_CELLS_MAX} cells (its dry run holds memory for every cell): "
+            "the compute buffer is the envelope (an upper bound)"
+        )
+    elif compute is None and not a.no_plan:
         print("llama.cpp could not plan these settings here: the compute buffer is the envelope (an upper bound)")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,45 @@ def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.Captur
     assert device(fit["largest_ctx"]) <= budget < device(fit["largest_ctx"] + 256)
     assert 0 <= fit["largest_gpu_layers"] < 31
     assert device(8192, fit["largest_gpu_layers"]) <= budget < device(8192, fit["largest_gpu_layers"] + 1)
+
+
+def test_estimate_makes_no_dry_run_past_plan_cells_max(
+    tmp_path: Path, model_path: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's dry run holds memory for every cell (20 GB for a billion-token context): past
+    PLAN_CELLS_MAX none is made, for the context asked or for any the fit search tries; the
+    envelope answers there, and says so. Up to it, the plan is still llama.cpp's."""
+    import json
+
+    from spillover.cli import main
+    from spillover.core.estimate import estimate
+    from spillover.engine import plan
+    from spillover.engine.gguf_meta import read_model_spec
+
+    asked: list[int] = []
+    real = plan.plan_buffers_isolated
+
+    def recorded(path: str, n_ctx: int, *args: object, **kwargs: object) -> plan.PlannedBuffers | None:
+        asked.append(n_ctx)
+        if n_ctx > plan.PLAN_CELLS_MAX:  # fail at once, not after the dry run's gigabytes
+            raise AssertionError(f"a dry run for a context of {n_ctx}")
+        return real(path, n_ctx, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan, "plan_buffers_isolated", recorded)
+    long_trained = write_tiny_llama(tmp_path / "long.gguf", model_path, replace(OFF_GRID, n_ctx_train=2**24))
+    spec = read_model_spec(str(long_trained))
+    assert main(["estimate", str(long_trained), "--ctx", str(10**9)]) == 0
+    assert f"no llama.cpp plan above {plan.PLAN_CELLS_MAX} cells" in capsys.readouterr().out
+    for n_ctx in (10**9, 2**32 - 256):
+        assert main(["estimate", str(long_trained), "--ctx", str(n_ctx), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["compute_source"] == "memory model envelope"
+        assert out["total_bytes"] == estimate(spec, n_ctx).total_bytes
+    assert asked == []
+    # A context the plan covers, and a fit search up to 2**24 tokens on a large device.
+    assert main(["estimate", str(long_trained), "--ctx", str(plan.PLAN_CELLS_MAX), "--device-mib", "10000000"]) == 0
+    assert "compute buffer from the llama.cpp plan" in capsys.readouterr().out
+    assert plan.PLAN_CELLS_MAX in asked and max(asked) == plan.PLAN_CELLS_MAX
 
 
 def test_estimate_text_says_when_no_context_fits(model_path: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,12 @@ order and sizes of every tensor in the graph, so arithmetic on the model's shape
 bound it (``core.memory.MemoryModel.compute_bytes``, an envelope). A dry run gives the exact
 figure: the model is opened with ``no_alloc`` and ``load_mode = none`` (metadata only, no
 tensor is read or allocated), a context is created, and llama.cpp logs the compute buffer
-it would allocate. It takes a fraction of a second and no memory beyond the metadata.
+it would allocate. It takes a fraction of a second. Its memory is the metadata and the KV
+cache's bookkeeping, which llama.cpp keeps for every cell of the context: tens of bytes a
+cell (here a context of 10 million tokens took 0.6 GB, one of a billion 20 GB and 49 s before
+llama.cpp gave up with ``bad_alloc``). So no dry run is made for a context of more than
+``PLAN_CELLS_MAX`` cells: callers use the envelope there, which is within half a per cent of
+the plan at such contexts, since the exact KV-sized attention tensors dominate the buffer.
 
 It plans for the backends this llama.cpp build has (the CPU backend here; on a CUDA build
 the device's buffers too, which this machine cannot check). ``None`` comes back when
@@ -28,7 +33,9 @@ from typing import Any
 from spillover.engine.calibrate import COMPUTE_LINE, OUTPUT_LINE, by_buffer, ggml_type
 from spillover.engine.llamacpp import load_llama_cpp
 
-__all__ = ["PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
+__all__ = ["PLAN_CELLS_MAX", "PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
+
+PLAN_CELLS_MAX = 2**22  # the largest context (in cells) a dry run is made for: about 70 MB of bookkeeping here
 
 _LOCK = threading.Lock()  # llama.cpp's log callback is process-wide
 
