@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 from spillover.core.memory import ModelSpec
+from spillover.engine.gguf_header import ARRAY_KEPT, Header, TensorInfo, read_header
 
-__all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "read_model_spec"]
+__all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "header_by_reader", "read_model_spec", "spec_of"]
 
 # Weight types llama.cpp's CPU backend (x86-64 with AVX2, as here) repacks into interleaved
 # rows, with the row count each needs to divide (measured on this build: Q4_0, Q4_K and MXFP4
@@ -53,48 +55,71 @@ def cpu_model_bytes(tensors: list[Any], repacks: Repacks) -> int:
     return span + repack
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
-
-
 def read_model_spec(path: str | Path, *, cpu_repack: bool | None = None) -> ModelSpec:
     """Parse layers, heads, head sizes, vocabulary and tensor bytes from a GGUF file.
 
     ``cpu_repack``: whether llama.cpp's CPU backend repacks weights (the repack fields and
     ``cpu_model_bytes``); None: as this machine's llama.cpp loads models
-    (``engine.llamacpp.cpu_backend_repacks``)."""
-    from gguf import GGUFReader
-
+    (``engine.llamacpp.cpu_backend_repacks``). The header is read by ``engine.gguf_header``;
+    a file it refuses is read by ``gguf``'s ``GGUFReader``, whose error a damaged file raises."""
     if cpu_repack is None:
         from spillover.engine.llamacpp import cpu_backend_repacks
 
         cpu_repack = cpu_backend_repacks()
-    repacks = CPU_REPACK_TYPES if cpu_repack else {}
+    try:
+        header = read_header(path)
+    except (ValueError, OSError, struct.error):
+        header = header_by_reader(path)
+    return spec_of(header, path, CPU_REPACK_TYPES if cpu_repack else {})
+
+
+def header_by_reader(path: str | Path) -> Header:
+    """``engine.gguf_header``'s ``Header``, read by ``GGUFReader`` (slow: every string of the
+    vocabulary becomes an array view), which reads more kinds of file and raises its own
+    errors for a damaged one."""
+    from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(path), "r")
-    arch = str(_field(reader, "general.architecture", "llama"))
-    n_layers = int(_field(reader, f"{arch}.block_count"))
-    n_embd = int(_field(reader, f"{arch}.embedding_length"))
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_head_kv_raw = _field(reader, f"{arch}.attention.head_count_kv", n_head)
+    h = Header()
+    for key, f in reader.fields.items():
+        if f.types and f.types[0] == GGUFValueType.ARRAY:
+            h.lengths[key] = len(f.data)
+            if len(f.data) <= ARRAY_KEPT and f.types[-1] not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+                h.fields[key] = f.contents()
+        else:
+            h.fields[key] = f.contents()
+    h.tensors = [
+        TensorInfo(t.name, tuple(int(d) for d in t.shape), t.tensor_type, int(t.n_bytes), int(t.data_offset))
+        for t in reader.tensors
+    ]
+    return h
+
+
+def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
+    """The ``ModelSpec`` of a file's header (``repacks``: the CPU backend's rules, or none)."""
+    fields = header.fields
+
+    def _field(key: str, default: Any = None) -> Any:
+        return fields.get(key, default)
+
+    arch = str(_field("general.architecture", "llama"))
+    n_layers = int(_field(f"{arch}.block_count"))
+    n_embd = int(_field(f"{arch}.embedding_length"))
+    n_head = int(_field(f"{arch}.attention.head_count"))
+    n_head_kv_raw = _field(f"{arch}.attention.head_count_kv", n_head)
     if isinstance(n_head_kv_raw, list):  # per-layer counts (some architectures)
         n_head_kv = max(int(x) for x in n_head_kv_raw)
     else:
         n_head_kv = int(n_head_kv_raw)
-    head_k = int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head))
-    head_v = int(_field(reader, f"{arch}.attention.value_length", n_embd // n_head))
-    n_ctx_train = int(_field(reader, f"{arch}.context_length", 2048))
-    swa = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else 0
+    head_k = int(_field(f"{arch}.attention.key_length", n_embd // n_head))
+    head_v = int(_field(f"{arch}.attention.value_length", n_embd // n_head))
+    n_ctx_train = int(_field(f"{arch}.context_length", 2048))
+    swa = int(_field(f"{arch}.attention.sliding_window", 0) or 0)
+    n_vocab = header.lengths.get("tokenizer.ggml.tokens", 0)
     layer_sizes = [0] * n_layers
     layer_repacks = [0] * n_layers
     other_bytes = 0
-    tensors = list(reader.tensors)
+    tensors = header.tensors
     has_output = any(t.name == "output.weight" for t in tensors)
     # the output matrix's repacked copy: output.weight's, or token_embd's when tied (cpu_model_bytes' rule)
     output_repack = 0 if has_output else _tied_output_copy(tensors, repacks)
@@ -112,9 +137,9 @@ def read_model_spec(path: str | Path, *, cpu_repack: bool | None = None) -> Mode
             if _repacked(t, repacks):  # output.weight (token_embd is never repacked in place)
                 output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
-    file_type = int(_field(reader, "general.file_type", -1))
+    file_type = int(_field("general.file_type", -1))
     return ModelSpec(
-        name=str(_field(reader, "general.name", Path(path).stem)),
+        name=str(_field("general.name", Path(path).stem)),
         arch=arch,
         n_layers=n_layers,
         n_embd=n_embd,
@@ -130,9 +155,9 @@ def read_model_spec(path: str | Path, *, cpu_repack: bool | None = None) -> Mode
         file_bytes=os.path.getsize(path),
         file_type=file_type,
         repack_bytes=sum(layer_repacks),
-        n_ff=_n_ff(_field(reader, f"{arch}.feed_forward_length", 0)),
-        n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
-        n_ff_expert=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0),
+        n_ff=_n_ff(_field(f"{arch}.feed_forward_length", 0)),
+        n_expert_used=int(_field(f"{arch}.expert_used_count", 0) or 0),
+        n_ff_expert=int(_field(f"{arch}.expert_feed_forward_length", 0) or 0),
         cpu_model_bytes=cpu_model_bytes(tensors, repacks),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,

@@ -1,0 +1,105 @@
+"""engine.gguf_header: the same metadata, tensor table and ModelSpec as gguf's GGUFReader, on
+every shape the factory writes and on the default model; a file it refuses still reads (or
+fails) as GGUFReader has it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spillover.engine.gguf_header import ARRAY_KEPT, read_header
+from spillover.engine.gguf_meta import CPU_REPACK_TYPES, header_by_reader, read_model_spec, spec_of
+from spillover.testing.gguf_factory import TinyLlamaSpec, write_tiny_llama
+
+SHAPES = [  # (the calibration tests read many more through read_model_spec, against real loads)
+    TinyLlamaSpec(n_layers=2, n_embd=96, n_head=3, n_head_kv=1, n_ff=160, wtype="F32", tied=True, name="mqa-f32-tied"),
+    TinyLlamaSpec(n_layers=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=64, wtype="Q4_0", n_expert=4, name="moe-q4_0"),
+]
+
+
+def _same(path: str | Path) -> None:
+    fast, slow = read_header(path), header_by_reader(path)
+    assert fast.tensors == slow.tensors
+    assert fast.lengths == slow.lengths
+    # GGUFReader adds the header's own counts as GGUF.* fields
+    assert fast.fields == {k: v for k, v in slow.fields.items() if not k.startswith("GGUF.")}
+    for repacks in ({}, CPU_REPACK_TYPES):
+        assert spec_of(fast, path, repacks) == spec_of(slow, path, repacks)
+
+
+def test_the_default_model_reads_as_gguf_reads_it(model_path: str) -> None:
+    _same(model_path)
+    h = read_header(model_path)
+    assert h.lengths["tokenizer.ggml.tokens"] == 49152 and "tokenizer.ggml.tokens" not in h.fields
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_every_written_shape_reads_as_gguf_reads_it(tmp_path: Path, model_path: str, shape: TinyLlamaSpec) -> None:
+    _same(write_tiny_llama(tmp_path / f"{shape.name}.gguf", model_path, shape))
+
+
+def test_metadata_of_every_value_type_and_an_unaligned_table(tmp_path: Path) -> None:
+    """Each scalar type, numeric arrays kept and stepped over, arrays of strings and of arrays,
+    and a non-default alignment, written by gguf's own writer."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "types.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_uint64("t.u64", 2**64 - 1)
+    w.add_int64("t.i64", -(2**63))
+    w.add_float64("t.f64", 1e300)
+    w.add_string("t.str", "héllo")
+    w.add_array("t.short", [1, 2, 3])
+    w.add_array("t.long", list(range(ARRAY_KEPT + 1)))
+    w.add_array("t.strs", ["a", "bb", ""])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_custom_alignment(64)
+    w.add_tensor("a.weight", np.ones((3, 5), dtype=np.float32))
+    w.add_tensor("b.weight", np.ones((7,), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    h = read_header(path)
+    assert {k: v for k, v in h.fields.items() if k.startswith("t.")} == {
+        "t.u8": 200, "t.i8": -100, "t.u16": 60000, "t.i16": -30000, "t.u32": 4_000_000_000,
+        "t.i32": -2_000_000_000, "t.f32": pytest.approx(0.1), "t.bool": True, "t.u64": 2**64 - 1,
+        "t.i64": -(2**63), "t.f64": 1e300, "t.str": "héllo", "t.short": [1, 2, 3],
+    }  # fmt: skip
+    assert h.lengths == {"t.short": 3, "t.long": ARRAY_KEPT + 1, "t.strs": 3, "t.nested": 2}
+    assert [(t.name, t.shape, t.n_bytes) for t in h.tensors] == [("a.weight", (5, 3), 60), ("b.weight", (7,), 14)]
+    assert h.tensors[1].data_offset % 64 == 0
+    slow = header_by_reader(path)
+    assert h.tensors == slow.tensors
+    # GGUFReader counts a nested array's leaves (3), not its elements (2)
+    assert {k: v for k, v in h.lengths.items() if k != "t.nested"} == {
+        k: v for k, v in slow.lengths.items() if k != "t.nested"
+    }
+
+
+def test_a_truncated_or_damaged_file_is_refused_and_read_by_gguf_reader(tmp_path: Path, model_path: str) -> None:
+    """A header that runs past the end, tensor data cut short, or not GGUF at all: read_header
+    refuses (ValueError), and read_model_spec raises what GGUFReader raises for it."""
+    whole = Path(model_path).read_bytes()
+    for n, name in ((40, "head.gguf"), (5000, "meta.gguf"), (3_000_000, "data.gguf")):
+        cut = tmp_path / name
+        cut.write_bytes(whole[:n])
+        with pytest.raises(ValueError):
+            read_header(cut)
+        with pytest.raises(Exception) as got:
+            read_model_spec(cut, cpu_repack=False)
+        with pytest.raises(type(got.value)):
+            header_by_reader(cut)
+    (tmp_path / "text.gguf").write_bytes(b"not a model at all, just text")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_header(tmp_path / "text.gguf")
