@@ -7,6 +7,7 @@ loads the result and reports its buffers like for any other model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,28 +49,45 @@ class TinyLlamaSpec:
         return self.head_dim or self.n_embd // self.n_head
 
 
+@functools.cache
+def _donor_tokenizer(path: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...], str, str | None]:
+    """The tokens, token types, merges, pre-tokenizer and chat template of ``path`` (read once
+    a process: ``GGUFReader`` takes about 2 s over the default model's vocabulary)."""
+    from gguf import GGUFReader
+
+    src = GGUFReader(path, "r")
+    tokens = tuple(
+        bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", "replace")
+        for i in src.fields["tokenizer.ggml.tokens"].data
+    )
+    types = tuple(
+        int(src.fields["tokenizer.ggml.token_type"].parts[i][0]) for i in src.fields["tokenizer.ggml.token_type"].data
+    )
+    merges = tuple(
+        bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode("utf-8", "replace")
+        for i in src.fields["tokenizer.ggml.merges"].data
+    )
+    template = src.fields.get("tokenizer.chat_template")
+    return (
+        tokens,
+        types,
+        merges,
+        str(src.fields["tokenizer.ggml.pre"].contents()),
+        (None if template is None else str(template.contents())),
+    )
+
+
 def write_tiny_llama(
     out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec = TinyLlamaSpec(), *, chat_template: bool = True
 ) -> Path:
     """Write a llama GGUF of ``spec``'s shape with the tokenizer (and, unless told not to,
     the chat template) of ``tokenizer_from``."""
     import numpy as np
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
-    src = GGUFReader(tokenizer_from, "r")
-    tokens = [
-        bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", "replace")
-        for i in src.fields["tokenizer.ggml.tokens"].data
-    ]
-    types = [
-        int(src.fields["tokenizer.ggml.token_type"].parts[i][0]) for i in src.fields["tokenizer.ggml.token_type"].data
-    ]
-    merges = [
-        bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode("utf-8", "replace")
-        for i in src.fields["tokenizer.ggml.merges"].data
-    ]
-    pre = src.fields["tokenizer.ggml.pre"].contents()
-    template = src.fields.get("tokenizer.chat_template") if chat_template else None
+    tokens, types, merges, pre, template = _donor_tokenizer(str(tokenizer_from))
+    if not chat_template:
+        template = None
     n_vocab = len(tokens)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,13 +113,13 @@ def write_tiny_llama(
     w.add_file_type(_FILE_TYPES[spec.wtype])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(str(pre))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    w.add_token_list(list(tokens))
+    w.add_token_types(list(types))
+    w.add_token_merges(list(merges))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if template is not None:
-        w.add_chat_template(str(template.contents()))
+        w.add_chat_template(template)
     rng = np.random.default_rng(0)
 
     def t(name: str, *shape: int, norm: bool = False, f32: bool = False) -> None:
