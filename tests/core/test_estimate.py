@@ -143,6 +143,16 @@ def test_largest_gpu_layers() -> None:
     assert largest_gpu_layers(lambda n: n <= 2, 4) == 2
     assert largest_gpu_layers(lambda n: True, 4) == 5
     assert largest_gpu_layers(lambda n: False, 4) == -1
+    for fit in range(-1, 7):  # every answer of a 5-layer model
+        assert largest_gpu_layers(lambda n, fit=fit: n <= fit, 5) == min(fit, 6)
+
+
+def test_largest_gpu_layers_asks_a_logarithm_of_the_layers() -> None:
+    """Each answer sums over the layers: asking every count made a file claiming 80,000 layers
+    run for minutes."""
+    asked: list[int] = []
+    assert largest_gpu_layers(lambda n: asked.append(n) is None and n <= 12345, 80_000) == 12345
+    assert len(asked) <= 18
 
 
 def test_defaults_and_clamps_by_hand() -> None:

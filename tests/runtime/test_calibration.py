@@ -142,8 +142,10 @@ def test_estimate_makes_no_dry_run_past_plan_cells_max(
     tmp_path: Path, model_path: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """llama.cpp's dry run holds memory for every cell (20 GB for a billion-token context): past
-    PLAN_CELLS_MAX none is made, for the context asked or for any the fit search tries; the
-    envelope answers there, and says so. Up to it, the plan is still llama.cpp's."""
+    PLAN_CELLS_MAX none is made, for the context asked or for any the fit search tries. The
+    plans at half the bound and at it are extended in a straight line there, which is
+    llama.cpp's own plan to the byte at twice the bound, a micro-batch of 1 included (where
+    the envelope is more than double). --no-plan is still the envelope."""
     import json
 
     from spillover.cli import main
@@ -151,30 +153,39 @@ def test_estimate_makes_no_dry_run_past_plan_cells_max(
     from spillover.engine import plan
     from spillover.engine.gguf_meta import read_model_spec
 
+    top = plan.PLAN_CELLS_MAX
     asked: list[int] = []
     real = plan.plan_buffers_isolated
 
     def recorded(path: str, n_ctx: int, *args: object, **kwargs: object) -> plan.PlannedBuffers | None:
         asked.append(n_ctx)
-        if n_ctx > plan.PLAN_CELLS_MAX:  # fail at once, not after the dry run's gigabytes
+        if n_ctx > top:  # fail at once, not after the dry run's gigabytes
             raise AssertionError(f"a dry run for a context of {n_ctx}")
         return real(path, n_ctx, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(plan, "plan_buffers_isolated", recorded)
-    long_trained = write_tiny_llama(tmp_path / "long.gguf", model_path, replace(OFF_GRID, n_ctx_train=2**24))
-    spec = read_model_spec(str(long_trained))
-    assert main(["estimate", str(long_trained), "--ctx", str(10**9)]) == 0
-    assert f"no llama.cpp plan above {plan.PLAN_CELLS_MAX} cells" in capsys.readouterr().out
-    for n_ctx in (10**9, 2**32 - 256):
-        assert main(["estimate", str(long_trained), "--ctx", str(n_ctx), "--json"]) == 0
+    long_trained = str(write_tiny_llama(tmp_path / "long.gguf", model_path, replace(OFF_GRID, n_ctx_train=2**24)))
+    spec = read_model_spec(long_trained)
+    settings = ["--batch", "1", "--ubatch", "1", "--kv-type", "q4_0", "--flash-attn"]
+    assert main(["estimate", long_trained, "--ctx", str(10**9), *settings]) == 0
+    assert f"no llama.cpp dry run past {top} cells" in capsys.readouterr().out
+    for n_ctx in (2 * top, 10**9, 2**32 - 256):
+        assert main(["estimate", long_trained, "--ctx", str(n_ctx), *settings, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["compute_source"] == "memory model envelope"
-        assert out["total_bytes"] == estimate(spec, n_ctx).total_bytes
-    assert asked == []
-    # A context the plan covers, and a fit search up to 2**24 tokens on a large device.
-    assert main(["estimate", str(long_trained), "--ctx", str(plan.PLAN_CELLS_MAX), "--device-mib", "10000000"]) == 0
-    assert "compute buffer from the llama.cpp plan" in capsys.readouterr().out
-    assert plan.PLAN_CELLS_MAX in asked and max(asked) == plan.PLAN_CELLS_MAX
+        assert out["compute_source"] == f"llama.cpp plan, extended past {top} cells"
+        if n_ctx == 2 * top:  # what llama.cpp itself plans there (this process only: the bound is the CLI's)
+            exact = real(long_trained, n_ctx, 1, 1, kv_type="q4_0", flash_attn=True)
+            assert exact is not None and out["host"]["compute_bytes"] == exact.compute_bytes
+            envelope = estimate(spec, n_ctx, n_batch=1, n_ubatch=1, kv_type="q4_0", flash_attn=True)
+            assert envelope.host.compute_bytes > 2 * exact.compute_bytes
+    assert max(asked) == top and set(asked) == {top // 2, top}
+    assert main(["estimate", long_trained, "--ctx", str(10**9), "--no-plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_bytes"] == estimate(spec, 10**9).total_bytes
+    # A fit search up to 2**24 tokens on a large device makes no dry run past the bound either.
+    asked.clear()
+    assert main(["estimate", long_trained, "--ctx", "4096", "--device-mib", "10000000"]) == 0
+    assert "largest context 16777216" in capsys.readouterr().out
+    assert max(asked) == top
 
 
 def test_estimate_text_says_when_no_context_fits(model_path: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
-from spillover.engine.gguf_header import ARRAY_KEPT, read_header
-from spillover.engine.gguf_meta import CPU_REPACK_TYPES, header_by_reader, read_model_spec, spec_of
+from spillover.core.memory import MemoryModel
+from spillover.engine.gguf_header import ARRAY_KEPT, Header, TensorInfo, read_header
+from spillover.engine.gguf_meta import CPU_REPACK_TYPES, UnsupportedModel, header_by_reader, read_model_spec, spec_of
 from spillover.testing.gguf_factory import TinyLlamaSpec, write_tiny_llama
 
 SHAPES = [  # (the calibration tests read many more through read_model_spec, against real loads)
@@ -103,3 +105,51 @@ def test_a_truncated_or_damaged_file_is_refused_and_read_by_gguf_reader(tmp_path
     (tmp_path / "text.gguf").write_bytes(b"not a model at all, just text")
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_header(tmp_path / "text.gguf")
+
+
+def _header(arch: str, n_layers: int, **fields: object) -> Header:
+    """A hand-made header: ``n_layers`` layers of one F32 tensor each, plus token_embd."""
+    h = Header()
+    h.fields = {"general.architecture": arch, f"{arch}.block_count": n_layers, f"{arch}.embedding_length": 64}
+    h.fields.update({k.replace("ARCH", arch): v for k, v in fields.items()})
+    h.lengths["tokenizer.ggml.tokens"] = 100
+    f32 = GGMLQuantizationType.F32
+    h.tensors = [TensorInfo("token_embd.weight", (64, 100), f32, 25600, 0)]
+    h.tensors += [
+        TensorInfo(f"blk.{i}.attn_q.weight", (64, 64), f32, 16384, 25600 + 16384 * i) for i in range(n_layers)
+    ]
+    return h
+
+
+def test_an_encoder_keeps_no_kv_cache(tmp_path: Path) -> None:
+    """llama.cpp makes no KV cache for bert and its kin (they attend over the batch only)."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    heads = {"ARCH.attention.head_count": 4, "ARCH.attention.head_count_kv": 4}
+    bert = spec_of(_header("bert", 2, **heads), tmp_path / "m.gguf", {})
+    llama = spec_of(_header("llama", 2, **heads), tmp_path / "m.gguf", {})
+    assert not bert.kv_cache and llama.kv_cache
+    assert MemoryModel(bert).kv_bytes(4096) == 0 < MemoryModel(llama).kv_bytes(4096)
+
+
+def test_per_layer_head_counts_and_models_without_heads(tmp_path: Path) -> None:
+    """A per-layer head_count list is read as its widest layer (llama.cpp loads such files);
+    none at all (a recurrent model) refuses in words, not as a damaged file."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    spec = spec_of(
+        _header("openelm", 4, **{"ARCH.attention.head_count": [4, 4, 8, 8], "ARCH.attention.head_count_kv": [1, 2]}),
+        tmp_path / "m.gguf",
+        {},
+    )
+    assert (spec.n_head, spec.n_head_kv, spec.head_dim_k) == (8, 2, 8)
+    for heads in ({}, {"ARCH.attention.head_count": 0}):
+        with pytest.raises(UnsupportedModel, match="no attention heads"):
+            spec_of(_header("mamba", 2, **heads), tmp_path / "m.gguf", {})
+
+
+def test_a_block_count_past_the_tensors_is_refused_before_any_list_of_it(tmp_path: Path) -> None:
+    """A damaged block_count (10**8 layers, two tensors) refuses at once, in bounded memory."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    h = _header("llama", 1, **{"ARCH.attention.head_count": 4})
+    h.fields["llama.block_count"] = 10**8
+    with pytest.raises(ValueError, match="block_count is 100000000, but the file holds 2 tensors"):
+        spec_of(h, tmp_path / "m.gguf", {})

@@ -222,8 +222,14 @@ def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256)
 
 
 def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:
-    """The largest ``n_gpu_layers`` (0..n_layers+1) for which ``fits`` holds, -1 if none."""
-    for layers in range(n_layers + 1, -1, -1):
-        if fits(layers):
-            return layers
-    return -1
+    """The largest ``n_gpu_layers`` (0..n_layers+1) for which ``fits`` holds, -1 if none.
+    ``fits`` must be monotone (more layers, more device bytes): a binary search, since each
+    estimate sums over the layers."""
+    lo, hi = -1, n_layers + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -95,6 +95,7 @@ class ModelSpec:
     output_repack_bytes: int = 0  # the output matrix's repacked copy when the CPU backend runs it
     n_expert_used: int = 0  # a mixture of experts: experts each token runs (0: a dense feed-forward)
     n_ff_expert: int = 0  # an expert's feed-forward width (0: n_ff)
+    kv_cache: bool = True  # False: an encoder (bert and kin), for which llama.cpp makes no KV cache
 
     @property
     def weights_bytes(self) -> int:
@@ -187,8 +188,10 @@ class MemoryModel:
 
     # -- per context ---------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs across all layers on the device."""
+        """KV bytes one token costs across all layers on the device (none for an encoder)."""
         s = self.spec
+        if not s.kv_cache:
+            return 0
         row = kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k) + kv_row_bytes(
             self.kv_type, s.n_head_kv * s.head_dim_v
         )

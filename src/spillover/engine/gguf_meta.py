@@ -10,7 +10,15 @@ from typing import Any
 from spillover.core.memory import ModelSpec
 from spillover.engine.gguf_header import ARRAY_KEPT, Header, TensorInfo, read_header
 
-__all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "header_by_reader", "read_model_spec", "spec_of"]
+__all__ = [
+    "CPU_REPACK_TYPES",
+    "NO_KV_ARCHES",
+    "UnsupportedModel",
+    "cpu_model_bytes",
+    "header_by_reader",
+    "read_model_spec",
+    "spec_of",
+]
 
 # Weight types llama.cpp's CPU backend (x86-64 with AVX2, as here) repacks into interleaved
 # rows, with the row count each needs to divide (measured on this build: Q4_0, Q4_K and MXFP4
@@ -19,6 +27,17 @@ __all__ = ["CPU_REPACK_TYPES", "cpu_model_bytes", "header_by_reader", "read_mode
 # with AMX: ``engine.llamacpp``), nothing is repacked.
 CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4, "MXFP4": 8}
 Repacks = dict[str, int]  # type name -> interleave rows: CPU_REPACK_TYPES, or {} (no repacking)
+
+# Architectures llama.cpp makes no KV cache for (``llama_model::create_memory``: encoders and
+# diffusion models attend over the batch only).
+NO_KV_ARCHES = frozenset(
+    {"bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe", "neo-bert", "modern-bert",
+     "wavtokenizer-dec", "dream", "llada", "llada-moe", "rnd1"}
+)  # fmt: skip
+
+
+class UnsupportedModel(ValueError):
+    """A readable GGUF file whose kind of model the memory model does not cover."""
 
 
 def _repackable(t: Any, repacks: Repacks) -> bool:
@@ -104,8 +123,14 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
 
     arch = str(_field("general.architecture", "llama"))
     n_layers = int(_field(f"{arch}.block_count"))
+    if n_layers > len(header.tensors):  # each layer holds tensors: a damaged count (before any list of that size)
+        raise ValueError(f"{arch}.block_count is {n_layers}, but the file holds {len(header.tensors)} tensors")
     n_embd = int(_field(f"{arch}.embedding_length"))
-    n_head = int(_field(f"{arch}.attention.head_count"))
+    n_head = _n_ff(_field(f"{arch}.attention.head_count", 0))  # the widest layer's, for per-layer lists
+    if n_head <= 0:
+        raise UnsupportedModel(
+            f"{arch} has no attention heads (a recurrent model): spillover's memory model covers attention models only"
+        )
     n_head_kv_raw = _field(f"{arch}.attention.head_count_kv", n_head)
     if isinstance(n_head_kv_raw, list):  # per-layer counts (some architectures)
         n_head_kv = max(int(x) for x in n_head_kv_raw)
@@ -165,11 +190,12 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         tied_output=not has_output,
         layer_repack_sizes=tuple(layer_repacks),
         output_repack_bytes=output_repack,
+        kv_cache=arch not in NO_KV_ARCHES,
     )
 
 
 def _n_ff(value: Any) -> int:
-    """The feed-forward width (the widest layer's, for per-layer lists)."""
+    """A per-layer width (feed-forward, heads): the widest layer's, for per-layer lists."""
     if isinstance(value, list):
         return max((int(x) for x in value), default=0)
     return int(value or 0)

@@ -10,8 +10,9 @@ it would allocate. It takes a fraction of a second. Its memory is the metadata a
 cache's bookkeeping, which llama.cpp keeps for every cell of the context: tens of bytes a
 cell (here a context of 10 million tokens took 0.6 GB, one of a billion 20 GB and 49 s before
 llama.cpp gave up with ``bad_alloc``). So no dry run is made for a context of more than
-``PLAN_CELLS_MAX`` cells: callers use the envelope there, which is within half a per cent of
-the plan at such contexts, since the exact KV-sized attention tensors dominate the buffer.
+``PLAN_CELLS_MAX`` cells: there the buffer grows by the same bytes a cell (the tensors sized
+by the cache), so ``spillover estimate`` extends the plans at half that and at that in a
+straight line, which gave llama.cpp's own figure to the byte at twice the bound.
 
 It plans for the backends this llama.cpp build has (the CPU backend here; on a CUDA build
 the device's buffers too, which this machine cannot check). ``None`` comes back when
