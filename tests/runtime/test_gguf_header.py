@@ -153,3 +153,25 @@ def test_a_block_count_past_the_tensors_is_refused_before_any_list_of_it(tmp_pat
     h.fields["llama.block_count"] = 10**8
     with pytest.raises(ValueError, match="block_count is 100000000, but the file holds 2 tensors"):
         spec_of(h, tmp_path / "m.gguf", {})
+
+
+def test_multi_head_latent_attention_caches_k_only(tmp_path: Path) -> None:
+    """DeepSeek's MLA (its decompressed head sizes given as *_mla): llama.cpp caches the latent
+    K rows (kv_lora_rank + rope) and reads V from them (a file of that shape measured "V (f16):
+    0.00 MiB"); without the *_mla keys it is an ordinary cache."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    heads = {
+        "ARCH.attention.head_count": 4, "ARCH.attention.head_count_kv": 1, "ARCH.attention.key_length": 96,
+        "ARCH.attention.value_length": 64,
+    }  # fmt: skip
+    mla = spec_of(
+        _header(
+            "deepseek2", 2, **heads, **{"ARCH.attention.key_length_mla": 64, "ARCH.attention.value_length_mla": 32}
+        ),
+        tmp_path / "m.gguf",
+        {},
+    )
+    plain = spec_of(_header("deepseek2", 2, **heads), tmp_path / "m.gguf", {})
+    assert not mla.v_cache and plain.v_cache
+    assert MemoryModel(mla).kv_bytes(1024) == 1024 * 2 * 96 * 2  # cells x layers x K row x f16
+    assert MemoryModel(plain).kv_bytes(1024) == 1024 * 2 * (96 + 64) * 2

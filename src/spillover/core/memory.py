@@ -96,6 +96,7 @@ class ModelSpec:
     n_expert_used: int = 0  # a mixture of experts: experts each token runs (0: a dense feed-forward)
     n_ff_expert: int = 0  # an expert's feed-forward width (0: n_ff)
     kv_cache: bool = True  # False: an encoder (bert and kin), for which llama.cpp makes no KV cache
+    v_cache: bool = True  # False: multi-head latent attention (DeepSeek's MLA): V is read from the K cache
 
     @property
     def weights_bytes(self) -> int:
@@ -192,9 +193,9 @@ class MemoryModel:
         s = self.spec
         if not s.kv_cache:
             return 0
-        row = kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k) + kv_row_bytes(
-            self.kv_type, s.n_head_kv * s.head_dim_v
-        )
+        row = kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k)
+        if s.v_cache:
+            row += kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_v)
         return self.layers_on_device() * row
 
     def cells(self, n_ctx: int) -> int:

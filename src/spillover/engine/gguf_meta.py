@@ -191,6 +191,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         layer_repack_sizes=tuple(layer_repacks),
         output_repack_bytes=output_repack,
         kv_cache=arch not in NO_KV_ARCHES,
+        # MLA (its decompressed head sizes given apart): llama.cpp caches the latent K rows only
+        v_cache=not (_field(f"{arch}.attention.key_length_mla") and _field(f"{arch}.attention.value_length_mla")),
     )
 
 
