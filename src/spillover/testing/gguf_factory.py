@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TinyLlamaSpec", "write_tiny_llama"]
+__all__ = ["TinyLlamaSpec", "donor_tokenizer", "write_tiny_llama"]
 
 _FILE_TYPES = {
     "F32": 0,
@@ -50,7 +50,7 @@ class TinyLlamaSpec:
 
 
 @functools.cache
-def _donor_tokenizer(path: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...], str, str | None]:
+def donor_tokenizer(path: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...], str, str | None]:
     """The tokens, token types, merges, pre-tokenizer and chat template of ``path`` (read once
     a process: ``GGUFReader`` takes about 2 s over the default model's vocabulary)."""
     from gguf import GGUFReader
@@ -85,7 +85,7 @@ def write_tiny_llama(
     import numpy as np
     from gguf import GGUFWriter
 
-    tokens, types, merges, pre, template = _donor_tokenizer(str(tokenizer_from))
+    tokens, types, merges, pre, template = donor_tokenizer(str(tokenizer_from))
     if not chat_template:
         template = None
     n_vocab = len(tokens)
