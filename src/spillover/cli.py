@@ -53,6 +53,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, services=tuple(s for s in cfg.services if s.kind not in a.without))
+    if cfg.split.enabled and cfg.split.gpu_layers > 0 and os.path.isfile(cfg.model_path()):
+        from spillover.engine.gguf_meta import read_model_spec
+
+        # before the server: a start-up error there is a traceback in uvicorn's log (a header read, 30 ms)
+        cfg.split.check_layers(read_model_spec(cfg.model_path(), cpu_repack=False).n_layers, cfg.model.name)
     # One gateway per state folder: locked before anything touches the device, the journal or
     # a worker; a second gateway on the folder ends here (StateDirBusy, exit status 2).
     lock = statelock.acquire(cfg.state_path())

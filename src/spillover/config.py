@@ -241,6 +241,14 @@ class SplitConfig:
     ctx_cap_tokens: int = _doc(1024, "longest prompt + max_tokens the split worker accepts")
     n_batch_tokens: int = _doc(128, "llama.cpp batch size of the split worker (its compute buffer grows with it)")
 
+    def check_layers(self, n_layers: int, model: str) -> None:
+        """ConfigError when ``gpu_layers`` asks for more layers than the model has."""
+        if self.gpu_layers > n_layers:
+            raise ConfigError(
+                f"[split].gpu_layers is {self.gpu_layers}, but chat model {model!r} has {n_layers} layers "
+                "(-1: the most that fit the device)"
+            )
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:
@@ -449,6 +457,13 @@ def _validate(cfg: Config) -> None:
     sp = cfg.split
     if sp.slots < 1 or sp.n_threads < 1 or sp.n_batch_tokens < 1 or sp.ctx_cap_tokens < 64 or sp.gpu_layers < -1:
         raise ConfigError("[split] slots, n_threads and n_batch_tokens >= 1, ctx_cap_tokens >= 64, gpu_layers >= -1")
+    if sp.gpu_layers == 0:
+        raise ConfigError(
+            "[split].gpu_layers 0 puts no layer on the device (that is the CPU lane): -1 for the most that fit, "
+            "or 1 and more"
+        )
+    if sp.enabled and cfg.device.gpu.strip().lower() in ("none", "cpu"):
+        raise ConfigError(f"[split] needs a GPU device, and device.gpu is {cfg.device.gpu!r}")
     a = cfg.admission
     if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:
         raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")

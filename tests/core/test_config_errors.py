@@ -52,6 +52,8 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[split]\nslots = 0\n",
         "[split]\ngpu_layers = -2\n",
         "[split]\nctx_cap_tokens = 10\n",
+        "[split]\nenabled = true\ngpu_layers = 0\n",  # no layer on the device: the CPU lane
+        '[split]\nenabled = true\n[device]\ngpu = "none"\n',  # a split with no device
         "[cpu_lane]\nrecovery_budget_ms = 0\n",
         "[cpu_lane]\nrecovery_budget_ms = inf\n",
         "[cpu_lane]\nrecovery_budget_ms = nan\n",

@@ -80,7 +80,8 @@ def test_list_ps_show_and_version_describe_what_is_served(gw: GatewayProcess, cl
     ps = client.ps().models
     assert len(ps) == 1 and ps[0].size_vram and ps[0].size and ps[0].size > ps[0].size_vram
     sp = client._client.get("/api/ps").json()["models"][0]["spillover"]  # the client drops extras
-    assert sp["placement"] == "split" and {w["lane"] for w in sp["workers"]} == {"gpu", "cpu"}
+    # the GPU worker serves; the CPU replica beside it is a second copy, not a split of the model
+    assert sp["placement"] == "gpu" and {w["lane"] for w in sp["workers"]} == {"gpu", "cpu"}
     shown = client.show(MODEL)
     assert shown.template and "im_start" in shown.template
     assert client._client.get("/api/version").json()["version"]

@@ -4,8 +4,11 @@ degraded, with the reason), and a split worker's fault replays on the CPU replic
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,7 +61,19 @@ def test_a_request_is_served_split_flagged_with_the_reason(gw: GatewayProcess) -
         assert out["headers"]["x-spillover-route"] == "split"
     row = gw.status()["services"][0]
     assert row["where"] == "split" and row["why"] == "resident_does_not_fit" and row["split_total"] >= 2
+    ps = httpx.get(f"{gw.url}/api/ps").json()["models"][0]  # Ollama's view: layers on both sides
+    assert ps["spillover"]["placement"] == "split" and 0 < ps["size_vram"] < ps["size"]
     assert gw.status()["device"]["ledger"]["request_reservations"] == 0  # every reservation came back
+
+
+def test_a_request_longer_than_every_running_lane_is_refused_at_once(gw: GatewayProcess) -> None:
+    """The resident GPU lane (2048 tokens) does not run on this device: a prompt past the split
+    and CPU lanes' 1024 is the client's 400 context_length_exceeded, not a 503 to retry forever."""
+    with httpx.Client(base_url=gw.url, timeout=120) as http:
+        r = http.post("/v1/completions", json={"prompt": "word " * 1400, "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "any lane serves is 1024 tokens" in err["detail"]
 
 
 def test_a_split_worker_fault_replays_on_the_cpu_replica(gw: GatewayProcess) -> None:
@@ -97,3 +112,20 @@ def test_a_failing_split_worker_opens_its_own_breaker(gw: GatewayProcess) -> Non
             time.sleep(0.2)
         r = http.post("/v1/completions", json=body)
         assert (r.status_code, r.headers["x-spillover-route"]) == (200, "split"), r.text
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--gpu", "sim:160", "--split-layers", "99999"], "[split].gpu_layers is 99999, but chat model"),
+        (["--gpu", "sim:160", "--split-layers", "0"], "puts no layer on the device"),
+        (["--gpu", "none", "--split"], "[split] needs a GPU device"),
+    ],
+)
+def test_a_split_that_cannot_run_is_refused_at_start(tmp_path: Path, args: list[str], words: str) -> None:
+    """A split asked for more layers than the model has, for none, or with no device: one line
+    and exit status 2 before the server starts, not a quiet CPU profile."""
+    cmd = [sys.executable, "-m", "spillover.cli", "serve", *args, "--port", "0", "--state-dir", str(tmp_path)]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2, got.stderr[-2000:]
+    assert words in got.stderr and "Traceback" not in got.stderr

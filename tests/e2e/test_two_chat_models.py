@@ -75,7 +75,7 @@ def test_both_models_are_listed_and_served_on_the_gpu(gw: GatewayProcess) -> Non
         )
         assert chat.status_code == 200 and chat.json()["model"] == MAIN
         ps = {m["name"]: m for m in cl.get("/api/ps").json()["models"]}
-        assert ps[SECOND]["spillover"]["placement"] == "split" and ps[SECOND]["size_vram"] > 0
+        assert ps[SECOND]["spillover"]["placement"] == "gpu" and ps[SECOND]["size_vram"] > 0
 
 
 def test_a_chat_request_for_a_model_without_a_template_is_a_400_naming_completions(gw: GatewayProcess) -> None:

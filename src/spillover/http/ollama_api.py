@@ -10,6 +10,7 @@ CPU replica, their state and bytes), ``/api/show`` its template and GGUF facts,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import functools
 import os
@@ -143,19 +144,30 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
         """A chat model's /api/ps entry: where its workers hold it (None: nowhere loaded)."""
         workers = []
         vram = host = 0
+        ready_lanes = set()
+        whole = chat.memory.weights_bytes() if chat.memory else 0
         for s in chat.supervisors:
             w = s.worker.statistics()
-            on_gpu = w.lane == "gpu"
-            size = (chat.memory.weights_bytes() if chat.memory else 0) if on_gpu else chat.cpu_slot_bytes
+            if w.lane == "gpu":
+                on_device, on_host = whole, 0
+            elif w.lane == "split" and chat.memory is not None and chat.profile is not None:
+                # its last layers on the device, the rest on the host (llama.cpp's n_gpu_layers)
+                on_device = dataclasses.replace(chat.memory, n_gpu_layers=chat.profile.split_layers).weights_bytes()
+                on_host = max(0, whole - on_device)
+            else:
+                on_device, on_host = 0, chat.cpu_slot_bytes
             ready = w.state == "ready"
             if ready:
-                vram += size if on_gpu else 0
-                host += 0 if on_gpu else size
+                vram += on_device
+                host += on_host
+                ready_lanes.add(w.lane)
             workers.append({"worker_id": w.worker_id, "lane": w.lane, "device": w.device, "state": w.state,
-                            "size": size if ready else 0})  # fmt: skip
+                            "size": on_device + on_host if ready else 0})  # fmt: skip
         if not (vram or host):
             return None
-        placement = "split" if vram and host else ("gpu" if vram else "cpu")
+        # Where it runs: the resident worker, else the split one, else the CPU replica (a CPU
+        # replica beside a GPU worker is a second copy, not a split of the model).
+        placement = next(lane for lane in ("gpu", "split", "cpu") if lane in ready_lanes or lane == "cpu")
         return await model_entry(chat) | {
             "size": vram + host,
             "size_vram": vram,

@@ -181,6 +181,7 @@ class ChatModel:
         split_mm = None
         if self.split is not None:
             split_mm = dataclasses.replace(self.memory, n_batch=self.split.n_batch_tokens)
+            self.split.check_layers(self.memory.spec.n_layers, self.name)
         self.profile = plan_profile(
             self.memory,
             gpu_ctx_tokens=self.gpu_lane.ctx_cap_tokens,
@@ -210,7 +211,7 @@ class ChatModel:
             slots=self.split.slots,
             n_ctx=self.split.ctx_cap_tokens,
             n_threads=self.split.n_threads,
-            n_batch=self.split.n_batch_tokens,
+            n_batch=min(self.split.n_batch_tokens, self.split.ctx_cap_tokens),
             weights_bytes=nbytes if gw.device.spec.startswith("sim") else 0,
             gpu_layers=layers,
         )
@@ -238,7 +239,7 @@ class ChatModel:
             slots=lc.slots,
             n_ctx=lc.ctx_cap_tokens,
             n_threads=lc.n_threads,
-            n_batch=lc.n_batch_tokens,
+            n_batch=min(lc.n_batch_tokens, lc.ctx_cap_tokens),  # a longer batch only costs memory
             weights_bytes=self.memory.weights_bytes() if device.startswith("sim") else 0,
         )
 
@@ -249,8 +250,12 @@ class ChatModel:
     def context_cap_tokens(self, gpu: bool) -> int:
         """The longest prompt + max_tokens any of its lanes serves."""
         caps = [self.cpu_lane.ctx_cap_tokens] if self.cpu_path else []
-        if gpu and self.gpu_lane is not None:
+        # The device's lanes that run: the resident one unless the profile left it out, the split one when planned.
+        resident = self.profile is None or self.split is None or self.profile.profile == "gpu"  # as ``start``
+        if gpu and self.gpu_lane is not None and resident:
             caps.append(self.gpu_lane.ctx_cap_tokens)
+        if gpu and self.split is not None and self.profile is not None and self.profile.split_layers > 0:
+            caps.append(self.split.ctx_cap_tokens)
         if self.cpu_tokenizer is not None and caps:
             caps[0] = min(caps[0], self.cpu_tokenizer.n_ctx_train)
         n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps, default=0)
