@@ -53,11 +53,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, services=tuple(s for s in cfg.services if s.kind not in a.without))
-    if cfg.split.enabled and cfg.split.gpu_layers > 0 and os.path.isfile(cfg.model_path()):
-        from spillover.engine.gguf_meta import read_model_spec
-
-        # before the server: a start-up error there is a traceback in uvicorn's log (a header read, 30 ms)
-        cfg.split.check_layers(read_model_spec(cfg.model_path(), cpu_repack=False).n_layers, cfg.model.name)
+    if cfg.split.enabled and cfg.split.gpu_layers > 0:
+        _check_split_layers(cfg)
     # One gateway per state folder: locked before anything touches the device, the journal or
     # a worker; a second gateway on the folder ends here (StateDirBusy, exit status 2).
     lock = statelock.acquire(cfg.state_path())
@@ -110,6 +107,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"spillover: {gw.loops.fatal}; the gateway stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_split_layers(cfg: Any) -> None:
+    """``[split].gpu_layers`` against the model's layers before the server starts (an error at
+    its start is a traceback in uvicorn's log): a header read, about 30 ms. A model that cannot
+    be read is left to the gateway's start, which says what is wrong with it."""
+    from spillover.engine.gguf_meta import read_model_spec
+
+    try:
+        n_layers = read_model_spec(cfg.model_path(), cpu_repack=False).n_layers
+    except Exception:
+        return
+    cfg.split.check_layers(n_layers, cfg.model.name)
 
 
 def _sim(a: argparse.Namespace) -> Any:
