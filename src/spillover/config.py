@@ -462,7 +462,7 @@ def _validate(cfg: Config) -> None:
             "[split].gpu_layers 0 puts no layer on the device (that is the CPU lane): -1 for the most that fit, "
             "or 1 and more"
         )
-    if sp.enabled and cfg.device.gpu.strip().lower() in ("none", "cpu"):
+    if sp.enabled and parse_device(cfg.device.gpu)[0] in ("none", "cpu"):
         raise ConfigError(f"[split] needs a GPU device, and device.gpu is {cfg.device.gpu!r}")
     a = cfg.admission
     if a.kv_page_tokens < 1 or not 0 <= a.fragmentation_ratio < 1:

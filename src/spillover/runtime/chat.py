@@ -152,7 +152,7 @@ class ChatModel:
         if gpu and gw.device is not None and gw.ledger is not None:
             self._plan_profile(gw, gw.ledger.usable_bytes)
             assert self.profile is not None
-            if self.split is None or self.profile.profile == "gpu":
+            if self.resident_runs:
                 spec = self._worker_spec(gw, "gpu", gw.device.spec)
                 # Another model's load is a reservation that must fit first; the primary loads first.
                 nbytes = self.memory.weights_bytes()  # predicted on any GPU (a sim worker charges exactly this)
@@ -166,7 +166,7 @@ class ChatModel:
                 )
                 self.supervisors.append(sup)
                 self.scheduler.gpu_workers.append(sup.worker)
-            if self.split is not None and self.profile.split_layers > 0:
+            if self.split_runs:
                 self._start_split(gw, self.profile.split_layers)
         if self.cpu_path:
             assert self.readiness is not None
@@ -247,14 +247,23 @@ class ChatModel:
     def has_template(self) -> bool:
         return bool(self.tokenizer is not None and self.tokenizer.chat_template)
 
+    @property
+    def resident_runs(self) -> bool:
+        """Whether the resident GPU worker runs (where there is a device): always without a
+        split worker configured, else only when the plan is the ``gpu`` profile."""
+        return self.split is None or self.profile is None or self.profile.profile == "gpu"
+
+    @property
+    def split_runs(self) -> bool:
+        """Whether a split worker runs: configured, and planned with layers on the device."""
+        return self.split is not None and self.profile is not None and self.profile.split_layers > 0
+
     def context_cap_tokens(self, gpu: bool) -> int:
         """The longest prompt + max_tokens any of its lanes serves."""
         caps = [self.cpu_lane.ctx_cap_tokens] if self.cpu_path else []
-        # The device's lanes that run: the resident one unless the profile left it out, the split one when planned.
-        resident = self.profile is None or self.split is None or self.profile.profile == "gpu"  # as ``start``
-        if gpu and self.gpu_lane is not None and resident:
+        if gpu and self.gpu_lane is not None and self.resident_runs:
             caps.append(self.gpu_lane.ctx_cap_tokens)
-        if gpu and self.split is not None and self.profile is not None and self.profile.split_layers > 0:
+        if gpu and self.split is not None and self.split_runs:
             caps.append(self.split.ctx_cap_tokens)
         if self.cpu_tokenizer is not None and caps:
             caps[0] = min(caps[0], self.cpu_tokenizer.n_ctx_train)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spillover.testing.gguf_factory import donor_tokenizer
+from spillover.testing.gguf_factory import add_donor_tokenizer, donor_tokenizer
 
 __all__ = ["ARCHES", "write_arch"]
 
@@ -114,8 +114,7 @@ def write_arch(out: str | Path, tokenizer_from: str, name: str) -> Path:
     else:
         raise ValueError(f"no writer for {name!r}: one of {', '.join(ARCHES)}")
     arch = name.removesuffix("-mla")
-    tokens, types, merges, pre, _template = donor_tokenizer(str(tokenizer_from))
-    n_vocab = len(tokens)
+    n_vocab = len(donor_tokenizer(str(tokenizer_from))[0])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(out), arch)
@@ -131,13 +130,7 @@ def write_arch(out: str | Path, tokenizer_from: str, name: str) -> Path:
             w.add_float32(key, value)
     w.add_vocab_size(n_vocab)
     w.add_file_type(1)  # mostly F16
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(list(tokens))
-    w.add_token_types(list(types))
-    w.add_token_merges(list(merges))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_donor_tokenizer(w, str(tokenizer_from))
     rng = np.random.default_rng(0)
     for tname, shape, kind in [("token_embd.weight", (n_vocab, E), "w"), *tensors]:
         if kind == "norm":

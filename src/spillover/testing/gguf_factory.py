@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TinyLlamaSpec", "donor_tokenizer", "write_tiny_llama"]
+__all__ = ["TinyLlamaSpec", "add_donor_tokenizer", "donor_tokenizer", "write_tiny_llama"]
 
 _FILE_TYPES = {
     "F32": 0,
@@ -77,6 +78,18 @@ def donor_tokenizer(path: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[
     )
 
 
+def add_donor_tokenizer(w: Any, tokenizer_from: str) -> None:
+    """Write ``tokenizer_from``'s BPE tokenizer (``donor_tokenizer``) into the GGUFWriter ``w``."""
+    tokens, types, merges, pre, _template = donor_tokenizer(tokenizer_from)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(list(tokens))
+    w.add_token_types(list(types))
+    w.add_token_merges(list(merges))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def write_tiny_llama(
     out: str | Path, tokenizer_from: str, spec: TinyLlamaSpec = TinyLlamaSpec(), *, chat_template: bool = True
 ) -> Path:
@@ -85,7 +98,7 @@ def write_tiny_llama(
     import numpy as np
     from gguf import GGUFWriter
 
-    tokens, types, merges, pre, template = donor_tokenizer(str(tokenizer_from))
+    tokens, _types, _merges, _pre, template = donor_tokenizer(str(tokenizer_from))
     if not chat_template:
         template = None
     n_vocab = len(tokens)
@@ -111,13 +124,7 @@ def write_tiny_llama(
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(n_vocab)
     w.add_file_type(_FILE_TYPES[spec.wtype])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(str(pre))
-    w.add_token_list(list(tokens))
-    w.add_token_types(list(types))
-    w.add_token_merges(list(merges))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_donor_tokenizer(w, str(tokenizer_from))
     if template is not None:
         w.add_chat_template(template)
     rng = np.random.default_rng(0)
