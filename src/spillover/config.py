@@ -24,6 +24,7 @@ __all__ = [
     "AdmissionConfig",
     "BreakerConfig",
     "Config",
+    "CpuLaneConfig",
     "DeviceConfig",
     "FailoverConfig",
     "JournalConfig",
@@ -205,10 +206,18 @@ class LaneConfig:
     queue_depth: int = _doc(16, "requests that may wait for a slot; more are shed with 503")
     queue_max_age_s: float = _doc(60.0, "longest a request may wait in the queue")
     n_batch_tokens: int = _doc(512, "llama.cpp batch size for prompt processing")
-    canary_ratio: float = _doc(0.0, "share of normal traffic served here to keep the path exercised (CPU lane)")
+
+
+@dataclass(frozen=True)
+class CpuLaneConfig(LaneConfig):
+    """The CPU lane: a lane, plus what only the CPU path has (its canary share and how ready
+    the chat model's CPU replica is kept). ``[gpu_lane]`` has none of these: set there, they
+    are refused, as they would change nothing."""
+
+    canary_ratio: float = _doc(0.0, "share of normal traffic served here to keep the path exercised")
     readiness: str = _doc(
         "auto",
-        "CPU lane: how ready a chat model's CPU replica is kept (an embeddings or transcription service "
+        "how ready a chat model's CPU replica is kept (an embeddings or transcription service "
         "sets its own cpu_readiness). warm (model and every slot's context loaded), mmap "
         "(model loaded, contexts made on demand), on_demand (process started, model loaded at the first "
         "failover), or auto (the cheapest of those whose measured recovery time meets recovery_budget_ms, "
@@ -216,9 +225,11 @@ class LaneConfig:
     )
     recovery_budget_ms: float = _doc(
         1000.0,
-        "CPU lane, readiness = auto: longest a GPU fault may take to reach the first CPU result (every "
-        "service's default)",
+        "readiness = auto: longest a GPU fault may take to reach the first CPU result (every service's default)",
     )
+
+
+CPU_LANE_ONLY = frozenset(f.name for f in fields(CpuLaneConfig)) - frozenset(f.name for f in fields(LaneConfig))
 
 
 @dataclass(frozen=True)
@@ -333,7 +344,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     gpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, n_threads=1))
-    cpu_lane: LaneConfig = field(default_factory=lambda: LaneConfig(slots=2, ctx_cap_tokens=1024, canary_ratio=0.01))
+    cpu_lane: CpuLaneConfig = field(
+        default_factory=lambda: CpuLaneConfig(slots=2, ctx_cap_tokens=1024, canary_ratio=0.01)
+    )
     split: SplitConfig = field(default_factory=SplitConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
@@ -412,6 +425,10 @@ def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in known:
+            if cls is LaneConfig and key in CPU_LANE_ONLY:
+                raise ConfigError(
+                    f"[{section}].{key} is a CPU lane setting (it changes nothing here): set it in [cpu_lane]"
+                )
             raise ConfigError(f"unknown setting [{section}].{key}")
         default = known[key].default
         expected = type(default) if default is not dataclasses.MISSING else str
@@ -451,9 +468,10 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"[{name}].ctx_cap_tokens must be >= 64")
         if lane.queue_depth < 0 or lane.queue_max_age_s <= 0:
             raise ConfigError(f"[{name}] queue_depth must be >= 0 and queue_max_age_s > 0")
-        if not 0 <= lane.canary_ratio <= 1:
-            raise ConfigError(f"[{name}].canary_ratio must be in [0, 1]")
-        _validate_readiness(f"[{name}]", "readiness", lane.readiness, lane.recovery_budget_ms)
+    c = cfg.cpu_lane
+    if not 0 <= c.canary_ratio <= 1:
+        raise ConfigError("[cpu_lane].canary_ratio must be in [0, 1]")
+    _validate_readiness("[cpu_lane]", "readiness", c.readiness, c.recovery_budget_ms)
     sp = cfg.split
     if sp.slots < 1 or sp.n_threads < 1 or sp.n_batch_tokens < 1 or sp.ctx_cap_tokens < 64 or sp.gpu_layers < -1:
         raise ConfigError("[split] slots, n_threads and n_batch_tokens >= 1, ctx_cap_tokens >= 64, gpu_layers >= -1")

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.e2e
 
 CONFIG: dict[str, dict[str, Any]] = {
     "breaker": {"cooldown_s": 1.0, "cooldown_max_s": 2.0},
-    "gpu_lane": {"canary_ratio": 0.0},
     "cpu_lane": {"canary_ratio": 0.0},
     "server": {"ignored_fields": ["tolerated"]},  # an extra the operator lets through (item 11)
 }

@@ -67,6 +67,9 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[server]\nstream_coalesce_ms = -1\n",
         "[server]\nstream_coalesce_ms = nan\n",
         "[server]\nstream_coalesce_ms = 1000.5\n",
+        '[gpu_lane]\nreadiness = "warm"\n',  # the CPU replica's settings: nothing on the GPU lane
+        "[gpu_lane]\nrecovery_budget_ms = 500\n",
+        "[gpu_lane]\ncanary_ratio = 0.5\n",
     ],
 )
 def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
@@ -146,3 +149,9 @@ def test_an_embeddings_or_transcription_replica_is_warm_unless_its_service_says_
     )
     cfg = load_config(str(f))
     assert [cfg.service_readiness(s) for s in cfg.services] == [("warm", 250), ("auto", 900), ("on_demand", 250)]
+
+
+@pytest.mark.parametrize("key", ["readiness", "recovery_budget_ms", "canary_ratio"])
+def test_a_cpu_lane_setting_in_gpu_lane_says_where_it_belongs(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"\[gpu_lane\]\.{key} is a CPU lane setting .*set it in \[cpu_lane\]"):
+        load_config(overrides={"gpu_lane": {key: {"readiness": "warm"}.get(key, 1.0)}})

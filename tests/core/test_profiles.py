@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from spillover.core.memory import MemoryModel
-from spillover.core.profiles import device_bytes, plan_profile, split_layers
+from spillover.core.profiles import ProfilePlan, device_bytes, plan_profile, split_layers
 
 MIB = 1024 * 1024
 GPU_CTX, SPLIT_CTX = 2048, 1024
@@ -116,3 +116,35 @@ def test_configured_layers_are_taken_as_given_and_checked(memory: MemoryModel) -
         split_gpu_layers=999,  # more than the model has: all of its layers, which do not fit
     )
     assert (huge.profile, huge.split_layers) == ("cpu", 0)  # no worker that could never load
+
+
+def test_configured_layers_that_do_not_fit_beside_the_resident_run_no_split_worker(memory: MemoryModel) -> None:
+    """Beside a resident that fits, configured split layers are checked against the room it
+    leaves: too many run no split worker (it could never load) and the plan says why; as many
+    as fit run."""
+    resident, split = models(memory)
+    need = device_bytes(resident, 1, GPU_CTX)
+    all_layers = device_bytes(dataclasses.replace(split, n_gpu_layers=-1), 1, SPLIT_CTX)
+    usable = need + all_layers - 1  # one byte short of every layer beside the resident
+    layers = memory.spec.n_layers
+
+    def plan(configured: int, room: int = usable) -> ProfilePlan:
+        return plan_profile(
+            resident,
+            gpu_ctx_tokens=GPU_CTX,
+            usable_bytes=room,
+            split=split,
+            split_ctx_tokens=SPLIT_CTX,
+            split_gpu_layers=configured,
+        )
+
+    over = plan(layers)
+    assert (over.profile, over.split_layers, over.split_bytes) == ("gpu", 0, 0)
+    assert f"the configured {layers} split layers need" in over.why and "no split worker" in over.why
+    fits = plan(layers, usable + 1)
+    assert (fits.profile, fits.split_layers, fits.split_bytes) == ("gpu", layers, all_layers)
+    assert f"a split worker with {layers} layers beside it" in fits.why
+    auto = plan(-1)
+    assert auto.profile == "gpu" and 0 < auto.split_layers < layers
+    none = plan(-1, need + 1)  # no room at all beside the resident
+    assert (none.split_layers, none.split_bytes) == (0, 0) and "no split of it fits" in none.why

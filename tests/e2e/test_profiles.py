@@ -36,6 +36,8 @@ def test_the_device_runs_the_planned_split(gw: GatewayProcess) -> None:
     assert st["mode"] == "degraded" and any(r.startswith("split profile:") for r in st["reasons"])
     # the split worker's weights are on the device ledger, well under the whole model's
     assert 0 < st["device"]["ledger"]["predicted_bytes"] <= plan["split_bytes"]
+    # before any request was decided, the row already says where one would start
+    assert (st["services"][0]["where"], st["services"][0]["why"]) == ("split", "resident_does_not_fit")
 
 
 def test_a_request_is_served_split_flagged_with_the_reason(gw: GatewayProcess) -> None:

@@ -15,7 +15,8 @@ Rules:
    beside the resident's bytes when the resident fits (the split worker then serves what the
    resident cannot take: a request too long for its lane, no room beside its running
    requests, its worker down), in the whole device when it does not (the split worker then
-   serves every device request: ``split``).
+   serves every device request: ``split``). Configured layers that do not fit that room run
+   no split worker (the plan's ``why`` says so): a worker that could never load is not started.
 4. When neither fits, the model runs on the CPU only (``cpu``).
 """
 
@@ -77,25 +78,36 @@ def plan_profile(
 ) -> ProfilePlan:
     """The profile to run (rules 2-4). ``split`` is the split worker's memory model (its batch;
     any ``n_gpu_layers``), None when no split worker is configured."""
+    mib = 1024 * 1024
     need = device_bytes(resident, 1, gpu_ctx_tokens)
     resident_fits = need <= usable_bytes
-    n, split_need = 0, 0
+    n, split_need, split_why = 0, 0, ""
     if split is not None:
         room = usable_bytes - need if resident_fits else usable_bytes
+        where = "left beside the resident" if resident_fits else "on the device"
         if split_gpu_layers >= 0:
             n = min(split_gpu_layers, split.spec.n_layers)
         else:
             n = split_layers(split, split_slots, split_ctx_tokens, room)
         split_need = device_bytes(replace(split, n_gpu_layers=n), split_slots, split_ctx_tokens) if n > 0 else 0
-    mib = 1024 * 1024
+        if n > 0 and split_need > room:  # configured layers that do not fit: no worker that could never load
+            split_why = (
+                f"; the configured {n} split layers need {split_need / mib:.0f} MiB, "
+                f"{max(0, room) / mib:.0f} MiB {where}: no split worker"
+            )
+            n, split_need = 0, 0
+        elif n == 0:
+            split_why = f"; no split of it fits {where}" if resident_fits else ""
+        elif resident_fits:
+            split_why = f"; a split worker with {n} layers beside it ({split_need / mib:.0f} MiB)"
     if resident_fits:
         why = f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB of {usable_bytes / mib:.0f}"
-        return ProfilePlan("gpu", need, n, split_need, usable_bytes, why)
+        return ProfilePlan("gpu", need, n, split_need, usable_bytes, why + split_why)
     short = (
         f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB, the device has "
         f"{usable_bytes / mib:.0f}"
     )
-    if n > 0 and split_need <= usable_bytes:
+    if n > 0:
         why = f"{short}; {n} of {split.spec.n_layers if split else 0} layers fit ({split_need / mib:.0f} MiB)"
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
-    return ProfilePlan("cpu", need, 0, 0, usable_bytes, f"{short}; no split of it fits")
+    return ProfilePlan("cpu", need, 0, 0, usable_bytes, f"{short}{split_why or '; no split of it fits'}")

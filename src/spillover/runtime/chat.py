@@ -34,14 +34,15 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from spillover.config import Config, LaneConfig, ServiceConfig, SplitConfig, default_model_path
+from spillover.config import Config, CpuLaneConfig, LaneConfig, ServiceConfig, SplitConfig, default_model_path
 from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.core.profiles import ProfilePlan, plan_profile
+from spillover.core.reasons import Reason
 from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.readiness import ReplicaReadiness
@@ -66,7 +67,7 @@ class ChatModel:
     priority: str
     model_path: str
     gpu_lane: LaneConfig | None  # None: no GPU worker (or no GPU)
-    cpu_lane: LaneConfig
+    cpu_lane: CpuLaneConfig
     cpu_path: bool = True  # False: ``cpu = "none"``, no CPU worker
     cpu_model_path: str = ""  # the CPU lane's GGUF: the fallback's, or the model's own (a replica)
     fallback_name: str | None = None  # the CPU lane serves this fallback model (primary only)
@@ -194,6 +195,8 @@ class ChatModel:
         log.info("chat model %s on the device: profile %s (%s)", self.name, self.profile.profile, self.profile.why)
         if self.split is not None and self.profile.profile == "cpu":
             log.warning("chat model %s: neither the whole model nor a split of it fits the device", self.name)
+        elif self.split is not None and self.profile.split_layers == 0:
+            log.warning("chat model %s: no split worker runs (%s)", self.name, self.profile.why)
 
     def _start_split(self, gw: Gateway, layers: int) -> None:
         """The split worker: the model's last ``layers`` layers on the device; its requests'
@@ -311,6 +314,14 @@ class ChatModel:
         device = self.scheduler.gpu_workers + self.scheduler.split_workers
         return sum(ledger.held_bytes(w.spec.weights_holder) + sum(map(ledger.held_bytes, w.claimed)) for w in device)
 
+    def _first_route(self) -> str:
+        """Where a request would start before any was decided: the resident GPU worker, else the
+        split worker (the split profile), else the CPU lane."""
+        assert self.scheduler is not None
+        if self.scheduler.gpu is not None and self.resident_runs:
+            return "gpu"
+        return "split" if self.split_runs else "cpu"
+
     def status_row(self, ledger: DeviceLedger | None, *, primary: bool) -> dict[str, Any]:
         """Its row in /v1/status ``services``: where a request starts now and why (the last
         admission decision), its queue, ETA and device bytes; a [[services]] entry's row has
@@ -318,13 +329,14 @@ class ChatModel:
         assert self.scheduler is not None
         lanes = self.scheduler.statistics()
         last = self.scheduler.decisions[-1] if self.scheduler.decisions else None
+        first = self._first_route()
         row: dict[str, Any] = {
             "name": self.name,
             "kind": "chat",
             "priority": self.priority,
             "aliases": list(self.aliases),
-            "where": last["route"] if last else ("gpu" if self.scheduler.gpu is not None else "cpu"),
-            "why": last["reason"] if last else "",
+            "where": last["route"] if last else first,
+            "why": last["reason"] if last else (Reason.RESIDENT_DOES_NOT_FIT.value if first == "split" else ""),
             "queued": sum(x.depth for x in lanes),
             "running": sum(x.running for x in lanes),
             "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
@@ -368,15 +380,13 @@ def chat_models(cfg: Config) -> list[ChatModel]:
     return [primary, *(_from_service(cfg, s) for s in cfg.services if s.kind == "chat")]
 
 
+LaneT = TypeVar("LaneT", bound=LaneConfig)
+
+
 def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
-    def lane(base: LaneConfig, slots: int) -> LaneConfig:
+    def lane(base: LaneT, slots: int) -> LaneT:
         return dataclasses.replace(
-            base,
-            slots=slots,
-            n_threads=s.n_threads,
-            queue_depth=s.queue_depth,
-            queue_max_age_s=s.queue_max_age_s,
-            canary_ratio=0.0,
+            base, slots=slots, n_threads=s.n_threads, queue_depth=s.queue_depth, queue_max_age_s=s.queue_max_age_s
         )
 
     slug = _slug(s.name)
@@ -388,9 +398,7 @@ def _from_service(cfg: Config, s: ServiceConfig) -> ChatModel:
         model_path=s.path or default_model_path(),
         gpu_lane=lane(cfg.gpu_lane, s.gpu_slots) if s.gpu else None,
         cpu_lane=dataclasses.replace(
-            lane(cfg.cpu_lane, s.cpu_slots),
-            readiness=mode,
-            recovery_budget_ms=budget,
+            lane(cfg.cpu_lane, s.cpu_slots), canary_ratio=0.0, readiness=mode, recovery_budget_ms=budget
         ),
         cpu_path=s.cpu == "replica",
         worker_ids=(f"{slug}-gpu", f"{slug}-cpu", f"{slug}-split"),
