@@ -97,8 +97,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
             )
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run()
+        except SystemExit:  # uvicorn's own exit when the start failed
+            if isinstance(app.start_error, ConfigError):  # said in one line already (GatewayLifespan)
+                return 2
+            raise
         if not server.started:  # it could not start (e.g. the port is taken): as uvicorn.run exits
             sys.exit(STARTUP_FAILURE)
     finally:

@@ -11,7 +11,8 @@ import contextlib
 import functools
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import traceback
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -25,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from spillover.errors import (
     BodyTimeout,
+    ConfigError,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -125,7 +127,7 @@ class ClosingStream(StreamingResponse):
                 await asyncio.shield(aclose())
 
 
-def create_app(gw: Gateway) -> Starlette:
+def create_app(gw: Gateway) -> GatewayLifespan:
     """Build the ASGI app around a started (or starting) Gateway."""
     cfg = gw.cfg
     for ep in ollama_endpoints(gw):
@@ -320,16 +322,7 @@ def create_app(gw: Gateway) -> Starlette:
         *ollama_routes(gw, generate, guard(authorize, ollama_error)),
     ]
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gw.start()
-        await asyncio.to_thread(sweep_uploads, gw)
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[
             Middleware(
@@ -338,6 +331,50 @@ def create_app(gw: Gateway) -> Starlette:
                 refuse=lambda exc: _error_response(exc, new_request_id()),
             )
         ],
-        lifespan=lifespan,
         exception_handlers={HTTPException: on_http_exception, Exception: on_error},
     )
+    return GatewayLifespan(app, gw)
+
+
+OPERATOR_ERRORS = (ConfigError,)  # a start failing on what the operator gave: said in one line
+
+
+class GatewayLifespan:
+    """The app, with the gateway's start and stop as its ASGI lifespan.
+
+    A start that fails is reported in one line (uvicorn logs the lifespan's failure message as
+    it is; Starlette's own lifespan sends a whole traceback): what was wrong, for an error in
+    what the operator gave (a config error, a model file that cannot be read); a traceback only
+    for anything else. What the start had made is stopped, and ``start_error`` keeps the
+    error for the command line's exit status (``cli``)."""
+
+    def __init__(self, app: Starlette, gw: Gateway) -> None:
+        self.app = app
+        self.gw = gw
+        self.start_error: BaseException | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        await receive()  # lifespan.startup
+        try:
+            await self.gw.start()
+            await asyncio.to_thread(sweep_uploads, self.gw)
+        except Exception as exc:
+            self.start_error = exc
+            with contextlib.suppress(Exception):
+                await self.gw.stop()
+            text = f"spillover could not start: {exc}"
+            if not isinstance(exc, OPERATOR_ERRORS):
+                text += "\n" + "".join(traceback.format_exception(exc))
+            await send({"type": "lifespan.startup.failed", "message": text})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        try:
+            await self.gw.stop()
+        except Exception:
+            await send({"type": "lifespan.shutdown.failed", "message": traceback.format_exc()})
+        else:
+            await send({"type": "lifespan.shutdown.complete"})

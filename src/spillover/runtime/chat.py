@@ -93,23 +93,29 @@ class ChatModel:
         return (self.name, *self.aliases)
 
     # -- life ----------------------------------------------------------------------------
-    async def start(self, gw: Gateway) -> None:
-        """Read the model, make its scheduler and supervisors (rule 1); the loops are the gateway's."""
+    def _read_model(self, path: str) -> tuple[Any, ModelSpec]:
+        """A GGUF file's tokenizer and spec; a file that cannot be either is a ConfigError that
+        names the model (the start says it in one line: ``http.app.GatewayLifespan``)."""
         from spillover.engine.gguf_meta import read_model_spec
         from spillover.engine.llama_engine import Tokenizer
 
+        try:
+            return Tokenizer(path), read_model_spec(path)
+        except (ValueError, OSError) as exc:  # llama.cpp's load failure, gguf's, UnsupportedModel
+            raise ConfigError(f"chat model {self.name!r}: {path} cannot be served ({exc})") from exc
+
+    async def start(self, gw: Gateway) -> None:
+        """Read the model, make its scheduler and supervisors (rule 1); the loops are the gateway's."""
         self.cpu_model_path = self.cpu_model_path or self.model_path
-        self.tokenizer = await asyncio.to_thread(Tokenizer, self.model_path)
-        self.spec = await asyncio.to_thread(read_model_spec, self.model_path)
-        cpu_spec = self.spec
+        self.tokenizer, model_spec = await asyncio.to_thread(self._read_model, self.model_path)
+        self.spec = cpu_spec = model_spec
         if self.fallback_name is not None:
-            self.cpu_tokenizer = await asyncio.to_thread(Tokenizer, self.cpu_model_path)
-            cpu_spec = await asyncio.to_thread(read_model_spec, self.cpu_model_path)
+            self.cpu_tokenizer, cpu_spec = await asyncio.to_thread(self._read_model, self.cpu_model_path)
             log.info("CPU lane serves the fallback model %s (%s), labelled degraded", self.fallback_name, cpu_spec)
         a = gw.cfg.admission
         gpu_batch = self.gpu_lane.n_batch_tokens if self.gpu_lane else gw.cfg.gpu_lane.n_batch_tokens
         self.memory = MemoryModel(
-            self.spec, page_tokens=a.kv_page_tokens, fragmentation_ratio=a.fragmentation_ratio, n_batch=gpu_batch
+            model_spec, page_tokens=a.kv_page_tokens, fragmentation_ratio=a.fragmentation_ratio, n_batch=gpu_batch
         )
         gpu = self.gpu_lane is not None and gw.device is not None and gw.ledger is not None
         if not gpu and not self.cpu_path:
