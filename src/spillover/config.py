@@ -630,6 +630,11 @@ def _validate_services(cfg: Config) -> None:
                 "CPU replica is loaded at start and kept)"
             )
         _validate_readiness(where, "cpu_readiness", *cfg.service_readiness(svc))
+        if svc.recovery_budget_ms and (mode := cfg.service_readiness(svc)[0]) != "auto":
+            raise ConfigError(
+                f"{where}: recovery_budget_ms only steers cpu_readiness = auto, and this service's replica is "
+                f"kept {mode}" + ("" if svc.cpu_readiness else " ([cpu_lane].readiness)")
+            )
         if svc.kind == "embeddings" and svc.path and not Path(svc.path, "model.onnx").is_file():
             raise ConfigError(f"{where}: no model.onnx under path {svc.path}")
         if svc.kind == "transcription" and svc.path and not Path(svc.path, "model.bin").is_file():

@@ -67,6 +67,9 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         "[server]\nstream_coalesce_ms = -1\n",
         "[server]\nstream_coalesce_ms = nan\n",
         "[server]\nstream_coalesce_ms = 1000.5\n",
+        '[[services]]\nname = "c2"\nkind = "chat"\ncpu_readiness = "warm"\nrecovery_budget_ms = 300\n',  # no effect
+        '[cpu_lane]\nreadiness = "mmap"\n[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = 300\n',
+        '[[services]]\nname = "e2"\nkind = "embeddings"\ncpu_readiness = "on_demand"\nrecovery_budget_ms = 9\n',
         '[gpu_lane]\nreadiness = "warm"\n',  # the CPU replica's settings: nothing on the GPU lane
         "[gpu_lane]\nrecovery_budget_ms = 500\n",
         "[gpu_lane]\ncanary_ratio = 0.5\n",
