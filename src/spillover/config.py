@@ -626,7 +626,7 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f'{where}: cpu_readiness and recovery_budget_ms need a CPU replica (cpu = "none" here)')
         if svc.kind != "chat" and svc.recovery_budget_ms and not svc.cpu_readiness:
             raise ConfigError(
-                f"{where}: recovery_budget_ms needs cpu_readiness on an {svc.kind} service (without it the "
+                f"{where}: recovery_budget_ms needs cpu_readiness on this {svc.kind} service (without it the "
                 "CPU replica is loaded at start and kept)"
             )
         _validate_readiness(where, "cpu_readiness", *cfg.service_readiness(svc))

@@ -17,7 +17,7 @@
     ├── CapacityError                   503 + Retry-After: the gateway is full right now
     │   ├── QueueFull                   code=queue_full
     │   ├── JournalUnavailable          type=server_error code=journal_unavailable: a journal write failed
-    │   ├── NoWorkerReady               code=no_worker_ready
+    │   ├── NoWorkerReady               code=no_worker_ready (model_load_failed: no worker can start)
     │   └── WorkerFailed                a worker died or failed mid-request (resumable)
     │       ├── AllocationFailed        the device refused memory before generation
     │       └── FailoverInterrupted     code=failover_interrupted: tokens were delivered and
@@ -94,6 +94,13 @@ class ConfigError(SpilloverError):
     """The configuration file or flags are invalid."""
 
     code = "config_error"
+
+    @classmethod
+    def unreadable(cls, what: str, path: str, exc: BaseException) -> ConfigError:
+        """A model file or folder the gateway cannot read, naming what it is for: whatever the
+        reader raised (a damaged, cut-short or foreign file fails in many ways) is the operator's
+        file, not a bug, and the start says so in one line."""
+        return cls(f"{what}: {path} cannot be served ({type(exc).__name__}: {exc})")
 
 
 class ClientError(SpilloverError):
@@ -274,6 +281,10 @@ _FOR_PEOPLE: dict[str, str] = {
     ),
     "deadline_exceeded": "This answer cannot be ready before its deadline right now. Try later or allow more time.",
     "no_worker_ready": "The model is still loading. Please try again in {s}.",
+    "model_load_failed": (
+        "The server cannot load the model for this request right now (its status page says why). "
+        "Please try again in {s}."
+    ),
     "worker_failed": "The model stopped while answering. Please try again in {s}.",
     "failover_interrupted": (
         "The GPU failed partway through this answer, and the rest could not be produced identically "

@@ -140,7 +140,9 @@ def test_configured_layers_that_do_not_fit_beside_the_resident_run_no_split_work
 
     over = plan(layers)
     assert (over.profile, over.split_layers, over.split_bytes) == ("gpu", 0, 0)
-    assert f"the configured {layers} split layers need" in over.why and "no split worker" in over.why
+    assert f"the configured split of {layers} layers needs" in over.why and "no split worker" in over.why
+    most = plan(-1).split_layers
+    assert f"([split].gpu_layers = {most} would fit)" in over.why
     fits = plan(layers, usable + 1)
     assert (fits.profile, fits.split_layers, fits.split_bytes) == ("gpu", layers, all_layers)
     assert f"a split worker with {layers} layers beside it" in fits.why

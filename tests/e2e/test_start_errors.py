@@ -42,3 +42,123 @@ def test_a_second_chat_model_that_cannot_be_loaded_is_named(tmp_path: Path) -> N
     # before any model is read), so the same start fails the same way
     again = serve(tmp_path / "state", "--config", str(config), "--gpu", "sim:1024")
     assert again.returncode == 2 and f"chat model 'second': {bad} cannot be served" in again.stderr, again.stderr
+
+
+def _broken_copy(src: str, dest: Path, name: str, content: bytes) -> Path:
+    """The packaged model folder ``src`` with its file ``name`` replaced by ``content``."""
+    dest.mkdir()
+    for f in Path(src).iterdir():
+        (dest / f.name).symlink_to(f)
+    (dest / name).unlink(missing_ok=True)
+    (dest / name).write_bytes(content)
+    return dest
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "content"),
+    [
+        ("embeddings", "config.json", b'{"hidden_size": 384,'),  # JSON cut short
+        ("embeddings", "config.json", b'{"hidden_size": 384}'),  # keys missing
+        ("transcription", "model.bin", b"\x06\x00\x00\x00\x0bWhisperSpec"),  # its table cut short
+        ("transcription", "model.bin", b"\x06\x00\x00\x00\x03\x00BERT\x01\x00\x00\x00"),  # not Whisper
+    ],
+)
+def test_a_service_model_that_cannot_be_read_is_named_in_one_line(
+    tmp_path: Path, kind: str, name: str, content: bytes
+) -> None:
+    from spillover.engine.embedder import default_embed_model_dir
+    from spillover.engine.whisper_meta import default_whisper_model_dir
+
+    src = default_embed_model_dir() if kind == "embeddings" else default_whisper_model_dir()
+    folder = _broken_copy(src, tmp_path / "model", name, content)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[services]]\nname = "mine"\nkind = "{kind}"\npath = "{folder}"\n')
+    scope = [f"--without={k}" for k in ("embeddings", "transcription") if k != kind]
+    got = serve(tmp_path / "state", "--config", str(config), "--gpu", "sim:1024", *scope)
+    assert got.returncode == 2, got.stderr[-3000:]
+    line = f"spillover could not start: {kind} service 'mine': {folder} cannot be served ("
+    assert line in got.stderr and "Traceback" not in got.stderr, got.stderr[-3000:]
+
+
+def test_a_service_whose_workers_cannot_load_refuses_at_once_and_chat_goes_on(tmp_path: Path) -> None:
+    """A model.onnx that is not ONNX: the header the gateway reads is fine, so it starts, but
+    each worker's load fails. A request is refused at once (503 model_load_failed, Retry-After)
+    with each worker's failure, not after a queue timeout; /v1/status shows the failure; the
+    chat model is untouched."""
+    import httpx
+
+    from spillover.engine.embedder import default_embed_model_dir
+    from spillover.testing import GatewayProcess
+    from tests.e2e.helpers import wait_for
+
+    folder = _broken_copy(default_embed_model_dir(), tmp_path / "model", "model.onnx", b"not an onnx model")
+    svc = {"name": "mine", "kind": "embeddings", "path": str(folder)}
+    with GatewayProcess(
+        ["--gpu", "sim:1024"], services=("chat", "embeddings"), config={"services": [svc]}, wait_all_workers=False
+    ) as g:
+
+        def rows() -> list[dict[str, object]]:
+            return next(s for s in g.status()["services"] if s["name"] == "mine")["workers"]  # type: ignore[no-any-return]
+
+        wait_for(lambda: all(w["start_failure"] for w in rows()) and len(rows()) == 2, 90, "both loads failed")
+        r = httpx.post(g.url + "/v1/embeddings", json={"model": "mine", "input": "hello"}, timeout=30)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_load_failed" and "cannot load the model" in error["message"], error
+        assert "gpu worker: load_failed" in error["detail"] and "cpu worker: load_failed" in error["detail"]
+        assert r.elapsed.total_seconds() < 5
+        chat = {"model": "smollm2-135m-instruct", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(g.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+def test_a_second_ctrl_c_stops_the_gateway_and_its_workers_at_once(tmp_path: Path) -> None:
+    """Ctrl-C twice with a long answer streaming: uvicorn skips its shutdown event then, and the
+    gateway's stop still runs: the process exits and no worker is left running."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from spillover.testing import GatewayProcess
+
+    with GatewayProcess(["--gpu", "sim:1024"]) as g:
+        pids = [w["pid"] for w in g.status()["workers"]]
+        assert pids and all(pids)
+        body = {
+            "model": "smollm2-135m-instruct",
+            "stream": True,
+            "max_tokens": 400,
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+        }
+        started = threading.Event()
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", g.url + "/v1/chat/completions", json=body, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        started.set()
+            except httpx.HTTPError:
+                pass
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert started.wait(60)
+        assert g.proc is not None
+        g.proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        g.proc.send_signal(signal.SIGINT)
+        assert g.proc.wait(timeout=30) == 0, g.tail()
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if alive(p)], g.tail()

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+
+if TYPE_CHECKING:
+    from spillover.core.ledger import DeviceLedger
+    from spillover.runtime.embeddings import EmbeddingsService
 
 
 def ready_worker(wid: str, lane: str, slots: int = 1) -> WorkerClient:
@@ -14,6 +19,23 @@ def ready_worker(wid: str, lane: str, slots: int = 1) -> WorkerClient:
     w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", slots, 4096, 1, 8), lambda _w, _g: None)
     w.state = WorkerState.READY
     return w
+
+
+def embeddings_service(ledger: DeviceLedger) -> EmbeddingsService:
+    """The default config's embeddings service on ``ledger``, its gateway a stand-in (no
+    workers: a test sets ``gpu`` and ``cpu``)."""
+    from spillover.config import load_config
+    from spillover.runtime.embeddings import EmbeddingsService
+
+    cfg = load_config()
+    gw = SimpleNamespace(
+        cfg=cfg,
+        ledger=ledger,
+        host=SimpleNamespace(observed_bytes=0, budget_bytes=1 << 40),
+        kick_scheduler=lambda: None,
+        note_event=lambda *a: None,
+    )
+    return EmbeddingsService(gw, cfg.services[0])  # type: ignore[arg-type]
 
 
 def watch_timers(

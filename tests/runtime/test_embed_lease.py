@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from spillover.config import load_config
 from spillover.core.ledger import DeviceLedger
-from spillover.runtime.embeddings import EmbeddingsService
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from tests.runtime.fakes import embeddings_service
 
 MIB = 1024 * 1024
 
@@ -21,19 +20,6 @@ def _ready_worker(wid: str, lane: str) -> WorkerClient:
     return w
 
 
-def _service(ledger: DeviceLedger) -> EmbeddingsService:
-    cfg = load_config()
-    gw = SimpleNamespace(
-        cfg=cfg,
-        ledger=ledger,
-        host=SimpleNamespace(observed_bytes=0, budget_bytes=1 << 40),
-        kick_scheduler=lambda: None,
-        note_event=lambda *a: None,
-    )
-    svc = EmbeddingsService(gw, cfg.services[0])  # type: ignore[arg-type]
-    return svc
-
-
 def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes() -> None:
     """GPU busy: the job waits; the slot frees and a pass dispatches it (slot claimed, bytes
     reserved), then its request is cancelled before it runs: both come back at once."""
@@ -41,9 +27,9 @@ def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes()
     async def main() -> None:
         ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
         ledger.observe(0, 0.0)
-        svc = _service(ledger)
+        svc = embeddings_service(ledger)
         gpu = _ready_worker("emb-gpu", "gpu")
-        svc.gpu = SimpleNamespace(worker=gpu)  # type: ignore[assignment]
+        svc.gpu = SimpleNamespace(worker=gpu, parked=False, start_failure=None)  # type: ignore[assignment]
         gpu.claim_slot("someone")
         task = asyncio.create_task(svc._dispatch("r1", 10 * MIB, 1.0, avoid_gpu=False))
         await asyncio.sleep(0)

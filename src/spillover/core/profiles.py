@@ -58,6 +58,10 @@ def device_bytes(model: MemoryModel, slots: int, ctx_tokens: int) -> int:
     return model.weights_bytes() + slots * model.request_footprint(ctx_tokens, 0).total_bytes
 
 
+def _layers(n: int) -> str:
+    return "1 layer" if n == 1 else f"{n} layers"
+
+
 def split_layers(model: MemoryModel, slots: int, ctx_tokens: int, usable_bytes: int) -> int:
     """The largest N in 1..n_layers whose split fits ``usable_bytes`` (rule 3); 0 when none."""
     for n in range(model.spec.n_layers, 0, -1):
@@ -91,15 +95,17 @@ def plan_profile(
             n = split_layers(split, split_slots, split_ctx_tokens, room)
         split_need = device_bytes(replace(split, n_gpu_layers=n), split_slots, split_ctx_tokens) if n > 0 else 0
         if n > 0 and split_need > room:  # configured layers that do not fit: no worker that could never load
+            most = split_layers(split, split_slots, split_ctx_tokens, room)
             split_why = (
-                f"; the configured {n} split layers need {split_need / mib:.0f} MiB, "
+                f"; the configured split of {_layers(n)} needs {split_need / mib:.0f} MiB, "
                 f"{max(0, room) / mib:.0f} MiB {where}: no split worker"
+                + (f" ([split].gpu_layers = {most} would fit)" if most else "")
             )
             n, split_need = 0, 0
         elif n == 0:
             split_why = f"; no split of it fits {where}" if resident_fits else ""
         elif resident_fits:
-            split_why = f"; a split worker with {n} layers beside it ({split_need / mib:.0f} MiB)"
+            split_why = f"; a split worker with {_layers(n)} beside it ({split_need / mib:.0f} MiB)"
     if resident_fits:
         why = f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB of {usable_bytes / mib:.0f}"
         return ProfilePlan("gpu", need, n, split_need, usable_bytes, why + split_why)
@@ -108,6 +114,7 @@ def plan_profile(
         f"{usable_bytes / mib:.0f}"
     )
     if n > 0:
-        why = f"{short}; {n} of {split.spec.n_layers if split else 0} layers fit ({split_need / mib:.0f} MiB)"
+        of = split.spec.n_layers if split else 0
+        why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''} ({split_need / mib:.0f} MiB)"
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
     return ProfilePlan("cpu", need, 0, 0, usable_bytes, f"{short}{split_why or '; no split of it fits'}")

@@ -371,7 +371,17 @@ class GatewayLifespan:
             await send({"type": "lifespan.startup.failed", "message": text})
             return
         await send({"type": "lifespan.startup.complete"})
-        await receive()  # lifespan.shutdown
+        try:
+            await receive()  # lifespan.shutdown
+        except asyncio.CancelledError:
+            # uvicorn's forced exit (a second Ctrl-C) sends no shutdown event: the loop's end
+            # cancels this task instead. The workers are stopped all the same, never left running
+            # (the cancel is taken back first: the stop's own waits must not end at once). The
+            # lifespan then ends as a finished one: the loop is ending anyway.
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()
+            await self.gw.stop()
+            return
         try:
             await self.gw.stop()
         except Exception:

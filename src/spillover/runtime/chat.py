@@ -93,7 +93,7 @@ class ChatModel:
         return (self.name, *self.aliases)
 
     # -- life ----------------------------------------------------------------------------
-    def _read_model(self, path: str) -> tuple[Any, ModelSpec]:
+    def _read_model(self, path: str, what: str = "") -> tuple[Any, ModelSpec]:
         """A GGUF file's tokenizer and spec; a file that cannot be either is a ConfigError that
         names the model (the start says it in one line: ``http.app.GatewayLifespan``)."""
         from spillover.engine.gguf_meta import read_model_spec
@@ -101,8 +101,8 @@ class ChatModel:
 
         try:
             return Tokenizer(path), read_model_spec(path)
-        except (ValueError, OSError) as exc:  # llama.cpp's load failure, gguf's, UnsupportedModel
-            raise ConfigError(f"chat model {self.name!r}: {path} cannot be served ({exc})") from exc
+        except Exception as exc:  # llama.cpp's load failure, gguf's, UnsupportedModel, a header that lies
+            raise ConfigError.unreadable(what or f"chat model {self.name!r}", path, exc) from exc
 
     async def start(self, gw: Gateway) -> None:
         """Read the model, make its scheduler and supervisors (rule 1); the loops are the gateway's."""
@@ -110,7 +110,8 @@ class ChatModel:
         self.tokenizer, model_spec = await asyncio.to_thread(self._read_model, self.model_path)
         self.spec = cpu_spec = model_spec
         if self.fallback_name is not None:
-            self.cpu_tokenizer, cpu_spec = await asyncio.to_thread(self._read_model, self.cpu_model_path)
+            what = f"chat model {self.name!r}'s CPU fallback model {self.fallback_name!r}"
+            self.cpu_tokenizer, cpu_spec = await asyncio.to_thread(self._read_model, self.cpu_model_path, what)
             log.info("CPU lane serves the fallback model %s (%s), labelled degraded", self.fallback_name, cpu_spec)
         a = gw.cfg.admission
         gpu_batch = self.gpu_lane.n_batch_tokens if self.gpu_lane else gw.cfg.gpu_lane.n_batch_tokens
@@ -199,8 +200,8 @@ class ChatModel:
             split_gpu_layers=self.split.gpu_layers if self.split else -1,
         )
         log.info("chat model %s on the device: profile %s (%s)", self.name, self.profile.profile, self.profile.why)
-        if self.split is not None and self.profile.profile == "cpu":
-            log.warning("chat model %s: neither the whole model nor a split of it fits the device", self.name)
+        if self.profile.profile == "cpu":
+            log.warning("chat model %s runs on the CPU only (%s)", self.name, self.profile.why)
         elif self.split is not None and self.profile.split_layers == 0:
             log.warning("chat model %s: no split worker runs (%s)", self.name, self.profile.why)
 

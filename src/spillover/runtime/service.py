@@ -38,6 +38,11 @@ Rules:
    with the mode. Without ``cpu_readiness`` the replica is loaded at start and kept whatever
    the host room, as before readiness modes (its row's ``cpu_readiness`` is null): a mode the
    host room could take away is only ever one that was asked for.
+8. When none of its workers is ready and every one that may run has failed its last start
+   (a model file the worker cannot load: ``runtime.supervisor`` rule 8), a request is
+   refused at once (503 ``model_load_failed``, naming each worker's failure, Retry-After the
+   next attempt), and so are the requests queued for it: waiting would only end in a queue
+   timeout that hides why. The supervisors keep retrying; the first ready worker ends it.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from spillover.core.breaker import (
 )
 from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
-from spillover.errors import CapacityError, QueueFull, RequestCancelled, WorkerFailed
+from spillover.errors import CapacityError, ConfigError, NoWorkerReady, QueueFull, RequestCancelled, WorkerFailed
 from spillover.runtime import ticks
 from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, SupervisorEvent, WorkerGone
 from spillover.runtime.hostmem import CpuLaneHost
@@ -233,8 +238,13 @@ class DeviceService(abc.ABC):
         return self.weights_bytes()
 
     async def start(self) -> None:
-        """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops)."""
-        await self.load_model()
+        """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops).
+        A model it cannot read is a ConfigError naming the service."""
+        try:
+            await self.load_model()
+        except Exception as exc:
+            where = self.model_dir or self.cfg.path or "its packaged model"
+            raise ConfigError.unreadable(f"{self.kind} service {self.name!r}", where, exc) from exc
         gw = self.gw
         if self.cfg.gpu and gw.device is not None and gw.ledger is not None:
             spec = self._spec("gpu", gw.device.spec)
@@ -300,7 +310,10 @@ class DeviceService(abc.ABC):
         """Promise request ``rid``, about to be accepted, a place; 503 at once when the queue
         is full or every place left (queue room and free slots) is promised already, or when
         the lane it would start on now cannot finish it within ``deadline_s`` seconds (rule 2).
-        The promise ends when its job is queued or ``release_place``."""
+        The promise ends when its job is queued or ``release_place``. Refused at once while no
+        worker can start (rule 8)."""
+        if (failed := self.cannot_start()) is not None:
+            raise failed
         if places_promised(self.cfg.queue_depth, len(self.queue), len(self.promised), self._free_slots()):
             self.shed += 1
             raise QueueFull(
@@ -318,6 +331,19 @@ class DeviceService(abc.ABC):
                     code="deadline_exceeded",
                 )
         self.promised.add(rid)
+
+    def cannot_start(self) -> NoWorkerReady | None:
+        """Rule 8: the error for a request while no worker is ready and every one that may run
+        failed its last start; None otherwise."""
+        sups = [s for s in self.supervisors() if not s.parked]
+        if not sups or any(s.worker.state is WorkerState.READY or s.start_failure is None for s in sups):
+            return None
+        why = "; ".join(f"{s.worker.spec.lane} worker: {s.start_failure}" for s in sups)
+        return NoWorkerReady(
+            f"the {self.name} service has no worker that can start ({why})",
+            retry_after_s=max(1.0, min(s.backoff_s for s in sups)),
+            code="model_load_failed",
+        )
 
     def release_place(self, rid: str) -> None:
         """Request ``rid`` no longer needs the place it was promised (idempotent)."""
@@ -609,6 +635,12 @@ class DeviceService(abc.ABC):
                 )
             )
             job.future.exception()
+        if self.queue and self.cannot_start() is not None:  # rule 8
+            for job in self.queue:
+                if not job.future.done() and (failed := self.cannot_start()) is not None:
+                    job.future.set_exception(failed)
+                    job.future.exception()
+            self.queue.clear()
         for job in list(self.queue):
             choice = place(self._view(job.nbytes, job.avoid_gpu, now))
             self.last_choice = (choice.lane, str(choice.reason))

@@ -19,6 +19,9 @@ Rules:
    read, a spawn that raises) is logged with its traceback and the round is retried after
    the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
    fails while waiting for release counts as "not released yet" (rule 2's bound holds).
+8. A start that fails (a model the worker cannot load) is kept as ``start_failure`` until a
+   start succeeds: the owner can answer at once instead of queueing for a worker that keeps
+   failing the same way, and ``/v1/status`` shows it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class Supervisor:
         self.backoff_s = cfg.restart_backoff_initial_s
         self.events: list[tuple[float, str]] = []
         self.errors = 0  # supervisor rounds that raised (rule 5)
+        self.start_failure: str | None = None  # rule 8
         self._stopping = False
         self._may_run = asyncio.Event()  # cleared while parked (rule 7)
         self._may_run.set()
@@ -76,7 +80,10 @@ class Supervisor:
 
     def status_row(self) -> dict[str, Any]:
         """Its worker's line in /v1/status: the worker's statistics and its restarts."""
-        return dataclasses.asdict(self.worker.statistics()) | {"restarts": self.restarts}
+        return dataclasses.asdict(self.worker.statistics()) | {
+            "restarts": self.restarts,
+            "start_failure": self.start_failure,
+        }
 
     def _event(self, kind: SupervisorEventKind, detail: str = "") -> None:
         ev = SupervisorEvent(kind, detail)
@@ -147,9 +154,11 @@ class Supervisor:
         try:
             self._event(K.STARTING)
             info = await self.worker.start(self.cfg.load_timeout_s)
+            self.start_failure = None
             self._event(K.READY, f"pid={info.get('pid')}")
         except Exception as exc:
-            self._event(K.START_FAILED, str(exc))
+            self.start_failure = str(exc) or type(exc).__name__
+            self._event(K.START_FAILED, self.start_failure)
             await self.worker.kill()  # a no-op when no process was spawned (or it is gone)
             with contextlib.suppress(TimeoutError):  # bounded: nothing may have been spawned
                 await asyncio.wait_for(self._exited.wait(), self.cfg.health_timeout_s)
