@@ -45,7 +45,11 @@ BURST_ROOM_MIB = 60
 # Room a tenant leaves: under the long chat's need, but over it once the embeddings weights
 # (about 47 MiB predicted) are unloaded.
 DEMOTION_ROOM_MIB = 90
-TRANSCRIBE_BURST_S = 30.0  # three files of this: two on the GPU (about 142 MiB predicted each), one queued
+# Three files of this: two on the GPU (about 194 MiB predicted each), one on the CPU path. A
+# file must outlast [admission].delay_max_s (2 s) by far: the long chat may wait that long for
+# room, and takes the GPU when a file ends (30 s of audio took 2.2 s on a fast machine: the
+# chat then waited and fitted, and the check failed though the gateway did as it should).
+TRANSCRIBE_BURST_S = 90.0
 BURST_FILES = 3
 TRANSCRIBE_KILL_S = 40.0  # long enough that a kill half a second in lands mid-file
 
