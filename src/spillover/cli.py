@@ -400,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the gateway: chat, embeddings and transcription services, each with a GPU (or sim) "
         "worker and a CPU path",
         description="Start the OpenAI- and Ollama-compatible gateway: the chat model ([model]) and the "
-        "[[services]] (by default bge-small-en embeddings) on one device budget. Settings come from "
-        "defaults, then --config FILE (TOML, see `spillover config`), then these flags.",
+        "[[services]] (by default bge-small-en embeddings and whisper-tiny.en transcription) on one "
+        "device budget. Settings come from defaults, then --config FILE (TOML, see `spillover config`), "
+        "then these flags.",
     )
     s.add_argument("--config", help="TOML config file")
     s.add_argument("--host", help="bind address (default 127.0.0.1; other addresses need --api-key)")
