@@ -217,6 +217,11 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         )
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ConfigError("estimate: --gpu-layers must be -1 (all) or more")
+    from spillover.core.memory import KV_TYPES
+
+    implied_fa = a.flash_attn is None and KV_TYPES[a.kv_type][1] > 1
+    if a.flash_attn is None:  # llama.cpp takes a quantized V cache only with flash attention
+        a.flash_attn = implied_fa
     if a.device_mib is not None and a.device_mib < 1:
         raise ConfigError("estimate: --device-mib must be at least 1")
     if not 0 <= a.margin < 1:
@@ -298,6 +303,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     if compute is not None and too_long:
         out["compute_source"] = f"llama.cpp plan, extended past {PLAN_CELLS_MAX} cells"
     out["cpu_repack"] = cpu_backend_repacks()  # the host's weights include the CPU backend's repacked copies
+    if implied_fa:
+        out["flash_attn_source"] = f"implied: llama.cpp takes a {a.kv_type} V cache only with it"
     if fit is not None:
         out["fit"] = fit
     if a.json:
@@ -348,7 +355,8 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
     lines = [
         f"{out['name']} ({out['arch']}, {out['n_layers']} layers): context {out['n_ctx']} "
         f"({out['cells']} cells), batch {out['n_batch']}, micro-batch {out['n_ubatch']}, "
-        f"KV {out['kv_type']}, flash attention {'on' if out['flash_attn'] else 'off'}",
+        f"KV {out['kv_type']}, flash attention {'on' if out['flash_attn'] else 'off'}"
+        + (f" ({out['flash_attn_source']})" if "flash_attn_source" in out else ""),
     ]
     if out["placement"] == "cpu":
         lines.append("placement: cpu (this llama.cpp build has no GPU backend: everything is in host memory)")
@@ -550,7 +558,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache type (default f16; any case)",
     )
     e.add_argument(
-        "--flash-attn", action="store_true", help="flash attention on (llama.cpp needs it for a quantized V cache)"
+        "--flash-attn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="flash attention on or off (default: on for a quantized KV type, since llama.cpp takes a "
+        "quantized V cache only with it; off otherwise, as llama-cpp-python and spillover's workers load)",
     )
     e.add_argument(
         "--gpu-layers",

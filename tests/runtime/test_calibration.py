@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,34 @@ def test_estimate_cli_off_the_grid(
     assert (totals[True] - m.total_bytes) / m.total_bytes >= -0.01
 
 
+def test_estimate_cli_turns_flash_attention_on_for_a_quantized_cache(
+    off_grid: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--kv-type q8_0` alone (the issue's command has no flash attention flag) is answered as
+    llama.cpp would take it, with flash attention, and says so; an unquantized type keeps it off."""
+    import json
+
+    from spillover.cli import main
+
+    def run(*args: str) -> dict[str, Any]:
+        assert main(["estimate", off_grid, "--ctx", "777", *args, "--json"]) == 0
+        out: dict[str, Any] = json.loads(capsys.readouterr().out)
+        return out
+
+    for kv in ("q8_0", "q4_0", "Q5_1"):
+        implied, explicit = run("--kv-type", kv), run("--kv-type", kv, "--flash-attn")
+        assert implied["flash_attn"] is True and "implied" in implied["flash_attn_source"]
+        assert "flash_attn_source" not in explicit
+        assert implied["total_bytes"] == explicit["total_bytes"] and implied["components"] == explicit["components"]
+    for kv in ("f16", "f32", "bf16"):
+        out = run("--kv-type", kv)
+        assert out["flash_attn"] is False and "flash_attn_source" not in out
+        assert run("--kv-type", kv, "--no-flash-attn")["total_bytes"] == out["total_bytes"]
+        assert run("--kv-type", kv, "--flash-attn")["flash_attn"] is True
+    assert main(["estimate", off_grid, "--ctx", "777", "--kv-type", "q8_0"]) == 0
+    assert "flash attention on (implied: llama.cpp takes a q8_0 V cache only with it)" in capsys.readouterr().out
+
+
 def test_plan_is_llama_cpps_own_figure(off_grid: str) -> None:
     """The dry run (no weights read) plans the compute buffer the real load then allocates."""
     from spillover.engine.plan import plan_buffers
@@ -96,7 +125,7 @@ def test_estimate_cli_refuses_what_llama_cpp_refuses(
     from spillover.cli import main
 
     for kv in ("q8_0", "Q8_0"):  # the type in any case, as llama.cpp's own names are written
-        assert main(["estimate", off_grid, "--ctx", "512", "--kv-type", kv]) == 2
+        assert main(["estimate", off_grid, "--ctx", "512", "--kv-type", kv, "--no-flash-attn"]) == 2
         assert "flash attention" in capsys.readouterr().err
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"not a model")
