@@ -3,6 +3,8 @@
 Every request enters the GPU lane (or the CPU lane when there is no GPU). The pump asks
 ``core.admission.decide`` for each waiting GPU job and executes the decision: reserve
 pages and dispatch, wait, move to the CPU lane, or reject. A full queue answers at once.
+A job refused only because no CPU path is ready, while a worker that could take it is still
+starting (the gateway's start, a restart), waits for that worker instead (``_coming``).
 
 This module owns the decisions: which job leaves which lane for which worker, the breaker's
 events, and when the next pass is due. The lanes themselves (queues, counters, speed and
@@ -367,6 +369,9 @@ class Scheduler:
                 return
             if split == "breaker" and not self.gpu_workers:  # only the split runs: its breaker is the device's
                 d = self._split_breaker_open(d, now)
+        if isinstance(d, Reject) and self._coming(d):  # a worker that could take it is loading: it waits
+            self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
+            return
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
             self._dispatch_gpu(job, d, now, self.gpu)
@@ -426,6 +431,23 @@ class Scheduler:
             )
         )
         return True
+
+    def _coming(self, d: Reject) -> bool:
+        """A refusal for want of a CPU path, while a worker that could take the job is starting
+        (the gateway's start, or a restart): the device worker for a job refused because none is
+        ready, or a CPU worker when none is ready and the policy routes to the CPU. The job then
+        waits for it (a worker's READY kicks a pass) up to the GPU lane's ``queue_max_age_s``;
+        a start that fails leaves nothing starting, and the next pass refuses it."""
+        if d.refusal is not Reason.CPU_UNAVAILABLE:
+            return False
+
+        def starting(workers: list[WorkerClient]) -> bool:
+            return any(w.state is WorkerState.STARTING for w in workers)
+
+        device = d.cause is Reason.GPU_UNAVAILABLE and starting(self.gpu_workers + self.split_workers)
+        cpu_ready = any(w.state is WorkerState.READY for w in self.cpu_workers)
+        cpu = self.policy is not None and self.policy.allow_cpu_route and not cpu_ready and starting(self.cpu_workers)
+        return device or cpu
 
     def _split_breaker_open(self, d: Route | Reject, now: float) -> Route | Reject:
         """The admission's decision for a job the split worker's open breaker turned away when

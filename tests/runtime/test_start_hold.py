@@ -1,0 +1,117 @@
+"""A chat job that arrives while its model's workers are still starting (the gateway's start, a
+restart) waits for them (``Scheduler._coming``): it was refused at once with "The GPU is full
+and the CPU path is not available". What cannot come is still refused at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spillover.config import LaneConfig
+from spillover.core.admission import AdmissionPolicy
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
+from spillover.errors import CapacityError
+from spillover.runtime.scheduler import Job, Scheduler
+from spillover.runtime.worker_client import WorkerClient, WorkerState
+from spillover.testing import FakeClock
+from tests.runtime.fakes import ready_worker
+
+MIB = 1024 * 1024
+STARTING, READY, DEAD = WorkerState.STARTING, WorkerState.READY, WorkerState.DEAD
+
+
+def _scheduler(
+    memory: MemoryModel, clock: FakeClock, gpu: WorkerState, cpu: WorkerState, *, allow_cpu_route: bool = True
+) -> tuple[Scheduler, WorkerClient, WorkerClient]:
+    ledger = DeviceLedger("sim", 4096 * MIB, 16 * MIB, freshness_s=1e9)
+    ledger.observe(0, clock())
+    s = Scheduler(
+        gpu_lane=LaneConfig(slots=1, ctx_cap_tokens=512, queue_max_age_s=30.0),
+        cpu_lane=LaneConfig(slots=1),
+        ledger=ledger,
+        policy=AdmissionPolicy(memory=memory, delay_max_s=2.0, allow_cpu_route=allow_cpu_route),
+        clock=clock,
+    )
+    g, c = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
+    g.state, c.state = gpu, cpu
+    s.gpu_workers.append(g)
+    s.cpu_workers.append(c)
+    return s, g, c
+
+
+def _job(clock: FakeClock, rid: str = "a", prompt_tokens: int = 20) -> Job:
+    return Job(rid=rid, prompt_tokens=prompt_tokens, max_tokens=16, arrived_s=clock())
+
+
+def _waited(memory: MemoryModel, cpu: WorkerState, wait_s: float) -> tuple[Scheduler, WorkerClient, Job]:
+    """A job submitted while the GPU worker starts, and a pass ``wait_s`` later."""
+    clock = FakeClock(100.0)
+    s, gpu, _ = _scheduler(memory, clock, STARTING, cpu)
+    job = _job(clock)
+    s.submit_nowait(job)
+    clock.advance(wait_s)
+    s.pump_once()
+    return s, gpu, job
+
+
+@pytest.mark.parametrize("cpu", [STARTING, DEAD])
+def test_a_job_waits_for_a_starting_gpu_worker_and_runs_there(memory: MemoryModel, cpu: WorkerState) -> None:
+    async def main() -> None:
+        s, gpu, job = _waited(memory, cpu, 5.0)
+        assert not job.future.done() and s.gpu is not None and list(s.gpu.queue) == [job]
+        assert s._due(s.clock()) <= job.enqueued_s + 30.0  # bounded: the lane's queue age
+        gpu.state = READY  # the supervisor's READY kicks a pass
+        s.pump_once()
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, d.worker) == ("gpu", gpu)
+
+    asyncio.run(main())
+
+
+def test_a_job_the_gpu_cannot_take_waits_for_a_starting_cpu_worker(memory: MemoryModel) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, cpu = _scheduler(memory, clock, READY, STARTING)
+        long = _job(clock, prompt_tokens=600)  # past the GPU lane's 512-token cap
+        s.submit_nowait(long)
+        assert not long.future.done()
+        cpu.state = READY
+        s.pump_once()
+        d = await asyncio.wait_for(long.future, 1)
+        assert (d.route, str(d.reason), d.worker) == ("cpu", "too_long_for_gpu", cpu)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("gpu", "cpu", "allow_cpu_route"),
+    [
+        (DEAD, DEAD, True),  # nothing is starting (a restart's back-off)
+        (DEAD, STARTING, False),  # the CPU worker comes, but the policy routes nothing there
+    ],
+)
+def test_a_job_nothing_coming_could_take_is_refused_at_once(
+    memory: MemoryModel, gpu: WorkerState, cpu: WorkerState, allow_cpu_route: bool
+) -> None:
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, _ = _scheduler(memory, clock, gpu, cpu, allow_cpu_route=allow_cpu_route)
+        job = _job(clock)
+        s.submit_nowait(job)
+        with pytest.raises(CapacityError) as got:
+            await asyncio.wait_for(job.future, 1)
+        assert got.value.code == "cpu_unavailable"
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_does_not_come_in_time_ends_the_wait(memory: MemoryModel) -> None:
+    async def main() -> None:
+        _, _, job = _waited(memory, STARTING, 31.0)
+        with pytest.raises(CapacityError) as got:
+            await asyncio.wait_for(job.future, 1)
+        assert got.value.code == "queue_timeout"
+
+    asyncio.run(main())
