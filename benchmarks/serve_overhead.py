@@ -5,7 +5,7 @@ and the latency of a 1-token completion through each (median of >= 20), measured
 with the two interleaved.
 
     .venv/bin/python -m benchmarks.serve_overhead [--rounds 6] [--latency-n 25] [--threads 1,2]
-        [--concurrency 1,4]
+        [--concurrency 1,4] [--stream-coalesce-ms MS]
 
 Each (threads, concurrency) cell is measured separately. Bare: ``concurrency`` llama contexts
 (``Llama`` objects) generating at once, one Python thread each; gateway: a GPU worker with
@@ -36,7 +36,7 @@ import httpx
 import psutil
 
 from benchmarks._common import SseRun, at_once, cpu_s, median, sse_token_times
-from spillover.config import default_model_path
+from spillover.config import ServerConfig, default_model_path
 from spillover.engine.llamacpp import load_llama_cpp
 from spillover.testing import GatewayProcess
 
@@ -136,6 +136,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", default="1,2", help="comma-separated llama.cpp thread counts")
     ap.add_argument("--concurrency", default="1", help="comma-separated numbers of requests at once")
+    ap.add_argument(
+        "--stream-coalesce-ms",
+        type=float,
+        default=None,
+        help="the gateway's [server].stream_coalesce_ms (default: the config's default)",
+    )
     a = ap.parse_args()
     for threads in [int(x) for x in a.threads.split(",")]:
         for conc in [int(x) for x in a.concurrency.split(",")]:
@@ -162,7 +168,8 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
         at_once([lambda llm=llm: out.append(bare_run(llm, tokens, n)) for llm in llms])  # type: ignore[misc]
         return out
 
-    with GatewayProcess(args) as gw, httpx.Client(base_url=gw.url, timeout=300) as c:
+    config = None if a.stream_coalesce_ms is None else {"server": {"stream_coalesce_ms": a.stream_coalesce_ms}}
+    with GatewayProcess(args, config=config) as gw, httpx.Client(base_url=gw.url, timeout=300) as c:
 
         def gw_stream_round() -> list[SseRun]:
             out: list[SseRun] = []
@@ -237,7 +244,8 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
     # cent on these shared cores) cancels out; the range shows the rounds' spread.
     stream_ratios = [g / b for b, g in zip(bare_tps, gw_tps, strict=True)]
     plain_ratios = [g / b for b, g in zip(bare_e2e, gw_e2e, strict=True)]
-    print(f"model: {model.rsplit('/', 1)[-1]}  threads: {threads}  concurrency: {conc}")
+    window = ServerConfig().stream_coalesce_ms if a.stream_coalesce_ms is None else a.stream_coalesce_ms
+    print(f"model: {model.rsplit('/', 1)[-1]}  threads: {threads}  concurrency: {conc}  stream_coalesce_ms: {window:g}")
     print(f"{'':34}{'bare':>10}{'gateway':>10}{'ratio':>8}  rounds' ratios")
     for name, b, g, ratios in (
         (f"decode tok/s (median of {len(stream_ratios)})", bare_tps, gw_tps, stream_ratios),
