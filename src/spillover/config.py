@@ -94,7 +94,7 @@ class ServerConfig:
         30.0, "longest a client may take to send its request body once the head arrived (408 past it)"
     )
     stream_coalesce_ms: float = _doc(
-        20.0,
+        50.0,
         "longest a streamed token may wait in the worker to go out with the tokens after it, in one "
         "channel message and one stream event (the first token never waits); 0 sends each as it comes",
     )
