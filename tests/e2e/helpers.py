@@ -56,7 +56,9 @@ def stream(
     headers: dict[str, str] | None = None,
     on_token: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run a streaming request; collect text, spillover objects, errors and headers."""
+    """Run a streaming request; collect text, spillover objects, errors and headers.
+    ``on_token(n)`` is called with the count of frames with text so far: a frame may carry
+    several tokens (``[server].stream_coalesce_ms``)."""
     out: dict[str, Any] = {"text": "", "spillover": [], "error": None, "done": False, "finish": None}
     n = 0
     with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as r:
@@ -92,7 +94,9 @@ def stream(
 
 def stream_killing_gpu(gw: GatewayProcess, client: httpx.Client, body: dict[str, Any], at: int) -> dict[str, Any]:
     """Stream ``body`` from a ready GPU worker and SIGKILL that worker when the ``at``-th
-    token arrives; the stream must still end (``[DONE]``)."""
+    frame with text arrives (at least ``at`` tokens, more with a coalescing window: keep
+    ``at`` well under the frames a window of 50 ms leaves); the stream must still end
+    (``[DONE]``)."""
     ready_worker(gw, "gpu")
     killed: list[int] = []
 

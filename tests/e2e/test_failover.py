@@ -70,7 +70,7 @@ def test_c_mid_stream_kill_greedy_continues_identically(gw: GatewayProcess, http
     body = {"prompt": COUNT_PROMPT, "max_tokens": 150, "temperature": 0}
     ref = stream(http, "/v1/completions", body)
     assert ref["done"] and ref["spillover"][0]["route"] == "gpu"
-    got = stream_killing_gpu(gw, http, body, at=40)
+    got = stream_killing_gpu(gw, http, body, at=10)
     assert got["error"] is None and got["done"]
     assert got["text"] == ref["text"]
     routes = [s["route"] for s in got["spillover"]]
@@ -82,11 +82,11 @@ def test_d_mid_stream_kill_with_sampling_ends_in_resumable_error(gw: GatewayProc
     """With temperature > 0 the continuation cannot be proven identical: a typed resumable
     error event that carries the request id, which stays retrievable."""
     body = {"prompt": COUNT_PROMPT, "max_tokens": 200, "temperature": 0.8, "seed": 7}
-    got = stream_killing_gpu(gw, http, body, at=20)
+    got = stream_killing_gpu(gw, http, body, at=10)
     err = got["error"]
     assert err is not None and err["code"] == "failover_interrupted"
     assert err["request_id"] == got["headers"]["x-spillover-request-id"]
-    assert err["tokens_delivered"] >= 20
+    assert err["tokens_delivered"] >= 10  # a frame carries one token or more
     doc = http.get(f"/v1/requests/{err['request_id']}").json()
     assert doc["state"] == "resumable_error" and "failover_interrupted" in doc["response"]
 

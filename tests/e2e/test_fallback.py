@@ -77,7 +77,7 @@ def test_allocation_failure_replays_on_the_fallback(gw: GatewayProcess, http: ht
 def test_greedy_stream_is_never_continued_on_the_fallback(gw: GatewayProcess, http: httpx.Client) -> None:
     """Even a greedy stream killed mid-way is not continued on a different model: it ends
     with the typed resumable error, and no token after the kill comes from the fallback."""
-    got = stream_killing_gpu(gw, http, {"prompt": COUNT_PROMPT, "max_tokens": 200, "temperature": 0}, at=20)
+    got = stream_killing_gpu(gw, http, {"prompt": COUNT_PROMPT, "max_tokens": 200, "temperature": 0}, at=10)
     err = got["error"]
     assert err is not None and err["code"] == "failover_interrupted", got
     assert all(sp["route"] == "gpu" for sp in got["spillover"])
