@@ -18,6 +18,9 @@ from collections import Counter
 
 import httpx
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import at_once
 from spillover.config import default_model_path
 from spillover.core.memory import MemoryModel

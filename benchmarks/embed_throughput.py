@@ -22,6 +22,9 @@ import time
 
 import numpy as np
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import median
 from spillover.engine.embedder import Embedder, EmbedTokenizer, default_embed_model_dir
 from spillover.testing import GatewayProcess

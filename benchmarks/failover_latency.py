@@ -20,6 +20,9 @@ import time
 
 import httpx
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import median, p95
 from spillover.testing import GatewayProcess
 

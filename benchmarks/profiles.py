@@ -37,6 +37,9 @@ from typing import Any
 
 import httpx
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import median, sse_token_times
 from spillover.engine.sim import SimDevice
 from spillover.runtime.devices import tree_rss

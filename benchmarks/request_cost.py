@@ -45,6 +45,9 @@ from typing import Any
 import httpx
 import psutil
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import cpu_s, sse_token_times
 from spillover.runtime import journal_bounds
 from spillover.runtime.journal_records import SCHEMA
@@ -156,7 +159,8 @@ def stream_floor(tokens: int, tps: float) -> tuple[float, float]:
     under uvicorn, with the gateway's event loop and HTTP parser, streaming ``tokens`` chunks
     at ``tps`` a second: what the server stack costs a streamed token before any gateway work."""
     port = free_port()
-    argv = [sys.executable, "-m", "uvicorn", "benchmarks._bare_stream:app", "--port", str(port)]
+    root = str(Path(__file__).resolve().parents[1])  # where ``benchmarks`` is, from any working folder
+    argv = [sys.executable, "-m", "uvicorn", "benchmarks._bare_stream:app", "--app-dir", root, "--port", str(port)]
     proc = subprocess.Popen([*argv, "--loop", "auto", "--http", "httptools", "--log-level", "warning"])
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:

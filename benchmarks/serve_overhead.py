@@ -35,6 +35,9 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import SseRun, at_once, cpu_s, median, sse_token_times
 from spillover.config import ServerConfig, default_model_path
 from spillover.engine.llamacpp import load_llama_cpp

@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
+    sys.path.insert(0, f"{sys.path[0]}/..")
+
 from benchmarks._common import median
 from spillover.testing import GatewayProcess
 from spillover.testing.audio import speech_of
