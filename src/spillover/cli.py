@@ -217,9 +217,9 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         )
     if a.gpu_layers is not None and a.gpu_layers < -1:
         raise ConfigError("estimate: --gpu-layers must be -1 (all) or more")
-    from spillover.core.memory import KV_TYPES
+    from spillover.core.memory import kv_quantized
 
-    implied_fa = a.flash_attn is None and KV_TYPES[a.kv_type][1] > 1
+    implied_fa = a.flash_attn is None and kv_quantized(a.kv_type)
     if a.flash_attn is None:  # llama.cpp takes a quantized V cache only with flash attention
         a.flash_attn = implied_fa
     if a.device_mib is not None and a.device_mib < 1:

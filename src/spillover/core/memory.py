@@ -27,7 +27,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["KV_TYPES", "Footprint", "MemoryModel", "ModelSpec", "kv_row_bytes", "layer_shares", "ollama_estimate"]
+__all__ = [
+    "KV_TYPES",
+    "Footprint",
+    "MemoryModel",
+    "ModelSpec",
+    "kv_quantized",
+    "kv_row_bytes",
+    "layer_shares",
+    "ollama_estimate",
+]
 
 MIB = 1024 * 1024
 # KV cache types llama.cpp takes for --cache-type-k/v: (bytes per block, elements per block).
@@ -49,6 +58,11 @@ LOGITS_ROWS = 6.0
 ATTENTION_ROWS = 7.5
 FFN_ROWS = 6.0
 KQ_MASK_PAD = 64  # llama.cpp pads the KQ mask's token dimension to this
+
+
+def kv_quantized(kv_type: str) -> bool:
+    """A block-quantized cache type: llama.cpp takes one for the V cache only with flash attention."""
+    return KV_TYPES[kv_type][1] > 1
 
 
 def kv_row_bytes(kv_type: str, elements: int) -> int:
@@ -162,7 +176,7 @@ class MemoryModel:
             )
         kv_row_bytes(self.kv_type, s.head_dim_k)  # raises on an impossible cache: llama.cpp
         kv_row_bytes(self.kv_type, s.head_dim_v)  # quantizes each head's row in whole blocks
-        if KV_TYPES[self.kv_type][1] > 1 and not self.flash_attn:
+        if kv_quantized(self.kv_type) and not self.flash_attn:
             raise ValueError(f"llama.cpp needs flash attention for a quantized ({self.kv_type}) V cache")
         if self.n_batch < 1 or self.n_ubatch < 1:
             raise ValueError("n_batch and n_ubatch must be at least 1")
