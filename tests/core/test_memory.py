@@ -166,7 +166,10 @@ def test_empty_request_still_takes_one_token() -> None:
         (TINY, -1, False, 4, 4_001 + 500),  # all layers and the non-layer tensors
         (TINY, -1, True, 4, 4_001 + 1_001 + 500),  # ... and the repacked copy (no GGUF read)
         (replace(TINY, cpu_model_bytes=4_321), -1, True, 4, 4_321),  # the CPU buffers, as read
-        (TINY, 4, False, 4, 4_001 + 500),  # exactly all layers counts as full offload
+        # every repeating layer, not the output layer: llama.cpp offloads it only past them
+        (TINY, 4, False, 4, 4_001),
+        (replace(TINY, cpu_model_bytes=4_321), 4, True, 4, 4_001 + 1_001),
+        (TINY, 5, False, 4, 4_001 + 500),  # n_layers + 1: the output layer too
         (TINY, 10, True, 4, 4_001 + 1_001 + 500),  # more than there are: all of them
         (TINY, 3, False, 3, 3_000),  # 4_001 x 3 // 4, no non-layer tensors
         (TINY, 3, True, 3, 3_000 + 750),  # ... and 1_001 x 3 // 4 repacked
@@ -176,7 +179,8 @@ def test_empty_request_still_takes_one_token() -> None:
     ],
 )
 def test_tiny_weights_bytes(spec: ModelSpec, n_gpu_layers: int, cpu_repack: bool, layers: int, weights: int) -> None:
-    """Weights on the device: the placed share of the layers (and their repacked copy), the rest only when full."""
+    """Weights on the device: the placed share of the layers (and their repacked copy), the rest only
+    when the output layer is offloaded too (``n_gpu_layers`` -1 or above the layer count)."""
     m = MemoryModel(spec, n_gpu_layers=n_gpu_layers, cpu_repack=cpu_repack)
     assert m.layers_on_device() == layers
     assert m.weights_bytes() == weights

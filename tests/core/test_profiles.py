@@ -57,7 +57,7 @@ def test_a_device_that_holds_the_whole_model_runs_it_resident_with_a_split_in_th
 
 def test_a_device_too_small_for_the_whole_model_runs_the_largest_split(memory: MemoryModel) -> None:
     resident, split = models(memory)
-    usable = 128 * MIB
+    usable = 100 * MIB
     assert device_bytes(resident, 1, GPU_CTX) > usable
     plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
     assert plan.profile == "split"
@@ -124,9 +124,10 @@ def test_configured_layers_that_do_not_fit_beside_the_resident_run_no_split_work
     as fit run."""
     resident, split = models(memory)
     need = device_bytes(resident, 1, GPU_CTX)
-    all_layers = device_bytes(dataclasses.replace(split, n_gpu_layers=-1), 1, SPLIT_CTX)
-    usable = need + all_layers - 1  # one byte short of every layer beside the resident
     layers = memory.spec.n_layers
+    # every repeating layer (the most a split places: its output layer stays on the CPU)
+    all_layers = device_bytes(dataclasses.replace(split, n_gpu_layers=layers), 1, SPLIT_CTX)
+    usable = need + all_layers - 1  # one byte short of every layer beside the resident
 
     def plan(configured: int, room: int = usable) -> ProfilePlan:
         return plan_profile(
@@ -150,3 +151,24 @@ def test_configured_layers_that_do_not_fit_beside_the_resident_run_no_split_work
     assert auto.profile == "gpu" and 0 < auto.split_layers < layers
     none = plan(-1, need + 1)  # no room at all beside the resident
     assert (none.split_layers, none.split_bytes) == (0, 0) and "no split of it fits" in none.why
+
+
+def test_the_planner_counts_device_weights_as_spillover_estimate_does(memory: MemoryModel) -> None:
+    """llama.cpp offloads the output layer only past the repeating layers: at ``n_gpu_layers =
+    n_layers`` it stays on the CPU. The planner (and the sim ledger, which charges what it
+    plans) counted it on the device there, so a split of every layer looked 30 MB larger than
+    ``spillover estimate --gpu-layers 30`` says and the planner chose one layer fewer."""
+    from spillover.core.estimate import estimate
+
+    layers = memory.spec.n_layers
+    for n in (1, layers - 1, layers, layers + 1):
+        planned = dataclasses.replace(memory, n_gpu_layers=n).weights_bytes()
+        estimated = estimate(memory.spec, 1024, placement="gpu", gpu_layers=n).device.weights_bytes
+        assert planned == estimated, n
+    every = dataclasses.replace(memory, n_gpu_layers=layers).weights_bytes()
+    assert every < dataclasses.replace(memory, n_gpu_layers=-1).weights_bytes()
+    # the smallest device on which a split of every layer fits now plans it
+    _, split = models(memory)
+    usable = device_bytes(dataclasses.replace(split, n_gpu_layers=layers), 1, SPLIT_CTX)
+    assert split_layers(split, 1, SPLIT_CTX, usable) == layers
+    assert split_layers(split, 1, SPLIT_CTX, usable - 1) == layers - 1

@@ -187,17 +187,23 @@ class MemoryModel:
             return self.spec.n_layers
         return min(self.n_gpu_layers, self.spec.n_layers)
 
+    def output_on_device(self) -> bool:
+        """Whether the output layer is on the device: llama.cpp offloads it only past the
+        repeating layers (``n_gpu_layers`` above ``n_layers``, or -1: all), so a split of every
+        repeating layer (``n_gpu_layers = n_layers``) keeps it on the CPU."""
+        return self.n_gpu_layers < 0 or self.n_gpu_layers > self.spec.n_layers
+
     def weights_bytes(self) -> int:
         """Weights resident on the device for this placement."""
         s = self.spec
         n, on = s.n_layers, self.layers_on_device()
-        if self.cpu_repack and on == n and s.cpu_model_bytes:
+        if self.cpu_repack and self.output_on_device() and s.cpu_model_bytes:
             return s.cpu_model_bytes
         # the last ``on`` layers, as llama.cpp places them (their own sizes: a quantization mix
         # makes some layers larger than others)
         layers = sum(layer_shares(s.layer_sizes, s.layer_bytes, n)[n - on :])
         repack = sum(layer_shares(s.layer_repack_sizes, s.repack_bytes, n)[n - on :]) if self.cpu_repack else 0
-        if on < n:
+        if not self.output_on_device():
             return layers + repack
         return layers + repack + s.other_bytes + (s.output_repack_bytes if self.cpu_repack else 0)
 
