@@ -92,9 +92,10 @@ def test_a_job_the_split_cannot_take_keeps_the_admissions_decision(memory: Memor
         busy = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
         s.submit_nowait(busy)
         assert not busy.future.done()
-        clock.advance(2.1)  # past delay_max_s: the CPU lane
+        clock.advance(2.1)  # past delay_max_s: the CPU lane, for want of a split slot (not "GPU unavailable")
         s.pump_once()
-        assert (await asyncio.wait_for(busy.future, 1)).route == "cpu"
+        d = await asyncio.wait_for(busy.future, 1)
+        assert (d.route, str(d.reason)) == ("cpu", "gpu_busy")
 
     asyncio.run(main())
 
@@ -110,7 +111,8 @@ def test_a_split_reservation_that_does_not_fit_the_ledger_goes_to_the_cpu(memory
         assert not job.future.done()  # it waits for room, bounded
         clock.advance(2.1)
         s.pump_once()
-        assert (await asyncio.wait_for(job.future, 1)).route == "cpu"
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, str(d.reason)) == ("cpu", "kv_pages_exhausted")  # no room on the device: not "unavailable"
         assert s.split_total == 0
 
     asyncio.run(main())
@@ -219,3 +221,23 @@ def test_quiescence_counts_a_split_probe_still_in_flight() -> None:
     assert violations({"workers": [], "split_breaker": probe}) == ["split breaker half-open with 1 probes in flight"]
     assert violations({"workers": [], "breaker": probe}) == ["breaker half-open with 1 probes in flight"]
     assert violations({"workers": [], "split_breaker": {"circuit": "closed", "probes_in_flight": 0}}) == []
+
+
+def test_where_a_request_would_start_now_is_decided_as_a_pass_would_with_nothing_taken(memory: MemoryModel) -> None:
+    """``where_now`` (/v1/status's service row while nothing waits) follows the state, not the
+    last decision: a busy split says so, a free one takes small requests again."""
+    clock = FakeClock(100.0)
+    s, _, split, _ = _scheduler(memory, clock, resident=False)
+    assert s.where_now() == ("split", "resident_does_not_fit")
+    split.claim_slot("someone")
+    assert s.where_now() == ("none", "gpu_busy")  # it waits for the split (bounded): not "GPU unavailable"
+    split.release_slot("someone")
+    assert s.where_now() == ("split", "resident_does_not_fit")
+    assert s.ledger is not None and not s.ledger.holds("") and s.split_total == 0  # nothing taken
+    small, _, _, _ = _scheduler(memory, clock, resident=False, capacity_mib=40)
+    assert small.where_now() == ("none", "kv_pages_exhausted")  # it waits for room for the split's reservation
+    resident, gpu, _, _ = _scheduler(memory, clock, resident=True)
+    assert resident.where_now() == ("gpu", "fits")
+    assert gpu is not None
+    gpu.claim_slot("x")  # the resident busy: admission waits for it (bounded), nothing starts now
+    assert resident.where_now() == ("none", "gpu_busy")

@@ -42,7 +42,6 @@ from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.core.profiles import ProfilePlan, plan_profile
-from spillover.core.reasons import Reason
 from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.readiness import ReplicaReadiness
@@ -321,30 +320,24 @@ class ChatModel:
         device = self.scheduler.gpu_workers + self.scheduler.split_workers
         return sum(ledger.held_bytes(w.spec.weights_holder) + sum(map(ledger.held_bytes, w.claimed)) for w in device)
 
-    def _first_route(self) -> str:
-        """Where a request would start before any was decided: the resident GPU worker, else the
-        split worker (the split profile), else the CPU lane."""
-        assert self.scheduler is not None
-        if self.scheduler.gpu is not None and self.resident_runs:
-            return "gpu"
-        return "split" if self.split_runs else "cpu"
-
     def status_row(self, ledger: DeviceLedger | None, *, primary: bool) -> dict[str, Any]:
-        """Its row in /v1/status ``services``: where a request starts now and why (the last
-        admission decision), its queue, ETA and device bytes; a [[services]] entry's row has
-        its workers and load state too."""
+        """Its row in /v1/status ``services``: where a request starts now and why (while
+        requests wait, the last admission decision; else where a small one would start now,
+        ``Scheduler.where_now``), its queue, ETA and device bytes; a [[services]] entry's row
+        has its workers and load state too."""
         assert self.scheduler is not None
         lanes = self.scheduler.statistics()
+        queued = sum(x.depth for x in lanes)
         last = self.scheduler.decisions[-1] if self.scheduler.decisions else None
-        first = self._first_route()
+        where, why = (last["route"], last["reason"]) if queued and last else self.scheduler.where_now()
         row: dict[str, Any] = {
             "name": self.name,
             "kind": "chat",
             "priority": self.priority,
             "aliases": list(self.aliases),
-            "where": last["route"] if last else first,
-            "why": last["reason"] if last else (Reason.RESIDENT_DOES_NOT_FIT.value if first == "split" else ""),
-            "queued": sum(x.depth for x in lanes),
+            "where": where,
+            "why": why,
+            "queued": queued,
             "running": sum(x.running for x in lanes),
             "eta_s": round(min((x.estimated_delay_ms for x in lanes), default=0) / 1000, 3),
             "device_bytes": self.device_bytes(ledger),

@@ -49,7 +49,7 @@ from spillover.core.breaker import (
 )
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
-from spillover.core.memory import MemoryModel
+from spillover.core.memory import Footprint, MemoryModel
 from spillover.core.reasons import Reason
 from spillover.core.routing import DEVICE_ROUTES, lane_max_tokens
 from spillover.errors import CapacityError, QueueFull
@@ -63,6 +63,10 @@ log = logging.getLogger("spillover.scheduler")
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
 MIN_WAKE_S = 0.001
+
+
+# Why a split worker could not take a job, as a reason (``Scheduler._split_fit``).
+SPLIT_REFUSALS = {"breaker": Reason.BREAKER_OPEN, "busy": Reason.GPU_BUSY, "room": Reason.KV_PAGES_EXHAUSTED}
 
 
 class Scheduler:
@@ -367,8 +371,8 @@ class Scheduler:
             if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
                 self._delay_due = min(self._delay_due, job.enqueued_s + self.policy.delay_max_s)
                 return
-            if split == "breaker" and not self.gpu_workers:  # only the split runs: its breaker is the device's
-                d = self._split_breaker_open(d, now)
+            if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
+                d = self._split_refused(d, split, now)
         if isinstance(d, Reject) and self._coming(d):  # a worker that could take it is loading: it waits
             self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
@@ -449,18 +453,21 @@ class Scheduler:
         cpu = self.policy is not None and self.policy.allow_cpu_route and not cpu_ready and starting(self.cpu_workers)
         return device or cpu
 
-    def _split_breaker_open(self, d: Route | Reject, now: float) -> Route | Reject:
-        """The admission's decision for a job the split worker's open breaker turned away when
-        no resident worker runs: it says ``breaker_open`` (as the GPU breaker's own decisions
-        do), and a refusal's Retry-After is at least the breaker's cooldown."""
+    def _split_refused(self, d: Route | Reject, why: Literal["breaker", "busy", "room"], now: float) -> Route | Reject:
+        """The admission's decision for a job the split worker turned away when no resident
+        worker runs (admission, seeing no GPU worker, says ``gpu_unavailable``): it says why the
+        split did, as the GPU's own decisions do: ``breaker_open`` (a refusal's Retry-After at
+        least the breaker's cooldown), ``gpu_busy`` (every split slot taken past
+        ``delay_max_s``), or ``kv_pages_exhausted`` (its reservation did not fit the device)."""
+        reason = SPLIT_REFUSALS[why]
         if isinstance(d, Route):
-            return dataclasses.replace(d, reason=Reason.BREAKER_OPEN)
-        wait = self.split_breaker.retry_after_s(now)
-        return dataclasses.replace(d, cause=Reason.BREAKER_OPEN, retry_after_s=max(d.retry_after_s, wait))
+            return dataclasses.replace(d, reason=reason)
+        wait = self.split_breaker.retry_after_s(now) if why == "breaker" else 0.0
+        return dataclasses.replace(d, cause=reason, retry_after_s=max(d.retry_after_s, wait))
 
     def _dispatch_split(
         self, job: Job, d: Route | Reject, now: float
-    ) -> Literal["dispatched", "wait", "breaker", "no"]:
+    ) -> Literal["dispatched", "wait", "breaker", "busy", "room", "no"]:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
@@ -469,21 +476,19 @@ class Scheduler:
 
         When a ready split worker could take it but has no free slot or no room now, the job
         waits (``wait``) until ``delay_max_s`` after it was queued, as admission's own delay
-        does (a slot ends, a release or a fresh reading brings the room back); past that, or
-        with no split worker ready or a job longer than its cap, the decision stands (``no``);
-        while the split worker's own breaker turns jobs away, too (``breaker``)."""
+        does (a slot ends, a release or a fresh reading brings the room back); past that the
+        decision stands, and the answer says which it was (``busy``, ``room``); with no split
+        worker ready or a job longer than its cap, it stands too (``no``); while the split
+        worker's own breaker turns jobs away, too (``breaker``)."""
         if self.ledger is None or self.split_memory is None or self.gpu is None or self.policy is None:
             return "no"
-        ready = [w for w in self.split_workers if w.state is WorkerState.READY]
-        if not ready or job.prompt_tokens + job.max_tokens > self.split_ctx_cap_tokens:
-            return "no"
-        if not allows(self.split_breaker, self.policy.breaker):  # its own breaker: the admission's way
-            return "breaker"
         waiting = now - job.enqueued_s < self.policy.delay_max_s
-        worker = next((w for w in ready if w.free_slots > 0), None)
-        fp = self.split_memory.request_footprint(job.prompt_tokens, job.max_tokens)
-        if worker is None or self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
-            return "wait" if waiting else "no"
+        fit = self._split_fit(job.prompt_tokens, job.max_tokens, now)
+        if isinstance(fit, str):
+            return "wait" if waiting and fit in ("busy", "room") else fit
+        worker, fp = fit
+        if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:  # as _split_fit found: never
+            return "wait" if waiting else "room"
         self.split_breaker, probe_round = probe_started(self.split_breaker, now, self.policy.breaker)
         self.gpu.queue.remove(job)
         self.split_total += 1
@@ -512,6 +517,54 @@ class Scheduler:
             )
         )
         return "dispatched"
+
+    def _split_fit(
+        self, prompt_tokens: int, max_tokens: int, now: float
+    ) -> tuple[WorkerClient, Footprint] | Literal["breaker", "busy", "room", "no"]:
+        """The split worker and footprint that could take a job of this size now (nothing is
+        taken), or why none could: ``no`` (no split worker ready, or the job is longer than its
+        cap), ``breaker`` (its breaker turns jobs away), ``busy`` (no free slot), ``room`` (its
+        reservation does not fit the ledger)."""
+        if self.ledger is None or self.split_memory is None or self.policy is None:
+            return "no"
+        ready = [w for w in self.split_workers if w.state is WorkerState.READY]
+        if not ready or prompt_tokens + max_tokens > self.split_ctx_cap_tokens:
+            return "no"
+        if not allows(self.split_breaker, self.policy.breaker):  # its own breaker: the admission's way
+            return "breaker"
+        worker = next((w for w in ready if w.free_slots > 0), None)
+        if worker is None:
+            return "busy"
+        fp = self.split_memory.request_footprint(prompt_tokens, max_tokens)
+        room = self.ledger.headroom(now)
+        if room is None or fp.total_bytes > room:
+            return "room"
+        return worker, fp
+
+    def where_now(self, prompt_tokens: int = 1, max_tokens: int = 1) -> tuple[str, str]:
+        """Where a small request would start now, and why, decided as a pass decides a queued
+        job but with nothing reserved or dispatched (``/v1/status``'s service row while nothing
+        waits): ``gpu``, ``split``, ``cpu``, or ``none`` (it would wait, or be refused)."""
+        if self.gpu is None or self.ledger is None or self.policy is None:  # no device: the CPU lane
+            if any(w.state is WorkerState.READY for w in self.cpu_workers):
+                return "cpu", Reason.CPU_LANE.value
+            return "none", Reason.NO_CPU_WORKER.value
+        now = self.clock()
+        req = AdmissionRequest(request_id="", prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrived_s=now)
+        d = decide(req, self.ledger, self.lane_view(), self.breaker, now, self.policy)
+        if isinstance(d, Admit | Shrink):
+            return "gpu", str(d.reason)
+        if not isinstance(d, Route | Reject):  # a delay, or a demotion it would wait for
+            return "none", str(d.reason)
+        fit = self._split_fit(prompt_tokens, max_tokens, now)
+        if not isinstance(fit, str):
+            cause = d.cause if isinstance(d, Reject) else d.reason
+            return "split", str(cause if self.gpu_workers else Reason.RESIDENT_DOES_NOT_FIT)
+        if fit in ("busy", "room"):  # a pass holds it for the split's slot or room (bounded)
+            return "none", SPLIT_REFUSALS[fit].value
+        if fit == "breaker" and not self.gpu_workers:
+            d = self._split_refused(d, fit, now)
+        return ("cpu" if isinstance(d, Route) else "none"), str(d.reason)
 
     def _rebind_to_gpu(self, now: float) -> None:
         """Late binding: a job admission sent to the CPU lane that has not started yet runs on
