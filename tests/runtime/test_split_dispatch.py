@@ -241,3 +241,23 @@ def test_where_a_request_would_start_now_is_decided_as_a_pass_would_with_nothing
     assert gpu is not None
     gpu.claim_slot("x")  # the resident busy: admission waits for it (bounded), nothing starts now
     assert resident.where_now() == ("none", "gpu_busy")
+
+
+def test_where_now_counts_the_room_the_next_reading_gives_back(memory: MemoryModel) -> None:
+    """Right after the split worker loads, its weights are in the reading and still counted as
+    unconfirmed until the next one (``settling_bytes``): a pass would wait that one reading, so
+    the row says ``split``, not that the device is full."""
+    clock = FakeClock(100.0)
+    s, _, _, _ = _scheduler(memory, clock, resident=False)
+    assert s.split_memory is not None
+    fp = s.split_memory.request_footprint(1, 1).total_bytes
+    weights = 2 * fp
+    s.ledger = DeviceLedger("sim", 16 * MIB + weights + fp + 4096, 16 * MIB, freshness_s=1e9)
+    s.ledger.force_reserve("split0-weights", weights, clock(), kind="weights")
+    s.ledger.observe(weights, clock())
+    s.ledger.confirm("split0-weights", clock())  # after the reading was taken: counted twice
+    assert s.ledger.headroom(clock()) == fp + 4096 - weights < fp
+    assert s.where_now() == ("split", "resident_does_not_fit")
+    clock.advance(0.1)
+    s.ledger.observe(weights, clock())  # the next reading: nothing settling any more
+    assert s.ledger.settling_bytes() == 0 and s.where_now() == ("split", "resident_does_not_fit")

@@ -519,12 +519,13 @@ class Scheduler:
         return "dispatched"
 
     def _split_fit(
-        self, prompt_tokens: int, max_tokens: int, now: float
+        self, prompt_tokens: int, max_tokens: int, now: float, *, settling: bool = False
     ) -> tuple[WorkerClient, Footprint] | Literal["breaker", "busy", "room", "no"]:
         """The split worker and footprint that could take a job of this size now (nothing is
         taken), or why none could: ``no`` (no split worker ready, or the job is longer than its
         cap), ``breaker`` (its breaker turns jobs away), ``busy`` (no free slot), ``room`` (its
-        reservation does not fit the ledger)."""
+        reservation does not fit the ledger; with ``settling``, not even with the room the next
+        reading gives back: ``DeviceLedger.settling_bytes``, a model that just loaded)."""
         if self.ledger is None or self.split_memory is None or self.policy is None:
             return "no"
         ready = [w for w in self.split_workers if w.state is WorkerState.READY]
@@ -537,7 +538,7 @@ class Scheduler:
             return "busy"
         fp = self.split_memory.request_footprint(prompt_tokens, max_tokens)
         room = self.ledger.headroom(now)
-        if room is None or fp.total_bytes > room:
+        if room is None or fp.total_bytes > room + (self.ledger.settling_bytes() if settling else 0):
             return "room"
         return worker, fp
 
@@ -556,7 +557,7 @@ class Scheduler:
             return "gpu", str(d.reason)
         if not isinstance(d, Route | Reject):  # a delay, or a demotion it would wait for
             return "none", str(d.reason)
-        fit = self._split_fit(prompt_tokens, max_tokens, now)
+        fit = self._split_fit(prompt_tokens, max_tokens, now, settling=True)  # a pass waits one reading for it
         if not isinstance(fit, str):
             cause = d.cause if isinstance(d, Reject) else d.reason
             return "split", str(cause if self.gpu_workers else Reason.RESIDENT_DOES_NOT_FIT)
