@@ -90,9 +90,29 @@ def test_nothing_fits_runs_on_the_cpu_only(memory: MemoryModel) -> None:
     )
     assert (plan.profile, plan.split_layers, plan.split_bytes) == ("cpu", 0, 0)
     assert "no split of it fits" in plan.why
-    # without a split worker a too-small device is the cpu profile as well
+    # without a split worker a device too small for even a 1-token request is the cpu profile
+    # as well (no resident worker would ever be admitted one), and it names no split
+    assert device_bytes(resident, 1, 1) > 128 * MIB
     plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=128 * MIB)
     assert (plan.profile, plan.split_layers) == ("cpu", 0)
+    assert "not even a 1-token request fits" in plan.why and "split" not in plan.why
+
+
+def test_without_a_split_worker_the_resident_runs_while_some_request_fits(memory: MemoryModel) -> None:
+    """Rule 4: the resident serves the shorter requests a device too small for one at the cap
+    still holds; admission sends the rest to the CPU. The plan says up to how many tokens."""
+    resident, _ = models(memory)
+    smallest, at_cap = device_bytes(resident, 1, 1), device_bytes(resident, 1, GPU_CTX)
+    assert smallest < at_cap
+    usable = (smallest + at_cap) // 2
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable)
+    assert (plan.profile, plan.split_layers, plan.resident_bytes) == ("gpu", 0, at_cap)
+    longest = int(plan.why.split("requests up to about ")[1].split()[0])
+    assert 0 < longest < GPU_CTX
+    assert device_bytes(resident, 1, longest) <= usable < device_bytes(resident, 1, longest + 1)
+    assert "no split worker configured" in plan.why
+    assert plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=smallest).profile == "gpu"
+    assert plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=smallest - 1).profile == "cpu"
 
 
 def test_configured_layers_are_taken_as_given_and_checked(memory: MemoryModel) -> None:

@@ -131,3 +131,21 @@ def test_a_split_that_cannot_run_is_refused_at_start(tmp_path: Path, args: list[
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert got.returncode == 2, got.stderr[-2000:]
     assert words in got.stderr and "Traceback" not in got.stderr
+
+
+def test_a_device_too_small_for_any_request_runs_no_resident_worker() -> None:
+    """Without a split worker, a device whose room beside the weights holds not even a 1-token
+    request (sim:160: 128 MiB usable, 92 MiB of weights, a request's buffers 53 more) is the cpu
+    profile with nothing on the device: no resident worker holding weights it would never be
+    admitted a request for, and the mode says why."""
+    with GatewayProcess(["--gpu", "sim:160"]) as g:
+        st = g.status()
+        plan = st["services"][0]["profile"]
+        assert plan["profile"] == "cpu" and "not even a 1-token request fits" in plan["why"]
+        assert "split" not in plan["why"]
+        assert [w["worker_id"] for w in st["workers"]] == ["cpu0"]
+        assert st["device"]["ledger"]["predicted_bytes"] == 0
+        assert st["mode"] == "degraded" and any(r.startswith("cpu profile:") for r in st["reasons"])
+        assert "gpu worker not ready" not in st["reasons"]
+        r = httpx.post(f"{g.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+        assert (r.status_code, r.headers["x-spillover-route"], r.headers["x-spillover-degraded"]) == (200, "cpu", "1")

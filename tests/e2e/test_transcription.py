@@ -229,7 +229,8 @@ def test_a_long_file_while_the_gpu_is_full_goes_to_the_cpu_path_before_any_alloc
 def test_a_model_load_that_does_not_fit_serves_on_the_cpu_path_flagged_degraded() -> None:
     """With no room for the Whisper weights beside chat, its GPU load waits (never an OOM)
     and transcriptions are answered on the CPU replica, flagged degraded with the reason."""
-    with GatewayProcess(["--gpu", "sim:160"], services=("chat", "transcription"), wait_all_workers=False) as g:
+    # sim:200: chat's resident runs (its short requests fit) and leaves less than Whisper's 111 MB
+    with GatewayProcess(["--gpu", "sim:200"], services=("chat", "transcription"), wait_all_workers=False) as g:
         wait_for(lambda: _worker(g, "cpu")["state"] == "ready" and _service(g)["load_waiting"], 90, "cpu only")
         r = _post(g, {}, CLIP)
         assert r.status_code == 200, r.text

@@ -17,7 +17,11 @@ Rules:
    requests, its worker down), in the whole device when it does not (the split worker then
    serves every device request: ``split``). Configured layers that do not fit that room run
    no split worker (the plan's ``why`` says so): a worker that could never load is not started.
-4. When neither fits, the model runs on the CPU only (``cpu``).
+4. When neither fits, the model runs on the CPU only (``cpu``). Without a split worker
+   configured, the resident runs (``gpu``) as long as the smallest request (one token) fits
+   beside its weights: admission then sends what does not fit to the CPU, and the plan says
+   up to about how many tokens fit. When not even that fits, no resident worker runs: it
+   would hold the weights on the device and never be admitted a request.
 """
 
 from __future__ import annotations
@@ -117,4 +121,24 @@ def plan_profile(
         of = split.spec.n_layers if split else 0
         why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''} ({split_need / mib:.0f} MiB)"
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
+    if split is None:  # rule 4: the resident serves the requests that fit, if any does
+        longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
+        if longest > 0:
+            fit = f"requests up to about {longest} tokens fit, longer go to the CPU"
+            return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}; no split worker configured: {fit}")
+        why = f"{short}; not even a 1-token request fits beside its weights"
+        return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)
     return ProfilePlan("cpu", need, 0, 0, usable_bytes, f"{short}{split_why or '; no split of it fits'}")
+
+
+def _longest_request(model: MemoryModel, cap_tokens: int, usable_bytes: int) -> int:
+    """The most tokens (prompt and answer, up to ``cap_tokens``) of one request that fit beside
+    the weights (rule 1's bytes), 0 when not even one does."""
+    lo, hi = 0, cap_tokens
+    while lo < hi:  # the footprint grows with the tokens
+        mid = (lo + hi + 1) // 2
+        if device_bytes(model, 1, mid) <= usable_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -258,9 +258,10 @@ class ChatModel:
 
     @property
     def resident_runs(self) -> bool:
-        """Whether the resident GPU worker runs (where there is a device): always without a
-        split worker configured, else only when the plan is the ``gpu`` profile."""
-        return self.split is None or self.profile is None or self.profile.profile == "gpu"
+        """Whether the resident GPU worker runs (where there is a device): when the plan is the
+        ``gpu`` profile (``core.profiles`` rule 4: without a split worker, whenever one request
+        fits beside its weights)."""
+        return self.profile is None or self.profile.profile == "gpu"
 
     @property
     def split_runs(self) -> bool:

@@ -54,7 +54,9 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
     plan = gw.chat.profile
     if plan is not None and plan.profile == "split" and gw.chat.split is not None:
         reasons.append(f"split profile: {plan.why}")
-    if gw.device is not None and not gpu_ready:
+    if plan is not None and plan.profile == "cpu":  # no worker on the device is planned: none to wait for
+        reasons.append(f"cpu profile: {plan.why}")
+    elif gw.device is not None and not gpu_ready:
         reasons.append("gpu worker not ready")
     if breaker != "closed":
         reasons.append(f"gpu breaker {breaker}")
