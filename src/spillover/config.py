@@ -225,7 +225,8 @@ class CpuLaneConfig(LaneConfig):
     )
     recovery_budget_ms: float = _doc(
         1000.0,
-        "readiness = auto: longest a GPU fault may take to reach the first CPU result (every service's default)",
+        "readiness = auto: longest a GPU fault may take to reach the first CPU result (every service's default; "
+        "at most a day)",
     )
 
 
@@ -592,13 +593,20 @@ def _services(values: Any) -> tuple[ServiceConfig, ...]:
     return tuple(out)
 
 
+MAX_RECOVERY_BUDGET_MS = 86_400_000.0  # a day: any longer budget picks as a day does (every mode meets it)
+
+
 def _validate_readiness(where: str, name: str, mode: str, budget_ms: float) -> None:
     from spillover.core.readiness import MODES
 
     if mode not in MODES:
         raise ConfigError(f"{where}.{name} must be one of {', '.join(MODES)}, not {mode!r}")
-    if not (math.isfinite(budget_ms) and budget_ms > 0):
-        raise ConfigError(f"{where}.recovery_budget_ms must be a finite number > 0")
+    if not (math.isfinite(budget_ms) and 0 < budget_ms <= MAX_RECOVERY_BUDGET_MS):
+        default = " (0: [cpu_lane]'s)" if where != "[cpu_lane]" else ""
+        raise ConfigError(
+            f"{where}.recovery_budget_ms must be a number of milliseconds > 0{default} and at most "
+            f"{MAX_RECOVERY_BUDGET_MS:.0f} (a day), not {budget_ms!r}"
+        )
 
 
 def _validate_services(cfg: Config) -> None:

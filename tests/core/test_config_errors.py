@@ -83,6 +83,19 @@ def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
         load_config(str(f))
 
 
+def test_a_recovery_budget_is_milliseconds_up_to_a_day(tmp_path: Path) -> None:
+    """A day is the most (any longer picks as a day does); a service's message names its 0."""
+    assert load_config(overrides={"cpu_lane": {"recovery_budget_ms": 86_400_000.0}}).cpu_lane.recovery_budget_ms
+    with pytest.raises(
+        ConfigError, match=r"\[cpu_lane\].recovery_budget_ms must be .* at most 86400000 \(a day\), not 1e\+308"
+    ):
+        load_config(overrides={"cpu_lane": {"recovery_budget_ms": 1e308}})
+    f = tmp_path / "c.toml"
+    f.write_text('[[services]]\nname = "c2"\nkind = "chat"\nrecovery_budget_ms = -5\n')
+    with pytest.raises(ConfigError, match=r"> 0 \(0: \[cpu_lane\]'s\)"):
+        load_config(str(f))
+
+
 @pytest.mark.parametrize("ms", [0, 20, 1000])
 def test_stream_coalesce_ms_takes_zero_to_a_second(ms: int) -> None:
     assert load_config(overrides={"server": {"stream_coalesce_ms": float(ms)}}).server.stream_coalesce_ms == ms
