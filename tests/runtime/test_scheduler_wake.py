@@ -9,8 +9,12 @@ import contextlib
 import math
 from dataclasses import replace
 
+import pytest
+
 from spillover.config import LaneConfig
 from spillover.core.breaker import BreakerState, Circuit
+from spillover.core.reasons import Reason
+from spillover.errors import CapacityError
 from spillover.runtime.scheduler import HOST_RECHECK_S, IDLE_WAKE_S, Job, Scheduler
 from spillover.runtime.ticks import TICK_S
 from spillover.testing import FakeClock
@@ -82,6 +86,25 @@ def test_work_held_by_the_host_guard_is_looked_at_again_soon() -> None:
         assert s._due(clock()) == 100.0 + IDLE_WAKE_S  # no worker: a worker's start is an event
         s._host_held = True  # as a pass sets it when the host guard refuses the job
         assert s._due(clock()) == 100.0 + HOST_RECHECK_S
+
+    asyncio.run(main())
+
+
+def test_a_cpu_job_that_waited_its_maximum_age_says_what_held_it() -> None:
+    """The queue_timeout of CPU work the host-RAM guard (or full slots) held names that hold,
+    not only "waited 3s": a failover the guard can never admit says why it was not run."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s = scheduler(clock)
+        job = Job(rid="a", prompt_tokens=4, max_tokens=4, arrived_s=clock())
+        s.submit_nowait(job, lane="cpu")
+        s.cpu_blocked = Reason.HOST_BUDGET  # as the last pass found it
+        clock.advance(3.1)
+        s.pump_once()
+        with pytest.raises(CapacityError, match=r"waited 3s in the cpu queue \(held: host_budget\)") as err:
+            job.future.result()
+        assert err.value.code == "queue_timeout"
 
     asyncio.run(main())
 

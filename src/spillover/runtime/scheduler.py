@@ -313,10 +313,11 @@ class Scheduler:
             for job in [j for j in lane.queue if now - j.enqueued_s > lane.cfg.queue_max_age_s]:
                 lane.queue.remove(job)
                 lane.expired_total += 1
+                held = f" (held: {self.cpu_blocked})" if lane is self.cpu and self.cpu_blocked else ""
                 self._fail(
                     job,
                     CapacityError(
-                        f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue",
+                        f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue{held}",
                         retry_after_s=self._retry_after_s(lane),
                         code="queue_timeout",
                     ),
