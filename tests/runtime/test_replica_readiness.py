@@ -115,3 +115,17 @@ def test_status_of_a_dead_replica_holds_nothing() -> None:
     w.held, w.contexts = {}, 0  # what the worker client does when the process exits
     st = replica(w).status()
     assert (st["holding"], st["model_loaded"], st["contexts"], st["recovery_ms"]) == ("", False, 0, {})
+
+
+def test_the_worker_row_shows_what_the_replica_holds_now_not_at_ready() -> None:
+    """/v1/status ``workers[].info.held`` follows the replica's ``held`` reports (an on_demand
+    replica that loaded its model at a failover), as ``cpu_readiness`` does."""
+    from tests.runtime.fakes import ready_worker
+
+    w = ready_worker("cpu0", "cpu", slots=2)
+    w.info = {"held": {"mode": "on_demand", "model": False, "contexts": 0}, "pid": 1, "weights_bytes": 0}
+    assert w.statistics().info == w.info  # no report since ready
+    w._dispatch({"ev": "held", "mode": "on_demand", "model": True, "contexts": 2})
+    info = w.statistics().info
+    assert info is not None and info["held"] == {"mode": "on_demand", "model": True, "contexts": 2}
+    assert info["pid"] == 1 and w.info["held"]["model"] is False  # the ready report is kept as it came

@@ -461,5 +461,6 @@ class WorkerClient:
             alloc_failures=self.alloc_failures,
             contexts=self.contexts,
             fingerprint=(self.info or {}).get("fingerprint"),
-            info=self.info,
+            # what it holds now (its last ``held`` report), not what it held when it was ready
+            info=self.info if self.info is None or not self.held else self.info | {"held": self.held},
         )
