@@ -4,6 +4,7 @@ device budget, failover at request boundaries, idempotency, cancel and recovery.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ import pytest
 
 from spillover.config import load_config
 from spillover.core.embed_memory import EmbedMemoryModel
+from spillover.core.profiles import device_bytes
 from spillover.engine.embedder import EmbedTokenizer, default_embed_model_dir, read_embed_model_info
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
@@ -280,9 +282,18 @@ def _ready_but_waiting(g: GatewayProcess) -> bool:
 
 def test_a_model_load_that_does_not_fit_waits_and_its_requests_go_to_cpu() -> None:
     """With no room for the embeddings weights, the GPU worker's load waits (never an OOM);
-    requests are served on the CPU path; once room appears, it loads and serves on the GPU."""
-    capacity_mib = (_chat_model().weights_bytes() + 32 * MIB + 8 * MIB) // MIB
-    with GatewayProcess(["--gpu", f"sim:{capacity_mib}"], services=("chat", "embeddings"), wait_all_workers=False) as g:
+    requests are served on the CPU path; once room appears, it loads and serves on the GPU.
+    The device holds chat's weights and its smallest request (a 32-token batch: 7 MiB; at 512,
+    53 MiB, more than the embeddings weights) with 8 MiB to spare: chat's resident runs."""
+    chat = dataclasses.replace(_chat_model(), n_batch=32)
+    capacity_mib = (device_bytes(chat, 1, 1) + 32 * MIB + 8 * MIB) // MIB
+    assert capacity_mib * MIB - 32 * MIB - chat.weights_bytes() < _weights_bytes()[1]  # no room for its weights
+    with GatewayProcess(
+        ["--gpu", f"sim:{capacity_mib}"],
+        services=("chat", "embeddings"),
+        config={"gpu_lane": {"n_batch_tokens": 32}},
+        wait_all_workers=False,
+    ) as g:
         wait_for(lambda: _ready_but_waiting(g), 90, "chat ready, embeddings load waiting")
         r = httpx.post(g.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "hello"}, timeout=60)
         assert r.status_code == 200 and r.headers["x-spillover-route"] == "cpu"

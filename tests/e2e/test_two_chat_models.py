@@ -125,10 +125,13 @@ def test_a_second_model_load_that_does_not_fit_waits_and_serves_on_its_cpu(tiny:
         MemoryModel(read_model_spec(str(p))).weights_bytes() for p in (default_model_path(), tiny)
     )
     capacity_mib = (main_weights + 32 * MIB + second_weights // 2) // MIB
+    # a 32-token batch: the first model's smallest request (7 MiB) fits in the room left, so its
+    # resident runs (at 512 it would need 53 MiB, and the profile would be cpu: core.profiles)
+    config = _config(tiny) | {"gpu_lane": {"n_batch_tokens": 32}}
     with GatewayProcess(
         ["--gpu", f"sim:{capacity_mib}", "--gpu-slots", "1"],
         services=True,
-        config=_config(tiny),
+        config=config,
         wait_all_workers=False,
     ) as g:
         wait_for(lambda: _row(g.status(), SECOND)["load_waiting"], 90, "the second model's load waiting")
