@@ -192,3 +192,6 @@ def test_the_planner_counts_device_weights_as_spillover_estimate_does(memory: Me
     usable = device_bytes(dataclasses.replace(split, n_gpu_layers=layers), 1, SPLIT_CTX)
     assert split_layers(split, 1, SPLIT_CTX, usable) == layers
     assert split_layers(split, 1, SPLIT_CTX, usable - 1) == layers - 1
+    resident, _ = models(memory)
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
+    assert plan.profile == "split" and f"{layers} of {layers} layers fit, the output layer on the CPU" in plan.why

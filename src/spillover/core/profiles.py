@@ -119,7 +119,8 @@ def plan_profile(
     )
     if n > 0:
         of = split.spec.n_layers if split else 0
-        why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''} ({split_need / mib:.0f} MiB)"
+        every = ", the output layer on the CPU" if n == of else ""  # llama.cpp offloads it only past them
+        why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''}{every} ({split_need / mib:.0f} MiB)"
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
     if split is None:  # rule 4: the resident serves the requests that fit, if any does
         longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
