@@ -261,3 +261,32 @@ def test_where_now_counts_the_room_the_next_reading_gives_back(memory: MemoryMod
     clock.advance(0.1)
     s.ledger.observe(weights, clock())  # the next reading: nothing settling any more
     assert s.ledger.settling_bytes() == 0 and s.where_now() == ("split", "resident_does_not_fit")
+
+
+def test_where_now_says_gpu_while_the_resident_only_waits_for_its_own_weights_to_settle(
+    memory: MemoryModel,
+) -> None:
+    """The same for the resident: right after its load admission delays one reading
+    (``kv_pages_exhausted`` on the double count), and the row says ``gpu``, not ``none``."""
+    clock = FakeClock(100.0)
+    s, gpu, _, _ = _scheduler(memory, clock, resident=True)
+    assert s.policy is not None and gpu is not None
+    fp = s.policy.memory.request_footprint(1, 1).total_bytes
+    weights = 2 * fp
+    s.split_workers.clear()  # the resident alone
+    s.ledger = DeviceLedger("sim", 16 * MIB + weights + fp + 4096, 16 * MIB, freshness_s=1e9)
+    s.ledger.force_reserve("gpu0-weights", weights, clock(), kind="weights")
+    s.ledger.observe(weights, clock())
+    s.ledger.confirm("gpu0-weights", clock())
+
+    async def main() -> None:
+        job = Job(rid="a", prompt_tokens=1, max_tokens=1, arrived_s=clock())
+        s.submit_nowait(job)
+        assert not job.future.done()  # a pass delays it: the double count leaves no room now
+        assert s.decision_counts == {"delay:kv_pages_exhausted": 1}
+        assert s.where_now() == ("gpu", "fits")
+        assert gpu is not None
+        gpu.claim_slot("x")  # no free slot: the delay is a real wait
+        assert s.where_now() == ("none", "kv_pages_exhausted")
+
+    asyncio.run(main())

@@ -556,6 +556,8 @@ class Scheduler:
         d = decide(req, self.ledger, self.lane_view(), self.breaker, now, self.policy)
         if isinstance(d, Admit | Shrink):
             return "gpu", str(d.reason)
+        if isinstance(d, Delay) and self._fits_once_settled(req, now):  # a worker that just loaded
+            return "gpu", Reason.FITS.value
         if not isinstance(d, Route | Reject):  # a delay, or a demotion it would wait for
             return "none", str(d.reason)
         fit = self._split_fit(prompt_tokens, max_tokens, now, settling=True)  # a pass waits one reading for it
@@ -567,6 +569,16 @@ class Scheduler:
         if fit == "breaker" and not self.gpu_workers:
             d = self._split_refused(d, fit, now)
         return ("cpu" if isinstance(d, Route) else "none"), str(d.reason)
+
+    def _fits_once_settled(self, req: AdmissionRequest, now: float) -> bool:
+        """Whether a GPU slot is free and ``req`` fits the room the next device reading gives
+        back (``DeviceLedger.settling_bytes``): admission's delay then lasts one reading."""
+        assert self.ledger is not None and self.policy is not None
+        room = self.ledger.headroom(now)
+        if room is None or not any(w.free_slots > 0 for w in self.gpu_workers):
+            return False
+        fp = self.policy.memory.request_footprint(req.prompt_tokens, req.max_tokens)
+        return fp.total_bytes <= room + self.ledger.settling_bytes()
 
     def _rebind_to_gpu(self, now: float) -> None:
         """Late binding: a job admission sent to the CPU lane that has not started yet runs on
