@@ -61,6 +61,22 @@ def test_reserve_returns_none_when_it_does_not_fit() -> None:
     assert not led.holds("b")
 
 
+def test_fits_is_what_reserve_nowait_grants_and_settling_adds_the_next_readings_room() -> None:
+    """``fits``: the room reserve_nowait grants (never negative bytes, never on a stale reading);
+    with ``settling``, a model confirmed after the last reading is counted once, not twice."""
+    led = make()
+    assert not led.fits(MIB, 0.0)  # no reading yet
+    led.observe(0, 0.0)
+    assert led.fits(90 * MIB, 0.0) and not led.fits(90 * MIB + 1, 0.0) and not led.fits(-1, 0.0)
+    led.force_reserve("w", 40 * MIB, 0.0, kind="weights")
+    led.observe(40 * MIB, 0.0)
+    led.confirm("w", 0.0)  # at the reading: it shows them, and they are still unconfirmed
+    assert led.headroom(0.0) == 10 * MIB
+    assert not led.fits(11 * MIB, 0.0) and led.fits(11 * MIB, 0.0, settling=True)
+    assert led.fits(50 * MIB, 0.0, settling=True) and not led.fits(50 * MIB + 1, 0.0, settling=True)
+    assert led.reserve_nowait("r", 11 * MIB, 0.0) is None  # reserving never counts the settling room
+
+
 def test_release_exactly_once() -> None:
     """A second release of the same holder raises KeyError."""
     led = make()

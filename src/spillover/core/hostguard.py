@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from spillover.core.reasons import Reason
 
-__all__ = ["HostView", "may_start_cpu"]
+__all__ = ["HOST_REFUSALS", "HostView", "may_start_cpu"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class HostView:
     budget_bytes: int
     available_bytes: int
     min_free_bytes: int
+
+
+HOST_REFUSALS = frozenset({Reason.HOST_BUDGET, Reason.HOST_AVAILABLE})  # may_start_cpu's refusals for memory
 
 
 def may_start_cpu(v: HostView, enabled: bool = True) -> tuple[bool, Reason]:

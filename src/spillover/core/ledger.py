@@ -144,12 +144,17 @@ class DeviceLedger:
             return None
         return self.usable_bytes - max(self.predicted_bytes, observed + self.unconfirmed_bytes())
 
+    def fits(self, nbytes: int, now_s: float, *, settling: bool = False) -> bool:
+        """Whether ``nbytes`` may be reserved now (``reserve_nowait`` grants them); with
+        ``settling``, counting the room the next reading gives back too (``settling_bytes``)."""
+        room = self.headroom(now_s)
+        return nbytes >= 0 and room is not None and nbytes <= room + (self.settling_bytes() if settling else 0)
+
     def reserve_nowait(self, holder: str, nbytes: int, now_s: float, kind: str = "request") -> Reservation | None:
         """Grant ``nbytes`` to ``holder`` if it fits now; ``None`` otherwise."""
         if holder in self._reservations:
             raise KeyError(f"{holder} already holds a reservation")
-        room = self.headroom(now_s)
-        if nbytes < 0 or room is None or nbytes > room:
+        if not self.fits(nbytes, now_s):
             return None
         res = Reservation(holder=holder, nbytes=nbytes, kind=kind, granted_s=now_s)
         self._reservations[holder] = res

@@ -538,8 +538,7 @@ class Scheduler:
         if worker is None:
             return "busy"
         fp = self.split_memory.request_footprint(prompt_tokens, max_tokens)
-        room = self.ledger.headroom(now)
-        if room is None or fp.total_bytes > room + (self.ledger.settling_bytes() if settling else 0):
+        if not self.ledger.fits(fp.total_bytes, now, settling=settling):
             return "room"
         return worker, fp
 
@@ -574,11 +573,10 @@ class Scheduler:
         """Whether a GPU slot is free and ``req`` fits the room the next device reading gives
         back (``DeviceLedger.settling_bytes``): admission's delay then lasts one reading."""
         assert self.ledger is not None and self.policy is not None
-        room = self.ledger.headroom(now)
-        if room is None or not any(w.free_slots > 0 for w in self.gpu_workers):
+        if not any(w.free_slots > 0 for w in self.gpu_workers):
             return False
         fp = self.policy.memory.request_footprint(req.prompt_tokens, req.max_tokens)
-        return fp.total_bytes <= room + self.ledger.settling_bytes()
+        return self.ledger.fits(fp.total_bytes, now, settling=True)
 
     def _rebind_to_gpu(self, now: float) -> None:
         """Late binding: a job admission sent to the CPU lane that has not started yet runs on

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from spillover.core.reasons import Reason
+from spillover.core.hostguard import HOST_REFUSALS
 from spillover.core.routing import DEVICE_ROUTES
 
 if TYPE_CHECKING:
@@ -22,7 +22,6 @@ __all__ = ["DegradedAnswers", "status_document"]
 
 DEGRADED_WINDOW_S = 60.0  # answers served degraded this recently make the mode "degraded"
 CHOSEN_CPU = frozenset({"canary", "client_prefers_cpu"})  # CPU answers nobody was pushed to
-HOST_HOLDS = frozenset({Reason.HOST_BUDGET, Reason.HOST_AVAILABLE})  # the host guard's refusals (core.hostguard)
 
 
 class DegradedAnswers:
@@ -65,7 +64,7 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
     sched = gw.chat.scheduler
     if sched is not None and sched.split_workers and sched.split_breaker.circuit.value != "closed":
         reasons.append(f"split breaker {sched.split_breaker.circuit.value}")
-    if sched is not None and sched.cpu.queue and sched.cpu_blocked in HOST_HOLDS:
+    if sched is not None and sched.cpu.queue and sched.cpu_blocked in HOST_REFUSALS:
         reasons.append(f"cpu lane held by the host-RAM guard ({sched.cpu_blocked})")
     if gw.device is None:
         reasons.append("no gpu lane")
