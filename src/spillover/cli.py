@@ -256,12 +256,16 @@ def cmd_estimate(a: argparse.Namespace) -> int:
 
     from spillover.engine.plan import PLAN_CELLS_MAX, PlanRefused, plan_buffers_isolated
 
+    unplanned: list[str] = []  # why llama.cpp gave no plan
+
     @functools.cache  # the fit search asks again for a few contexts
     def plan_of(n_ctx: int) -> int | None:
         cells = model.cells(n_ctx)
         if cells > PLAN_CELLS_MAX:  # no dry run there (its memory grows with the context): a straight line
             return _extended_plan(plan_of, cells, PLAN_CELLS_MAX)
-        p = plan_buffers_isolated(a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn)
+        p = plan_buffers_isolated(
+            a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=unplanned
+        )
         return None if p is None else p.compute_bytes
 
     compute = None
@@ -283,8 +287,13 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         fit: dict[str, Any] | None = None
         if a.device_mib is not None:
             budget = a.device_mib * MIB
+            # Up to the model's training context (what llama.cpp runs by default; more is
+            # possible, with rope scaling, and not what a user asking "will it fit?" means),
+            # or llama.cpp's largest where the file gives none that can be used.
+            trained = 0 < spec.n_ctx_train <= N_CTX_MAX
+            ctx_limit = spec.n_ctx_train if trained else N_CTX_MAX
             fits_ctx = largest_context(
-                lambda n: at(n, where="gpu").device.total_with_margin_bytes <= budget, limit=spec.n_ctx_train
+                lambda n: at(n, where="gpu").device.total_with_margin_bytes <= budget, limit=ctx_limit
             )
             fits_layers = largest_gpu_layers(
                 lambda n: at(a.ctx, n, "gpu").device.total_with_margin_bytes <= budget, spec.n_layers
@@ -293,6 +302,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
                 "device_mib": a.device_mib,
                 "fits": at(a.ctx, where="gpu").device.total_with_margin_bytes <= budget,
                 "largest_ctx": fits_ctx,
+                "ctx_limit": ctx_limit,
+                "ctx_limit_source": "training context" if trained else "llama.cpp's largest",
                 "largest_gpu_layers": fits_layers,
             }
     except ValueError as exc:  # PlanRefused included
@@ -303,6 +314,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     if compute is not None and too_long:
         out["compute_source"] = f"llama.cpp plan, extended past {PLAN_CELLS_MAX} cells"
     out["cpu_repack"] = cpu_backend_repacks()  # the host's weights include the CPU backend's repacked copies
+    if compute is None and not a.no_plan:
+        out["unplanned"] = unplanned[0] if unplanned else "llama.cpp could not plan it"
     if implied_fa:
         out["flash_attn_source"] = f"implied: llama.cpp takes a {a.kv_type} V cache only with it"
     if fit is not None:
@@ -317,7 +330,10 @@ def cmd_estimate(a: argparse.Namespace) -> int:
             f"{PLAN_CELLS_MAX // 2} and {PLAN_CELLS_MAX} cells, extended in a straight line"
         )
     elif compute is None and not a.no_plan:
-        print("llama.cpp could not plan these settings here: the compute buffer is the envelope (an upper bound)")
+        print(
+            f"no llama.cpp plan: {out['unplanned']}; the compute buffer is the envelope (an upper bound), "
+            "the rest is from the file's metadata"
+        )
     return 0
 
 
@@ -381,6 +397,8 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
     if fit:
         at = f"--gpu-layers {out['gpu_layers']}"
         ctx = f"largest context {fit['largest_ctx']} (at {at})" if fit["largest_ctx"] else f"no context fits at {at}"
+        if fit["largest_ctx"] == fit["ctx_limit"] and fit["ctx_limit_source"] == "training context":
+            ctx = f"largest context {fit['largest_ctx']}, the model's training context (at {at}; more may fit)"
         lines.append(
             f"in {fit['device_mib']} MiB of device memory: {'fits' if fit['fits'] else 'does NOT fit'}; "
             f"{ctx}, largest --gpu-layers {fit['largest_gpu_layers']} (at context {out['n_ctx']})"

@@ -147,12 +147,19 @@ def test_largest_gpu_layers() -> None:
         assert largest_gpu_layers(lambda n, fit=fit: n <= fit, 5) == min(fit, 6)
 
 
+def test_all_layers_is_asked_first() -> None:
+    """Device bytes can fall from n layers to all of them (the planned whole buffer under the
+    envelope's share of the layers): all fits while n does not, and the answer is all."""
+    assert largest_gpu_layers(lambda n: n <= 2 or n == 5, 4) == 5
+    assert largest_gpu_layers(lambda n: n == 5, 4) == 5
+
+
 def test_largest_gpu_layers_asks_a_logarithm_of_the_layers() -> None:
     """Each answer sums over the layers: asking every count made a file claiming 80,000 layers
     run for minutes."""
     asked: list[int] = []
     assert largest_gpu_layers(lambda n: asked.append(n) is None and n <= 12345, 80_000) == 12345
-    assert len(asked) <= 18
+    assert len(asked) <= 19
 
 
 def test_defaults_and_clamps_by_hand() -> None:

@@ -223,9 +223,13 @@ def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256)
 
 def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:
     """The largest ``n_gpu_layers`` (0..n_layers+1) for which ``fits`` holds, -1 if none.
-    ``fits`` must be monotone (more layers, more device bytes): a binary search, since each
-    estimate sums over the layers."""
-    lo, hi = -1, n_layers + 1
+    All of them (``n_layers + 1``, the output layer too) is asked first: the device's bytes
+    grow with the repeating layers, but not always from ``n_layers`` to all (the compute
+    buffer's share of every repeating layer can pass the whole graph's planned buffer, which
+    only all gets). Below that, a binary search, since each estimate sums over the layers."""
+    if fits(n_layers + 1):
+        return n_layers + 1
+    lo, hi = -1, n_layers
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):

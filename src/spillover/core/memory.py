@@ -57,6 +57,7 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 LOGITS_ROWS = 6.0
 ATTENTION_ROWS = 7.5
 FFN_ROWS = 6.0
+FFN_KEPT_ROWS = 7.0  # with flash attention: rows beside the kept f16 mask on the feed-forward path
 KQ_MASK_PAD = 64  # llama.cpp pads the KQ mask's token dimension to this
 
 
@@ -252,7 +253,8 @@ class MemoryModel:
           ``ub x n_expert_used x n_embd`` outputs);
 
         The attention path holds the KQ mask (``n_kv`` x ``ub`` padded to 64; f32, or f16 with
-        flash attention); with flash attention the mask stays allocated beside the other two.
+        flash attention); with flash attention the mask stays allocated beside the other two
+        (beside 3 rows on the logits path, ``FFN_KEPT_ROWS`` on the feed-forward one).
 
         The row counts are the largest the allocator left on the measured grid, so this never
         under-estimates there; how far over depends on the layout (``engine.plan`` gives
@@ -286,7 +288,9 @@ class MemoryModel:
         # then each expert's output row before they are weighted and summed.
         used = s.n_expert_used
         ffn = used * (3 * (s.n_ff_expert or s.n_ff) + s.n_embd) if used else 2 * s.n_ff
-        ffn_path = ub * ffn * 4 + max(FFN_ROWS * embd, kept + 3 * embd)
+        # Beside the kept mask, the feed-forward path held up to 6.6 rows (a narrow model with a
+        # small vocabulary, where this path is the largest: 2026-12-04, 10-22 % under with 3).
+        ffn_path = ub * ffn * 4 + max(FFN_ROWS * embd, kept + FFN_KEPT_ROWS * embd if self.flash_attn else 0)
         return logits_path, attn_path, ffn_path
 
     def output_bytes(self) -> int:

@@ -11,6 +11,7 @@ from spillover.core.memory import ModelSpec
 from spillover.engine.gguf_header import ARRAY_KEPT, Header, TensorInfo, read_header
 
 __all__ = [
+    "AVX512_REPACK_TYPES",
     "CPU_REPACK_TYPES",
     "NO_KV_ARCHES",
     "UnsupportedModel",
@@ -21,12 +22,22 @@ __all__ = [
 ]
 
 # Weight types llama.cpp's CPU backend (x86-64 with AVX2, as here) repacks into interleaved
-# rows, with the row count each needs to divide (measured on this build: Q4_0, Q4_K and MXFP4
-# matrices are repacked, in groups of 8 rows; Q8_0, Q5_0, Q5_1, Q6_K, Q4_1, BF16 and TQ2_0
-# are not). ARM builds repack other types. Where models load without extra buffer types (a CPU
-# with AMX: ``engine.llamacpp``), nothing is repacked.
-CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 4, "MXFP4": 8}
+# rows, with the row count each needs to divide (ggml-cpu's ``ggml_repack_get_optimal_repack_type``,
+# and measured on this build: Q4_0, Q4_K, IQ4_NL and MXFP4 matrices are repacked, in groups of 8
+# rows; an IQ4_NL matrix of 2052 rows is not; Q8_0, Q5_0, Q5_1, Q6_K, Q4_1, BF16 and TQ2_0 are
+# not). Q2_K is repacked too, in groups of 8, where the CPU has AVX-512 (``AVX512_REPACK_TYPES``:
+# a Q2_K model's weights took 1.8x their file size here, which the estimate missed until
+# 2026-12-04). ARM builds repack other types. Where models load without extra buffer types (a
+# CPU with AMX: ``engine.llamacpp``), nothing is repacked.
+CPU_REPACK_TYPES = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8}
+AVX512_REPACK_TYPES = {"Q2_K": 8}
 Repacks = dict[str, int]  # type name -> interleave rows: CPU_REPACK_TYPES, or {} (no repacking)
+
+# Bounds on a model's shape fields, far past any real model's (the widest have embeddings of
+# about 2**14, 128 heads, heads of 576 values), so that a damaged field is refused, not estimated.
+WIDTH_MAX = 2**20
+HEADS_MAX = 2**14
+HEAD_SIZE_MAX = 2**14
 
 # Architectures llama.cpp makes no KV cache for (``llama_model::create_memory``: encoders and
 # diffusion models attend over the batch only).
@@ -78,18 +89,19 @@ def read_model_spec(path: str | Path, *, cpu_repack: bool | None = None) -> Mode
     """Parse layers, heads, head sizes, vocabulary and tensor bytes from a GGUF file.
 
     ``cpu_repack``: whether llama.cpp's CPU backend repacks weights (the repack fields and
-    ``cpu_model_bytes``); None: as this machine's llama.cpp loads models
-    (``engine.llamacpp.cpu_backend_repacks``). The header is read by ``engine.gguf_header``;
+    ``cpu_model_bytes``, by this machine's CPU's rules: ``engine.llamacpp.cpu_repack_rules``);
+    None: as this machine's llama.cpp loads models (``engine.llamacpp.cpu_backend_repacks``).
+    The header is read by ``engine.gguf_header``;
     a file it refuses is read by ``gguf``'s ``GGUFReader``, whose error a damaged file raises."""
-    if cpu_repack is None:
-        from spillover.engine.llamacpp import cpu_backend_repacks
+    from spillover.engine.llamacpp import cpu_backend_repacks, cpu_repack_rules
 
+    if cpu_repack is None:
         cpu_repack = cpu_backend_repacks()
     try:
         header = read_header(path)
     except (ValueError, OSError, struct.error):
         header = header_by_reader(path)
-    return spec_of(header, path, CPU_REPACK_TYPES if cpu_repack else {})
+    return spec_of(header, path, cpu_repack_rules() if cpu_repack else {})
 
 
 def header_by_reader(path: str | Path) -> Header:
@@ -138,6 +150,14 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         n_head_kv = int(n_head_kv_raw)
     head_k = int(_field(f"{arch}.attention.key_length", n_embd // n_head))
     head_v = int(_field(f"{arch}.attention.value_length", n_embd // n_head))
+    for key, value, top in (
+        ("embedding_length", n_embd, WIDTH_MAX),
+        ("attention.head_count", n_head, HEADS_MAX),
+        ("attention.key_length", head_k, HEAD_SIZE_MAX),
+        ("attention.value_length", head_v, HEAD_SIZE_MAX),
+    ):
+        if not 1 <= value <= top:  # a damaged field: the estimate would be negative or absurd
+            raise ValueError(f"{arch}.{key} is {value}: a model's is from 1 to {top}")
     n_ctx_train = int(_field(f"{arch}.context_length", 2048))
     swa = int(_field(f"{arch}.attention.sliding_window", 0) or 0)
     n_vocab = header.lengths.get("tokenizer.ggml.tokens", 0)

@@ -9,8 +9,8 @@ closed unfixed) and pull request #26954 (the tile permission is asked on the mai
 and the tile configuration on the stack is optimised away). A crash on the first real prompt
 would take every worker down on such a machine, so where llama.cpp reports ``AMX_INT8 = 1``
 every model is loaded with ``use_extra_bufts = False``: its weights stay in the plain CPU
-buffer. That also leaves out the CPU backend's repacking of Q4_0/Q4_K/IQ4_NL/MXFP4 weights (a
-decode speed-up on AVX2 machines), on AMX machines only: the memory model then counts no
+buffer. That also leaves out the CPU backend's repacking of Q4_0/Q4_K/IQ4_NL/MXFP4 (and, with
+AVX-512, Q2_K) weights (a decode speed-up on AVX2 machines), on AMX machines only: the memory model then counts no
 repacked copy (``cpu_backend_repacks``).
 
 The setting goes through llama-cpp-python's ``llama_model_default_params``, which its ``Llama``
@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-__all__ = ["amx_in_cpu_backend", "cpu_backend_repacks", "load_llama_cpp"]
+__all__ = ["amx_in_cpu_backend", "cpu_backend_repacks", "cpu_repack_rules", "load_llama_cpp", "repack_rules_for"]
 
 
 def amx_in_cpu_backend(system_info: str) -> bool:
@@ -44,6 +44,22 @@ def cpu_backend_repacks() -> bool:
     CPU without AMX (where models load without extra buffer types, above)."""
     info = _system_info()
     return "REPACK = 1" in info and not amx_in_cpu_backend(info)
+
+
+def repack_rules_for(system_info: str) -> dict[str, int]:
+    """The weight types the CPU backend repacks, with the rows each needs to divide
+    (``engine.gguf_meta``'s tables), on a CPU whose ``llama_print_system_info`` is this text:
+    Q2_K only with AVX-512."""
+    from spillover.engine.gguf_meta import AVX512_REPACK_TYPES, CPU_REPACK_TYPES
+
+    return CPU_REPACK_TYPES | (AVX512_REPACK_TYPES if "AVX512 = 1" in system_info else {})
+
+
+@functools.cache
+def cpu_repack_rules() -> dict[str, int]:
+    """``repack_rules_for`` this machine (whether or not its models get repacked at all:
+    ``cpu_backend_repacks``)."""
+    return repack_rules_for(_system_info())
 
 
 @functools.cache

@@ -70,11 +70,13 @@ def plan_buffers(
     kv_type: str = "f16",
     flash_attn: bool = False,
     n_gpu_layers: int = 0,
+    why: list[str] | None = None,
 ) -> PlannedBuffers | None:
     """llama.cpp's own compute and output buffer sizes for this context, from a dry run.
 
     The batch sizes are clamped as llama-cpp-python clamps them (``n_batch`` to the context,
     ``n_ubatch`` to ``n_batch``), so the plan is of the context the engine would create.
+    When it returns None, ``why`` (when given) gets the reason, as a sentence.
     """
     llama_cpp = load_llama_cpp()
     lines: list[tuple[int, str]] = []  # (ggml log level, text)
@@ -104,6 +106,8 @@ def plan_buffers(
         try:
             model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
             if not model:
+                if why is not None:
+                    why.append(f"this llama.cpp build cannot load the file ({_errors(lines) or 'no reason given'})")
                 return None
             try:
                 ctx = llama_cpp.llama_init_from_model(model, cp)
@@ -117,6 +121,8 @@ def plan_buffers(
     text = "".join(t for _, t in lines)
     compute = by_buffer(COMPUTE_LINE, text)
     if not compute:
+        if why is not None:
+            why.append("llama.cpp reported no compute buffer for it")
         return None
     return PlannedBuffers(compute=compute, output=by_buffer(OUTPUT_LINE, text))
 
@@ -125,8 +131,14 @@ LOG_ERROR, LOG_CONT = 4, 5  # ggml_log_level: GGML_LOG_LEVEL_ERROR, GGML_LOG_LEV
 
 
 def _reason(lines: list[tuple[int, str]]) -> str:
+    """Why llama.cpp refused the context: its last error lines, as one sentence."""
+    text = _errors(lines) or "llama.cpp refused to create the context"
+    return f"llama.cpp refuses these settings: {text}"
+
+
+def _errors(lines: list[tuple[int, str]]) -> str:
     """llama.cpp's last error lines (logged at its error level, with their continuations),
-    as one sentence; its other lines are notes, whatever words they hold."""
+    as one sentence ("" when none); its other lines are notes, whatever words they hold."""
     errors: list[str] = []
     last = 0
     for level, text in lines:
@@ -136,15 +148,16 @@ def _reason(lines: list[tuple[int, str]]) -> str:
             errors[-1] = f"{errors[-1]} {text.strip()}"
         if level != LOG_CONT:
             last = level
-    text = "; ".join(e for e in errors[-2:] if e) or "llama.cpp refused to create the context"
-    return f"llama.cpp refuses these settings: {text}"
+    return "; ".join(e for e in errors[-2:] if e)
 
 
-def plan_buffers_isolated(model_path: str, n_ctx: int, *args: Any, **kwargs: Any) -> PlannedBuffers | None:
+def plan_buffers_isolated(
+    model_path: str, n_ctx: int, *args: Any, why: list[str] | None = None, **kwargs: Any
+) -> PlannedBuffers | None:
     """``plan_buffers`` in a forked child, so that a llama.cpp abort ends the child only.
 
     Returns ``None`` when the child dies (by a signal or an exit status) or llama.cpp cannot
-    plan; raises ``PlanRefused`` as ``plan_buffers`` does.
+    plan, with the reason in ``why`` (when given); raises ``PlanRefused`` as ``plan_buffers`` does.
     """
     import json
     import os
@@ -153,15 +166,21 @@ def plan_buffers_isolated(model_path: str, n_ctx: int, *args: Any, **kwargs: Any
     pid = os.fork()
     if pid == 0:  # the child: plan, write one JSON line, leave without cleanup
         os.close(read)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # an abort's backtrace is not the user's to read
+        # An abort's backtrace (ggml runs gdb, which writes to the inherited stdout as well as
+        # stderr) is not the user's to read, and must not land in ``--json``'s one object.
+        os.environ["GGML_NO_BACKTRACE"] = "1"
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
         out: dict[str, Any]
+        reasons: list[str] = []
         try:
-            plan = plan_buffers(model_path, n_ctx, *args, **kwargs)
-            out = {"plan": None if plan is None else [plan.compute, plan.output]}
+            plan = plan_buffers(model_path, n_ctx, *args, why=reasons, **kwargs)
+            out = {"plan": None if plan is None else [plan.compute, plan.output], "why": reasons}
         except PlanRefused as exc:
             out = {"refused": str(exc)}
         except BaseException as exc:  # anything else is "cannot plan"
-            out = {"error": repr(exc)}
+            out = {"error": repr(exc), "why": [f"the dry run failed ({exc!r})"]}
         os.write(write, json.dumps(out).encode())
         os._exit(0)
     os.close(write)
@@ -171,11 +190,15 @@ def plan_buffers_isolated(model_path: str, n_ctx: int, *args: Any, **kwargs: Any
     os.close(read)
     _, status = os.waitpid(pid, 0)
     if not chunks or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        if why is not None:
+            why.append("llama.cpp aborted reading the file (one of its own checks failed: a damaged model)")
         return None
     out = json.loads(b"".join(chunks))
     if "refused" in out:
         raise PlanRefused(out["refused"])
     if out.get("plan") is None:
+        if why is not None:
+            why.extend(out.get("why") or ["llama.cpp could not plan it"])
         return None
     compute, output = out["plan"]
     return PlannedBuffers(compute=compute, output=output)

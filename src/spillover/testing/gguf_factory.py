@@ -22,6 +22,9 @@ _FILE_TYPES = {
     "Q8_0": 7,
     "Q5_0": 8,
     "Q5_1": 9,
+    "Q2_K": 10,
+    "Q4_K": 15,
+    "IQ4_NL": 25,
     "BF16": 32,
     "TQ2_0": 37,
     "MXFP4": 38,
@@ -38,12 +41,16 @@ class TinyLlamaSpec:
     n_head_kv: int = 2
     n_ff: int = 768
     n_ctx_train: int = 8192
-    wtype: str = "F16"  # weight type of the matrices: F32, F16, BF16, or a type gguf quantizes (Q8_0, Q4_0, ...)
+    # Weight type of the matrices: F32, F16, BF16, a type gguf quantizes (Q8_0, Q4_0, ...), or
+    # Q2_K, Q4_K or IQ4_NL, written as zero blocks (gguf cannot quantize them; a model's memory
+    # does not depend on its values, and such a model generates nothing worth reading).
+    wtype: str = "F16"
     head_dim: int = 0  # 0: n_embd // n_head (else key_length = value_length = head_dim)
     tied: bool = False  # no output.weight: llama.cpp reuses token_embd for the logits
     name: str = "tiny-llama-gqa4"
     n_expert: int = 0  # > 0: a mixture of experts (3-D expert matrices of n_ff, an f32 router)
     n_expert_used: int = 2
+    n_vocab: int = 0  # > 0: only the donor's first n_vocab tokens (and the merges among them)
 
     @property
     def head_size(self) -> int:
@@ -78,9 +85,14 @@ def donor_tokenizer(path: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[
     )
 
 
-def add_donor_tokenizer(w: Any, tokenizer_from: str) -> None:
-    """Write ``tokenizer_from``'s BPE tokenizer (``donor_tokenizer``) into the GGUFWriter ``w``."""
+def add_donor_tokenizer(w: Any, tokenizer_from: str, n_vocab: int = 0) -> None:
+    """Write ``tokenizer_from``'s BPE tokenizer (``donor_tokenizer``) into the GGUFWriter ``w``;
+    with ``n_vocab``, its first ``n_vocab`` tokens only."""
     tokens, types, merges, pre, _template = donor_tokenizer(tokenizer_from)
+    if n_vocab:
+        tokens, types = tokens[:n_vocab], types[:n_vocab]
+        kept = set(tokens)
+        merges = tuple(m for m in merges if all(p in kept for p in m.split(" ")) and m.replace(" ", "") in kept)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(list(tokens))
@@ -101,7 +113,7 @@ def write_tiny_llama(
     tokens, _types, _merges, _pre, template = donor_tokenizer(str(tokenizer_from))
     if not chat_template:
         template = None
-    n_vocab = len(tokens)
+    n_vocab = min(spec.n_vocab, len(tokens)) if spec.n_vocab else len(tokens)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(out), "llama")
@@ -124,7 +136,7 @@ def write_tiny_llama(
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(n_vocab)
     w.add_file_type(_FILE_TYPES[spec.wtype])
-    add_donor_tokenizer(w, str(tokenizer_from))
+    add_donor_tokenizer(w, str(tokenizer_from), n_vocab)
     if template is not None:
         w.add_chat_template(template)
     rng = np.random.default_rng(0)
@@ -140,10 +152,15 @@ def write_tiny_llama(
         if spec.wtype == "F16":
             w.add_tensor(name, data.astype(np.float16))
             return
-        from gguf import GGMLQuantizationType, quants
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
         qtype = GGMLQuantizationType[spec.wtype]
-        w.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
+        try:
+            raw = quants.quantize(data, qtype)
+        except NotImplementedError:
+            block, size = GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+        w.add_tensor(name, raw, raw_dtype=qtype)
 
     t("token_embd.weight", n_vocab, spec.n_embd)
     t("output_norm.weight", spec.n_embd, norm=True)
