@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from spillover.core.memory import MemoryModel, ModelSpec, ollama_estimate
+from spillover.core.memory import GRAPH_SLACK_BYTES, MemoryModel, ModelSpec, ollama_estimate
 
 
 def test_spec_of_default_model(smol_spec: ModelSpec) -> None:
@@ -50,6 +50,7 @@ def test_ollama_rule_is_file_plus_f16_kv(smol_spec: ModelSpec) -> None:
 # 4 layers, 1 KV head of 4+4 dims in f16: 4 x 1 x 8 x 2 = 64 KV bytes per token. A vocabulary of
 # 1000 and 8-wide embeddings make the logits path the larger one at 256 cells and the attention
 # path from 512 cells on. Byte counts are odd so that a true division would show.
+SLACK = GRAPH_SLACK_BYTES  # every path's fixed bytes (graph inputs, alignment)
 TINY = ModelSpec(
     name="tiny",
     arch="llama",
@@ -80,13 +81,14 @@ def test_tiny_kv_bytes() -> None:
     ("n_ctx", "expected"),
     [
         # 256 cells, ub 100 (the context): logits 100 x 1000 x 4 + 6 rows of 100 x 8 x 4 = 419_200
-        # beats attention 100 x 256 x 2 x 4 + mask 256 x 128 x 4 + 7.5 x 100 x 8 x 4 = 359_872.
-        (100, 419_200),
+        # beats attention 100 x 256 x 2 x 4 + mask 256 x 128 x 4 + 7.5 x 100 x 8 x 4 = 359_872;
+        # each path has the graph's fixed 16_384 on top.
+        (100, 419_200 + SLACK),
         # 512 cells, ub 300: attention 300 x 512 x 8 + mask 512 x 320 x 4 + 7.5 x 300 x 32 = 1_956_160
         # beats logits 1_200_000 + 57_600 = 1_257_600.
-        (300, 1_956_160),
+        (300, 1_956_160 + SLACK),
         # 1024 cells, ub capped at 512: attention 4_194_304 + 2_097_152 + 122_880 = 6_414_336.
-        (1000, 6_414_336),
+        (1000, 6_414_336 + SLACK),
     ],
 )
 def test_tiny_compute_bytes(n_ctx: int, expected: int) -> None:
@@ -97,13 +99,19 @@ def test_tiny_compute_bytes(n_ctx: int, expected: int) -> None:
 def test_flash_attention_keeps_no_scores_but_keeps_the_mask() -> None:
     """With flash attention no scores are kept, but the f16 mask (1024 cells x 512 x 2 =
     1_048_576) stays allocated beside the logits with three rows: 2_048_000 + 1_048_576 +
-    49_152 beats six rows (98_304) and the attention path 1_048_576 + 122_880."""
-    assert MemoryModel(TINY, flash_attn=True).compute_bytes(1000) == 3_145_728
+    49_152 beats six rows (98_304) and the attention path 1_048_576 + 122_880 (each with the
+    graph's fixed 16_384)."""
+    assert MemoryModel(TINY, flash_attn=True).compute_bytes(1000) == 3_145_728 + SLACK
 
 
 def test_feed_forward_path_wins_for_a_wide_ffn() -> None:
-    """Two ub x n_ff f32 tensors and 6 rows: n_ff 5000 at ub 100 is 4_000_000 + 19_200."""
-    assert MemoryModel(replace(TINY, n_ff=5000)).compute_bytes(100) == 4_019_200
+    """Three ub x n_ff f32 tensors (gate, up, activated): n_ff 5000 at ub 100 is 6_000_000; with
+    more than one layer the f32 mask (256 cells x 128 x 4 = 131_072) is still there beside 5.5
+    rows (17_600), more than 6 rows (19_200); and the graph's fixed 16_384."""
+    assert MemoryModel(replace(TINY, n_ff=5000)).compute_bytes(100) == 6_000_000 + 131_072 + 17_600 + SLACK
+    # one layer: the mask is freed before its feed-forward, and the 6 rows are the larger
+    one = replace(TINY, n_ff=5000, n_layers=1, layer_sizes=(4001,), layer_repack_sizes=(1001,))
+    assert MemoryModel(one).compute_bytes(100) == 6_000_000 + 19_200 + SLACK
 
 
 @pytest.mark.parametrize(
@@ -142,16 +150,16 @@ def test_impossible_caches_are_refused() -> None:
 
 def test_tiny_context_bytes_is_kv_plus_compute_plus_output() -> None:
     """A 300-token context: 512 cells of KV (32_768), the compute envelope, one logits row."""
-    assert MemoryModel(TINY).context_bytes(300) == 32_768 + 1_956_160 + 4_000
+    assert MemoryModel(TINY).context_bytes(300) == 32_768 + 1_956_160 + SLACK + 4_000
 
 
 def test_tiny_request_footprint() -> None:
     """40 + 60 tokens take 7 pages of 16 (112 tokens): KV, compute for a micro-batch of the 256
-    padded cells (logits 1_024_000 + 49_152) and the output row, 2 % on top."""
+    padded cells (logits 1_024_000 + 49_152, the graph's fixed 16_384) and the output row, 2 % on top."""
     fp = MemoryModel(TINY).request_footprint(40, 60)
-    assert (fp.kv_tokens, fp.pages, fp.kv_bytes, fp.compute_bytes) == (112, 7, 7_168, 1_077_152)
-    assert fp.fragmentation_bytes == 21_686  # int((7_168 + 1_077_152) x 0.02)
-    assert fp.total_bytes == 7_168 + 1_077_152 + 21_686
+    assert (fp.kv_tokens, fp.pages, fp.kv_bytes, fp.compute_bytes) == (112, 7, 7_168, 1_093_536)
+    assert fp.fragmentation_bytes == 22_014  # int((7_168 + 1_093_536) x 0.02)
+    assert fp.total_bytes == 7_168 + 1_093_536 + 22_014
 
 
 def test_empty_request_still_takes_one_token() -> None:
@@ -193,8 +201,8 @@ def test_no_layers_on_the_device_means_no_kv() -> None:
 
 def test_flash_attention_mask_grows_with_the_context() -> None:
     """4096 cells, ub 512: the kept mask 4096 x 512 x 2 under the logits: 2_048_000 + 4_194_304 + 49_152."""
-    assert MemoryModel(TINY, flash_attn=True).compute_bytes(4096) == 6_291_456
-    assert MemoryModel(TINY, flash_attn=True).compute_paths(4096)[1] == 4_194_304 + 122_880
+    assert MemoryModel(TINY, flash_attn=True).compute_bytes(4096) == 6_291_456 + SLACK
+    assert MemoryModel(TINY, flash_attn=True).compute_paths(4096)[1] == 4_194_304 + 122_880 + SLACK
 
 
 def test_flash_attention_casts_an_f32_cache_to_f16() -> None:
@@ -202,7 +210,8 @@ def test_flash_attention_casts_an_f32_cache_to_f16() -> None:
     cells x 1 KV head x (4 + 4) dims x 2 bytes = 65_536 on the attention path; other cache
     types are read as they are."""
     paths = {t: MemoryModel(TINY, kv_type=t, flash_attn=True).compute_paths(4096)[1] for t in ("f32", "f16", "bf16")}
-    assert paths == {"f32": 4_194_304 + 122_880 + 65_536, "f16": 4_194_304 + 122_880, "bf16": 4_194_304 + 122_880}
+    attention = 4_194_304 + 122_880 + SLACK
+    assert paths == {"f32": attention + 65_536, "f16": attention, "bf16": attention}
     assert MemoryModel(TINY, kv_type="f32").compute_paths(4096)[1] == MemoryModel(TINY).compute_paths(4096)[1]
 
 
@@ -218,9 +227,11 @@ def test_heads_llama_cpp_cannot_build_are_refused() -> None:
 
 
 def test_compute_paths_by_hand() -> None:
-    """(logits, attention, feed-forward) at 300 tokens (512 cells, ub 300), n_ff 40:
-    1_257_600; 1_228_800 + 655_360 + 72_000; 2 x 300 x 40 x 4 + 57_600."""
-    assert MemoryModel(replace(TINY, n_ff=40)).compute_paths(300) == (1_257_600, 1_956_160, 153_600)
+    """(logits, attention, feed-forward) at 300 tokens (512 cells, ub 300), n_ff 40, each with the
+    graph's fixed 16_384: 1_257_600; 1_228_800 + 655_360 + 72_000; 3 x 300 x 40 x 4 + the f32
+    mask (655_360, kept beside all layers' feed-forward but the last) + 5.5 rows (52_800)."""
+    paths = MemoryModel(replace(TINY, n_ff=40)).compute_paths(300)
+    assert paths == (1_257_600 + SLACK, 1_956_160 + SLACK, 144_000 + 655_360 + 52_800 + SLACK)
 
 
 def test_smallest_contexts_and_batches() -> None:

@@ -317,7 +317,7 @@ def test_the_envelope_holds_where_the_feed_forward_path_is_the_largest(
     """A narrow model with a small vocabulary and flash attention: the feed-forward tensors,
     beside the kept f16 mask, are the compute buffer's largest path (not the logits). The
     envelope (what admission counts without a dry run) stays above llama.cpp's buffer, and
-    within 5 % of it (it was 10-22 % under until 2026-12-04)."""
+    within 12 % of it (it was 10-22 % under until 2026-12-04)."""
     from spillover.core.memory import MemoryModel
     from spillover.engine.gguf_meta import read_model_spec
 
@@ -329,7 +329,41 @@ def test_the_envelope_holds_where_the_feed_forward_path_is_the_largest(
     model = MemoryModel(spec, n_batch=n_ubatch, n_ubatch=n_ubatch, flash_attn=True)
     logits, _attention, ffn = model.compute_paths(n_ctx)
     assert ffn > logits
-    assert m.compute_bytes <= model.compute_bytes(n_ctx) <= 1.05 * m.compute_bytes
+    assert m.compute_bytes <= model.compute_bytes(n_ctx) <= 1.12 * m.compute_bytes
+
+
+ENVELOPE_CELLS = [  # ((layers, n_embd, heads, KV heads, head size, n_ff, vocabulary), n_ctx, n_batch, n_ubatch,
+    # kv_type, flash_attn): a randomized probe's families of under-estimates (2026-12-04, 580 real
+    # loads), each as its smallest case
+    ((1, 256, 4, 4, 0, 8192, 300), 256, 512, 64, "f16", False),
+    ((2, 160, 1, 1, 0, 1120, 318), 768, 512, 512, "f16", False),
+    ((1, 128, 2, 2, 256, 256, 300), 1, 512, 512, "q8_0", True),
+    ((1, 128, 2, 2, 128, 256, 300), 256, 512, 32, "q4_0", True),
+    ((2, 256, 16, 1, 146, 1264, 25315), 68, 512, 512, "f16", True),
+    ((7, 64, 4, 1, 64, 672, 355), 2048, 252, 512, "q8_0", True),
+    ((6, 160, 1, 1, 160, 560, 318), 532, 512, 4252, "f32", False),
+]
+
+
+@pytest.mark.parametrize(("shape", "n_ctx", "n_batch", "n_ubatch", "kv_type", "flash_attn"), ENVELOPE_CELLS)
+def test_the_envelope_holds_on_the_probes_cells(
+    tmp_path, model_path: str, shape: tuple, n_ctx: int, n_batch: int, n_ubatch: int, kv_type: str, flash_attn: bool
+) -> None:
+    """The envelope against a real load where it was under (by 7 to 83 %): a dense feed-forward
+    holds three ``ub x n_ff`` tensors (gate, up, activated), not two; without flash attention
+    the f32 mask is still there in every layer's feed-forward but the last; a quantized cache of
+    heads in whole blocks of 64 adds two rotation matrices (``attn_rot_k``); a query wider
+    than a row is held below the logits and beside the feed-forward."""
+    from spillover.core.memory import MemoryModel
+    from spillover.engine.gguf_meta import read_model_spec
+
+    layers, embd, heads, kv_heads, head_dim, n_ff, vocab = shape
+    tiny = TinyLlamaSpec(layers, embd, heads, kv_heads, n_ff, head_dim=head_dim, n_vocab=vocab, name="probe")
+    path = str(write_tiny_llama(tmp_path / "probe.gguf", model_path, tiny))
+    m = measure_buffers(path, n_ctx, n_batch, n_ubatch=n_ubatch, kv_type=kv_type, flash_attn=flash_attn)
+    settings = {"n_batch": n_batch, "n_ubatch": n_ubatch, "kv_type": kv_type, "flash_attn": flash_attn}
+    model = MemoryModel(read_model_spec(path), **settings)
+    assert model.compute_bytes(n_ctx) >= m.compute_bytes - 16 * 1024  # the log's two decimals
 
 
 def test_the_repack_rules_follow_the_cpu() -> None:

@@ -57,8 +57,18 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 LOGITS_ROWS = 6.0
 ATTENTION_ROWS = 7.5
 FFN_ROWS = 6.0
-FFN_KEPT_ROWS = 7.0  # with flash attention: rows beside the kept f16 mask on the feed-forward path
+FFN_KEPT_ROWS = 5.5  # rows beside the mask on the feed-forward path (where it is kept there)
+GRAPH_SLACK_BYTES = 16 * 1024  # beside every path: inputs and alignment that do not grow with it
+QUERY_ROWS = 5.0  # with flash attention: rows beside a query wider than a row, below the logits
 KQ_MASK_PAD = 64  # llama.cpp pads the KQ mask's token dimension to this
+
+
+def _rotation(head_size: int) -> int:
+    """The largest power of two from 64 that divides ``head_size`` (a multiple of 64)."""
+    n = 64
+    while head_size % (2 * n) == 0:
+        n *= 2
+    return n
 
 
 def kv_quantized(kv_type: str) -> bool:
@@ -248,13 +258,17 @@ class MemoryModel:
           ``ATTENTION_ROWS`` rows of the wider of ``n_embd`` and the query
           (``n_head x head_k``); with flash attention no scores are kept, but an f32 cache's
           K and V views are cast to f16 (``n_kv`` cells of every KV head, both at once);
-        - the feed-forward, two ``ub x n_ff`` f32 tensors beside ``FFN_ROWS`` rows (a mixture
-          of experts: three ``ub x n_expert_used x n_ff_expert`` ones and the experts'
+        - the feed-forward, three ``ub x n_ff`` f32 tensors (gate, up, activated) beside
+          ``FFN_ROWS`` rows, or beside the mask where it is still there (flash attention, or
+          any layer but the last) and ``FFN_KEPT_ROWS`` rows, and a query wider than a row (a
+          mixture of experts: three ``ub x n_expert_used x n_ff_expert`` ones and the experts'
           ``ub x n_expert_used x n_embd`` outputs);
 
         The attention path holds the KQ mask (``n_kv`` x ``ub`` padded to 64; f32, or f16 with
         flash attention); with flash attention the mask stays allocated beside the other two
-        (beside 3 rows on the logits path, ``FFN_KEPT_ROWS`` on the feed-forward one).
+        (beside 3 rows on the logits path, ``FFN_KEPT_ROWS`` on the feed-forward one). Every
+        path has ``GRAPH_SLACK_BYTES`` on top, and a quantized cache of heads in whole blocks
+        of 64 its two rotation matrices.
 
         The row counts are the largest the allocator left on the measured grid, so this never
         under-estimates there; how far over depends on the layout (``engine.plan`` gives
@@ -270,10 +284,14 @@ class MemoryModel:
         embd = ub * s.n_embd * 4
         mask = n_kv * _pad(ub, KQ_MASK_PAD) * (2 if self.flash_attn else 4)
         # With flash attention the f16 mask stays allocated to the end (measured); without it
-        # the f32 mask is freed after the last layer.
-        # Below the logits: the rows, or the kept mask beside the three rows always there.
+        # the f32 mask is freed after the last layer, so it is beside every layer's
+        # feed-forward but the last one's (measured: a one-layer model does without it).
+        # Below the logits: the rows, or the kept mask beside the three rows always there,
+        # or (flash attention) a query wider than a row beside ``QUERY_ROWS`` rows.
         kept = mask if self.flash_attn else 0
-        logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd)
+        query = ub * s.n_head * s.head_dim_k * 4
+        wide_query = query + QUERY_ROWS * embd if self.flash_attn else 0
+        logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd, wide_query)
         rows = ATTENTION_ROWS * ub * max(s.n_embd, s.n_head * s.head_dim_k) * 4
         scores = 0 if self.flash_attn else ub * n_kv * s.n_head * 4
         # Flash attention reads an f32 cache as f16: each layer's K and V views are cast
@@ -285,13 +303,23 @@ class MemoryModel:
         attn_path = scores + mask + rows + cast
         # A mixture of experts runs each token through n_expert_used experts: their gate, up
         # and activated rows are alive at once (3 x ub x used x width f32, measured), and
-        # then each expert's output row before they are weighted and summed.
+        # then each expert's output row before they are weighted and summed. A dense layer
+        # holds its gate, up and activated rows too (3 x ub x n_ff).
         used = s.n_expert_used
-        ffn = used * (3 * (s.n_ff_expert or s.n_ff) + s.n_embd) if used else 2 * s.n_ff
-        # Beside the kept mask, the feed-forward path held up to 6.6 rows (a narrow model with a
-        # small vocabulary, where this path is the largest: 2026-12-04, 10-22 % under with 3).
-        ffn_path = ub * ffn * 4 + max(FFN_ROWS * embd, kept + FFN_KEPT_ROWS * embd if self.flash_attn else 0)
-        return logits_path, attn_path, ffn_path
+        ffn = used * (3 * (s.n_ff_expert or s.n_ff) + s.n_embd) if used else 3 * s.n_ff
+        ffn_mask = mask if self.flash_attn or s.n_layers > 1 else 0
+        # A query wider than a row is still held there too (measured: a model of 4 heads of 64 on
+        # an embedding of 64).
+        wider = max(0, query - embd)
+        ffn_path = ub * ffn * 4 + max(FFN_ROWS * embd, ffn_mask + FFN_KEPT_ROWS * embd if ffn_mask else 0) + wider
+        # A quantized cache whose heads are whole blocks of 64 values is rotated (llama.cpp's
+        # attn_rot_k): two f32 matrices, graph inputs alive throughout, of the largest power
+        # of two from 64 that divides the head size, and of 64.
+        rot = 4 * (_rotation(s.head_dim_k) ** 2 + 64**2) if kv_quantized(self.kv_type) and s.head_dim_k % 64 == 0 else 0
+        # Small graph inputs (positions, output ids) and each tensor's alignment: bytes that
+        # do not grow with the micro-batch, all that matters in a buffer of a few hundred KiB.
+        fixed = rot + GRAPH_SLACK_BYTES
+        return logits_path + fixed, attn_path + fixed, ffn_path + fixed
 
     def output_bytes(self) -> int:
         """The output buffer: one sequence's logits row, f32."""
