@@ -4,6 +4,8 @@ an unloaded replica load its model only when the room the guard leaves holds it.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from spillover.runtime.hostmem import CpuLaneHost, HostMemory
@@ -63,3 +65,55 @@ def test_the_primary_chat_lane_not_a_service_replica_gives_the_slot_bytes() -> N
     assert h.slot_bytes == 0  # only a service replica registered: no chat lane
     h.lane_view(lambda: None, weights_bytes=50, context_bytes=7)
     assert h.slot_bytes == 57
+
+
+def _auto_replicas(room: int, models: dict[str, int]) -> tuple[HostMemory, dict[str, WorkerClient], list]:
+    """Auto replicas (measured: on_demand misses a 1 ms budget, so each wants warm) on a host
+    with ``room`` bytes left under its budget; ``asked`` collects the moves asked of them."""
+    asked: list[tuple[str, str]] = []
+    h = HostMemory(lambda: [], budget_bytes=1000, min_free_bytes=0)
+    h._proc.available = lambda: 10**9  # type: ignore[method-assign]
+    h.observed_bytes = h.base_bytes = 1000 - room
+    workers = {}
+    for name, size in models.items():
+        w = WorkerClient(WorkerSpec(name, "cpu", "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
+        w.state = WorkerState.READY
+        w._held({"mode": "on_demand", "model": False, "contexts": 0, "timings": {"load_ms": 100, "first_ms": 50}})
+
+        async def set_readiness(mode: str, name: str = name) -> None:
+            asked.append((name, mode))
+
+        w.set_readiness = set_readiness  # type: ignore[method-assign]
+        r = ReplicaReadiness("auto", 1.0, lambda w=w: w, weights_bytes=size, context_bytes=0)
+        h.add_replica(lambda w=w: w, weights_bytes=size, readiness=r)
+        workers[name] = w
+    return h, workers, asked
+
+
+def test_two_replicas_never_spend_the_same_room() -> None:
+    """Room for either model but not both: one tick asks one replica to load, and until it
+    reports (and after), the other sees the room that load takes. Before, both were asked in
+    the same tick, the guard then counted 150 bytes in 100, and both stepped down and up
+    again on every reading."""
+    h, workers, asked = _auto_replicas(100, {"emb-cpu": 60, "whisper-cpu": 80})
+    asyncio.run(h.tick_readiness())
+    assert asked == [("emb-cpu", "warm")]
+    asyncio.run(h.tick_readiness())  # the load is under way: nothing more
+    assert asked == [("emb-cpu", "warm")]
+    workers["emb-cpu"]._held({"mode": "warm", "model": True, "contexts": 0, "timings": {"load_ms": 100}})
+    h.observed_bytes += 60
+    for _ in range(3):  # it loaded: no step down, and the other still does not fit
+        asyncio.run(h.tick_readiness())
+    assert asked == [("emb-cpu", "warm")]
+    assert h.replicas_bytes() == 60
+
+
+def test_a_replica_without_contexts_moves_up_with_a_tenth_of_its_model_to_spare() -> None:
+    """Hysteresis for a replica whose contexts cost nothing: exactly its model's room is not
+    enough to load (the next reading's noise would unload it again); a tenth more is."""
+    h, _, asked = _auto_replicas(100, {"emb-cpu": 100})
+    asyncio.run(h.tick_readiness())
+    assert asked == []
+    h.observed_bytes = h.base_bytes = 890
+    asyncio.run(h.tick_readiness())
+    assert asked == [("emb-cpu", "warm")]

@@ -18,7 +18,10 @@ Rules:
 3. ``auto`` (``pick``) takes the cheapest mode whose recovery time meets the budget; when
    none does, the fastest (``warm``). When host memory cannot hold that mode, it takes the
    fastest mode that the room allows (``host_short``) and says so. Moving to a dearer mode
-   needs one more context of room than the mode costs (hysteresis: no flapping at the edge).
+   needs one more context of room than the mode costs, or a tenth of the model for a replica
+   without contexts (hysteresis: no flapping at the edge). Replicas share the host room: a
+   load one was asked for and has not reported is counted in every other one's room
+   (``HostMemory.room_bytes``), so two are never both asked to spend the same room.
 4. A model without a GPU lane has no failover: its replica is its only path, and ``auto``
    keeps it ``mmap`` (model loaded, contexts as requests need them; ``no_gpu_lane``).
    A configured mode other than ``auto`` is kept whatever the budget, but host room bounds it
@@ -98,7 +101,7 @@ def pick(
 ) -> Choice:
     """The mode to keep (rules 3-4). ``room_bytes``: host memory the replica may hold idle
     (the guard's budget and the machine's free memory, less everything else); ``current``:
-    the mode it is in; ``step_bytes``: one context, the hysteresis of a move up; ``alone``: the
+    the mode it is in; ``step_bytes``: the hysteresis of a move up (rule 3); ``alone``: the
     model has no GPU lane (rule 4)."""
     if configured != "auto":
         wanted, why = configured, Why.CONFIGURED

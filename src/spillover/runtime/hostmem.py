@@ -165,14 +165,18 @@ class HostMemory:
     def room_bytes(self, lane: CpuLaneHost, available_bytes: int | None = None) -> int:
         """Host memory ``lane``'s replica may hold while idle: the budget less everything else
         (the larger of the observed and the predicted use, less the replica's own holding), and
-        no more than the machine has available beside what the replica holds already."""
+        no more than the machine has available beside what the replica holds already. Loads
+        the other replicas were asked for and have not reported are counted as taken."""
         if available_bytes is None:
             available_bytes = self._proc.available()
         w = lane.worker()
         own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
         used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
+        # what the other replicas were asked to take and do not hold yet (their loads under way)
+        pending = sum(o.readiness.pending_bytes() for o in self.lanes if o is not lane and o.readiness is not None)
+        used += pending
         by_budget = self.budget_bytes - used + own  # max(observed, predicted), less what it holds itself
-        by_machine = available_bytes + own - self.min_free_bytes
+        by_machine = available_bytes + own - self.min_free_bytes - pending
         return min(by_budget, by_machine)
 
     async def tick_readiness(self) -> None:

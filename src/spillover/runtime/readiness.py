@@ -27,6 +27,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["ReplicaReadiness"]
 
 log = logging.getLogger("spillover.readiness")
+REPLICA_STEP_SHARE = 10  # a context-less replica's move up needs a tenth of its model more room (hysteresis)
 ASK_AGAIN_S = 2.0  # a move the replica did not make (e.g. its load failed) is asked again after this
 
 
@@ -74,16 +75,28 @@ class ReplicaReadiness:
         """Host bytes the replica reports holding (its model when loaded, its contexts)."""
         return (self.weights_bytes if w.held.get("model") else 0) + w.contexts * self.context_bytes
 
+    def _costs(self, w: WorkerClient) -> dict[str, int]:
+        return {
+            m: host_cost(m, weights_bytes=self.weights_bytes, context_bytes=self.context_bytes, slots=w.spec.slots)
+            for m in ("warm", "mmap", "on_demand")
+        }
+
+    def pending_bytes(self) -> int:
+        """Host bytes the replica was asked to take and does not report holding yet (a move up
+        under way): ``HostMemory`` counts them against every other replica's room, so two
+        replicas never spend the same room, in one tick or before a load is reported."""
+        w = self.worker()
+        if w is None or w.state is not WorkerState.READY:
+            return 0
+        return max(0, self._costs(w)[self.choice.mode] - self.held_bytes(w))
+
     def tick(self, room_bytes: int) -> str | None:
         """Pick a mode for ``room_bytes`` of host room; the mode to ask the worker for, when it
         holds (or was asked for) another, else None."""
         w = self.worker()
         if w is None or w.state is not WorkerState.READY:
             return None
-        cost = {
-            m: host_cost(m, weights_bytes=self.weights_bytes, context_bytes=self.context_bytes, slots=w.spec.slots)
-            for m in ("warm", "mmap", "on_demand")
-        }
+        cost = self._costs(w)
         current = self.holding(w) or self.choice.mode
         choice = pick(
             self.configured,
@@ -92,7 +105,9 @@ class ReplicaReadiness:
             cost,
             room_bytes,
             current=current,
-            step_bytes=self.context_bytes,
+            # One context; a replica without contexts (embeddings, transcription), a tenth of
+            # its model, so that a move up does not flap on the next reading's noise.
+            step_bytes=self.context_bytes or self.weights_bytes // REPLICA_STEP_SHARE,
             alone=self.alone,
         )
         if choice != self.choice:
