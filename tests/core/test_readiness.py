@@ -68,6 +68,10 @@ def test_host_room_bounds_a_configured_mode_too() -> None:
     assert choose(1, room=W, configured="warm") == Choice("mmap", Why.HOST_SHORT, "warm")
     assert choose(1, room=0, configured="mmap") == Choice("on_demand", Why.HOST_SHORT, "mmap")
     assert choose(1, room=0, configured="on_demand") == Choice("on_demand", Why.CONFIGURED, "on_demand")
+    # room below nothing (the machine already past host_min_free_mib): on_demand keeps nothing to
+    # shed, so it is what was configured, not host_short
+    assert choose(1, room=-1, configured="on_demand") == Choice("on_demand", Why.CONFIGURED, "on_demand")
+    assert choose(5000, room=-1) == Choice("on_demand", Why.WITHIN_BUDGET, "on_demand")
 
 
 def test_a_replica_starts_in_the_cheapest_mode_its_configuration_allows() -> None:

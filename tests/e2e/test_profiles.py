@@ -149,3 +149,26 @@ def test_a_device_too_small_for_any_request_runs_no_resident_worker() -> None:
         assert "gpu worker not ready" not in st["reasons"]
         r = httpx.post(f"{g.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
         assert (r.status_code, r.headers["x-spillover-route"], r.headers["x-spillover-degraded"]) == (200, "cpu", "1")
+        # not "GPU not available": the plan keeps the model off the device
+        assert r.headers["x-spillover-reason"] == "resident_does_not_fit"
+        # the replica is the only path (no device worker to fail over from): kept mmap, as without a GPU
+        deadline = time.monotonic() + 30
+        while (cr := g.status()["services"][0]["cpu_readiness"])["why"] != "no_gpu_lane":
+            assert time.monotonic() < deadline, cr
+            time.sleep(0.2)
+        assert cr["mode"] == "mmap"
+
+
+def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw: GatewayProcess) -> None:
+    """Past the split worker's context cap: with ``allow_shrink`` the request runs on the idle
+    split worker with fewer tokens, flagged shrunk (before, on the CPU lane as 'GPU not
+    available'). Without it, here, it is longer than every lane (400)."""
+    body = {"prompt": "Hi", "max_tokens": 1500, "temperature": 0}
+    with httpx.Client(base_url=gw.url, timeout=120) as http:
+        r = http.post("/v1/completions", json=body | {"spillover": {"allow_shrink": True}})
+        assert r.status_code == 200, r.text
+        sp = r.json()["spillover"]
+        assert (sp["route"], sp["shrunk"], r.headers["x-spillover-route"]) == ("split", True, "split"), sp
+        assert sp["limits"]["max_tokens"] < 1500
+        r = http.post("/v1/completions", json=body | {"max_tokens": 1100})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

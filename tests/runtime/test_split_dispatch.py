@@ -86,7 +86,7 @@ def test_a_job_the_split_cannot_take_keeps_the_admissions_decision(memory: Memor
         long = Job(rid="long", prompt_tokens=900, max_tokens=200, arrived_s=clock())  # past its 1024 cap
         s.submit_nowait(long)
         d = await asyncio.wait_for(long.future, 1)
-        assert (d.route, str(d.reason), d.worker) == ("cpu", "gpu_unavailable", cpu)
+        assert (d.route, str(d.reason), d.worker) == ("cpu", "too_long_for_gpu", cpu)  # the split's cap
         cpu.release_slot("long")
         split.claim_slot("someone")  # no free split slot: it waits, bounded as admission's delay
         busy = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock())
@@ -288,5 +288,54 @@ def test_where_now_says_gpu_while_the_resident_only_waits_for_its_own_weights_to
         assert gpu is not None
         gpu.claim_slot("x")  # no free slot: the delay is a real wait
         assert s.where_now() == ("none", "kv_pages_exhausted")
+
+    asyncio.run(main())
+
+
+def test_the_cpu_profile_says_the_model_does_not_fit_not_that_the_gpu_is_unavailable(memory: MemoryModel) -> None:
+    """No worker on the device, by plan (``core.profiles``' cpu profile): a job goes to the CPU
+    lane as ``resident_does_not_fit``, and /v1/status's row says the same; the GPU is not
+    'unavailable', the model does not fit it."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, _ = _scheduler(memory, clock, resident=False)
+        s.split_workers.remove(split)  # the cpu profile: nothing runs on the device, by plan
+        s.off_device = True
+        assert s.where_now() == ("cpu", "resident_does_not_fit")
+        job = Job(rid="a", prompt_tokens=10, max_tokens=5, arrived_s=clock())
+        s.submit_nowait(job)
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, str(d.reason)) == ("cpu", "resident_does_not_fit")
+
+    asyncio.run(main())
+
+
+def test_a_job_longer_than_the_split_runs_there_shrunk_when_the_client_allows_it(memory: MemoryModel) -> None:
+    """Only the split runs (cap 1024): a job of 100 + 1500 tokens that allows shrinking runs on
+    the idle split worker with max_tokens 924, flagged shrunk; one that does not goes to the
+    CPU lane as too long for the device (before, both went to the CPU as 'GPU not available')."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, _ = _scheduler(memory, clock, resident=False)
+        job = Job(rid="a", prompt_tokens=100, max_tokens=1500, arrived_s=clock(), allow_shrink=True)
+        s.submit_nowait(job)
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, str(d.reason), d.worker, d.max_tokens, d.shrunk) == (
+            "split",
+            "resident_does_not_fit",
+            split,
+            924,
+            True,
+        )
+        assert s.split_memory is not None
+        assert d.kv_tokens == s.split_memory.request_footprint(100, 924).kv_tokens
+        split.release_slot("a")
+        s.finished("a", d, "ok")
+        whole = Job(rid="b", prompt_tokens=100, max_tokens=1500, arrived_s=clock())
+        s.submit_nowait(whole)
+        d = await asyncio.wait_for(whole.future, 1)
+        assert (d.route, str(d.reason)) == ("cpu", "too_long_for_gpu")
 
     asyncio.run(main())

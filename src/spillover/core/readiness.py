@@ -113,9 +113,9 @@ def pick(
         meets = [m for m in CHEAPEST_FIRST if recovery[m] <= budget_ms]
         wanted, why = (meets[0], Why.WITHIN_BUDGET) if meets else ("warm", Why.OVER_BUDGET)
 
-    def affordable(mode: str) -> bool:
+    def affordable(mode: str) -> bool:  # a mode that keeps nothing always is (host room can be below 0)
         dearer = CHEAPEST_FIRST.index(mode) > CHEAPEST_FIRST.index(current) if current in CHEAPEST_FIRST else True
-        return cost[mode] + (step_bytes if dearer else 0) <= room_bytes
+        return cost[mode] == 0 or cost[mode] + (step_bytes if dearer else 0) <= room_bytes
 
     if affordable(wanted):
         return Choice(wanted, why, wanted)

@@ -175,6 +175,10 @@ class ChatModel:
                 self.scheduler.gpu_workers.append(sup.worker)
             if self.split_runs:
                 self._start_split(gw, self.profile.split_layers)
+            if not (self.resident_runs or self.split_runs):  # the cpu profile
+                self.scheduler.off_device = True  # its jobs leave the device as resident_does_not_fit
+                if self.readiness is not None:
+                    self.readiness.alone = True  # no device worker to fail over from (core.readiness rule 4)
         if self.cpu_path:
             assert self.readiness is not None
             spec = dataclasses.replace(self._worker_spec(gw, "cpu", "cpu"), readiness=self.readiness.initial_mode())

@@ -51,7 +51,7 @@ from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import Footprint, MemoryModel
 from spillover.core.reasons import Reason
-from spillover.core.routing import DEVICE_ROUTES, lane_max_tokens
+from spillover.core.routing import DEVICE_ROUTES, MIN_SHRUNK_TOKENS, lane_max_tokens
 from spillover.errors import CapacityError, QueueFull
 from spillover.runtime import ticks
 from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, places_promised
@@ -66,7 +66,12 @@ MIN_WAKE_S = 0.001
 
 
 # Why a split worker could not take a job, as a reason (``Scheduler._split_fit``).
-SPLIT_REFUSALS = {"breaker": Reason.BREAKER_OPEN, "busy": Reason.GPU_BUSY, "room": Reason.KV_PAGES_EXHAUSTED}
+SPLIT_REFUSALS = {
+    "breaker": Reason.BREAKER_OPEN,
+    "busy": Reason.GPU_BUSY,
+    "room": Reason.KV_PAGES_EXHAUSTED,
+    "long": Reason.TOO_LONG_FOR_GPU,
+}
 
 
 class Scheduler:
@@ -100,6 +105,8 @@ class Scheduler:
         self.split_workers: list[WorkerClient] = []
         self.split_memory: MemoryModel | None = None
         self.split_ctx_cap_tokens = 0
+        # The cpu profile (``core.profiles``): by plan, no worker runs on the device (``_by_plan``).
+        self.off_device = False
         self.split_total = 0  # jobs the split workers took
         self.split_breaker = BreakerState()  # the split workers' own breaker (the GPU's is ``breaker``)
         self._wake = asyncio.Event()
@@ -374,6 +381,7 @@ class Scheduler:
                 return
             if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
+            d = self._by_plan(d)
         if isinstance(d, Reject) and self._coming(d):  # a worker that could take it is loading: it waits
             self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
@@ -454,7 +462,21 @@ class Scheduler:
         cpu = self.policy is not None and self.policy.allow_cpu_route and not cpu_ready and starting(self.cpu_workers)
         return device or cpu
 
-    def _split_refused(self, d: Route | Reject, why: Literal["breaker", "busy", "room"], now: float) -> Route | Reject:
+    def _by_plan(self, d: Route | Reject) -> Route | Reject:
+        """The cpu profile (``core.profiles``): no worker runs on the device, by plan, so a job
+        admission finds no GPU for goes to the CPU because the model does not fit the device
+        (``resident_does_not_fit``), not because a GPU is unavailable."""
+        if not self.off_device:
+            return d
+        if isinstance(d, Route) and d.reason is Reason.GPU_UNAVAILABLE:
+            return dataclasses.replace(d, reason=Reason.RESIDENT_DOES_NOT_FIT)
+        if isinstance(d, Reject) and d.cause is Reason.GPU_UNAVAILABLE:
+            return dataclasses.replace(d, cause=Reason.RESIDENT_DOES_NOT_FIT)
+        return d
+
+    def _split_refused(
+        self, d: Route | Reject, why: Literal["breaker", "busy", "room", "long"], now: float
+    ) -> Route | Reject:
         """The admission's decision for a job the split worker turned away when no resident
         worker runs (admission, seeing no GPU worker, says ``gpu_unavailable``): it says why the
         split did, as the GPU's own decisions do: ``breaker_open`` (a refusal's Retry-After at
@@ -468,7 +490,7 @@ class Scheduler:
 
     def _dispatch_split(
         self, job: Job, d: Route | Reject, now: float
-    ) -> Literal["dispatched", "wait", "breaker", "busy", "room", "no"]:
+    ) -> Literal["dispatched", "wait", "breaker", "busy", "room", "long", "no"]:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
@@ -480,11 +502,20 @@ class Scheduler:
         does (a slot ends, a release or a fresh reading brings the room back); past that the
         decision stands, and the answer says which it was (``busy``, ``room``); with no split
         worker ready or a job longer than its cap, it stands too (``no``); while the split
-        worker's own breaker turns jobs away, too (``breaker``)."""
+        worker's own breaker turns jobs away, too (``breaker``). A job longer than the split's
+        context cap runs there shrunk to it when the client allows shrinking (and at least
+        ``MIN_SHRUNK_TOKENS`` are left), as admission shrinks onto the resident; otherwise it
+        stands (``long``)."""
         if self.ledger is None or self.split_memory is None or self.gpu is None or self.policy is None:
             return "no"
         waiting = now - job.enqueued_s < self.policy.delay_max_s
-        fit = self._split_fit(job.prompt_tokens, job.max_tokens, now)
+        max_tokens, shrunk = job.max_tokens, False
+        cap = self.split_ctx_cap_tokens
+        if job.prompt_tokens + max_tokens > cap and any(w.state is WorkerState.READY for w in self.split_workers):
+            if not (job.allow_shrink and job.prompt_tokens + MIN_SHRUNK_TOKENS <= cap):
+                return "long"
+            max_tokens, shrunk = cap - job.prompt_tokens, True
+        fit = self._split_fit(job.prompt_tokens, max_tokens, now)
         if isinstance(fit, str):
             return "wait" if waiting and fit in ("busy", "room") else fit
         worker, fp = fit
@@ -507,10 +538,10 @@ class Scheduler:
                 worker,
                 "split",
                 reason,
-                job.max_tokens,
+                max_tokens,
                 fp.kv_tokens,
                 fp.total_bytes,
-                False,
+                shrunk,
                 now - job.enqueued_s,
                 job.position,
                 job.estimated_delay_ms,
@@ -567,6 +598,7 @@ class Scheduler:
             return "none", SPLIT_REFUSALS[fit].value
         if fit == "breaker" and not self.gpu_workers:
             d = self._split_refused(d, fit, now)
+        d = self._by_plan(d)
         return ("cpu" if isinstance(d, Route) else "none"), str(d.reason)
 
     def _fits_once_settled(self, req: AdmissionRequest, now: float) -> bool:
