@@ -57,8 +57,9 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
         reasons.append(f"split profile: {plan.why}")
     if plan is not None and plan.profile == "cpu":  # no worker on the device is planned: none to wait for
         reasons.append(f"cpu profile: {plan.why}")
-    elif gw.device is not None and not gpu_ready:
-        reasons.append("gpu worker not ready")
+    elif gw.device is not None and not gpu_ready:  # the split worker, when only it runs on the device
+        only_split = gw.chat.scheduler is not None and not gw.chat.scheduler.gpu_workers
+        reasons.append("split worker not ready" if only_split else "gpu worker not ready")
     if breaker != "closed":
         reasons.append(f"gpu breaker {breaker}")
     sched = gw.chat.scheduler

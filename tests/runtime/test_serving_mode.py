@@ -1,0 +1,35 @@
+"""``runtime.status.serving_mode``: the mode's reasons name the device worker that is down,
+the resident or (when only it runs, the split profile) the split worker."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+from spillover.runtime.status import DegradedAnswers, serving_mode
+
+
+def _gateway(*, resident: bool) -> Any:
+    plan = SimpleNamespace(profile="gpu" if resident else "split", why="all layers need 243 MiB")
+    scheduler = SimpleNamespace(
+        gpu_workers=["gpu0"] if resident else [],
+        split_workers=[] if resident else ["split0"],
+        split_breaker=SimpleNamespace(circuit=SimpleNamespace(value="closed")),
+        cpu=SimpleNamespace(queue=deque()),
+        cpu_blocked=None,
+    )
+    chat = SimpleNamespace(profile=plan, split=None if resident else object(), scheduler=scheduler)
+    return SimpleNamespace(chat=chat, device=object(), degraded=DegradedAnswers(), loops=SimpleNamespace(fatal=None))
+
+
+def test_a_dead_split_worker_is_named_when_only_it_runs_on_the_device() -> None:
+    workers = [{"lane": "split", "state": "restarting"}, {"lane": "cpu", "state": "ready"}]
+    mode, reasons = serving_mode(_gateway(resident=False), workers, "closed")
+    assert mode == "degraded" and "split worker not ready" in reasons and "gpu worker not ready" not in reasons
+
+
+def test_a_dead_resident_worker_is_named_as_the_gpu_worker() -> None:
+    workers = [{"lane": "gpu", "state": "restarting"}, {"lane": "cpu", "state": "ready"}]
+    mode, reasons = serving_mode(_gateway(resident=True), workers, "closed")
+    assert (mode, reasons) == ("degraded", ["gpu worker not ready"])
