@@ -591,8 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--device-mib",
         type=int,
-        help="device memory in MiB: also print whether it fits, the largest context and the largest "
-        "--gpu-layers that fit (with the margin)",
+        help="device memory in MiB: also print whether it fits, the largest context (up to the model's "
+        "training context) and the largest --gpu-layers that fit (with the margin)",
     )
     e.add_argument(
         "--placement",
