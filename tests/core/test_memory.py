@@ -261,3 +261,35 @@ def test_partial_offload_places_the_last_layers_own_bytes() -> None:
     whole = replace(mixed, output_repack_bytes=9)
     assert MemoryModel(whole, cpu_repack=True).weights_bytes() == 1000 + 70 + 500 + 9  # no cpu_model_bytes known
     assert MemoryModel(whole).weights_bytes() == 1000 + 500
+
+
+@pytest.mark.parametrize(
+    ("head", "rotation"),
+    [(64, 4 * (64**2 + 64**2)), (128, 4 * (128**2 + 64**2)), (192, 4 * (64**2 + 64**2)), (256, 4 * (256**2 + 64**2))]
+    + [(320, 4 * (64**2 + 64**2)), (512, 4 * (512**2 + 64**2)), (96, 0), (32, 0)],
+)
+def test_a_quantized_cache_of_64_value_heads_adds_its_rotation_matrices(head: int, rotation: int) -> None:
+    """q8_0 or q4_0 against f16 (flash attention both): every path gains the two f32 rotation
+    matrices, head x head for the largest power of two from 64 dividing the head size, and
+    64 x 64; heads that are not whole blocks of 64 are not rotated."""
+    spec = replace(TINY, n_head_kv=2, head_dim_k=head, head_dim_v=head)
+    plain = MemoryModel(spec, flash_attn=True).compute_paths(100)
+    for kv in ("q8_0", "q4_0"):
+        paths = MemoryModel(spec, kv_type=kv, flash_attn=True).compute_paths(100)
+        assert [q - f for q, f in zip(paths, plain, strict=True)] == [rotation] * 3
+
+
+def test_a_query_wider_than_a_row_by_hand() -> None:
+    """Heads of 128 on an embedding of 8 (2 heads: a query 32 rows wide), 100 tokens (256 cells):
+    - flash attention: the logits (400_000) beside the query (102_400) and 5 rows (16_000)
+      beat the f16 mask (65_536) and 3 rows; the attention path is 7.5 query-wide rows
+      (768_000) and the mask; the feed-forward (no n_ff) the mask and 5.5 rows (83_136), and the
+      query beyond a row (99_200);
+    - without it: no query below the logits (6 rows), and the f32 mask (131_072) beside the
+      feed-forward, a layer of four not being the last."""
+    spec = replace(TINY, head_dim_k=128, head_dim_v=128)
+    fa = MemoryModel(spec, flash_attn=True).compute_paths(100)
+    assert fa == (400_000 + 118_400 + SLACK, 768_000 + 65_536 + SLACK, 83_136 + 99_200 + SLACK)
+    plain = MemoryModel(spec).compute_paths(100)
+    assert plain[0] == 400_000 + 19_200 + SLACK
+    assert plain[2] == 131_072 + 17_600 + 99_200 + SLACK
