@@ -274,18 +274,23 @@ def test_other_weight_types_are_held_as_predicted(tmp_path, model_path: str, wty
     """Weights of the other types the gguf package writes: the CPU backend's model buffer is
     predicted to the rounding of its log (MXFP4 and IQ4_NL are repacked in groups of 8 rows: a
     KV head of 36 rows is not), and the whole estimate within 0.1 %."""
+    shape = TinyLlamaSpec(n_layers=2, n_embd=256, n_head=8, n_head_kv=1, head_dim=36, n_ff=512, wtype=wtype, name=wtype)
+    _held_as_predicted(write_tiny_llama(tmp_path / f"{wtype}.gguf", model_path, shape), 700, 256)
+
+
+def _held_as_predicted(path: Path, n_ctx: int, n_batch: int) -> None:
+    """A real load of ``path``: the CPU backend's model buffer as predicted, to the rounding of
+    its log, and the whole estimate (with llama.cpp's planned compute) within 0.1 %."""
     from spillover.core.estimate import estimate
     from spillover.engine.gguf_meta import read_model_spec
     from spillover.engine.plan import plan_buffers
 
-    shape = TinyLlamaSpec(n_layers=2, n_embd=256, n_head=8, n_head_kv=1, head_dim=36, n_ff=512, wtype=wtype, name=wtype)
-    path = str(write_tiny_llama(tmp_path / f"{wtype}.gguf", model_path, shape))
     spec = read_model_spec(path)
-    m = measure_buffers(path, 700, 256)
-    plan = plan_buffers(path, 700, 256)
+    m = measure_buffers(str(path), n_ctx, n_batch)
+    plan = plan_buffers(str(path), n_ctx, n_batch)
     assert plan is not None
     assert abs(spec.cpu_model_bytes - m.model_bytes) <= 16 * 1024  # the log's 0.01 MiB
-    e = estimate(spec, 700, n_batch=256, compute=lambda _n: plan.compute_bytes)
+    e = estimate(spec, n_ctx, n_batch=n_batch, compute=lambda _n: plan.compute_bytes)
     assert abs(e.total_bytes - m.total_bytes) / m.total_bytes <= 0.001
 
 
@@ -295,19 +300,8 @@ def test_k_quant_weights_are_held_as_predicted(tmp_path, model_path: str, wtype:
     the CPU has AVX-512 (``engine.llamacpp.repack_rules_for``). The model buffer is predicted
     to the rounding of the log, and the whole estimate within 0.1 % (a Q2_K model was 35 %
     under before its repacked copy was counted)."""
-    from spillover.core.estimate import estimate
-    from spillover.engine.gguf_meta import read_model_spec
-    from spillover.engine.plan import plan_buffers
-
     shape = TinyLlamaSpec(n_layers=3, n_embd=256, n_head=8, n_head_kv=2, n_ff=512, wtype=wtype, name=wtype)
-    path = str(write_tiny_llama(tmp_path / f"{wtype}.gguf", model_path, shape))
-    spec = read_model_spec(path)
-    m = measure_buffers(path, 1000, 128)
-    plan = plan_buffers(path, 1000, 128)
-    assert plan is not None
-    assert abs(spec.cpu_model_bytes - m.model_bytes) <= 16 * 1024  # the log's 0.01 MiB
-    e = estimate(spec, 1000, n_batch=128, compute=lambda _n: plan.compute_bytes)
-    assert abs(e.total_bytes - m.total_bytes) / m.total_bytes <= 0.001
+    _held_as_predicted(write_tiny_llama(tmp_path / f"{wtype}.gguf", model_path, shape), 1000, 128)
 
 
 @pytest.mark.parametrize(("n_ctx", "n_ubatch"), [(2000, 2048), (1000, 512), (4097, 4096)])
