@@ -209,12 +209,27 @@ def test_split_kv_type_and_flash_attention_carry_through() -> None:
     assert e.flash_attn and e.kv_type == "q8_0" and e.gpu_layers == 1
 
 
+def test_a_split_places_each_layers_own_cache_and_state() -> None:
+    """A hybrid: a recurrent first layer (its 5000-byte state, no KV) and attention layers of 1,
+    1 and 2 KV heads; with the last two layers on the device, the device holds their own 3 heads'
+    KV (f16, flash attention, 512 cells of 2 x 4 values a head) and the host the rest."""
+    spec = replace(SPEC, n_head_kv=2, layer_kv_heads=(0, 1, 1, 2), layer_state_bytes=(5000, 0, 0, 0))
+    e = estimate(spec, 300, placement="gpu", gpu_layers=2, flash_attn=True)
+    head = 512 * 2 * 4 * 2  # K and V of one head, f16
+    assert (e.device.kv_bytes, e.host.kv_bytes) == (3 * head, 5000 + head)
+    assert estimate(spec, 300, flash_attn=True).host.kv_bytes == 5000 + 4 * head
+
+
 def test_search_edges() -> None:
-    """A limit that is not a whole number of cells; the default cell of 256; only zero layers."""
-    assert largest_context(lambda n: True, limit=1000) == 768
+    """A limit that is not a whole number of cells (a training context of 1000, or of 100, below one
+    cell) is itself the answer when it fits, else the whole cells below it; the default cell of
+    256; only zero layers."""
+    assert largest_context(lambda n: True, limit=1000) == 1000
+    assert largest_context(lambda n: n <= 900, limit=1000) == 768
     assert largest_context(lambda n: n <= 600, limit=4096) == 512
     assert largest_context(lambda n: n <= 300, limit=4096, step=100) == 300
-    assert largest_context(lambda n: True, limit=100) == 0
+    assert largest_context(lambda n: True, limit=100) == 100
+    assert largest_context(lambda n: n < 100, limit=100) == 0
     assert largest_gpu_layers(lambda n: n == 0, 4) == 0
     assert largest_gpu_layers(lambda n: n <= 5, 4) == 5
 

@@ -293,3 +293,45 @@ def test_a_query_wider_than_a_row_by_hand() -> None:
     plain = MemoryModel(spec).compute_paths(100)
     assert plain[0] == 400_000 + 19_200 + SLACK
     assert plain[2] == 131_072 + 17_600 + 99_200 + SLACK
+
+
+def test_per_layer_kv_heads_and_recurrent_state_by_hand() -> None:
+    """KV heads layer by layer (0, 1, 0, 2: a hybrid's recurrent layers have none) and a state of
+    1000 bytes in each recurrent layer; heads of 4 values, f16, 512 cells:
+    - flash attention: K and V per layer of their own heads: (8 + 8) + (16 + 16) = 48 a token;
+    - without it, V is transposed and every layer's is as wide as the widest (2 heads): the
+      layer of one head holds 8 + 16;
+    - the state is in the KV bytes, with any context and in every request's footprint, and a
+      placement of the last two layers holds their own heads and states only."""
+    spec = replace(TINY, layer_kv_heads=(0, 1, 0, 2), layer_state_bytes=(1000, 0, 1000, 0), n_head_kv=2)
+    fa = MemoryModel(spec, flash_attn=True)
+    assert fa.kv_bytes_per_token() == 48 and fa.state_bytes() == 2000
+    assert fa.layer_kv_bytes(300) == [1000, 16 * 512, 1000, 32 * 512]
+    assert fa.kv_bytes(300) == 48 * 512 + 2000
+    plain = MemoryModel(spec)
+    assert plain.kv_bytes_per_token() == (8 + 16) + (16 + 16)
+    assert plain.request_footprint(10, 6).kv_bytes == 16 * 56 + 2000
+    last_two = MemoryModel(spec, flash_attn=True, n_gpu_layers=2)
+    assert (last_two.kv_bytes_per_token(), last_two.state_bytes()) == (32, 1000)
+    # 2 query heads cannot share 3 KV heads, unless the file gives its heads layer by layer
+    with pytest.raises(ValueError, match="cannot share"):
+        MemoryModel(replace(TINY, n_head_kv=3))
+    MemoryModel(replace(TINY, n_head_kv=3, layer_kv_heads=(1, 1, 3, 1)))
+
+
+def test_the_envelopes_terms_for_other_architectures_by_hand() -> None:
+    """100 tokens (256 cells, ub 100), without flash attention:
+    - a sliding window adds a second f32 mask (256 x 128 x 4 = 131_072) to the attention path;
+    - a biased fused Q/K/V of width 24 adds 100 x 24 x 4 to it;
+    - a mixture of experts (2 of width 16, no n_ff) adds 3.5 rows of 8 to it, and its shared
+      expert of width 40 three rows of 40 (48_000) to the feed-forward."""
+    base = MemoryModel(TINY).compute_paths(100)
+    swa = MemoryModel(replace(TINY, sliding_window=64)).compute_paths(100)
+    assert swa[1] - base[1] == 131_072 and swa[2] - base[2] == 131_072
+    qkv = MemoryModel(replace(TINY, qkv_bias_width=24)).compute_paths(100)
+    assert (qkv[1] - base[1], qkv[2] - base[2]) == (9_600, 0)
+    moe = replace(TINY, n_expert_used=2, n_ff_expert=16)
+    routed = MemoryModel(moe).compute_paths(100)
+    assert routed[1] - base[1] == 3.5 * 100 * 8 * 4
+    shared = MemoryModel(replace(moe, n_ff_shared=40)).compute_paths(100)
+    assert shared[2] - routed[2] == 3 * 100 * 40 * 4 and shared[1] == routed[1]

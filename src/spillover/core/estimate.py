@@ -151,7 +151,7 @@ def estimate(
     )
     whole = compute(n_ctx) if compute is not None else model.compute_bytes(n_ctx)
     source = "llama.cpp plan" if compute is not None else "memory model envelope"
-    kv_layer = model.kv_bytes(n_ctx) // max(1, spec.n_layers)
+    kv_layers = model.layer_kv_bytes(n_ctx)  # each layer's KV (and a hybrid's recurrent state)
     out = model.output_bytes()
 
     def made(where: str, gpu_layers: int, device: Parts, host: Parts) -> Estimate:
@@ -171,7 +171,7 @@ def estimate(
         )
 
     if placement == "cpu":
-        return made("cpu", 0, Parts(), Parts(model.weights_bytes(), kv_layer * spec.n_layers, whole, out))
+        return made("cpu", 0, Parts(), Parts(model.weights_bytes(), sum(kv_layers), whole, out))
     n = spec.n_layers
     placed = n + 1 if gpu_layers < 0 else min(gpu_layers, n + 1)
     on_device = min(placed, n)
@@ -191,7 +191,7 @@ def estimate(
     host_compute = whole if not output_on_device else layer_part if on_device < n else 0
     device = Parts(
         device_layers + (head if output_on_device else 0),
-        kv_layer * on_device,
+        sum(kv_layers[n - on_device :]),
         device_compute,
         out if output_on_device else 0,
     )
@@ -200,7 +200,7 @@ def estimate(
         host_weights = spec.cpu_model_bytes
     host = Parts(
         host_weights,
-        kv_layer * (n - on_device),
+        sum(kv_layers[: n - on_device]),
         host_compute,
         0 if output_on_device else out,
     )
@@ -208,8 +208,8 @@ def estimate(
 
 
 def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256) -> int:
-    """The largest context of whole ``step``-token cells, up to ``limit``, for which ``fits``
-    holds (0 when even one cell does not). ``fits`` must be monotone (more context, more bytes)."""
+    """The largest context of whole ``step``-token cells, or ``limit`` itself, up to ``limit``,
+    for which ``fits`` holds (0 when even one cell does not). ``fits`` must be monotone (more context, more bytes)."""
     lo, hi = 0, max(0, limit // step)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -218,6 +218,9 @@ def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256)
         else:
             hi = mid - 1
     # llama.cpp pads a context to whole cells: one more token than lo cells costs a cell more.
+    # A limit between two whole cells (a training context of 1000) is itself the next answer.
+    if lo == limit // step and limit % step and fits(limit):
+        return limit
     return lo * step
 
 

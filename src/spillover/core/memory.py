@@ -5,7 +5,9 @@ A request's footprint on a device (DESIGN.md, "Memory model and admission"):
 - KV cache for ``prompt_tokens + max_tokens``, rounded up to whole pages of
   ``page_tokens`` tokens: ``layers x kv_heads x (head_k + head_v)`` elements per token in the
   cache's type (f16, or a quantized type such as q8_0 / q4_0 in blocks of 32; sliding-window
-  layers too: llama-cpp-python keeps a full-size SWA cache);
+  layers too: llama-cpp-python keeps a full-size SWA cache), layer by layer where the file
+  gives per-layer head counts; a hybrid's recurrent layers hold llama.cpp's recurrent state
+  (one sequence's, whatever the context) instead;
 - its compute/scratch buffer for that context (``compute_bytes``) and the output (logits)
   buffer;
 - a fragmentation allowance (``fragmentation_ratio`` of the above).
@@ -57,6 +59,7 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 LOGITS_ROWS = 6.0
 ATTENTION_ROWS = 7.5
 FFN_ROWS = 6.0
+MOE_ATTENTION_ROWS = 3.5  # more rows beside the attention scores in a mixture of experts
 FFN_KEPT_ROWS = 5.5  # rows beside the mask on the feed-forward path (where it is kept there)
 GRAPH_SLACK_BYTES = 16 * 1024  # beside every path: inputs and alignment that do not grow with it
 QUERY_ROWS = 5.0  # with flash attention: rows beside a query wider than a row, below the logits
@@ -120,8 +123,15 @@ class ModelSpec:
     output_repack_bytes: int = 0  # the output matrix's repacked copy when the CPU backend runs it
     n_expert_used: int = 0  # a mixture of experts: experts each token runs (0: a dense feed-forward)
     n_ff_expert: int = 0  # an expert's feed-forward width (0: n_ff)
+    n_ff_shared: int = 0  # a mixture of experts' shared experts, their feed-forward width together (0: none)
+    qkv_bias_width: int = 0  # a fused Q/K/V projection with a bias (gpt2, phi2): its width (0: none)
     kv_cache: bool = True  # False: an encoder (bert and kin), for which llama.cpp makes no KV cache
     v_cache: bool = True  # False: multi-head latent attention (DeepSeek's MLA): V is read from the K cache
+    # Per layer (empty: every layer alike): KV heads, where a file gives them layer by layer (0: a
+    # layer without a KV cache, as a hybrid's recurrent layers); and a recurrent layer's state
+    # (llama.cpp's RS buffer: conv and SSM states of one sequence, f32), which no context size changes.
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_state_bytes: tuple[int, ...] = ()
 
     @property
     def weights_bytes(self) -> int:
@@ -180,7 +190,7 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         s = self.spec
-        if s.n_head_kv < 1 or s.n_head % s.n_head_kv:
+        if not s.layer_kv_heads and (s.n_head_kv < 1 or s.n_head % s.n_head_kv):
             raise ValueError(
                 f"{s.n_head} query heads cannot share {s.n_head_kv} KV heads: llama.cpp needs the first "
                 "to be a multiple of the second"
@@ -219,15 +229,42 @@ class MemoryModel:
         return layers + repack + s.other_bytes + (s.output_repack_bytes if self.cpu_repack else 0)
 
     # -- per context ---------------------------------------------------------------
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs across all layers on the device (none for an encoder)."""
+    def _layer_kv_rows(self) -> list[int]:
+        """KV bytes one token costs in each layer (none for an encoder, or a layer without heads).
+        Without flash attention llama.cpp stores V transposed, every layer's as wide as the
+        widest layer's (``n_embd_v_gqa_max``), which per-layer head counts make a difference."""
         s = self.spec
+        heads = s.layer_kv_heads or (s.n_head_kv,) * s.n_layers
         if not s.kv_cache:
-            return 0
-        row = kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_k)
-        if s.v_cache:
-            row += kv_row_bytes(self.kv_type, s.n_head_kv * s.head_dim_v)
-        return self.layers_on_device() * row
+            return [0] * len(heads)
+        widest = max(heads, default=0)
+        return [
+            kv_row_bytes(self.kv_type, h * s.head_dim_k)
+            + (kv_row_bytes(self.kv_type, (h if self.flash_attn else widest) * s.head_dim_v) if s.v_cache else 0)
+            if h
+            else 0
+            for h in heads
+        ]
+
+    def _layer_states(self) -> list[int]:
+        return list(self.spec.layer_state_bytes) or [0] * self.spec.n_layers
+
+    def _on_device(self, per_layer: list[int]) -> int:
+        """The sum over the layers on the device: the last ``layers_on_device``, as llama.cpp places them."""
+        return sum(per_layer[len(per_layer) - self.layers_on_device() :])
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs across all layers on the device."""
+        return self._on_device(self._layer_kv_rows())
+
+    def state_bytes(self) -> int:
+        """Recurrent state of the layers on the device (one sequence's; any context)."""
+        return self._on_device(self._layer_states())
+
+    def layer_kv_bytes(self, n_ctx: int) -> list[int]:
+        """Each layer's KV cache and recurrent state for a context of ``n_ctx`` tokens."""
+        cells = _pad(n_ctx, self.ctx_pad_tokens)
+        return [row * cells + state for row, state in zip(self._layer_kv_rows(), self._layer_states(), strict=True)]
 
     def cells(self, n_ctx: int) -> int:
         """KV cells llama.cpp creates for a context of ``n_ctx`` tokens."""
@@ -243,9 +280,10 @@ class MemoryModel:
 
         The cache is padded to ``ctx_pad_tokens`` cells. Sliding-window layers (gemma3) get a
         full-size cache too: llama-cpp-python creates contexts with ``swa_full`` on, and
-        llama.cpp then logs "using full-size SWA cache" (measured).
+        llama.cpp then logs "using full-size SWA cache" (measured). A hybrid's recurrent layers
+        hold their state instead (``state_bytes``), counted here too.
         """
-        return self.kv_bytes_per_token() * _pad(n_ctx, self.ctx_pad_tokens)
+        return self.kv_bytes_per_token() * _pad(n_ctx, self.ctx_pad_tokens) + self.state_bytes()
 
     def compute_bytes(self, n_ctx: int) -> int:
         """An upper envelope of llama.cpp's compute buffer for a context of ``n_ctx`` tokens.
@@ -282,7 +320,10 @@ class MemoryModel:
         n_kv = self.cells(n_ctx)
         ub = self.ubatch(n_ctx)
         embd = ub * s.n_embd * 4
-        mask = n_kv * _pad(ub, KQ_MASK_PAD) * (2 if self.flash_attn else 4)
+        # A model with sliding-window layers has two masks, the window's and the full one's,
+        # alive together (measured on gemma2 and gemma3: a second mask's bytes at 32k cells).
+        masks = 2 if s.sliding_window else 1
+        mask = masks * n_kv * _pad(ub, KQ_MASK_PAD) * (2 if self.flash_attn else 4)
         # With flash attention the f16 mask stays allocated to the end (measured); without it
         # the f32 mask is freed after the last layer, so it is beside every layer's
         # feed-forward but the last one's (measured: a one-layer model does without it).
@@ -292,7 +333,14 @@ class MemoryModel:
         query = ub * s.n_head * s.head_dim_k * 4
         wide_query = query + QUERY_ROWS * embd if self.flash_attn else 0
         logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd, wide_query)
-        rows = ATTENTION_ROWS * ub * max(s.n_embd, s.n_head * s.head_dim_k) * 4
+        # A mixture of experts keeps more rows beside the scores (measured: 2.6 KiB a micro-batch
+        # row more on a qwen2moe of width 256 with a shared expert).
+        rows = (
+            (ATTENTION_ROWS + (MOE_ATTENTION_ROWS if s.n_expert_used else 0))
+            * ub
+            * max(s.n_embd, s.n_head * s.head_dim_k)
+            * 4
+        )
         scores = 0 if self.flash_attn else ub * n_kv * s.n_head * 4
         # Flash attention reads an f32 cache as f16: each layer's K and V views are cast
         # (n_kv cells of every KV head), both alive at once (measured; 13 % of the total for
@@ -300,13 +348,16 @@ class MemoryModel:
         cast = (
             2 * n_kv * s.n_head_kv * (s.head_dim_k + s.head_dim_v) if self.flash_attn and self.kv_type == "f32" else 0
         )
-        attn_path = scores + mask + rows + cast
+        # A fused Q/K/V projection with a bias adds its biased copy beside them (measured on
+        # gpt2 and phi2: up to 1.5 KiB a micro-batch row more; the copy's row is 3 KiB there).
+        attn_path = scores + mask + rows + cast + ub * s.qkv_bias_width * 4
         # A mixture of experts runs each token through n_expert_used experts: their gate, up
         # and activated rows are alive at once (3 x ub x used x width f32, measured), and
         # then each expert's output row before they are weighted and summed. A dense layer
         # holds its gate, up and activated rows too (3 x ub x n_ff).
         used = s.n_expert_used
-        ffn = used * (3 * (s.n_ff_expert or s.n_ff) + s.n_embd) if used else 3 * s.n_ff
+        # A shared expert (qwen2moe) runs beside them: its three rows too (measured).
+        ffn = used * (3 * (s.n_ff_expert or s.n_ff) + s.n_embd) + 3 * s.n_ff_shared if used else 3 * s.n_ff
         ffn_mask = mask if self.flash_attn or s.n_layers > 1 else 0
         # A query wider than a row is still held there too (measured: a model of 4 heads of 64 on
         # an embedding of 64).
@@ -346,7 +397,7 @@ class MemoryModel:
         tokens = max(1, prompt_tokens + max_tokens)
         pages = math.ceil(tokens / self.page_tokens)
         kv_tokens = pages * self.page_tokens
-        kv = kv_tokens * self.kv_bytes_per_token()
+        kv = kv_tokens * self.kv_bytes_per_token() + self.state_bytes()
         # The graph is reserved for a full micro-batch of the padded cells, not of the tokens.
         compute = self.compute_bytes(self.cells(kv_tokens)) + self.output_bytes()
         frag = int((kv + compute) * self.fragmentation_ratio)

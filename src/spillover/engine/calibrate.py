@@ -20,6 +20,7 @@ MIB = 1024 * 1024
 _PATTERNS = {
     "model": re.compile(r"model buffer size\s*=\s*([\d.]+) MiB"),
     "kv": re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB"),
+    "state": re.compile(r"RS buffer size\s*=\s*([\d.]+) MiB"),  # a recurrent layer's state
 }
 # The compute and output buffer lines, with the backend buffer's name (CPU, CUDA0, ...).
 COMPUTE_LINE = re.compile(r"^\S+:\s+(\S+) compute buffer size\s*=\s*([\d.]+) MiB", re.M)
@@ -58,10 +59,11 @@ class MeasuredBuffers:
     kv_bytes: int
     compute_bytes: int
     output_bytes: int
+    state_bytes: int = 0  # recurrent state (llama.cpp's RS buffer): a hybrid model's recurrent layers
 
     @property
     def total_bytes(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
+        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.state_bytes
 
 
 def _sum(pattern: re.Pattern[str], text: str) -> int:
@@ -107,4 +109,5 @@ def measure_buffers(
         kv_bytes=_sum(_PATTERNS["kv"], text),
         compute_bytes=sum(by_buffer(COMPUTE_LINE, text).values()),
         output_bytes=sum(by_buffer(OUTPUT_LINE, text).values()),
+        state_bytes=_sum(_PATTERNS["state"], text),
     )

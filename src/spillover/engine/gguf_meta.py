@@ -144,10 +144,11 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
             f"{arch} has no attention heads (a recurrent model): spillover's memory model covers attention models only"
         )
     n_head_kv_raw = _field(f"{arch}.attention.head_count_kv", n_head)
-    if isinstance(n_head_kv_raw, list):  # per-layer counts (some architectures)
-        n_head_kv = max(int(x) for x in n_head_kv_raw)
-    else:
-        n_head_kv = int(n_head_kv_raw)
+    # per-layer counts (some architectures): each layer's KV is its own (0: none there)
+    per_layer_kv = [int(x) for x in n_head_kv_raw] if isinstance(n_head_kv_raw, list) else []
+    n_head_kv = max(per_layer_kv, default=0) if per_layer_kv else int(n_head_kv_raw)
+    if per_layer_kv and (len(per_layer_kv) != n_layers or min(per_layer_kv) < 0 or n_head_kv > HEADS_MAX):
+        raise ValueError(f"{arch}.attention.head_count_kv holds {len(per_layer_kv)} counts for {n_layers} layers")
     head_k = int(_field(f"{arch}.attention.key_length", n_embd // n_head))
     head_v = int(_field(f"{arch}.attention.value_length", n_embd // n_head))
     for key, value, top in (
@@ -182,6 +183,9 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
             if _repacked(t, repacks):  # output.weight (token_embd is never repacked in place)
                 output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
+    layer_kv_heads, layer_states = _hybrid_layers(
+        header, arch, n_layers, n_embd, per_layer_kv or [n_head_kv] * n_layers
+    )
     file_type = int(_field("general.file_type", -1))
     return ModelSpec(
         name=str(_field("general.name", Path(path).stem)),
@@ -203,6 +207,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         n_ff=_n_ff(_field(f"{arch}.feed_forward_length", 0)),
         n_expert_used=int(_field(f"{arch}.expert_used_count", 0) or 0),
         n_ff_expert=int(_field(f"{arch}.expert_feed_forward_length", 0) or 0),
+        n_ff_shared=_shared_ffn(fields, arch),
+        qkv_bias_width=max((int(t.shape[0]) for t in tensors if t.name.endswith(".attn_qkv.bias")), default=0),
         cpu_model_bytes=cpu_model_bytes(tensors, repacks),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,
@@ -213,7 +219,53 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         kv_cache=arch not in NO_KV_ARCHES,
         # MLA (its decompressed head sizes given apart): llama.cpp caches the latent K rows only
         v_cache=not (_field(f"{arch}.attention.key_length_mla") and _field(f"{arch}.attention.value_length_mla")),
+        layer_kv_heads=layer_kv_heads if per_layer_kv or any(layer_states) else (),
+        layer_state_bytes=layer_states if any(layer_states) else (),
     )
+
+
+def _shared_ffn(fields: dict[str, Any], arch: str) -> int:
+    """A mixture of experts' shared experts' feed-forward width, all of them together (0: none)."""
+    width = _n_ff(fields.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    return width * max(1, int(fields.get(f"{arch}.expert_shared_count", 1) or 1)) if width else 0
+
+
+RECURRENT_TENSORS = (".ssm_", ".shortconv.")  # a recurrent layer's tensors (Mamba/Mamba2, LFM2's short convolution)
+ATTENTION_TENSORS = (".attn_k.", ".attn_qkv.", ".attn_k_b.", ".attn_kv_a_mqa.")  # a layer that caches K
+
+
+def _hybrid_layers(
+    header: Header, arch: str, n_layers: int, n_embd: int, kv_heads: list[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's KV heads and recurrent state bytes. A layer holding recurrent tensors (a
+    hybrid's Mamba or short-convolution layer) keeps llama.cpp's recurrent state for one sequence,
+    f32: its conv state (``n_embd_r``) and SSM state (``n_embd_s``), as ``llama_hparams`` sizes
+    them; in such a model only the layers with attention tensors have a KV cache."""
+    recurrent = [False] * n_layers
+    attention = [False] * n_layers
+    for t in header.tensors:
+        if not t.name.startswith("blk."):
+            continue
+        layer = int(t.name.split(".")[1])
+        recurrent[layer] = recurrent[layer] or any(k in t.name for k in RECURRENT_TENSORS)
+        attention[layer] = attention[layer] or any(k in t.name for k in ATTENTION_TENSORS)
+    if not any(recurrent):
+        return tuple(kv_heads), (0,) * n_layers
+    f = header.fields
+
+    def ssm(key: str) -> int:
+        return int(f.get(f"{arch}.ssm.{key}", 0) or 0)
+
+    l_cache = int(f.get(f"{arch}.shortconv.l_cache", 0) or 0)
+    d_state, d_inner = ssm("state_size"), ssm("inner_size")
+    conv = (
+        n_embd * (l_cache - 1)
+        if l_cache
+        else max(0, ssm("conv_kernel") - 1) * (d_inner + 2 * ssm("group_count") * d_state)
+    )
+    state = 4 * (conv + d_state * d_inner)
+    heads = tuple(h if attention[i] else 0 for i, h in enumerate(kv_heads))
+    return heads, tuple(state if r else 0 for r in recurrent)
 
 
 def _n_ff(value: Any) -> int:

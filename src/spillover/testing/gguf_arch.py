@@ -8,7 +8,13 @@ F16 weights, in the tensor layout llama.cpp loads for its architecture:
 - ``bert``: an encoder (no causal attention, no KV cache in llama.cpp), with biases and
   position and token-type embeddings;
 - ``deepseek2``: multi-head latent attention, written with the ``*_mla`` head sizes (llama.cpp
-  caches the latent K rows only) or in the older layout without them (an ordinary cache).
+  caches the latent K rows only) or in the older layout without them (an ordinary cache);
+- ``openelm``: per-layer query and KV head counts and feed-forward widths, fused Q/K/V;
+- ``granitehybrid``: a hybrid, a Mamba2 layer (recurrent state, no KV cache) and an attention one;
+- ``lfm2``: a hybrid, a short-convolution layer and an attention one, tied output;
+- ``gemma3``: sliding-window attention (two masks), q/k norms, tied output;
+- ``qwen2moe``: a mixture of experts with a shared expert;
+- ``gpt2``: a fused Q/K/V projection with a bias, learned positions, tied output.
 """
 
 from __future__ import annotations
@@ -20,29 +26,163 @@ from spillover.testing.gguf_factory import add_donor_tokenizer, donor_tokenizer
 
 __all__ = ["ARCHES", "write_arch"]
 
-ARCHES = ("qwen2", "qwen3", "bert", "deepseek2-mla", "deepseek2")
+ARCHES = (
+    "qwen2", "qwen3", "bert", "deepseek2-mla", "deepseek2", "openelm", "granitehybrid", "lfm2", "gemma3",
+    "qwen2moe", "gpt2",
+)  # fmt: skip
 
 E, H, FF, LAYERS = 128, 4, 256, 2  # width, query heads, feed-forward width, layers
 
 
-def _llama_like(arch: str, *, head: int, kv_heads: int, bias: bool, qk_norm: bool) -> tuple[dict[str, Any], list[Any]]:
+def _llama_like(
+    arch: str, *, head: int, kv_heads: int | list[int], bias: bool, qk_norm: bool
+) -> tuple[dict[str, Any], list[Any]]:
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * LAYERS
     keys: dict[str, Any] = {
         ".attention.head_count": H, ".attention.head_count_kv": kv_heads, ".attention.key_length": head,
         ".attention.value_length": head, ".attention.layer_norm_rms_epsilon": 1e-5, ".rope.dimension_count": head,
         ".rope.freq_base": 10000.0,
     }  # fmt: skip
     t: list[Any] = [("output_norm.weight", (E,), "norm"), ("output.weight", None, "out")]
-    for i in range(LAYERS):
+    for i, kv in enumerate(per_layer):
         p = f"blk.{i}."
         t += [(p + "attn_norm.weight", (E,), "norm"), (p + "attn_q.weight", (H * head, E), "w")]
-        t += [(p + "attn_k.weight", (kv_heads * head, E), "w"), (p + "attn_v.weight", (kv_heads * head, E), "w")]
+        t += [(p + "attn_k.weight", (kv * head, E), "w"), (p + "attn_v.weight", (kv * head, E), "w")]
         if bias:
-            t += [(p + f"attn_{x}.bias", (n * head,), "f32") for x, n in (("q", H), ("k", kv_heads), ("v", kv_heads))]
+            t += [(p + f"attn_{x}.bias", (n * head,), "f32") for x, n in (("q", H), ("k", kv), ("v", kv))]
         if qk_norm:
             t += [(p + "attn_q_norm.weight", (head,), "norm"), (p + "attn_k_norm.weight", (head,), "norm")]
         t += [(p + "attn_output.weight", (E, H * head), "w"), (p + "ffn_norm.weight", (E,), "norm")]
-        t += [(p + "ffn_gate.weight", (FF, E), "w"), (p + "ffn_up.weight", (FF, E), "w")]
-        t += [(p + "ffn_down.weight", (E, FF), "w")]
+        t += _ffn(p)
+    return keys, t
+
+
+def _ffn(p: str) -> list[Any]:
+    return [
+        (p + "ffn_gate.weight", (FF, E), "w"),
+        (p + "ffn_up.weight", (FF, E), "w"),
+        (p + "ffn_down.weight", (E, FF), "w"),
+    ]
+
+
+def _attention(p: str, kv: int, head: int) -> list[Any]:
+    return [
+        (p + "attn_q.weight", (H * head, E), "w"), (p + "attn_k.weight", (kv * head, E), "w"),
+        (p + "attn_v.weight", (kv * head, E), "w"), (p + "attn_output.weight", (E, H * head), "w"),
+    ]  # fmt: skip
+
+
+def _hybrid(arch: str) -> tuple[dict[str, Any], list[Any]]:
+    """Layer 0 recurrent (Mamba2, or LFM2's short convolution), layer 1 attention with 2 KV heads."""
+    head, kv = E // H, [0, 2]
+    keys: dict[str, Any] = {
+        ".attention.head_count": H, ".attention.head_count_kv": kv, ".attention.layer_norm_rms_epsilon": 1e-5,
+        ".rope.dimension_count": head, ".rope.freq_base": 10000.0,
+    }  # fmt: skip
+    t: list[Any] = [("output_norm.weight", (E,), "norm")]
+    layer0: list[Any]
+    layer1: list[Any]
+    if arch == "lfm2":
+        keys[".shortconv.l_cache"] = 3
+        t = [("token_embd_norm.weight", (E,), "norm")]
+        layer0 = [
+            ("blk.0.shortconv.conv.weight", (E, 3), "f32"), ("blk.0.shortconv.in_proj.weight", (3 * E, E), "w"),
+            ("blk.0.shortconv.out_proj.weight", (E, E), "w"),
+        ]  # fmt: skip
+        layer1 = [("blk.1.attn_q_norm.weight", (head,), "norm"), ("blk.1.attn_k_norm.weight", (head,), "norm")]
+    else:
+        inner, state, heads = 2 * E, 64, 8
+        keys |= {
+            ".ssm.conv_kernel": 4, ".ssm.inner_size": inner, ".ssm.state_size": state, ".ssm.time_step_rank": heads,
+            ".ssm.group_count": 1, ".attention.scale": 0.125, ".embedding_scale": 1.0, ".residual_scale": 1.0,
+            ".logit_scale": 1.0,
+        }  # fmt: skip
+        t.append(("output.weight", None, "out"))
+        conv = inner + 2 * state
+        layer0 = [
+            ("blk.0.ssm_in.weight", (2 * inner + 2 * state + heads, E), "w"),
+            ("blk.0.ssm_conv1d.weight", (conv, 4), "f32"),
+            ("blk.0.ssm_conv1d.bias", (conv,), "f32"),
+            ("blk.0.ssm_dt.bias", (heads,), "f32"),
+            ("blk.0.ssm_a", (heads, 1), "f32"),
+            ("blk.0.ssm_d", (heads, 1), "f32"),
+            ("blk.0.ssm_norm.weight", (1, inner), "norm"),
+            ("blk.0.ssm_out.weight", (E, inner), "w"),
+        ]
+        layer1 = []
+    for i, layer in ((0, layer0), (1, layer1 + _attention("blk.1.", 2, head))):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (E,), "norm"), *layer, (p + "ffn_norm.weight", (E,), "norm"), *_ffn(p)]
+    return keys, t
+
+
+def _openelm() -> tuple[dict[str, Any], list[Any]]:
+    head, heads, kv_heads, widths = 32, [2, 4], [1, 2], [FF // 2, FF]
+    keys: dict[str, Any] = {
+        ".attention.head_count": heads, ".attention.head_count_kv": kv_heads, ".feed_forward_length": widths,
+        ".attention.key_length": head, ".attention.value_length": head, ".attention.layer_norm_rms_epsilon": 1e-5,
+        ".rope.dimension_count": head, ".rope.freq_base": 10000.0,
+    }  # fmt: skip
+    t: list[Any] = [("output_norm.weight", (E,), "norm")]
+    for i, (h, kv, ff) in enumerate(zip(heads, kv_heads, widths, strict=True)):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (E,), "norm"), (p + "attn_qkv.weight", ((h + 2 * kv) * head, E), "w")]
+        t += [(p + "attn_q_norm.weight", (head,), "norm"), (p + "attn_k_norm.weight", (head,), "norm")]
+        t += [(p + "attn_output.weight", (E, h * head), "w"), (p + "ffn_norm.weight", (E,), "norm")]
+        t += [(p + "ffn_gate.weight", (ff, E), "w"), (p + "ffn_up.weight", (ff, E), "w")]
+        t += [(p + "ffn_down.weight", (E, ff), "w")]
+    return keys, t
+
+
+def _gemma3() -> tuple[dict[str, Any], list[Any]]:
+    head = 64
+    keys: dict[str, Any] = {
+        ".attention.head_count": H, ".attention.head_count_kv": 1, ".attention.key_length": head,
+        ".attention.value_length": head, ".attention.layer_norm_rms_epsilon": 1e-6, ".attention.sliding_window": 64,
+        ".rope.freq_base": 10000.0,
+    }  # fmt: skip
+    t: list[Any] = [("output_norm.weight", (E,), "norm")]
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (E,), "norm"), *_attention(p, 1, head)]
+        t += [(p + "attn_q_norm.weight", (head,), "norm"), (p + "attn_k_norm.weight", (head,), "norm")]
+        t += [(p + "post_attention_norm.weight", (E,), "norm"), (p + "ffn_norm.weight", (E,), "norm"), *_ffn(p)]
+        t += [(p + "post_ffw_norm.weight", (E,), "norm")]
+    return keys, t
+
+
+def _qwen2moe() -> tuple[dict[str, Any], list[Any]]:
+    head, experts, width = E // H, 4, 64
+    keys: dict[str, Any] = {
+        ".attention.head_count": H, ".attention.head_count_kv": H, ".attention.layer_norm_rms_epsilon": 1e-6,
+        ".rope.freq_base": 10000.0, ".expert_count": experts, ".expert_used_count": 2,
+        ".expert_feed_forward_length": width, ".expert_shared_feed_forward_length": FF,
+    }  # fmt: skip
+    t: list[Any] = [("output_norm.weight", (E,), "norm"), ("output.weight", None, "out")]
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (E,), "norm"), *_attention(p, H, head)]
+        t += [(p + f"attn_{x}.bias", (E,), "f32") for x in "qkv"]
+        t += [(p + "ffn_norm.weight", (E,), "norm"), (p + "ffn_gate_inp.weight", (experts, E), "f32")]
+        t += [(p + f"ffn_{x}_exps.weight", (experts, width, E), "w") for x in ("gate", "up")]
+        t += [(p + "ffn_down_exps.weight", (experts, E, width), "w"), (p + "ffn_gate_inp_shexp.weight", (E,), "f32")]
+        t += [(p + f"ffn_{x}_shexp.weight", (FF, E), "w") for x in ("gate", "up")]
+        t += [(p + "ffn_down_shexp.weight", (E, FF), "w")]
+    return keys, t
+
+
+def _gpt2() -> tuple[dict[str, Any], list[Any]]:
+    keys: dict[str, Any] = {".attention.head_count": H, ".attention.layer_norm_epsilon": 1e-5}
+    t: list[Any] = [("position_embd.weight", (8192, E), "w")]
+    t += [("output_norm.weight", (E,), "norm"), ("output_norm.bias", (E,), "norm")]
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (E,), "norm"), (p + "attn_norm.bias", (E,), "norm")]
+        t += [(p + "attn_qkv.weight", (3 * E, E), "w"), (p + "attn_qkv.bias", (3 * E,), "f32")]
+        t += [(p + "attn_output.weight", (E, E), "w"), (p + "attn_output.bias", (E,), "f32")]
+        t += [(p + "ffn_norm.weight", (E,), "norm"), (p + "ffn_norm.bias", (E,), "norm")]
+        t += [(p + "ffn_up.weight", (FF, E), "w"), (p + "ffn_up.bias", (FF,), "f32")]
+        t += [(p + "ffn_down.weight", (E, FF), "w"), (p + "ffn_down.bias", (E,), "f32")]
     return keys, t
 
 
@@ -111,6 +251,16 @@ def write_arch(out: str | Path, tokenizer_from: str, name: str) -> Path:
         keys, tensors = _bert()
     elif name in ("deepseek2", "deepseek2-mla"):
         keys, tensors = _deepseek2(mla=name == "deepseek2-mla")
+    elif name == "openelm":
+        keys, tensors = _openelm()
+    elif name in ("granitehybrid", "lfm2"):
+        keys, tensors = _hybrid(name)
+    elif name == "gemma3":
+        keys, tensors = _gemma3()
+    elif name == "qwen2moe":
+        keys, tensors = _qwen2moe()
+    elif name == "gpt2":
+        keys, tensors = _gpt2()
     else:
         raise ValueError(f"no writer for {name!r}: one of {', '.join(ARCHES)}")
     arch = name.removesuffix("-mla")
@@ -122,7 +272,9 @@ def write_arch(out: str | Path, tokenizer_from: str, name: str) -> Path:
     keys = {".block_count": LAYERS, ".context_length": 8192, ".embedding_length": E, ".feed_forward_length": FF} | keys
     for key, value in keys.items():
         key = arch + key if key.startswith(".") else key
-        if isinstance(value, bool):
+        if isinstance(value, list):  # per-layer values
+            w.add_array(key, value)
+        elif isinstance(value, bool):
             w.add_bool(key, value)
         elif isinstance(value, int):
             w.add_uint32(key, value)
