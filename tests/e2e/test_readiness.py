@@ -13,7 +13,7 @@ from spillover.testing import GatewayProcess
 from tests.e2e.helpers import sim, wait_for
 
 pytestmark = pytest.mark.e2e
-PROMPT = "Hello! How are you today?"  # about as long as the replica's own first-token probe
+PROMPT = "Hello! How are you today?"  # the replica's own first-token probe: this message, chat-templated
 # What a failover adds to the replica's measured steps: the gateway's failover path (the
 # fault's journal rows, re-queueing, dispatch) and the channel; on 2 busy cores, generous.
 GATEWAY_SLACK_MS = 300.0
@@ -92,7 +92,8 @@ def test_on_demand_replica_recovers_within_its_measured_time() -> None:
         assert before["why"] == "configured" and not before["model_loaded"] and before["contexts"] == 0
         predicted = before["recovery_ms"]["on_demand"]
         sim(gw).fail_next(1)  # the GPU worker's next allocation fails: the request replays on the CPU
-        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=chat)  # a chat request prefills what the probe did
         assert r.status_code == 200, r.text
         assert r.headers["x-spillover-route"] == "cpu"
         assert r.headers["x-spillover-reason"] == "failover:alloc_failed"

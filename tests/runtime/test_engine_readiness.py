@@ -114,3 +114,22 @@ def test_an_unknown_mode_is_refused() -> None:
     e = engine("mmap")
     with pytest.raises(ValueError, match="readiness"):
         e.set_readiness("auto")
+
+
+def test_the_probe_prefills_what_the_shortest_chat_request_does() -> None:
+    """The first-token probe is a short user message rendered by the model's chat template, as
+    the gateway renders a chat request (SmolLM2's adds its system prompt: 37 tokens, not the
+    message's 8), so a replayed short chat request recovers in the measured time; a model
+    without a template gets the plain conversation the gateway would send it."""
+    from spillover.engine.llama_engine import PROBE_MESSAGE, Tokenizer, probe_prompt
+
+    llm = _llama_cls()(model_path=default_model_path(), vocab_only=True, verbose=False)
+    text = probe_prompt(llm)
+    tok = Tokenizer(default_model_path())
+    assert text == tok.render_chat([{"role": "user", "content": PROBE_MESSAGE}], None)
+    assert len(llm.tokenize(text.encode(), add_bos=True, special=True)) == 37
+
+    class NoTemplate:
+        metadata: dict[str, str] = {}
+
+    assert probe_prompt(NoTemplate()) == f"user: {PROBE_MESSAGE}\nassistant:"

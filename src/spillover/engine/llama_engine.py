@@ -160,6 +160,39 @@ class _Sentinels(dict[str, str]):
         return parts
 
 
+def _piece(llm: Any, token_id: int) -> str:
+    """A token's text, control tokens included."""
+    return bytes(llm.detokenize([token_id], special=True)).decode("utf-8", "replace")
+
+
+def _plain_chat(messages: list[dict[str, Any]]) -> str:
+    """A conversation for a model without a chat template."""
+    return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
+
+
+def _chat_formatter(template: str, eos_token: str, bos_token: str) -> Any:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    return Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token)
+
+
+PROBE_MESSAGE = "Hello! How are you today?"
+
+
+def probe_prompt(llm: Any) -> str:
+    """What a CPU replica's probe prefills: a short user message as the model's chat template
+    renders it. The shortest chat request a failover replays prefills as much (with SmolLM2's
+    template about 30 tokens; the bare message is 8), so the measured first token is what such a
+    request's recovery waits for; a longer prompt waits longer, in proportion."""
+    messages = [{"role": "user", "content": PROBE_MESSAGE}]
+    template = str(dict(llm.metadata).get("tokenizer.chat_template", ""))
+    if not template:
+        return _plain_chat(messages)
+    eos, bos = llm.token_eos(), llm.token_bos()
+    formatter = _chat_formatter(template, _piece(llm, eos) if eos >= 0 else "", _piece(llm, bos) if bos >= 0 else "")
+    return str(formatter(messages=messages).prompt)
+
+
 class Tokenizer:
     """Vocab-only view of a GGUF: chat template, tokenize, special tokens."""
 
@@ -185,18 +218,14 @@ class Tokenizer:
         self.bos_token = self._piece(bos_id) if bos_id >= 0 else ""
 
     def _piece(self, token_id: int) -> str:
-        return bytes(self._llm.detokenize([token_id], special=True)).decode("utf-8", "replace")
+        return _piece(self._llm, token_id)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         """Apply the model's own chat template (Jinja2, sandboxed)."""
         if not self.chat_template:
-            return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
+            return _plain_chat(messages)
         if self._formatter is None:  # compiled once: compiling the template cost more than rendering it
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            self._formatter = Jinja2ChatFormatter(
-                template=self.chat_template, eos_token=self.eos_token, bos_token=self.bos_token
-            )
+            self._formatter = _chat_formatter(self.chat_template, self.eos_token, self.bos_token)
         result = self._formatter(messages=messages, tools=tools)
         return str(result.prompt)
 
@@ -639,7 +668,7 @@ class Engine:
         with self._lock:
             llm = self._slots[0] if self._slots[0] is not None else self._create()
             self._slots[0] = llm
-            probe = llm.tokenize(b"Hello! How are you today?", add_bos=True, special=False)
+            probe = llm.tokenize(probe_prompt(llm).encode(), add_bos=True, special=True)
             t0 = time.perf_counter()
             llm.reset()
             llm.eval(probe)
