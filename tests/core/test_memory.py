@@ -335,3 +335,15 @@ def test_the_envelopes_terms_for_other_architectures_by_hand() -> None:
     assert routed[1] - base[1] == 3.5 * 100 * 8 * 4
     shared = MemoryModel(replace(moe, n_ff_shared=40)).compute_paths(100)
     assert shared[2] - routed[2] == 3 * 100 * 40 * 4 and shared[1] == routed[1]
+
+
+def test_a_mamba_layers_scan_by_hand() -> None:
+    """A hybrid's Mamba layer of 1000 values a row and a state of 5_000 bytes: 100 rows of it
+    (400_000) beside the state and the f32 mask (131_072) pass the tiny model's attention path
+    (376_256); a micro-batch of one row (4_000 beside the state and a 65_536-byte mask) passes it
+    too (84_208); one of 10 values and a state of 1_000 does not, and the attention path stays."""
+    spec = replace(TINY, ssm_row_floats=1000, layer_state_bytes=(5_000, 0, 0, 0))
+    assert MemoryModel(spec).compute_paths(100)[1] == 400_000 + 5_000 + 131_072 + SLACK
+    assert MemoryModel(spec, n_batch=1, n_ubatch=1).compute_paths(100)[1] == 4_000 + 5_000 + 65_536 + SLACK
+    small = replace(TINY, ssm_row_floats=10, layer_state_bytes=(1_000, 0, 0, 0))
+    assert MemoryModel(small, n_batch=1, n_ubatch=1).compute_paths(100)[1] == 84_208

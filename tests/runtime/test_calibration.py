@@ -511,3 +511,22 @@ def test_the_largest_context_says_when_it_is_the_training_context(
     assert (fit["largest_ctx"], fit["ctx_limit"], fit["ctx_limit_source"]) == (8192, 8192, "training context")
     assert main(args) == 0
     assert "largest context 8192, the model's training context" in capsys.readouterr().out
+
+
+def test_a_hybrids_spec_reads_its_layers_by_hand(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> None:
+    """granite-hybrid (width 128; layer 0 Mamba2 of inner 256, state 64, one group, conv 4, 8
+    heads; layer 1 attention of 2 KV heads): layer 0 holds no KV and a state of
+    4 x (3 x (256 + 128) + 64 x 256) bytes; its scan's row is (2 x 256 + 128 + 8) + 2 x (256 + 128)
+    + 3 x 256 + 128 values. lfm2 (layer 0 a short convolution of 3): a state of 4 x 2 x 128."""
+    from spillover.engine.gguf_meta import read_model_spec
+    from spillover.testing.gguf_arch import write_arch
+
+    base = tmp_path_factory.getbasetemp() / "arches"
+    for name in ("granitehybrid", "lfm2"):
+        if not (base / f"{name}.gguf").exists():
+            write_arch(base / f"{name}.gguf", model_path, name)
+    gh = read_model_spec(base / "granitehybrid.gguf")
+    assert (gh.layer_kv_heads, gh.layer_state_bytes) == ((0, 2), (4 * (3 * 384 + 64 * 256), 0))
+    assert gh.ssm_row_floats == 648 + 768 + 768 + 128
+    lfm2 = read_model_spec(base / "lfm2.gguf")
+    assert (lfm2.layer_kv_heads, lfm2.layer_state_bytes, lfm2.ssm_row_floats) == ((0, 2), (4 * 2 * 128, 0), 0)

@@ -125,6 +125,7 @@ class ModelSpec:
     n_ff_expert: int = 0  # an expert's feed-forward width (0: n_ff)
     n_ff_shared: int = 0  # a mixture of experts' shared experts, their feed-forward width together (0: none)
     qkv_bias_width: int = 0  # a fused Q/K/V projection with a bias (gpt2, phi2): its width (0: none)
+    ssm_row_floats: int = 0  # a Mamba layer's f32 values for each micro-batch row in its scan (0: none)
     kv_cache: bool = True  # False: an encoder (bert and kin), for which llama.cpp makes no KV cache
     v_cache: bool = True  # False: multi-head latent attention (DeepSeek's MLA): V is read from the K cache
     # Per layer (empty: every layer alike): KV heads, where a file gives them layer by layer (0: a
@@ -351,6 +352,12 @@ class MemoryModel:
         # A fused Q/K/V projection with a bias adds its biased copy beside them (measured on
         # gpt2 and phi2: up to 1.5 KiB a micro-batch row more; the copy's row is 3 KiB there).
         attn_path = scores + mask + rows + cast + ub * s.qkv_bias_width * 4
+        # A hybrid's Mamba layer instead: its projections, conv input and output, the scan's
+        # output, gate and product and the layer's output for every row (``ssm_row_floats``),
+        # beside the state the scan writes back and the mask (measured: 32.6 KiB a row and
+        # 0.52 MiB on a granite-hybrid of width 512, inner 1024, state 128).
+        if s.ssm_row_floats:
+            attn_path = max(attn_path, ub * s.ssm_row_floats * 4 + max(s.layer_state_bytes, default=0) + mask)
         # A mixture of experts runs each token through n_expert_used experts: their gate, up
         # and activated rows are alive at once (3 x ub x used x width f32, measured), and
         # then each expert's output row before they are weighted and summed. A dense layer

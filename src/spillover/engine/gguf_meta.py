@@ -209,6 +209,7 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         n_ff_expert=int(_field(f"{arch}.expert_feed_forward_length", 0) or 0),
         n_ff_shared=_shared_ffn(fields, arch),
         qkv_bias_width=max((int(t.shape[0]) for t in tensors if t.name.endswith(".attn_qkv.bias")), default=0),
+        ssm_row_floats=_ssm_row(fields, arch, n_embd),
         cpu_model_bytes=cpu_model_bytes(tensors, repacks),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,
@@ -266,6 +267,18 @@ def _hybrid_layers(
     state = 4 * (conv + d_state * d_inner)
     heads = tuple(h if attention[i] else 0 for i, h in enumerate(kv_heads))
     return heads, tuple(state if r else 0 for r in recurrent)
+
+
+def _ssm_row(fields: dict[str, Any], arch: str, n_embd: int) -> int:
+    """A Mamba layer's f32 values for each micro-batch row (0: none): the input projection
+    (z, x, B, C and dt), the conv input and output (x, B and C), the scan's output, its gate
+    and their product (the inner width each), and the layer's output (the width)."""
+    inner = int(fields.get(f"{arch}.ssm.inner_size", 0) or 0)
+    if not inner:
+        return 0
+    bc = 2 * int(fields.get(f"{arch}.ssm.group_count", 0) or 0) * int(fields.get(f"{arch}.ssm.state_size", 0) or 0)
+    heads = int(fields.get(f"{arch}.ssm.time_step_rank", 0) or 0)
+    return (2 * inner + bc + heads) + 2 * (inner + bc) + 3 * inner + n_embd
 
 
 def _n_ff(value: Any) -> int:
