@@ -530,3 +530,18 @@ def test_a_hybrids_spec_reads_its_layers_by_hand(tmp_path_factory: pytest.TempPa
     assert gh.ssm_row_floats == 648 + 768 + 768 + 128
     lfm2 = read_model_spec(base / "lfm2.gguf")
     assert (lfm2.layer_kv_heads, lfm2.layer_state_bytes, lfm2.ssm_row_floats) == ((0, 2), (4 * 2 * 128, 0), 0)
+
+
+def test_shared_experts_are_read_by_hand(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> None:
+    """qwen2moe gives its shared expert's width (256); deepseek2 the count of experts it shares
+    (1, of the experts' width 256); a dense llama none."""
+    from spillover.engine.gguf_meta import read_model_spec
+    from spillover.testing.gguf_arch import write_arch
+
+    base = tmp_path_factory.getbasetemp() / "arches"
+    widths = {}
+    for name in ("qwen2moe", "deepseek2", "qwen2"):
+        if not (base / f"{name}.gguf").exists():
+            write_arch(base / f"{name}.gguf", model_path, name)
+        widths[name] = read_model_spec(base / f"{name}.gguf").n_ff_shared
+    assert widths == {"qwen2moe": 256, "deepseek2": 256, "qwen2": 0}

@@ -147,8 +147,10 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     # per-layer counts (some architectures): each layer's KV is its own (0: none there)
     per_layer_kv = [int(x) for x in n_head_kv_raw] if isinstance(n_head_kv_raw, list) else []
     n_head_kv = max(per_layer_kv, default=0) if per_layer_kv else int(n_head_kv_raw)
-    if per_layer_kv and (len(per_layer_kv) != n_layers or min(per_layer_kv) < 0 or n_head_kv > HEADS_MAX):
+    if per_layer_kv and len(per_layer_kv) != n_layers:
         raise ValueError(f"{arch}.attention.head_count_kv holds {len(per_layer_kv)} counts for {n_layers} layers")
+    if per_layer_kv and not 0 <= min(per_layer_kv) <= n_head_kv <= HEADS_MAX:
+        raise ValueError(f"{arch}.attention.head_count_kv holds {min(per_layer_kv)} to {n_head_kv}: 0 to {HEADS_MAX}")
     head_k = int(_field(f"{arch}.attention.key_length", n_embd // n_head))
     head_v = int(_field(f"{arch}.attention.value_length", n_embd // n_head))
     for key, value, top in (
@@ -226,9 +228,13 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
 
 
 def _shared_ffn(fields: dict[str, Any], arch: str) -> int:
-    """A mixture of experts' shared experts' feed-forward width, all of them together (0: none)."""
+    """A mixture of experts' shared experts' feed-forward width, all of them together (0: none):
+    their own width (qwen2moe), or as many experts' widths as it shares (deepseek2)."""
+    count = int(fields.get(f"{arch}.expert_shared_count", 0) or 0)
     width = _n_ff(fields.get(f"{arch}.expert_shared_feed_forward_length", 0))
-    return width * max(1, int(fields.get(f"{arch}.expert_shared_count", 1) or 1)) if width else 0
+    if width:
+        return width * max(1, count)
+    return count * int(fields.get(f"{arch}.expert_feed_forward_length", 0) or 0)
 
 
 RECURRENT_TENSORS = (".ssm_", ".shortconv.")  # a recurrent layer's tensors (Mamba/Mamba2, LFM2's short convolution)
