@@ -81,14 +81,14 @@ def test_tiny_kv_bytes() -> None:
     ("n_ctx", "expected"),
     [
         # 256 cells, ub 100 (the context): logits 100 x 1000 x 4 + 6 rows of 100 x 8 x 4 = 419_200
-        # beats attention 100 x 256 x 2 x 4 + mask 256 x 128 x 4 + 7.5 x 100 x 8 x 4 = 359_872;
+        # beats attention 100 x 256 x 2 x 4 + mask 256 x 128 x 4 + 8.5 x 100 x 8 x 4 = 363_072;
         # each path has the graph's fixed 16_384 on top.
         (100, 419_200 + SLACK),
-        # 512 cells, ub 300: attention 300 x 512 x 8 + mask 512 x 320 x 4 + 7.5 x 300 x 32 = 1_956_160
+        # 512 cells, ub 300: attention 300 x 512 x 8 + mask 512 x 320 x 4 + 8.5 x 300 x 32 = 1_965_760
         # beats logits 1_200_000 + 57_600 = 1_257_600.
-        (300, 1_956_160 + SLACK),
-        # 1024 cells, ub capped at 512: attention 4_194_304 + 2_097_152 + 122_880 = 6_414_336.
-        (1000, 6_414_336 + SLACK),
+        (300, 1_965_760 + SLACK),
+        # 1024 cells, ub capped at 512: attention 4_194_304 + 2_097_152 + 139_264 = 6_430_720.
+        (1000, 6_430_720 + SLACK),
     ],
 )
 def test_tiny_compute_bytes(n_ctx: int, expected: int) -> None:
@@ -99,7 +99,7 @@ def test_tiny_compute_bytes(n_ctx: int, expected: int) -> None:
 def test_flash_attention_keeps_no_scores_but_keeps_the_mask() -> None:
     """With flash attention no scores are kept, but the f16 mask (1024 cells x 512 x 2 =
     1_048_576) stays allocated beside the logits with three rows: 2_048_000 + 1_048_576 +
-    49_152 beats six rows (98_304) and the attention path 1_048_576 + 122_880 (each with the
+    49_152 beats six rows (98_304) and the attention path 1_048_576 + 139_264 (each with the
     graph's fixed 16_384)."""
     assert MemoryModel(TINY, flash_attn=True).compute_bytes(1000) == 3_145_728 + SLACK
 
@@ -150,7 +150,7 @@ def test_impossible_caches_are_refused() -> None:
 
 def test_tiny_context_bytes_is_kv_plus_compute_plus_output() -> None:
     """A 300-token context: 512 cells of KV (32_768), the compute envelope, one logits row."""
-    assert MemoryModel(TINY).context_bytes(300) == 32_768 + 1_956_160 + SLACK + 4_000
+    assert MemoryModel(TINY).context_bytes(300) == 32_768 + 1_965_760 + SLACK + 4_000
 
 
 def test_tiny_request_footprint() -> None:
@@ -202,7 +202,7 @@ def test_no_layers_on_the_device_means_no_kv() -> None:
 def test_flash_attention_mask_grows_with_the_context() -> None:
     """4096 cells, ub 512: the kept mask 4096 x 512 x 2 under the logits: 2_048_000 + 4_194_304 + 49_152."""
     assert MemoryModel(TINY, flash_attn=True).compute_bytes(4096) == 6_291_456 + SLACK
-    assert MemoryModel(TINY, flash_attn=True).compute_paths(4096)[1] == 4_194_304 + 122_880 + SLACK
+    assert MemoryModel(TINY, flash_attn=True).compute_paths(4096)[1] == 4_194_304 + 139_264 + SLACK
 
 
 def test_flash_attention_casts_an_f32_cache_to_f16() -> None:
@@ -210,7 +210,7 @@ def test_flash_attention_casts_an_f32_cache_to_f16() -> None:
     cells x 1 KV head x (4 + 4) dims x 2 bytes = 65_536 on the attention path; other cache
     types are read as they are."""
     paths = {t: MemoryModel(TINY, kv_type=t, flash_attn=True).compute_paths(4096)[1] for t in ("f32", "f16", "bf16")}
-    attention = 4_194_304 + 122_880 + SLACK
+    attention = 4_194_304 + 139_264 + SLACK
     assert paths == {"f32": attention + 65_536, "f16": attention, "bf16": attention}
     assert MemoryModel(TINY, kv_type="f32").compute_paths(4096)[1] == MemoryModel(TINY).compute_paths(4096)[1]
 
@@ -228,10 +228,10 @@ def test_heads_llama_cpp_cannot_build_are_refused() -> None:
 
 def test_compute_paths_by_hand() -> None:
     """(logits, attention, feed-forward) at 300 tokens (512 cells, ub 300), n_ff 40, each with the
-    graph's fixed 16_384: 1_257_600; 1_228_800 + 655_360 + 72_000; 3 x 300 x 40 x 4 + the f32
+    graph's fixed 16_384: 1_257_600; 1_228_800 + 655_360 + 81_600; 3 x 300 x 40 x 4 + the f32
     mask (655_360, kept beside all layers' feed-forward but the last) + 5.5 rows (52_800)."""
     paths = MemoryModel(replace(TINY, n_ff=40)).compute_paths(300)
-    assert paths == (1_257_600 + SLACK, 1_956_160 + SLACK, 144_000 + 655_360 + 52_800 + SLACK)
+    assert paths == (1_257_600 + SLACK, 1_965_760 + SLACK, 144_000 + 655_360 + 52_800 + SLACK)
 
 
 def test_smallest_contexts_and_batches() -> None:
@@ -282,14 +282,14 @@ def test_a_quantized_cache_of_64_value_heads_adds_its_rotation_matrices(head: in
 def test_a_query_wider_than_a_row_by_hand() -> None:
     """Heads of 128 on an embedding of 8 (2 heads: a query 32 rows wide), 100 tokens (256 cells):
     - flash attention: the logits (400_000) beside the query (102_400) and 5 rows (16_000)
-      beat the f16 mask (65_536) and 3 rows; the attention path is 7.5 query-wide rows
-      (768_000) and the mask; the feed-forward (no n_ff) the mask and 5.5 rows (83_136), and the
+      beat the f16 mask (65_536) and 3 rows; the attention path is 8.5 query-wide rows
+      (870_400) and the mask; the feed-forward (no n_ff) the mask and 5.5 rows (83_136), and the
       query beyond a row (99_200);
     - without it: no query below the logits (6 rows), and the f32 mask (131_072) beside the
       feed-forward, a layer of four not being the last."""
     spec = replace(TINY, head_dim_k=128, head_dim_v=128)
     fa = MemoryModel(spec, flash_attn=True).compute_paths(100)
-    assert fa == (400_000 + 118_400 + SLACK, 768_000 + 65_536 + SLACK, 83_136 + 99_200 + SLACK)
+    assert fa == (400_000 + 118_400 + SLACK, 870_400 + 65_536 + SLACK, 83_136 + 99_200 + SLACK)
     plain = MemoryModel(spec).compute_paths(100)
     assert plain[0] == 400_000 + 19_200 + SLACK
     assert plain[2] == 131_072 + 17_600 + 99_200 + SLACK
@@ -340,10 +340,32 @@ def test_the_envelopes_terms_for_other_architectures_by_hand() -> None:
 def test_a_mamba_layers_scan_by_hand() -> None:
     """A hybrid's Mamba layer of 1000 values a row and a state of 5_000 bytes: 100 rows of it
     (400_000) beside the state and the f32 mask (131_072) pass the tiny model's attention path
-    (376_256); a micro-batch of one row (4_000 beside the state and a 65_536-byte mask) passes it
-    too (84_208); one of 10 values and a state of 1_000 does not, and the attention path stays."""
+    (379_456); a micro-batch of one row (4_000 beside the state and a 65_536-byte mask) passes it
+    too (84_240); one of 10 values and a state of 1_000 does not, and the attention path stays."""
     spec = replace(TINY, ssm_row_floats=1000, layer_state_bytes=(5_000, 0, 0, 0))
     assert MemoryModel(spec).compute_paths(100)[1] == 400_000 + 5_000 + 131_072 + SLACK
     assert MemoryModel(spec, n_batch=1, n_ubatch=1).compute_paths(100)[1] == 4_000 + 5_000 + 65_536 + SLACK
     small = replace(TINY, ssm_row_floats=10, layer_state_bytes=(1_000, 0, 0, 0))
-    assert MemoryModel(small, n_batch=1, n_ubatch=1).compute_paths(100)[1] == 84_208
+    assert MemoryModel(small, n_batch=1, n_ubatch=1).compute_paths(100)[1] == 84_240
+
+
+def test_layers_without_attention_or_feed_forward_by_hand() -> None:
+    """deci-like: KV heads 1, 0, 1, 2 (no recurrent layer: the head-less layer is still cached).
+    Without flash attention every cached layer's V row is as wide as the widest (2 heads of 4):
+    K of 4, 0, 4 and 8 values and V of 8 in each of the 4 layers, f16: 2 x 16 + 2 x 32 = 96 bytes
+    a token; with it V is each layer's own (2 x 16 x 2 = 64). A last layer without a feed-forward keeps the f32
+    mask (512 x 320 x 4 = 655_360) and 7 rows (300 x 8 x 4 each) beside the logits."""
+    spec = replace(TINY, layer_kv_heads=(1, 0, 1, 2), n_head_kv=2)
+    assert MemoryModel(spec).kv_bytes_per_token() == 2 * (4 + 0 + 4 + 8) + 2 * 4 * 8
+    assert MemoryModel(spec, flash_attn=True).kv_bytes_per_token() == 2 * (4 + 0 + 4 + 8) * 2
+    plain = MemoryModel(TINY).compute_paths(300)
+    unfed = MemoryModel(replace(TINY, last_layer_ffn=False)).compute_paths(300)
+    assert unfed[0] == 300 * 1000 * 4 + 655_360 + 7 * 300 * 8 * 4 + SLACK and unfed[1:] == plain[1:]
+
+
+def test_rows_kept_through_the_graph_are_beside_every_path() -> None:
+    """gemma3n-like: 50 values a row kept from the first layer to the logits: 100 rows x 50 x 4
+    = 20_000 more on each path."""
+    plain = MemoryModel(TINY).compute_paths(100)
+    kept = MemoryModel(replace(TINY, kept_row_floats=50)).compute_paths(100)
+    assert [k - p for k, p in zip(kept, plain, strict=True)] == [20_000] * 3

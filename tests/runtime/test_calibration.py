@@ -411,6 +411,9 @@ ARCH_CELLS = [  # (model, n_ctx, n_batch, n_ubatch, kv_type, flash_attn)
     ("gemma3", 4096, 512, 512, "f16", True),
     ("qwen2moe", 1000, 2048, 4096, "f16", False),
     ("gpt2", 1000, 2048, 4096, "f16", False),
+    ("deci", 8192, 512, 512, "f16", False),  # a layer without attention still holds a transposed V row
+    ("deci", 2049, 256, 256, "f32", True),
+    ("llama4", 16384, 256, 256, "f16", False),  # the chunked layers' mask beside the full layer's
 ]
 
 
@@ -423,7 +426,8 @@ def test_other_architectures_are_predicted(
     encoder without a KV cache (bert), multi-head latent attention caching K rows only
     (deepseek2 with its *_mla sizes; the older layout caches K and V), per-layer head counts
     (openelm), hybrids whose recurrent layers hold a state and no KV (granitehybrid, lfm2),
-    sliding windows (gemma3), a shared expert (qwen2moe), a biased fused Q/K/V (gpt2). The KV
+    sliding windows (gemma3), a shared expert (qwen2moe), a biased fused Q/K/V (gpt2), layers
+    without attention or without a feed-forward (deci), chunked attention (llama4). The KV
     cache (with a recurrent state) within llama.cpp's printed rounding, the whole estimate within
     3 % and never 1 % under, and the envelope (no plan) never 1 % under either."""
     from spillover.core.estimate import estimate
@@ -545,3 +549,20 @@ def test_shared_experts_are_read_by_hand(tmp_path_factory: pytest.TempPathFactor
             write_arch(base / f"{name}.gguf", model_path, name)
         widths[name] = read_model_spec(base / f"{name}.gguf").n_ff_shared
     assert widths == {"qwen2moe": 256, "deepseek2": 256, "qwen2": 0}
+
+
+def test_llama4_and_deci_specs_by_hand(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> None:
+    """llama4: its chunks (256) count as a window (a second mask), its shared expert's width (128)
+    is read from its tensors (no key gives it). deci: KV heads 2, 0 and 4 (the layer without
+    attention is still in the cache), and the last layer has no feed-forward."""
+    from spillover.engine.gguf_meta import read_model_spec
+    from spillover.testing.gguf_arch import write_arch
+
+    base = tmp_path_factory.getbasetemp() / "arches"
+    for name in ("llama4", "deci"):
+        if not (base / f"{name}.gguf").exists():
+            write_arch(base / f"{name}.gguf", model_path, name)
+    llama4 = read_model_spec(base / "llama4.gguf")
+    assert (llama4.sliding_window, llama4.n_ff_shared, llama4.last_layer_ffn) == (256, 128, True)
+    deci = read_model_spec(base / "deci.gguf")
+    assert (deci.layer_kv_heads, deci.layer_state_bytes, deci.last_layer_ffn) == ((2, 0, 4), (), False)

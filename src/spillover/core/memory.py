@@ -55,9 +55,10 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 }
 # The compute envelope (see compute_bytes). Rows of n_embd f32 activations live beside the
 # biggest tensor of each path; on the measured grid the allocator's layout left 2 to 6 of
-# them beside the logits and 5 to 7 beside the attention scores.
+# them beside the logits and 5 to 7 beside the attention scores (up to 8 without grouped
+# query attention: mpt and deci's layers of as many KV heads as query heads, measured).
 LOGITS_ROWS = 6.0
-ATTENTION_ROWS = 7.5
+ATTENTION_ROWS = 8.5
 FFN_ROWS = 6.0
 MOE_ATTENTION_ROWS = 3.5  # more rows beside the attention scores in a mixture of experts
 FFN_KEPT_ROWS = 5.5  # rows beside the mask on the feed-forward path (where it is kept there)
@@ -126,6 +127,8 @@ class ModelSpec:
     n_ff_shared: int = 0  # a mixture of experts' shared experts, their feed-forward width together (0: none)
     qkv_bias_width: int = 0  # a fused Q/K/V projection with a bias (gpt2, phi2): its width (0: none)
     ssm_row_floats: int = 0  # a Mamba layer's f32 values for each micro-batch row in its scan (0: none)
+    kept_row_floats: int = 0  # f32 values a row keeps through the whole graph (gemma3n's altup and per-layer inputs)
+    last_layer_ffn: bool = True  # False: the last layer has no feed-forward (deci's per-layer widths end in 0)
     kv_cache: bool = True  # False: an encoder (bert and kin), for which llama.cpp makes no KV cache
     v_cache: bool = True  # False: multi-head latent attention (DeepSeek's MLA): V is read from the K cache
     # Per layer (empty: every layer alike): KV heads, where a file gives them layer by layer (0: a
@@ -231,20 +234,22 @@ class MemoryModel:
 
     # -- per context ---------------------------------------------------------------
     def _layer_kv_rows(self) -> list[int]:
-        """KV bytes one token costs in each layer (none for an encoder, or a layer without heads).
-        Without flash attention llama.cpp stores V transposed, every layer's as wide as the
-        widest layer's (``n_embd_v_gqa_max``), which per-layer head counts make a difference."""
+        """KV bytes one token costs in each layer (none for an encoder, or a hybrid's recurrent
+        layer, which llama.cpp leaves out of the cache). Without flash attention llama.cpp
+        stores V transposed, every cached layer's as wide as the widest layer's
+        (``n_embd_v_gqa_max``), a layer without heads too (deci's layers without attention)."""
         s = self.spec
         heads = s.layer_kv_heads or (s.n_head_kv,) * s.n_layers
         if not s.kv_cache:
             return [0] * len(heads)
         widest = max(heads, default=0)
+        recurrent = s.layer_state_bytes or (0,) * len(heads)
         return [
             kv_row_bytes(self.kv_type, h * s.head_dim_k)
             + (kv_row_bytes(self.kv_type, (h if self.flash_attn else widest) * s.head_dim_v) if s.v_cache else 0)
-            if h
+            if h or not state
             else 0
-            for h in heads
+            for h, state in zip(heads, recurrent, strict=True)
         ]
 
     def _layer_states(self) -> list[int]:
@@ -333,7 +338,10 @@ class MemoryModel:
         kept = mask if self.flash_attn else 0
         query = ub * s.n_head * s.head_dim_k * 4
         wide_query = query + QUERY_ROWS * embd if self.flash_attn else 0
-        logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd, wide_query)
+        # The f32 mask is beside the logits and their rows too when no feed-forward follows the
+        # last layer's attention (measured on deci: a mask's bytes more, the logits taking fresh room).
+        unfreed = mask + (LOGITS_ROWS + 1) * embd if not s.last_layer_ffn else 0  # a row to spare
+        logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd, wide_query, unfreed)
         # A mixture of experts keeps more rows beside the scores (measured: 2.6 KiB a micro-batch
         # row more on a qwen2moe of width 256 with a shared expert).
         rows = (
@@ -377,6 +385,9 @@ class MemoryModel:
         # Small graph inputs (positions, output ids) and each tensor's alignment: bytes that
         # do not grow with the micro-batch, all that matters in a buffer of a few hundred KiB.
         fixed = rot + GRAPH_SLACK_BYTES
+        # What every row keeps from the first layer to the logits (gemma3n: the altup
+        # predictions and their corrected copies, and the per-layer inputs) is beside every path.
+        fixed += ub * s.kept_row_floats * 4
         return logits_path + fixed, attn_path + fixed, ffn_path + fixed
 
     def output_bytes(self) -> int:

@@ -162,7 +162,10 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         if not 1 <= value <= top:  # a damaged field: the estimate would be negative or absurd
             raise ValueError(f"{arch}.{key} is {value}: a model's is from 1 to {top}")
     n_ctx_train = int(_field(f"{arch}.context_length", 2048))
-    swa = int(_field(f"{arch}.attention.sliding_window", 0) or 0)
+    # A window, or llama4's chunks (8192 unless the file says; a window of 0 turns them off):
+    # either way llama.cpp keeps a second mask.
+    chunks = int(_field(f"{arch}.attention.chunk_size", 8192 if arch == "llama4" else 0) or 0)
+    swa = int(_field(f"{arch}.attention.sliding_window", chunks) or 0)
     n_vocab = header.lengths.get("tokenizer.ggml.tokens", 0)
     layer_sizes = [0] * n_layers
     layer_repacks = [0] * n_layers
@@ -207,11 +210,13 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         file_type=file_type,
         repack_bytes=sum(layer_repacks),
         n_ff=_n_ff(_field(f"{arch}.feed_forward_length", 0)),
+        last_layer_ffn=_last_ffn(_field(f"{arch}.feed_forward_length", 0)),
         n_expert_used=int(_field(f"{arch}.expert_used_count", 0) or 0),
         n_ff_expert=int(_field(f"{arch}.expert_feed_forward_length", 0) or 0),
-        n_ff_shared=_shared_ffn(fields, arch),
+        n_ff_shared=_shared_ffn(fields, arch, tensors),
         qkv_bias_width=max((int(t.shape[0]) for t in tensors if t.name.endswith(".attn_qkv.bias")), default=0),
         ssm_row_floats=_ssm_row(fields, arch, n_embd),
+        kept_row_floats=_kept_row(fields, arch, n_embd, n_layers),
         cpu_model_bytes=cpu_model_bytes(tensors, repacks),
         layer_sizes=tuple(layer_sizes),
         input_bytes=input_bytes,
@@ -227,9 +232,13 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     )
 
 
-def _shared_ffn(fields: dict[str, Any], arch: str) -> int:
+def _shared_ffn(fields: dict[str, Any], arch: str, tensors: list[Any]) -> int:
     """A mixture of experts' shared experts' feed-forward width, all of them together (0: none):
-    their own width (qwen2moe), or as many experts' widths as it shares (deepseek2)."""
+    their up projection's rows (llama4 gives no key for it), else their own width (qwen2moe),
+    or as many experts' widths as it shares (deepseek2)."""
+    rows = max((int(t.shape[1]) for t in tensors if t.name.endswith(".ffn_up_shexp.weight")), default=0)
+    if rows:
+        return rows
     count = int(fields.get(f"{arch}.expert_shared_count", 0) or 0)
     width = _n_ff(fields.get(f"{arch}.expert_shared_feed_forward_length", 0))
     if width:
@@ -285,6 +294,21 @@ def _ssm_row(fields: dict[str, Any], arch: str, n_embd: int) -> int:
     bc = 2 * int(fields.get(f"{arch}.ssm.group_count", 0) or 0) * int(fields.get(f"{arch}.ssm.state_size", 0) or 0)
     heads = int(fields.get(f"{arch}.ssm.time_step_rank", 0) or 0)
     return (2 * inner + bc + heads) + 2 * (inner + bc) + 3 * inner + n_embd
+
+
+def _kept_row(fields: dict[str, Any], arch: str, n_embd: int, n_layers: int) -> int:
+    """f32 values each micro-batch row keeps through the whole graph (0: none): gemma3n's altup
+    streams (``altup.num_inputs`` rows of the width: predictions, their corrections and the
+    activated copy, three) and its per-layer inputs (twice each layer's width). Measured on a
+    small gemma3n: 6.5-9.5 KiB a row beside the largest path, which this bounds (14 KiB)."""
+    streams = int(fields.get(f"{arch}.altup.num_inputs", 0) or 0)
+    per_layer = int(fields.get(f"{arch}.embedding_length_per_layer_input", 0) or 0)
+    return 3 * streams * n_embd + 2 * n_layers * per_layer
+
+
+def _last_ffn(widths: Any) -> bool:
+    """Whether the last layer has a feed-forward (per-layer widths: the last is not 0)."""
+    return not isinstance(widths, list) or not widths or int(widths[-1]) > 0
 
 
 def _n_ff(value: Any) -> int:

@@ -14,7 +14,10 @@ F16 weights, in the tensor layout llama.cpp loads for its architecture:
 - ``lfm2``: a hybrid, a short-convolution layer and an attention one, tied output;
 - ``gemma3``: sliding-window attention (two masks), q/k norms, tied output;
 - ``qwen2moe``: a mixture of experts with a shared expert;
-- ``gpt2``: a fused Q/K/V projection with a bias, learned positions, tied output.
+- ``gpt2``: a fused Q/K/V projection with a bias, learned positions, tied output;
+- ``deci``: per-layer shapes with a layer without attention and one without a feed-forward;
+- ``llama4``: chunked attention in three layers and full attention in the fourth (two masks),
+  and a mixture of experts with a shared expert every second layer.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ __all__ = ["ARCHES", "write_arch"]
 
 ARCHES = (
     "qwen2", "qwen3", "bert", "deepseek2-mla", "deepseek2", "openelm", "granitehybrid", "lfm2", "gemma3",
-    "qwen2moe", "gpt2",
+    "qwen2moe", "gpt2", "deci", "llama4",
 )  # fmt: skip
 
 E, H, FF, LAYERS = 128, 4, 256, 2  # width, query heads, feed-forward width, layers
@@ -131,6 +134,47 @@ def _openelm() -> tuple[dict[str, Any], list[Any]]:
         t += [(p + "attn_output.weight", (E, h * head), "w"), (p + "ffn_norm.weight", (E,), "norm")]
         t += [(p + "ffn_gate.weight", (ff, E), "w"), (p + "ffn_up.weight", (ff, E), "w")]
         t += [(p + "ffn_down.weight", (E, ff), "w")]
+    return keys, t
+
+
+def _deci() -> tuple[dict[str, Any], list[Any]]:
+    """Layer 0: 4 query heads on 2 KV heads and a feed-forward; layer 1: a feed-forward alone
+    (no attention: no KV heads); layer 2: 4 KV heads and no feed-forward."""
+    head = E // H
+    keys: dict[str, Any] = {
+        ".attention.head_count": [H, 0, H], ".attention.head_count_kv": [2, 0, H],
+        ".feed_forward_length": [FF, FF // 2, 0], ".attention.layer_norm_rms_epsilon": 1e-5,
+        ".rope.dimension_count": head, ".rope.freq_base": 10000.0, ".block_count": 3,
+    }  # fmt: skip
+    t: list[Any] = [("output_norm.weight", (E,), "norm")]
+    t += [("blk.0.attn_norm.weight", (E,), "norm"), *_attention("blk.0.", 2, head)]
+    t += [("blk.0.ffn_norm.weight", (E,), "norm"), *_ffn("blk.0.")]
+    t += [("blk.1.ffn_norm.weight", (E,), "norm"), ("blk.1.ffn_gate.weight", (FF // 2, E), "w")]
+    t += [("blk.1.ffn_up.weight", (FF // 2, E), "w"), ("blk.1.ffn_down.weight", (E, FF // 2), "w")]
+    t += [("blk.2.attn_norm.weight", (E,), "norm"), *_attention("blk.2.", H, head)]
+    return keys, t
+
+
+def _llama4() -> tuple[dict[str, Any], list[Any]]:
+    head, experts, width = E // H, 4, 128
+    keys: dict[str, Any] = {
+        ".attention.head_count": H, ".attention.head_count_kv": 2, ".attention.layer_norm_rms_epsilon": 1e-5,
+        ".rope.dimension_count": head, ".rope.freq_base": 10000.0, ".expert_count": experts, ".expert_used_count": 1,
+        ".expert_feed_forward_length": width, ".interleave_moe_layer_step": 2, ".attention.chunk_size": 256,
+        ".block_count": 4,  # layers 0-2 chunked, layer 3 full attention: both masks
+    }  # fmt: skip
+    t: list[Any] = [("output_norm.weight", (E,), "norm")]
+    for i in range(4):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (E,), "norm"), *_attention(p, 2, head), (p + "ffn_norm.weight", (E,), "norm")]
+        if i % 2 == 0:
+            t += _ffn(p)
+            continue
+        t += [(p + "ffn_gate_inp.weight", (experts, E), "f32")]
+        t += [(p + f"ffn_{x}_exps.weight", (experts, width, E), "w") for x in ("gate", "up")]
+        t += [(p + "ffn_down_exps.weight", (experts, E, width), "w")]
+        t += [(p + f"ffn_{x}_shexp.weight", (width, E), "w") for x in ("gate", "up")]
+        t += [(p + "ffn_down_shexp.weight", (E, width), "w")]
     return keys, t
 
 
@@ -261,6 +305,10 @@ def write_arch(out: str | Path, tokenizer_from: str, name: str) -> Path:
         keys, tensors = _qwen2moe()
     elif name == "gpt2":
         keys, tensors = _gpt2()
+    elif name == "deci":
+        keys, tensors = _deci()
+    elif name == "llama4":
+        keys, tensors = _llama4()
     else:
         raise ValueError(f"no writer for {name!r}: one of {', '.join(ARCHES)}")
     arch = name.removesuffix("-mla")
