@@ -191,7 +191,10 @@ def plan_buffers_isolated(
     _, status = os.waitpid(pid, 0)
     if not chunks or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
         if why is not None:
-            why.append("llama.cpp aborted reading the file (one of its own checks failed: a damaged model)")
+            why.append(
+                "llama.cpp aborted planning it (one of its own checks failed: a damaged model, "
+                "or one this build cannot run)"
+            )
         return None
     out = json.loads(b"".join(chunks))
     if "refused" in out:
