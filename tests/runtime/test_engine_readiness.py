@@ -120,7 +120,7 @@ def test_the_probe_prefills_what_the_shortest_chat_request_does() -> None:
     """The first-token probe is a short user message rendered by the model's chat template, as
     the gateway renders a chat request (SmolLM2's adds its system prompt: 37 tokens, not the
     message's 8), so a replayed short chat request recovers in the measured time; a model
-    without a template gets the plain conversation the gateway would send it."""
+    without a template, or whose template refuses the message, gets the plain conversation."""
     from spillover.engine.llama_engine import PROBE_MESSAGE, Tokenizer, probe_prompt
 
     llm = _llama_cls()(model_path=default_model_path(), vocab_only=True, verbose=False)
@@ -133,3 +133,13 @@ def test_the_probe_prefills_what_the_shortest_chat_request_does() -> None:
         metadata: dict[str, str] = {}
 
     assert probe_prompt(NoTemplate()) == f"user: {PROBE_MESSAGE}\nassistant:"
+
+    class Raising(NoTemplate):  # a template that refuses a lone user message
+        metadata = {"tokenizer.chat_template": "{{ raise_exception('a system message first') }}"}
+
+        def token_eos(self) -> int:
+            return -1
+
+        token_bos = token_eos
+
+    assert probe_prompt(Raising()) == f"user: {PROBE_MESSAGE}\nassistant:"

@@ -182,15 +182,19 @@ PROBE_MESSAGE = "Hello! How are you today?"
 def probe_prompt(llm: Any) -> str:
     """What a CPU replica's probe prefills: a short user message as the model's chat template
     renders it. The shortest chat request a failover replays prefills as much (with SmolLM2's
-    template about 30 tokens; the bare message is 8), so the measured first token is what such a
-    request's recovery waits for; a longer prompt waits longer, in proportion."""
+    template 37 tokens; the bare message is 8), so the measured first token is what such a
+    request's recovery waits for; a longer prompt waits longer, in proportion. A template that
+    cannot render it (one that raises on a lone user message) gets the plain conversation: the
+    probe must not stop the replica from starting."""
     messages = [{"role": "user", "content": PROBE_MESSAGE}]
     template = str(dict(llm.metadata).get("tokenizer.chat_template", ""))
     if not template:
         return _plain_chat(messages)
-    eos, bos = llm.token_eos(), llm.token_bos()
-    formatter = _chat_formatter(template, _piece(llm, eos) if eos >= 0 else "", _piece(llm, bos) if bos >= 0 else "")
-    return str(formatter(messages=messages).prompt)
+    eos, bos = (_piece(llm, t) if t >= 0 else "" for t in (llm.token_eos(), llm.token_bos()))
+    try:
+        return str(_chat_formatter(template, eos, bos)(messages=messages).prompt)
+    except Exception:  # jinja2's errors, a template's own raise_exception
+        return _plain_chat(messages)
 
 
 class Tokenizer:
