@@ -60,11 +60,11 @@ def _llama_like(
     return keys, t
 
 
-def _ffn(p: str) -> list[Any]:
+def _ffn(p: str, ff: int = FF) -> list[Any]:
     return [
-        (p + "ffn_gate.weight", (FF, E), "w"),
-        (p + "ffn_up.weight", (FF, E), "w"),
-        (p + "ffn_down.weight", (E, FF), "w"),
+        (p + "ffn_gate.weight", (ff, E), "w"),
+        (p + "ffn_up.weight", (ff, E), "w"),
+        (p + "ffn_down.weight", (E, ff), "w"),
     ]
 
 
@@ -131,9 +131,7 @@ def _openelm() -> tuple[dict[str, Any], list[Any]]:
         p = f"blk.{i}."
         t += [(p + "attn_norm.weight", (E,), "norm"), (p + "attn_qkv.weight", ((h + 2 * kv) * head, E), "w")]
         t += [(p + "attn_q_norm.weight", (head,), "norm"), (p + "attn_k_norm.weight", (head,), "norm")]
-        t += [(p + "attn_output.weight", (E, h * head), "w"), (p + "ffn_norm.weight", (E,), "norm")]
-        t += [(p + "ffn_gate.weight", (ff, E), "w"), (p + "ffn_up.weight", (ff, E), "w")]
-        t += [(p + "ffn_down.weight", (E, ff), "w")]
+        t += [(p + "attn_output.weight", (E, h * head), "w"), (p + "ffn_norm.weight", (E,), "norm"), *_ffn(p, ff)]
     return keys, t
 
 
@@ -149,8 +147,7 @@ def _deci() -> tuple[dict[str, Any], list[Any]]:
     t: list[Any] = [("output_norm.weight", (E,), "norm")]
     t += [("blk.0.attn_norm.weight", (E,), "norm"), *_attention("blk.0.", 2, head)]
     t += [("blk.0.ffn_norm.weight", (E,), "norm"), *_ffn("blk.0.")]
-    t += [("blk.1.ffn_norm.weight", (E,), "norm"), ("blk.1.ffn_gate.weight", (FF // 2, E), "w")]
-    t += [("blk.1.ffn_up.weight", (FF // 2, E), "w"), ("blk.1.ffn_down.weight", (E, FF // 2), "w")]
+    t += [("blk.1.ffn_norm.weight", (E,), "norm"), *_ffn("blk.1.", FF // 2)]
     t += [("blk.2.attn_norm.weight", (E,), "norm"), *_attention("blk.2.", H, head)]
     return keys, t
 
