@@ -132,15 +132,17 @@ def test_an_encoder_keeps_no_kv_cache(tmp_path: Path) -> None:
 
 
 def test_per_layer_head_counts_and_models_without_heads(tmp_path: Path) -> None:
-    """A per-layer head_count list is read as its widest layer (llama.cpp loads such files);
-    none at all (a recurrent model) refuses in words, not as a damaged file."""
+    """A per-layer head_count list is read as its widest layer (llama.cpp loads such files), a
+    per-layer head_count_kv list layer by layer; a list that is not one count a layer is refused
+    as damaged (llama.cpp refuses it: "wrong array length"); none at all (a recurrent model)
+    refuses in words, not as a damaged file."""
     (tmp_path / "m.gguf").write_bytes(b"x")
-    spec = spec_of(
-        _header("openelm", 4, **{"ARCH.attention.head_count": [4, 4, 8, 8], "ARCH.attention.head_count_kv": [1, 2]}),
-        tmp_path / "m.gguf",
-        {},
-    )
-    assert (spec.n_head, spec.n_head_kv, spec.head_dim_k) == (8, 2, 8)
+    lists = {"ARCH.attention.head_count": [4, 4, 8, 8], "ARCH.attention.head_count_kv": [1, 2, 1, 2]}
+    spec = spec_of(_header("openelm", 4, **lists), tmp_path / "m.gguf", {})
+    assert (spec.n_head, spec.n_head_kv, spec.head_dim_k, spec.layer_kv_heads) == (8, 2, 8, (1, 2, 1, 2))
+    short = {**lists, "ARCH.attention.head_count_kv": [1, 2]}
+    with pytest.raises(ValueError, match="holds 2 counts for 4 layers"):
+        spec_of(_header("openelm", 4, **short), tmp_path / "m.gguf", {})
     for heads in ({}, {"ARCH.attention.head_count": 0}):
         with pytest.raises(UnsupportedModel, match="no attention heads"):
             spec_of(_header("mamba", 2, **heads), tmp_path / "m.gguf", {})
