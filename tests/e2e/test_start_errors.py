@@ -26,7 +26,7 @@ def test_a_model_file_that_cannot_be_loaded_is_one_line_and_exit_2(tmp_path: Pat
     bad.write_bytes(content)
     got = serve(tmp_path / "state", "--chat-only", "--model", str(bad))
     assert got.returncode == 2, got.stderr[-3000:]
-    line = f"spillover could not start: chat model 'smollm2-135m-instruct': {bad} cannot be served ("
+    line = f"spillover could not start: chat model 'bad': {bad} cannot be served ("  # named by its file
     assert line in got.stderr and "Traceback" not in got.stderr, got.stderr[-3000:]
 
 
