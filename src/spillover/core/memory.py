@@ -243,13 +243,12 @@ class MemoryModel:
         if not s.kv_cache:
             return [0] * len(heads)
         widest = max(heads, default=0)
-        recurrent = s.layer_state_bytes or (0,) * len(heads)
         return [
             kv_row_bytes(self.kv_type, h * s.head_dim_k)
             + (kv_row_bytes(self.kv_type, (h if self.flash_attn else widest) * s.head_dim_v) if s.v_cache else 0)
             if h or not state
             else 0
-            for h, state in zip(heads, recurrent, strict=True)
+            for h, state in zip(heads, self._layer_states(), strict=True)
         ]
 
     def _layer_states(self) -> list[int]:

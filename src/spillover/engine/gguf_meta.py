@@ -175,12 +175,16 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     # the output matrix's repacked copy: output.weight's, or token_embd's when tied (cpu_model_bytes' rule)
     output_repack = 0 if has_output else _tied_output_copy(tensors, repacks)
     input_bytes = 0
+    recurrent = [False] * n_layers  # a layer holding recurrent tensors (a hybrid's Mamba or convolution)
+    attention = [False] * n_layers  # a layer holding the tensors of a layer that caches K
     for t in tensors:
         if t.name.startswith("blk."):
             layer = int(t.name.split(".")[1])
             layer_sizes[layer] += int(t.n_bytes)
             if _repacked(t, repacks):
                 layer_repacks[layer] += int(t.n_bytes)
+            recurrent[layer] = recurrent[layer] or any(k in t.name for k in RECURRENT_TENSORS)
+            attention[layer] = attention[layer] or any(k in t.name for k in ATTENTION_TENSORS)
         else:
             other_bytes += int(t.n_bytes)
             if t.name == "token_embd.weight":
@@ -188,9 +192,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
             if _repacked(t, repacks):  # output.weight (token_embd is never repacked in place)
                 output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
-    layer_kv_heads, layer_states = _hybrid_layers(
-        header, arch, n_layers, n_embd, per_layer_kv or [n_head_kv] * n_layers
-    )
+    kv_heads = per_layer_kv or [n_head_kv] * n_layers
+    layer_kv_heads, layer_states = _hybrid_layers(fields, arch, n_embd, kv_heads, recurrent, attention)
     file_type = int(_field("general.file_type", -1))
     return ModelSpec(
         name=str(_field("general.name", Path(path).stem)),
@@ -239,11 +242,11 @@ def _shared_ffn(fields: dict[str, Any], arch: str, tensors: list[Any]) -> int:
     rows = max((int(t.shape[1]) for t in tensors if t.name.endswith(".ffn_up_shexp.weight")), default=0)
     if rows:
         return rows
-    count = int(fields.get(f"{arch}.expert_shared_count", 0) or 0)
+    count = _count(fields, f"{arch}.expert_shared_count")
     width = _n_ff(fields.get(f"{arch}.expert_shared_feed_forward_length", 0))
     if width:
         return width * max(1, count)
-    return count * int(fields.get(f"{arch}.expert_feed_forward_length", 0) or 0)
+    return count * _count(fields, f"{arch}.expert_feed_forward_length")
 
 
 RECURRENT_TENSORS = (".ssm_", ".shortconv.")  # a recurrent layer's tensors (Mamba/Mamba2, LFM2's short convolution)
@@ -251,48 +254,38 @@ ATTENTION_TENSORS = (".attn_k.", ".attn_qkv.", ".attn_k_b.", ".attn_kv_a_mqa.") 
 
 
 def _hybrid_layers(
-    header: Header, arch: str, n_layers: int, n_embd: int, kv_heads: list[int]
+    fields: dict[str, Any], arch: str, n_embd: int, kv_heads: list[int], recurrent: list[bool], attention: list[bool]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each layer's KV heads and recurrent state bytes. A layer holding recurrent tensors (a
     hybrid's Mamba or short-convolution layer) keeps llama.cpp's recurrent state for one sequence,
     f32: its conv state (``n_embd_r``) and SSM state (``n_embd_s``), as ``llama_hparams`` sizes
     them; in such a model only the layers with attention tensors have a KV cache."""
-    recurrent = [False] * n_layers
-    attention = [False] * n_layers
-    for t in header.tensors:
-        if not t.name.startswith("blk."):
-            continue
-        layer = int(t.name.split(".")[1])
-        recurrent[layer] = recurrent[layer] or any(k in t.name for k in RECURRENT_TENSORS)
-        attention[layer] = attention[layer] or any(k in t.name for k in ATTENTION_TENSORS)
     if not any(recurrent):
-        return tuple(kv_heads), (0,) * n_layers
-    f = header.fields
-
-    def ssm(key: str) -> int:
-        return int(f.get(f"{arch}.ssm.{key}", 0) or 0)
-
-    l_cache = int(f.get(f"{arch}.shortconv.l_cache", 0) or 0)
-    d_state, d_inner = ssm("state_size"), ssm("inner_size")
-    conv = (
-        n_embd * (l_cache - 1)
-        if l_cache
-        else max(0, ssm("conv_kernel") - 1) * (d_inner + 2 * ssm("group_count") * d_state)
-    )
+        return tuple(kv_heads), (0,) * len(kv_heads)
+    l_cache = _count(fields, f"{arch}.shortconv.l_cache")
+    d_state, d_inner = _count(fields, f"{arch}.ssm.state_size"), _count(fields, f"{arch}.ssm.inner_size")
+    groups = _count(fields, f"{arch}.ssm.group_count")
+    kernel = _count(fields, f"{arch}.ssm.conv_kernel")
+    conv = n_embd * (l_cache - 1) if l_cache else max(0, kernel - 1) * (d_inner + 2 * groups * d_state)
     state = 4 * (conv + d_state * d_inner)
     heads = tuple(h if attention[i] else 0 for i, h in enumerate(kv_heads))
     return heads, tuple(state if r else 0 for r in recurrent)
+
+
+def _count(fields: dict[str, Any], key: str) -> int:
+    """An integer field, 0 when the file does not give it."""
+    return int(fields.get(key, 0) or 0)
 
 
 def _ssm_row(fields: dict[str, Any], arch: str, n_embd: int) -> int:
     """A Mamba layer's f32 values for each micro-batch row (0: none): the input projection
     (z, x, B, C and dt), the conv input and output (x, B and C), the scan's output, its gate
     and their product (the inner width each), and the layer's output (the width)."""
-    inner = int(fields.get(f"{arch}.ssm.inner_size", 0) or 0)
+    inner = _count(fields, f"{arch}.ssm.inner_size")
     if not inner:
         return 0
-    bc = 2 * int(fields.get(f"{arch}.ssm.group_count", 0) or 0) * int(fields.get(f"{arch}.ssm.state_size", 0) or 0)
-    heads = int(fields.get(f"{arch}.ssm.time_step_rank", 0) or 0)
+    bc = 2 * _count(fields, f"{arch}.ssm.group_count") * _count(fields, f"{arch}.ssm.state_size")
+    heads = _count(fields, f"{arch}.ssm.time_step_rank")
     return (2 * inner + bc + heads) + 2 * (inner + bc) + 3 * inner + n_embd
 
 
@@ -301,8 +294,8 @@ def _kept_row(fields: dict[str, Any], arch: str, n_embd: int, n_layers: int) -> 
     streams (``altup.num_inputs`` rows of the width: predictions, their corrections and the
     activated copy, three) and its per-layer inputs (twice each layer's width). Measured on a
     small gemma3n: 6.5-9.5 KiB a row beside the largest path, which this bounds (14 KiB)."""
-    streams = int(fields.get(f"{arch}.altup.num_inputs", 0) or 0)
-    per_layer = int(fields.get(f"{arch}.embedding_length_per_layer_input", 0) or 0)
+    streams = _count(fields, f"{arch}.altup.num_inputs")
+    per_layer = _count(fields, f"{arch}.embedding_length_per_layer_input")
     return 3 * streams * n_embd + 2 * n_layers * per_layer
 
 

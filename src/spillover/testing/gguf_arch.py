@@ -37,22 +37,19 @@ ARCHES = (
 E, H, FF, LAYERS = 128, 4, 256, 2  # width, query heads, feed-forward width, layers
 
 
-def _llama_like(
-    arch: str, *, head: int, kv_heads: int | list[int], bias: bool, qk_norm: bool
-) -> tuple[dict[str, Any], list[Any]]:
-    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * LAYERS
+def _llama_like(arch: str, *, head: int, kv_heads: int, bias: bool, qk_norm: bool) -> tuple[dict[str, Any], list[Any]]:
     keys: dict[str, Any] = {
         ".attention.head_count": H, ".attention.head_count_kv": kv_heads, ".attention.key_length": head,
         ".attention.value_length": head, ".attention.layer_norm_rms_epsilon": 1e-5, ".rope.dimension_count": head,
         ".rope.freq_base": 10000.0,
     }  # fmt: skip
     t: list[Any] = [("output_norm.weight", (E,), "norm"), ("output.weight", None, "out")]
-    for i, kv in enumerate(per_layer):
+    for i in range(LAYERS):
         p = f"blk.{i}."
         t += [(p + "attn_norm.weight", (E,), "norm"), (p + "attn_q.weight", (H * head, E), "w")]
-        t += [(p + "attn_k.weight", (kv * head, E), "w"), (p + "attn_v.weight", (kv * head, E), "w")]
+        t += [(p + "attn_k.weight", (kv_heads * head, E), "w"), (p + "attn_v.weight", (kv_heads * head, E), "w")]
         if bias:
-            t += [(p + f"attn_{x}.bias", (n * head,), "f32") for x, n in (("q", H), ("k", kv), ("v", kv))]
+            t += [(p + f"attn_{x}.bias", (n * head,), "f32") for x, n in (("q", H), ("k", kv_heads), ("v", kv_heads))]
         if qk_norm:
             t += [(p + "attn_q_norm.weight", (head,), "norm"), (p + "attn_k_norm.weight", (head,), "norm")]
         t += [(p + "attn_output.weight", (E, H * head), "w"), (p + "ffn_norm.weight", (E,), "norm")]
