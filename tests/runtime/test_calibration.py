@@ -417,6 +417,16 @@ ARCH_CELLS = [  # (model, n_ctx, n_batch, n_ubatch, kv_type, flash_attn)
 ]
 
 
+def _arch(tmp_path_factory: pytest.TempPathFactory, model_path: str, name: str) -> Path:
+    """``gguf_arch``'s model ``name``, written once a session."""
+    from spillover.testing.gguf_arch import write_arch
+
+    path = tmp_path_factory.getbasetemp() / "arches" / f"{name}.gguf"
+    if not path.exists():
+        write_arch(path, model_path, name)
+    return path
+
+
 @pytest.mark.parametrize(("name", "n_ctx", "n_batch", "n_ubatch", "kv_type", "flash_attn"), ARCH_CELLS)
 def test_other_architectures_are_predicted(
     tmp_path_factory: pytest.TempPathFactory, model_path: str, name: str, n_ctx: int, n_batch: int, n_ubatch: int,
@@ -433,11 +443,8 @@ def test_other_architectures_are_predicted(
     from spillover.core.estimate import estimate
     from spillover.engine.gguf_meta import read_model_spec
     from spillover.engine.plan import plan_buffers
-    from spillover.testing.gguf_arch import write_arch
 
-    path = tmp_path_factory.getbasetemp() / "arches" / f"{name}.gguf"
-    if not path.exists():
-        write_arch(path, model_path, name)
+    path = _arch(tmp_path_factory, model_path, name)
     m = measure_buffers(str(path), n_ctx, n_batch, n_ubatch=n_ubatch, kv_type=kv_type, flash_attn=flash_attn)
     spec = read_model_spec(path)
     plan = plan_buffers(str(path), n_ctx, n_batch, n_ubatch, kv_type=kv_type, flash_attn=flash_attn)
@@ -523,16 +530,11 @@ def test_a_hybrids_spec_reads_its_layers_by_hand(tmp_path_factory: pytest.TempPa
     4 x (3 x (256 + 128) + 64 x 256) bytes; its scan's row is (2 x 256 + 128 + 8) + 2 x (256 + 128)
     + 3 x 256 + 128 values. lfm2 (layer 0 a short convolution of 3): a state of 4 x 2 x 128."""
     from spillover.engine.gguf_meta import read_model_spec
-    from spillover.testing.gguf_arch import write_arch
 
-    base = tmp_path_factory.getbasetemp() / "arches"
-    for name in ("granitehybrid", "lfm2"):
-        if not (base / f"{name}.gguf").exists():
-            write_arch(base / f"{name}.gguf", model_path, name)
-    gh = read_model_spec(base / "granitehybrid.gguf")
+    gh = read_model_spec(_arch(tmp_path_factory, model_path, "granitehybrid"))
     assert (gh.layer_kv_heads, gh.layer_state_bytes) == ((0, 2), (4 * (3 * 384 + 64 * 256), 0))
     assert gh.ssm_row_floats == 648 + 768 + 768 + 128
-    lfm2 = read_model_spec(base / "lfm2.gguf")
+    lfm2 = read_model_spec(_arch(tmp_path_factory, model_path, "lfm2"))
     assert (lfm2.layer_kv_heads, lfm2.layer_state_bytes, lfm2.ssm_row_floats) == ((0, 2), (4 * 2 * 128, 0), 0)
 
 
@@ -540,14 +542,11 @@ def test_shared_experts_are_read_by_hand(tmp_path_factory: pytest.TempPathFactor
     """qwen2moe gives its shared expert's width (256); deepseek2 the count of experts it shares
     (1, of the experts' width 256); a dense llama none."""
     from spillover.engine.gguf_meta import read_model_spec
-    from spillover.testing.gguf_arch import write_arch
 
-    base = tmp_path_factory.getbasetemp() / "arches"
-    widths = {}
-    for name in ("qwen2moe", "deepseek2", "qwen2"):
-        if not (base / f"{name}.gguf").exists():
-            write_arch(base / f"{name}.gguf", model_path, name)
-        widths[name] = read_model_spec(base / f"{name}.gguf").n_ff_shared
+    widths = {
+        name: read_model_spec(_arch(tmp_path_factory, model_path, name)).n_ff_shared
+        for name in ("qwen2moe", "deepseek2", "qwen2")
+    }
     assert widths == {"qwen2moe": 256, "deepseek2": 256, "qwen2": 0}
 
 
@@ -556,13 +555,8 @@ def test_llama4_and_deci_specs_by_hand(tmp_path_factory: pytest.TempPathFactory,
     is read from its tensors (no key gives it). deci: KV heads 2, 0 and 4 (the layer without
     attention is still in the cache), and the last layer has no feed-forward."""
     from spillover.engine.gguf_meta import read_model_spec
-    from spillover.testing.gguf_arch import write_arch
 
-    base = tmp_path_factory.getbasetemp() / "arches"
-    for name in ("llama4", "deci"):
-        if not (base / f"{name}.gguf").exists():
-            write_arch(base / f"{name}.gguf", model_path, name)
-    llama4 = read_model_spec(base / "llama4.gguf")
+    llama4 = read_model_spec(_arch(tmp_path_factory, model_path, "llama4"))
     assert (llama4.sliding_window, llama4.n_ff_shared, llama4.last_layer_ffn) == (256, 128, True)
-    deci = read_model_spec(base / "deci.gguf")
+    deci = read_model_spec(_arch(tmp_path_factory, model_path, "deci"))
     assert (deci.layer_kv_heads, deci.layer_state_bytes, deci.last_layer_ffn) == ((2, 0, 4), (), False)
