@@ -111,6 +111,35 @@ def test_a_service_whose_workers_cannot_load_refuses_at_once_and_chat_goes_on(tm
         assert httpx.post(g.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
 
 
+def test_a_chat_model_whose_engine_aborts_loading_it_is_refused_with_why(tmp_path: Path) -> None:
+    """A GGUF that llama.cpp reads (the gateway starts) but aborts loading in full: this
+    pinned build's ``GGML_ASSERT(buffer)`` on ``gguf_arch``'s deci, whose padded V cache has a
+    layer of no size. Both workers die of SIGABRT at every start. A request is refused at once
+    with 503 ``model_load_failed`` naming the abort, not "The GPU is full", and /v1/status says
+    why the model is unavailable."""
+    import httpx
+
+    from spillover.config import default_model_path
+    from spillover.testing import GatewayProcess
+    from spillover.testing.gguf_arch import write_arch
+    from tests.e2e.helpers import wait_for
+
+    model = write_arch(tmp_path / "deci.gguf", default_model_path(), "deci")
+    with GatewayProcess(["--gpu", "sim:1024", "--model", str(model), "--chat-only"], wait_all_workers=False) as g:
+        wait_for(lambda: all(w["start_failure"] for w in g.status()["workers"]), 90, "both loads aborted")
+        for w in g.status()["workers"]:
+            assert "(SIGABRT): ggml-backend.cpp" in w["start_failure"] and "GGML_ASSERT" in w["start_failure"], w
+        r = httpx.post(g.url + "/v1/completions", json={"model": "deci", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_load_failed" and "GPU is full" not in error["message"], error
+        assert "chat model 'deci' has no worker that can start (gpu worker: exited:" in error["detail"], error
+        assert error["detail"].count("GGML_ASSERT(buffer) failed") == 2, error
+        assert r.elapsed.total_seconds() < 5
+        status = g.status()
+        assert status["mode"] == "unavailable" and any("GGML_ASSERT" in why for why in status["reasons"]), status
+
+
 def test_a_second_ctrl_c_stops_the_gateway_and_its_workers_at_once(tmp_path: Path) -> None:
     """Ctrl-C twice with a long answer streaming: uvicorn skips its shutdown event then, and the
     gateway's stop still runs: the process exits and no worker is left running."""

@@ -1,7 +1,8 @@
-"""A service whose workers all fail to start (a model file they cannot load) refuses its
-requests at once, naming each failure, and fails the ones already queued: waiting would
-only end in a queue timeout that hides why. One ready worker, or one that has not failed,
-is enough to keep taking requests."""
+"""A service or chat model whose workers all fail to start (a model file they cannot load, an
+engine that aborts loading it) refuses its requests at once, naming each failure, and fails the
+ones already queued: waiting would only end in a queue timeout that hides why, and a chat
+model's refusal would read "The GPU is full". One ready worker, or one that has not failed, is
+enough to keep taking requests."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from spillover.config import LaneConfig
+from spillover.core.admission import AdmissionPolicy
 from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
 from spillover.errors import NoWorkerReady
 from spillover.runtime.embeddings import EmbeddingsService
+from spillover.runtime.scheduler import Job, Scheduler
+from spillover.runtime.supervisor import cannot_start
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 from tests.runtime.fakes import embeddings_service
 
@@ -85,5 +91,54 @@ def test_requests_queued_before_the_last_worker_failed_are_failed_with_why() -> 
         assert not svc.queue
         c.worker.state, c.start_failure = READY, None  # a later start succeeded: requests are taken again
         svc.hold_place("r9")
+
+    asyncio.run(main())
+
+
+ABORTED = "exited: worker exited with code -6 (SIGABRT): ggml-backend.cpp:205: GGML_ASSERT(buffer) failed"
+
+
+def _chat(memory: MemoryModel, gpu: SimpleNamespace, cpu: SimpleNamespace) -> Scheduler:
+    """A chat model's scheduler, its refusal hook over its supervisors as the chat model sets it."""
+    ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+    ledger.observe(0, 0.0)
+    s = Scheduler(
+        gpu_lane=LaneConfig(slots=1, ctx_cap_tokens=512, queue_max_age_s=30.0),
+        cpu_lane=LaneConfig(slots=1),
+        ledger=ledger,
+        policy=AdmissionPolicy(memory=memory, delay_max_s=2.0, allow_cpu_route=True),
+    )
+    s.gpu_workers.append(gpu.worker)
+    s.cpu_workers.append(cpu.worker)
+    s.cannot_start = lambda: cannot_start("chat model 'deci'", [gpu, cpu])  # type: ignore[list-item]
+    return s
+
+
+@pytest.mark.parametrize("lane", [None, "cpu"])
+def test_a_chat_model_whose_workers_abort_at_load_refuses_with_why_not_gpu_full(
+    memory: MemoryModel, lane: str | None
+) -> None:
+    async def main() -> None:
+        g, c = _sup("gpu", STARTING, None), _sup("cpu", DEAD, ABORTED)
+        s = _chat(memory, g, c)
+        queued = Job(rid="q", prompt_tokens=20, max_tokens=8, arrived_s=0.0)
+        s.submit_nowait(queued, lane=lane)  # the GPU worker is still starting: it waits
+        assert not queued.future.done()
+        g.worker.state, g.start_failure = DEAD, ABORTED  # its start aborted too
+        with pytest.raises(NoWorkerReady) as got:
+            s.hold_place("r1", lane)
+        assert got.value.code == "model_load_failed" and got.value.status == 503 and got.value.retry_after_s == 4.0
+        assert (
+            str(got.value)
+            == f"chat model 'deci' has no worker that can start (gpu worker: {ABORTED}; cpu worker: {ABORTED})"
+        )
+        with pytest.raises(NoWorkerReady):
+            s.submit_nowait(Job(rid="r2", prompt_tokens=20, max_tokens=8, arrived_s=0.0), lane=lane)
+        s.pump_once()  # the queued one is failed with why, at once
+        with pytest.raises(NoWorkerReady, match="GGML_ASSERT"):
+            await queued.future
+        assert not (s.gpu and s.gpu.queue) and not s.cpu.queue
+        c.worker.state, c.start_failure = READY, None  # a later start succeeded: requests are taken again
+        s.hold_place("r3", lane)
 
     asyncio.run(main())

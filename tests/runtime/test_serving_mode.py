@@ -1,5 +1,6 @@
 """``runtime.status.serving_mode``: the mode's reasons name the device worker that is down,
-the resident or (when only it runs, the split profile) the split worker."""
+the resident or (when only it runs, the split profile) the split worker, and why none can
+start when every one failed its last start."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
+from spillover.errors import NoWorkerReady
 from spillover.runtime.status import DegradedAnswers, serving_mode
 
 
-def _gateway(*, resident: bool) -> Any:
+def _gateway(*, resident: bool, cannot_start: NoWorkerReady | None = None) -> Any:
     plan = SimpleNamespace(profile="gpu" if resident else "split", why="all layers need 243 MiB")
     scheduler = SimpleNamespace(
         gpu_workers=["gpu0"] if resident else [],
@@ -18,6 +20,7 @@ def _gateway(*, resident: bool) -> Any:
         split_breaker=SimpleNamespace(circuit=SimpleNamespace(value="closed")),
         cpu=SimpleNamespace(queue=deque()),
         cpu_blocked=None,
+        cannot_start=lambda: cannot_start,
     )
     chat = SimpleNamespace(profile=plan, split=None if resident else object(), scheduler=scheduler)
     return SimpleNamespace(chat=chat, device=object(), degraded=DegradedAnswers(), loops=SimpleNamespace(fatal=None))
@@ -33,3 +36,10 @@ def test_a_dead_resident_worker_is_named_as_the_gpu_worker() -> None:
     workers = [{"lane": "gpu", "state": "restarting"}, {"lane": "cpu", "state": "ready"}]
     mode, reasons = serving_mode(_gateway(resident=True), workers, "closed")
     assert (mode, reasons) == ("degraded", ["gpu worker not ready"])
+
+
+def test_workers_that_cannot_start_are_named_with_why() -> None:
+    why = NoWorkerReady("chat model 'm' has no worker that can start (gpu worker: GGML_ASSERT(buffer) failed)")
+    workers = [{"lane": "gpu", "state": "dead"}, {"lane": "cpu", "state": "dead"}]
+    mode, reasons = serving_mode(_gateway(resident=True, cannot_start=why), workers, "closed")
+    assert (mode, reasons) == ("unavailable", ["gpu worker not ready", why.message])

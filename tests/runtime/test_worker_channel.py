@@ -75,3 +75,57 @@ def test_a_handler_error_does_not_stop_the_channel() -> None:
         assert [m["ev"] for m in seen] == ["bad", "good"]
     finally:
         loop.close()
+
+
+ABORT = b"/tmp/pip-x/vendor/llama.cpp/ggml/src/ggml-backend.cpp:205: GGML_ASSERT(buffer) failed"
+
+
+def said(chunks: list[bytes], capfd: Any) -> str | None:
+    """What ``_Channel.said`` makes of ``chunks`` on the worker's standard error; each byte
+    passes through to the gateway's own standard error unchanged."""
+    loop = asyncio.new_event_loop()
+    try:
+        ch = _Channel(loop, lambda _m: None, lambda: None)
+        for c in chunks:
+            ch.pipe_data_received(2, c)
+        assert capfd.readouterr().err.encode() == b"".join(chunks)
+        return ch.said
+    finally:
+        loop.close()
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=6))
+def test_the_engines_abort_line_names_the_failure_however_the_bytes_are_cut(cuts: list[int]) -> None:
+    # llama.cpp's abort: an error before it, its line, then gdb's backtrace (errors of its own)
+    wire = (
+        b"llama_kv_cache: padding V cache\nload error: nothing\n" + ABORT + b"\n#0 0x7f in ggml_abort\nptrace: error\n"
+    )
+    points = sorted({min(c, len(wire)) for c in cuts} | {0, len(wire)})
+    loop = asyncio.new_event_loop()
+    try:
+        ch = _Channel(loop, lambda _m: None, lambda: None)
+        for a, b in itertools.pairwise(points):
+            if b > a:
+                ch.pipe_data_received(2, wire[a:b])
+        assert ch.said == "ggml-backend.cpp:205: GGML_ASSERT(buffer) failed"  # its source path cut
+    finally:
+        loop.close()
+
+
+def test_without_an_abort_the_last_error_line_names_it_and_nothing_else_does(capfd: Any) -> None:
+    tb = b"Traceback (most recent call last):\n  File \"w.py\", line 1\nValueError: no such tensor 'x'\n"
+    assert said([b"loading\n", tb[:30], tb[30:], b"bye\n"], capfd) == "ValueError: no such tensor 'x'"
+    assert said([b"llama_context: n_ctx = 512\n", b"all fine"], capfd) is None
+    assert said([b"x" * 10_000 + b" error\n"], capfd) is None  # past the kept bytes: not read
+    assert said([b"a fatal " + b"y" * 5000 + b"\n"], capfd) == "a fatal " + "y" * 292  # 300 characters
+
+
+def test_exit_words_name_the_signal_and_what_a_worker_said_only_when_it_failed_of_itself() -> None:
+    why = "ggml-backend.cpp:205: GGML_ASSERT(buffer) failed"
+    assert worker_client.exit_words(-6, why) == f"worker exited with code -6 (SIGABRT): {why}"
+    assert worker_client.exit_words(1, why) == f"worker exited with code 1: {why}"
+    assert worker_client.exit_words(-9, why) == "worker exited with code -9 (SIGKILL)"  # killed from outside
+    assert worker_client.exit_words(-15, why) == "worker exited with code -15 (SIGTERM)"
+    assert worker_client.exit_words(0, why) == "worker exited with code 0"
+    assert worker_client.exit_words(-11, None) == "worker exited with code -11 (SIGSEGV)"
+    assert worker_client.exit_words(-99, None) == "worker exited with code -99"  # no such signal

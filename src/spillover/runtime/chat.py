@@ -46,7 +46,7 @@ from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.scheduler import Scheduler
-from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.supervisor import Supervisor, cannot_start
 from spillover.runtime.worker_client import WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ class ChatModel:
             host_view=host_view,
             host_guard=gw.cfg.device.host_guard,
         )
+        self.scheduler.cannot_start = lambda: cannot_start(f"chat model {self.name!r}", self.supervisors)
         if gpu and gw.device is not None and gw.ledger is not None:
             self._plan_profile(gw, gw.ledger.usable_bytes)
             assert self.profile is not None

@@ -5,6 +5,10 @@ Every request enters the GPU lane (or the CPU lane when there is no GPU). The pu
 pages and dispatch, wait, move to the CPU lane, or reject. A full queue answers at once.
 A job refused only because no CPU path is ready, while a worker that could take it is still
 starting (the gateway's start, a restart), waits for that worker instead (``_coming``).
+While none of the model's workers is ready and every one that may run failed its last start
+(an engine that aborts loading the file), a request is refused at once, and the queued ones
+with it, with that failure (503 ``model_load_failed``: ``runtime.supervisor`` rule 8), not
+with the refusal a full GPU gets.
 
 This module owns the decisions: which job leaves which lane for which worker, the breaker's
 events, and when the next pass is due. The lanes themselves (queues, counters, speed and
@@ -52,7 +56,7 @@ from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import Footprint, MemoryModel
 from spillover.core.reasons import Reason
 from spillover.core.routing import DEVICE_ROUTES, MIN_SHRUNK_TOKENS, lane_max_tokens
-from spillover.errors import CapacityError, QueueFull
+from spillover.errors import CapacityError, NoWorkerReady, QueueFull
 from spillover.runtime import ticks
 from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, places_promised
 from spillover.runtime.worker_client import WorkerClient, WorkerState
@@ -118,6 +122,9 @@ class Scheduler:
         self.demotable: Callable[[], tuple[tuple[str, int], ...]] = tuple
         self.demoting_bytes: Callable[[], int] = int
         self.demote: Callable[[str, Reason], None] = lambda name, why: None
+        # The refusal while no worker of the model can start (set by the chat model:
+        # ``runtime.supervisor.cannot_start``); None while one is ready or has not failed.
+        self.cannot_start: Callable[[], NoWorkerReady | None] = lambda: None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=50)
         self.decision_counts: dict[str, int] = {}
         self.rebound_total = 0  # jobs routed to the CPU lane that the GPU took after all (late binding)
@@ -148,6 +155,7 @@ class Scheduler:
         The promise ends when its job is queued or ``release_place``; the queue's own check
         when the job is queued stays the exact bound."""
         target = self._lane(lane)
+        self._check_can_start()
         self._check_room(target)
         if places_promised(target.cfg.queue_depth, len(target.queue), len(target.promised), self._takers(target)):
             self._shed(target)
@@ -170,6 +178,10 @@ class Scheduler:
             return cpu
         return sum(w.free_slots for w in self.gpu_workers) + cpu + max(0, self.cpu.free())
 
+    def _check_can_start(self) -> None:
+        if (failed := self.cannot_start()) is not None:
+            raise failed
+
     def _check_room(self, lane: Lane) -> None:
         if lane.free() <= 0:
             self._shed(lane)
@@ -183,6 +195,7 @@ class Scheduler:
 
     def _enqueue_nowait(self, job: Job, lane: Lane) -> None:
         self.release_place(job.rid)  # its job takes the place now (or is refused)
+        self._check_can_start()
         if lane is self.cpu:
             self._check_deadline(job)
         self._check_room(lane)
@@ -331,6 +344,10 @@ class Scheduler:
                 )
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
+            if lane.queue and (failed := self.cannot_start()) is not None:
+                for job in lane.queue:
+                    self._fail(job, self.cannot_start() or failed)  # each caller its own error
+                lane.queue.clear()
         if self.gpu is not None and self.ledger is not None and self.policy is not None:
             # The lanes as they are, seen once for every job the pass delays (a job that is
             # not delayed changes them); each pass, and the late-binding loop after it, reads afresh.

@@ -78,7 +78,7 @@ from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, St
 from spillover.runtime.hostmem import CpuLaneHost
 from spillover.runtime.lanes import places_promised
 from spillover.runtime.readiness import ReplicaReadiness
-from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.supervisor import Supervisor, cannot_start
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
@@ -333,17 +333,8 @@ class DeviceService(abc.ABC):
         self.promised.add(rid)
 
     def cannot_start(self) -> NoWorkerReady | None:
-        """Rule 8: the error for a request while no worker is ready and every one that may run
-        failed its last start; None otherwise."""
-        sups = [s for s in self.supervisors() if not s.parked]
-        if not sups or any(s.worker.state is WorkerState.READY or s.start_failure is None for s in sups):
-            return None
-        why = "; ".join(f"{s.worker.spec.lane} worker: {s.start_failure}" for s in sups)
-        return NoWorkerReady(
-            f"the {self.name} service has no worker that can start ({why})",
-            retry_after_s=max(1.0, min(s.backoff_s for s in sups)),
-            code="model_load_failed",
-        )
+        """Rule 8 (``runtime.supervisor.cannot_start``)."""
+        return cannot_start(f"the {self.name} service", self.supervisors())
 
     def release_place(self, rid: str) -> None:
         """Request ``rid`` no longer needs the place it was promised (idempotent)."""

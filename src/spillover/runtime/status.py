@@ -60,9 +60,11 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
     elif gw.device is not None and not gpu_ready:  # the split worker, when only it runs on the device
         only_split = gw.chat.scheduler is not None and not gw.chat.scheduler.gpu_workers
         reasons.append("split worker not ready" if only_split else "gpu worker not ready")
+    sched = gw.chat.scheduler
+    if sched is not None and (failed := sched.cannot_start()) is not None:  # why none is ready
+        reasons.append(failed.message)
     if breaker != "closed":
         reasons.append(f"gpu breaker {breaker}")
-    sched = gw.chat.scheduler
     if sched is not None and sched.split_workers and sched.split_breaker.circuit.value != "closed":
         reasons.append(f"split breaker {sched.split_breaker.circuit.value}")
     if sched is not None and sched.cpu.queue and sched.cpu_blocked in HOST_REFUSALS:

@@ -19,9 +19,10 @@ Rules:
    read, a spawn that raises) is logged with its traceback and the round is retried after
    the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
    fails while waiting for release counts as "not released yet" (rule 2's bound holds).
-8. A start that fails (a model the worker cannot load) is kept as ``start_failure`` until a
-   start succeeds: the owner can answer at once instead of queueing for a worker that keeps
-   failing the same way, and ``/v1/status`` shows it.
+8. A start that fails (a model the worker cannot load, or an engine that aborts loading it) is
+   kept as ``start_failure`` until a start succeeds: the owner can answer at once instead of
+   queueing for a worker that keeps failing the same way (``cannot_start``: every model and
+   service, chat included), and ``/v1/status`` shows it.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from spillover.config import SupervisorConfig
+from spillover.errors import NoWorkerReady
 from spillover.runtime import ticks
 from spillover.runtime.devices import GpuDevice
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
@@ -42,10 +44,25 @@ from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec
 
 K = SupervisorEventKind
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "cannot_start"]
 
 log = logging.getLogger("spillover.supervisor")
 HEALTHY_RESET_S = 30.0
+
+
+def cannot_start(what: str, supervisors: Iterable[Supervisor]) -> NoWorkerReady | None:
+    """Rule 8: the refusal for a request to ``what`` (a service, a chat model) while none of
+    its workers is ready and every one that may run (not parked) failed its last start, naming
+    each failure, Retry-After the soonest next attempt; None otherwise."""
+    sups = [s for s in supervisors if not s.parked]
+    if not sups or any(s.worker.state is WorkerState.READY or s.start_failure is None for s in sups):
+        return None
+    why = "; ".join(f"{s.worker.spec.lane} worker: {s.start_failure}" for s in sups)
+    return NoWorkerReady(
+        f"{what} has no worker that can start ({why})",
+        retry_after_s=max(1.0, min(s.backoff_s for s in sups)),
+        code="model_load_failed",
+    )
 
 
 class Supervisor:

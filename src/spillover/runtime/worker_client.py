@@ -2,6 +2,12 @@
 
 A worker's death is an event (``on_exit``), never a gateway crash: every request in
 flight on it receives a ``WorkerGone`` item and its caller turns that into a typed error.
+
+A worker's standard error passes through to the gateway's as it comes (what llama.cpp prints
+is for the operator). A process that ends without its last word (an abort inside the engine,
+such as llama.cpp's ``GGML_ASSERT``) is named by what it said there: the engine's abort line,
+else its last line that reads as an error, after its exit code and signal
+(``exit_words``), so a start that fails says why in ``/v1/status`` and in the refusal.
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import re
+import signal
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -23,6 +32,22 @@ __all__ = ["WORKER_TRANSITIONS", "WorkerClient", "WorkerGone", "WorkerSpec", "Wo
 
 log = logging.getLogger("spillover.worker_client")
 _LINE_LIMIT = 8 * 1024 * 1024
+_SAID_LIMIT = 4096  # bytes of one standard-error line kept (the rest passes through unread)
+_ABORT = re.compile(rb"GGML_ASSERT|GGML_ABORT|terminate called|Assertion .* failed")
+_ERROR = re.compile(rb"error|fatal|exception", re.IGNORECASE)
+
+
+def exit_words(rc: int, said: str | None) -> str:
+    """How a worker process that ended without its last word went: its exit code, the signal
+    that ended it, and what it said (``_Channel.said``) when it failed of itself. A process
+    killed from outside (SIGKILL, SIGTERM: the supervisor, the OOM killer) is not named by
+    what it said before."""
+    how = f"worker exited with code {rc}"
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            how += f" ({signal.Signals(-rc).name})"
+    failed_itself = rc > 0 or (rc < 0 and -rc not in (signal.SIGKILL, signal.SIGTERM))
+    return f"{how}: {said}" if said and failed_itself else how
 
 
 class WorkerState(str, Enum):
@@ -137,9 +162,25 @@ class _Channel(asyncio.subprocess.SubprocessStreamProtocol):
         self._on_overflow = on_overflow
         self._partial: list[bytes] = []  # the start of a line whose end has not come yet
         self._partial_bytes = 0
+        self._err_partial = b""  # the same for standard error (at most ``_SAID_LIMIT``)
+        self._abort: bytes | None = None  # the engine's first abort line on standard error
+        self._error: bytes | None = None  # the last line there that reads as an error
         self.ended: asyncio.Future[None] = loop.create_future()  # the output is over
 
+    @property
+    def said(self) -> str | None:
+        """What the worker said on standard error that names its failure: the engine's abort
+        line, else the last that reads as an error; a source path is cut to its file name."""
+        line = self._abort or self._error
+        if line is None:
+            return None
+        text = line.decode("utf-8", "replace").strip()
+        return re.sub(r"^\S*/(?=[^/\s]+:\d+:)", "", text)[:300]
+
     def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd == 2 and isinstance(data, bytes):
+            self._standard_error(data)
+            return
         if fd != 1 or isinstance(data, str):
             super().pipe_data_received(fd, data)
             return
@@ -154,6 +195,19 @@ class _Channel(asyncio.subprocess.SubprocessStreamProtocol):
             self._line(line)
         if rest:
             self._keep(rest)
+
+    def _standard_error(self, data: bytes) -> None:
+        """Pass the worker's standard error through, and note the lines that name a failure."""
+        with contextlib.suppress(OSError):  # a gateway whose own standard error is gone
+            os.write(2, data)
+        *lines, rest = (self._err_partial + data).split(b"\n")
+        self._err_partial = rest[-_SAID_LIMIT:]
+        for line in lines:
+            line = line[:_SAID_LIMIT]
+            if self._abort is None and _ABORT.search(line):
+                self._abort = line
+            elif _ERROR.search(line) and line.strip():
+                self._error = line
 
     def _keep(self, data: bytes) -> None:
         self._partial.append(data)
@@ -267,7 +321,7 @@ class WorkerClient:
             *self.spec.argv(),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            stderr=None,
+            stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
         self._proc = asyncio.subprocess.Process(transport, channel, loop)
@@ -296,7 +350,7 @@ class WorkerClient:
             await channel.ended
         finally:
             rc = await proc.wait()
-            gone = self._last_fatal or WorkerGone("exited", f"worker exited with code {rc}")
+            gone = self._last_fatal or WorkerGone("exited", exit_words(rc, channel.said))
             if self.state is not WorkerState.STOPPED:
                 self._advance(WorkerState.DEAD)
             self.exits += 1
