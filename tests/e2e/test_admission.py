@@ -11,8 +11,15 @@ import pytest
 
 from spillover.engine.sim import MIB, SimDevice
 from spillover.testing import GatewayProcess
+from tests.e2e.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
+
+
+def _tenant(gw: GatewayProcess, hold: int) -> subprocess.Popen[bytes]:
+    """Another program holding ``hold`` bytes of the gateway's sim device."""
+    cmd = [sys.executable, "-m", "spillover.cli", "tenant", "--state-dir", gw.state_dir, "--mib", str(hold // MIB)]
+    return subprocess.Popen([*cmd, "--name", "other-service"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def test_tenant_pressure_routes_long_requests_to_cpu_before_any_gpu_failure() -> None:
@@ -24,22 +31,7 @@ def test_tenant_pressure_routes_long_requests_to_cpu_before_any_gpu_failure() ->
         snap = dev.snapshot()
         # Leave ~75 MiB of headroom: a short request (~50 MiB) fits, a long one (~116 MiB) does not.
         hold = snap.capacity_bytes - 32 * MIB - snap.used_bytes - 75 * MIB
-        tenant = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spillover.cli",
-                "tenant",
-                "--state-dir",
-                gw.state_dir,
-                "--mib",
-                str(hold // MIB),
-                "--name",
-                "other-service",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        tenant = _tenant(gw, hold)
         try:
             deadline = time.monotonic() + 20
             while gw.status()["device"]["ledger"]["observed_bytes"] < snap.used_bytes + hold - MIB:
@@ -83,3 +75,24 @@ def test_allow_shrink_is_reported() -> None:
         plain = httpx.post(gw.url + "/v1/completions", json={**body, "spillover": {}}, timeout=120)
         assert plain.headers["x-spillover-route"] == "cpu"
         assert plain.headers["x-spillover-reason"] == "too_long_for_gpu"
+
+
+def test_a_request_refused_after_acceptance_is_counted_and_journaled_with_its_reason() -> None:
+    """Under a tenant's pressure a request the GPU cannot hold goes to the CPU lane, whose
+    1024-token cap it is past: 503 ``too_long_for_cpu``. It was accepted, so it is journaled
+    rejected, and /metrics and the journal say why as its header does (they said "none")."""
+    with GatewayProcess(["--gpu", "sim:1024", "--chat-only"]) as gw:
+        tenant = _tenant(gw, 850 * MIB)
+        try:
+            wait_for(lambda: gw.status()["device"]["ledger"]["observed_bytes"] >= 850 * MIB, 20, "the tenant's hold")
+            body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500}
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 503 and r.headers["x-spillover-reason"] == "too_long_for_cpu", r.text
+            stored = httpx.get(f"{gw.url}/v1/requests/{r.headers['x-spillover-request-id']}").json()
+            assert stored["state"] == "rejected" and stored["reason"] == "too_long_for_cpu", stored
+            metrics = httpx.get(gw.url + "/metrics").text
+            assert 'spillover_requests_total{outcome="rejected",reason="too_long_for_cpu",route="none"} 1.0' in metrics
+            assert 'reason="none"' not in metrics
+        finally:
+            tenant.terminate()
+            tenant.wait(10)

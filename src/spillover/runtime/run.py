@@ -294,7 +294,9 @@ class Run:
     async def _store(self, state: State, outcome: Encoded) -> None:
         """Write the outcome to the journal (terminal state) and count it."""
         i = self.info
-        reason = self.reason()
+        # A request refused before it ran has no route: its reason is its answer's (why there
+        # was no room), as the client read it, in the journal and /metrics alike.
+        reason = self.reason() or outcome.headers.get("X-Spillover-Reason")
         if state is State.COMPLETED and i is not None:
             self.gw.degraded.note(time.monotonic(), i.route, reason)
         self.gw.metrics.request_done(
