@@ -72,16 +72,21 @@ def test_structured_format_follows_the_schema(client: ollama.Client) -> None:
 
 def test_list_ps_show_and_version_describe_what_is_served(gw: GatewayProcess, client: ollama.Client) -> None:
     """list() names the model; ps() says where it is loaded (GPU worker and CPU replica, with
-    their bytes); show() gives its template; version() answers."""
+    the bytes each holds now); show() gives its template; version() answers."""
     ready_worker(gw, "gpu")
     ready_worker(gw, "cpu")
     models = client.list().models
     assert [m.model for m in models] == [MODEL] and models[0].details and models[0].details.quantization_level == "Q4_1"
     ps = client.ps().models
-    assert len(ps) == 1 and ps[0].size_vram and ps[0].size and ps[0].size > ps[0].size_vram
+    # the CPU replica counts what its readiness mode holds now (nothing on_demand, the default's
+    # pick here), as the host-RAM guard does; before, a fixed model and context whatever it held
+    replica = gw.status()["services"][0]["cpu_readiness"]
+    assert len(ps) == 1 and ps[0].size_vram and ps[0].size == ps[0].size_vram + replica["host_bytes"]
+    assert replica["host_bytes"] == 0 if replica["holding"] == "on_demand" else replica["host_bytes"] > 0, replica
     sp = client._client.get("/api/ps").json()["models"][0]["spillover"]  # the client drops extras
     # the GPU worker serves; the CPU replica beside it is a second copy, not a split of the model
     assert sp["placement"] == "gpu" and {w["lane"] for w in sp["workers"]} == {"gpu", "cpu"}
+    assert next(w["size"] for w in sp["workers"] if w["lane"] == "cpu") == replica["host_bytes"]
     shown = client.show(MODEL)
     assert shown.template and "im_start" in shown.template
     assert client._client.get("/api/version").json()["version"]

@@ -35,6 +35,12 @@ def settled(gw: GatewayProcess, mode: str) -> dict[str, Any]:
     return result
 
 
+def replica_in_ps(gw: GatewayProcess) -> int:
+    """The CPU replica's bytes in /api/ps."""
+    workers = httpx.get(gw.url + "/api/ps").json()["models"][0]["spillover"]["workers"]
+    return int(next(w["size"] for w in workers if w["lane"] == "cpu"))
+
+
 def gateway(readiness_mode: str, budget_ms: float = 1000.0) -> GatewayProcess:
     cfg = {"cpu_lane": {"readiness": readiness_mode, "recovery_budget_ms": budget_ms, "slots": 2}}
     return GatewayProcess(["--gpu", "sim:1024"], config=cfg)
@@ -47,12 +53,14 @@ def test_auto_keeps_warm_when_the_budget_is_tight_and_on_demand_when_it_is_loose
         assert r["model_loaded"] and r["contexts"] == 2  # the model and both slots' contexts
         rec = r["recovery_ms"]
         assert 0 < rec["warm"] <= rec["mmap"] <= rec["on_demand"]
-        assert gw.status()["host"]["cpu_replica_bytes"] > 0
+        assert gw.status()["host"]["cpu_replica_bytes"] == r["host_bytes"] > 0
+        assert replica_in_ps(gw) == r["host_bytes"]  # Ollama's view counts what it holds
     with gateway("auto", budget_ms=60_000.0) as gw:
         r = settled(gw, "on_demand")
         assert r["why"] == "cheapest_within_budget" and r["meets_budget"]
         assert not r["model_loaded"] and r["contexts"] == 0
-        assert gw.status()["host"]["cpu_replica_bytes"] == 0  # the guard counts nothing held
+        assert gw.status()["host"]["cpu_replica_bytes"] == 0 == r["host_bytes"]  # the guard counts nothing held
+        assert replica_in_ps(gw) == 0  # nor does /api/ps
         # it still serves: the first CPU request loads the model, and the replica keeps it
         with httpx.Client(base_url=gw.url, timeout=120) as http:
             ok = http.post(

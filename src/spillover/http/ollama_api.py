@@ -154,6 +154,9 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
                 # its last layers on the device, the rest on the host (llama.cpp's n_gpu_layers)
                 on_device = dataclasses.replace(chat.memory, n_gpu_layers=chat.profile.split_layers).weights_bytes()
                 on_host = max(0, whole - on_device)
+            elif chat.readiness is not None:  # what its replica holds now (runtime.readiness): a
+                # mode that keeps no model (on_demand) holds nothing until a failover loads it
+                on_device, on_host = 0, chat.readiness.held_bytes(s.worker)
             else:
                 on_device, on_host = 0, chat.cpu_slot_bytes
             ready = w.state == "ready"

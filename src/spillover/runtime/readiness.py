@@ -158,5 +158,6 @@ class ReplicaReadiness:
             "timings_ms": dict((w.held.get("timings") or {}) if w is not None else {}),
             "model_loaded": bool(w.held.get("model")) if w is not None else False,
             "contexts": w.contexts if w is not None else 0,
+            "host_bytes": self.held_bytes(w) if w is not None else 0,  # as the host-RAM guard counts it
             "last_failover": self.last_failover,
         }
