@@ -56,6 +56,25 @@ ROWS: list[tuple[str, dict[str, int], bool, tuple[bool, str]]] = [
     ),
     ("keeps exactly min_free available", {"available_bytes": 300 * MIB}, True, (True, "fits")),
     ("would keep one byte less than min_free", {"available_bytes": 300 * MIB - 1}, True, (False, "host_available")),
+    # rule 4: an unloaded model's first context (100 MiB, 60 of them weights mapped from its file)
+    (
+        "mapped weights take no available memory",
+        {"contexts": 0, "running": 0, "mapped_bytes": 60 * MIB, "available_bytes": 240 * MIB},
+        True,
+        (True, "fits"),
+    ),
+    (
+        "the rest of it does",
+        {"contexts": 0, "running": 0, "mapped_bytes": 60 * MIB, "available_bytes": 240 * MIB - 1},
+        True,
+        (False, "host_available"),
+    ),
+    (
+        "mapped weights count against the budget",
+        {"contexts": 0, "running": 0, "mapped_bytes": 60 * MIB, "predicted_bytes": 900 * MIB + 1},
+        True,
+        (False, "host_budget"),
+    ),
     (
         "budget checked before free memory",
         {"predicted_bytes": 950 * MIB, "available_bytes": 0},

@@ -1,6 +1,7 @@
 """``HostMemory`` with an embeddings or transcription service's CPU replica (``add_replica``):
 the guard counts its model only while the replica reports holding it, and a request may make
-an unloaded replica load its model only when the room the guard leaves holds it."""
+an unloaded replica load its model only when the room the guard leaves holds it. A chat
+replica's weights mapped from its file take none of the machine's available memory."""
 
 from __future__ import annotations
 
@@ -117,3 +118,25 @@ def test_a_replica_without_contexts_moves_up_with_a_tenth_of_its_model_to_spare(
     h.observed_bytes = h.base_bytes = 890
     asyncio.run(h.tick_readiness())
     assert asked == [("emb-cpu", "warm")]
+
+
+def test_a_chat_replicas_mapped_weights_leave_its_room_on_the_machine_as_it_was() -> None:
+    """A chat replica of 100 bytes of weights, 80 of them mapped from the file, and two 30-byte
+    contexts, held warm. Dropping it all frees the contexts and the 20 repacked bytes to the
+    machine, not the mapped 80 (page cache the machine counts as available already): with the
+    machine's available memory as it was, its room falls by what it dropped less the mapped
+    part, not by all of it (it fell by all 160 before, so a step down left it short of room
+    for memory that was never taken)."""
+    w = WorkerClient(WorkerSpec("chat-cpu", "cpu", "cpu", "", "", 2, 512, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    w._held({"mode": "warm", "model": True, "contexts": 2, "timings": {}})
+    h = HostMemory(lambda: [], budget_bytes=10**6, min_free_bytes=1000)
+    h._proc.available = lambda: 1200  # type: ignore[method-assign]
+    h.observed_bytes = h.base_bytes = 0
+    lane = CpuLaneHost(lambda: None, W, 30, None, replica=lambda: w, mapped_bytes=80)  # its worker, as its scheduler's
+    h.lanes.append(lane)
+    assert h.room_bytes(lane) == 1200 + 160 - 1000  # it holds 160, none of it counted twice
+    w._held({"mode": "on_demand", "model": False, "contexts": 0, "timings": {}})
+    assert h.room_bytes(lane) == 1200 + 80 - 1000  # the mapped 80 still never taken from the machine
+    view = h._view(lane, 0)
+    assert (view.slot_bytes, view.mapped_bytes) == (W + 30, 80)  # a first context: 50 of it from available

@@ -11,6 +11,10 @@ Rules:
    keep ``min_free_bytes`` available; otherwise the request waits in the queue (or is
    shed by the queue's own bounds). Whatever the GPU is doing, this never lets the CPU
    lane go past its budget.
+4. Of ``slot_bytes``, the weights a load maps from the model file (``mapped_bytes``:
+   llama.cpp's mmap) count against the budget (they are resident) but not against the
+   machine's available memory, which counts that page cache as available already, mapped
+   or not.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class HostView:
     budget_bytes: int
     available_bytes: int
     min_free_bytes: int
+    mapped_bytes: int = 0  # of slot_bytes, weights mapped from the model file (rule 4)
 
 
 HOST_REFUSALS = frozenset({Reason.HOST_BUDGET, Reason.HOST_AVAILABLE})  # may_start_cpu's refusals for memory
@@ -51,6 +56,6 @@ def may_start_cpu(v: HostView, enabled: bool = True) -> tuple[bool, Reason]:
     used = max(v.predicted_bytes, v.observed_bytes)
     if used + v.slot_bytes > v.budget_bytes:
         return False, Reason.HOST_BUDGET
-    if v.available_bytes - v.slot_bytes < v.min_free_bytes:
+    if v.available_bytes - (v.slot_bytes - v.mapped_bytes) < v.min_free_bytes:  # rule 4
         return False, Reason.HOST_AVAILABLE
     return True, Reason.FITS

@@ -145,8 +145,14 @@ class ChatModel:
                 context_bytes=cpu_context,
                 alone=not gpu,
             )
+            # llama.cpp maps the file (engine.llama_engine): all but what its CPU backend repacks
+            mapped = max(0, cpu_weights - cpu_spec.repack_bytes - cpu_spec.output_repack_bytes)
             host_view = gw.host.lane_view(
-                lambda: self.scheduler, weights_bytes=cpu_weights, context_bytes=cpu_context, readiness=self.readiness
+                lambda: self.scheduler,
+                weights_bytes=cpu_weights,
+                context_bytes=cpu_context,
+                readiness=self.readiness,
+                mapped_bytes=mapped,
             )
         self.scheduler = Scheduler(
             gpu_lane=self.gpu_lane if gpu else None,

@@ -9,6 +9,13 @@ What a CPU replica holds is counted from its own reports (``held``): its model w
 (``weights_bytes``) and each open context (``context_bytes``), whatever readiness mode put
 them there. Each reading also ticks the replicas' readiness (``runtime.readiness``) with
 the room the guard leaves them.
+
+Against the budget a replica's model counts whole (its pages are resident). Against the
+machine's available memory, the part llama.cpp maps from the model file (``mapped_bytes``)
+never counts, loaded or not: the kernel counts that page cache as available already, so
+dropping it gives nothing back and loading it takes nothing (``core.hostguard`` rule 4).
+Counting it there made a replica that stepped down for want of room see less room than
+before, for memory that was never taken.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class CpuLaneHost:
     context_bytes: int
     readiness: ReplicaReadiness | None = None
     replica: Callable[[], WorkerClient | None] | None = None  # a service's replica (no scheduler)
+    mapped_bytes: int = 0  # of weights_bytes, what stays mapped from the model file (llama.cpp's mmap)
 
     @property
     def slot_bytes(self) -> int:
@@ -170,13 +178,16 @@ class HostMemory:
         if available_bytes is None:
             available_bytes = self._proc.available()
         w = lane.worker()
-        own = self.held_bytes(lane, w) if w is not None and w.state is WorkerState.READY else 0
+        ready = w is not None and w.state is WorkerState.READY
+        own = self.held_bytes(lane, w) if w is not None and ready else 0
+        # the mapped weights take none of the machine's available memory, held or not
+        mapped = 0 if w is not None and ready and self.model_loaded(lane, w) else lane.mapped_bytes
         used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
         # what the other replicas were asked to take and do not hold yet (their loads under way)
         pending = sum(o.readiness.pending_bytes() for o in self.lanes if o is not lane and o.readiness is not None)
         used += pending
         by_budget = self.budget_bytes - used + own  # max(observed, predicted), less what it holds itself
-        by_machine = available_bytes + own - self.min_free_bytes - pending
+        by_machine = available_bytes + own + mapped - self.min_free_bytes - pending
         return min(by_budget, by_machine)
 
     async def tick_readiness(self) -> None:
@@ -199,9 +210,10 @@ class HostMemory:
         weights_bytes: int,
         context_bytes: int,
         readiness: ReplicaReadiness | None = None,
+        mapped_bytes: int = 0,
     ) -> Callable[[int], HostView]:
         """Register a chat model's CPU lane; its scheduler's ``host_view``."""
-        lane = CpuLaneHost(scheduler, weights_bytes, context_bytes, readiness)
+        lane = CpuLaneHost(scheduler, weights_bytes, context_bytes, readiness, mapped_bytes=mapped_bytes)
         self.lanes.append(lane)
         return lambda running: self._view(lane, running)
 
@@ -237,4 +249,5 @@ class HostMemory:
             budget_bytes=self.budget_bytes,
             available_bytes=self._proc.available(),
             min_free_bytes=self.min_free_bytes,
+            mapped_bytes=0 if loaded else lane.mapped_bytes,
         )
