@@ -103,9 +103,9 @@ def test_a_job_the_split_cannot_take_keeps_the_admissions_decision(memory: Memor
 def test_a_split_reservation_that_does_not_fit_the_ledger_goes_to_the_cpu(memory: MemoryModel) -> None:
     async def main() -> None:
         clock = FakeClock(100.0)
-        s, _, _, _ = _scheduler(memory, clock, resident=False, capacity_mib=40)  # 24 MiB usable
+        s, _, _, _ = _scheduler(memory, clock, resident=False, capacity_mib=20)  # 4 MiB usable
         assert s.split_memory is not None
-        assert s.split_memory.request_footprint(100, 50).total_bytes > 24 * MIB
+        assert s.split_memory.request_footprint(100, 50).total_bytes > 4 * MIB
         job = Job(rid="a", prompt_tokens=100, max_tokens=50, arrived_s=clock())
         s.submit_nowait(job)
         assert not job.future.done()  # it waits for room, bounded
@@ -234,7 +234,7 @@ def test_where_a_request_would_start_now_is_decided_as_a_pass_would_with_nothing
     split.release_slot("someone")
     assert s.where_now() == ("split", "resident_does_not_fit")
     assert s.ledger is not None and not s.ledger.holds("") and s.split_total == 0  # nothing taken
-    small, _, _, _ = _scheduler(memory, clock, resident=False, capacity_mib=40)
+    small, _, _, _ = _scheduler(memory, clock, resident=False, capacity_mib=20)
     assert small.where_now() == ("none", "kv_pages_exhausted")  # it waits for room for the split's reservation
     resident, gpu, _, _ = _scheduler(memory, clock, resident=True)
     assert resident.where_now() == ("gpu", "fits")

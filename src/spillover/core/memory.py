@@ -393,6 +393,22 @@ class MemoryModel:
         """The output buffer: one sequence's logits row, f32."""
         return self.spec.n_vocab * 4
 
+    def device_compute_bytes(self, n_ctx: int) -> int:
+        """The compute buffer on the device for this placement (``core.estimate``'s ``gpu``
+        rules): the whole graph's when the output layer is there; for a split, whose device
+        runs only repeating layers while the logits go with the output layer to the host, the
+        larger of the attention and feed-forward paths; nothing without layers there."""
+        if self.output_on_device():
+            return self.compute_bytes(n_ctx)
+        if not self.layers_on_device():
+            return 0
+        _, attention, ffn = self.compute_paths(n_ctx)
+        return math.ceil(max(attention, ffn))
+
+    def device_output_bytes(self) -> int:
+        """The output buffer on the device: only with the output layer."""
+        return self.output_bytes() if self.output_on_device() else 0
+
     def context_bytes(self, n_ctx: int) -> int:
         """KV, compute and output buffers for a context, as llama.cpp allocates them."""
         return self.kv_bytes(n_ctx) + self.compute_bytes(n_ctx) + self.output_bytes()
@@ -415,8 +431,9 @@ class MemoryModel:
         pages = math.ceil(tokens / self.page_tokens)
         kv_tokens = pages * self.page_tokens
         kv = kv_tokens * self.kv_bytes_per_token() + self.state_bytes()
-        # The graph is reserved for a full micro-batch of the padded cells, not of the tokens.
-        compute = self.compute_bytes(self.cells(kv_tokens)) + self.output_bytes()
+        # The graph is reserved for a full micro-batch of the padded cells, not of the tokens;
+        # of it, and of the output buffer, what this placement puts on the device.
+        compute = self.device_compute_bytes(self.cells(kv_tokens)) + self.device_output_bytes()
         frag = int((kv + compute) * self.fragmentation_ratio)
         return Footprint(kv_tokens, pages, kv, compute, frag)
 

@@ -5,10 +5,13 @@ device), ``split`` (its last N layers on the device, the rest on the CPU: llama.
 Rules:
 
 1. A profile *fits* when its weights on the device plus ``slots`` requests at its context cap
-   (each the memory model's request footprint: KV pages of its layers on the device, compute
-   and output buffers, fragmentation) fit the device's usable bytes (capacity less margin).
-   These are the very bytes admission reserves, so a planned profile is one admission can
-   actually run.
+   (each the memory model's request footprint: KV pages of its layers on the device, the
+   compute and output buffers that placement puts there, fragmentation) fit the device's
+   usable bytes (capacity less margin). These are the very bytes admission reserves, so a
+   planned profile is one admission can actually run, and ``spillover estimate
+   --gpu-layers N``'s device total with margin (``core.estimate``'s placement rules: a split's
+   device runs its layers' part of the graph; the logits and the output buffer stay with the
+   output layer on the host).
 2. The resident profile runs when one request at the GPU lane's cap fits beside its weights.
 3. With a split worker configured, its N is the configured one, or (``-1``) the largest N in
    1..n_layers that fits with the split worker's own slots, cap and batch (``split_layers``):
