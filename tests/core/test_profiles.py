@@ -74,9 +74,7 @@ def test_a_device_too_small_for_the_whole_model_runs_the_largest_split(memory: M
 
 def test_two_split_slots_fit_fewer_layers(memory: MemoryModel) -> None:
     resident, split = models(memory)
-    one = plan_profile(
-        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=60 * MIB, split=split, split_ctx_tokens=SPLIT_CTX
-    )
+    one = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=60 * MIB, split=split, split_ctx_tokens=SPLIT_CTX)
     two = plan_profile(
         resident,
         gpu_ctx_tokens=GPU_CTX,
@@ -90,9 +88,7 @@ def test_two_split_slots_fit_fewer_layers(memory: MemoryModel) -> None:
 
 def test_nothing_fits_runs_on_the_cpu_only(memory: MemoryModel) -> None:
     resident, split = models(memory)
-    plan = plan_profile(
-        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=8 * MIB, split=split, split_ctx_tokens=SPLIT_CTX
-    )
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=8 * MIB, split=split, split_ctx_tokens=SPLIT_CTX)
     assert (plan.profile, plan.split_layers, plan.split_bytes) == ("cpu", 0, 0)
     assert "no split of it fits" in plan.why
     # without a split worker a device too small for even a 1-token request is the cpu profile
