@@ -72,7 +72,9 @@ class _StateCollector(Collector):
                 "a device worker's breaker (gpu0; split0): 0 closed, 1 half-open, 2 open",
                 labels=["worker"],
             )
-            b.add_metric(["gpu0"], _BREAKER[st["breaker"]["circuit"]])
+            for w in st["workers"]:  # the resident worker's, where one runs (not in the split or cpu profile)
+                if w["lane"] == "gpu":
+                    b.add_metric([w["worker_id"]], _BREAKER[st["breaker"]["circuit"]])
             if st.get("split_breaker"):
                 b.add_metric([st["split_breaker"]["worker_id"]], _BREAKER[st["split_breaker"]["circuit"]])
             yield b

@@ -104,7 +104,9 @@ def test_a_failing_split_worker_opens_its_own_breaker(gw: GatewayProcess) -> Non
         st = gw.status()
         assert st["split_breaker"]["circuit"] == "open" and st["split_breaker"]["worker_id"] == "split0"
         assert st["breaker"]["circuit"] == "closed" and "split breaker open" in st["reasons"]
-        assert 'spillover_breaker_state{worker="split0"} 2.0' in http.get("/metrics").text
+        metrics = http.get("/metrics").text
+        assert 'spillover_breaker_state{worker="split0"} 2.0' in metrics
+        assert 'worker="gpu0"' not in metrics  # only the split runs on the device: no resident's breaker
         r = http.post("/v1/completions", json=body)
         assert (r.status_code, r.headers["x-spillover-route"], r.json()["spillover"]["attempts"]) == (200, "cpu", 1)
         sim(gw).fail_next(0)
