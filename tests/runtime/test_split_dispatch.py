@@ -339,3 +339,35 @@ def test_a_job_longer_than_the_split_runs_there_shrunk_when_the_client_allows_it
         assert (d.route, str(d.reason)) == ("cpu", "too_long_for_gpu")
 
     asyncio.run(main())
+
+
+def test_a_job_waiting_on_the_cpu_lane_runs_on_the_split_worker_once_it_frees(memory: MemoryModel) -> None:
+    """Late binding onto the split, as onto the GPU: a job that left for the CPU lane (its wait
+    for a busy split past ``delay_max_s``) and has not started there runs on the split worker
+    when a slot frees, so the split does not idle while it waits behind slower CPU work (a
+    helper's burst of 12: 11 went to the CPU and ended up to 28 s later, the split idle after
+    4.4 s). A job pinned to the CPU (the client's choice) stays."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, split, cpu = _scheduler(memory, clock, resident=False)
+        split.claim_slot("someone")
+        cpu.claim_slot("other")  # both busy
+        job = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        pinned = Job(rid="p", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(pinned, lane="cpu")
+        s.submit_nowait(job)
+        clock.advance(2.1)
+        s.pump_once()  # past delay_max_s: the admission's way, the CPU lane, where it waits
+        assert not job.future.done() and list(s.cpu.queue) == [pinned, job] and job.movable
+        split.release_slot("someone")
+        s.pump_once()
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, str(d.reason), d.worker) == ("split", "resident_does_not_fit", split)
+        assert s.rebound_total == 1 and s.split_total == 1 and list(s.cpu.queue) == [pinned]
+        assert s.ledger is not None and s.ledger.holds("a")  # its reservation was made
+        split.release_slot("a")
+        s.pump_once()
+        assert not pinned.future.done() and list(s.cpu.queue) == [pinned]  # the client's choice stays
+
+    asyncio.run(main())

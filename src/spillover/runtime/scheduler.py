@@ -54,7 +54,7 @@ from spillover.core.breaker import (
 from spillover.core.hostguard import HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import Footprint, MemoryModel
-from spillover.core.reasons import Reason
+from spillover.core.reasons import Reason, RouteReason
 from spillover.core.routing import DEVICE_ROUTES, MIN_SHRUNK_TOKENS, lane_max_tokens
 from spillover.errors import CapacityError, NoWorkerReady, QueueFull
 from spillover.runtime import ticks
@@ -356,6 +356,7 @@ class Scheduler:
                 self._decide_gpu(job, now)
             self._view = None
             self._rebind_to_gpu(now)
+            self._rebind_to_split(now)
         self._dispatch_cpu(now)
 
     def _record(self, job: Job, d: Decision, now: float) -> None:
@@ -538,10 +539,21 @@ class Scheduler:
         worker, fp = fit
         if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:  # as _split_fit found: never
             return "wait" if waiting else "room"
-        self.split_breaker, probe_round = probe_started(self.split_breaker, now, self.policy.breaker)
-        self.gpu.queue.remove(job)
-        self.split_total += 1
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
+        self._take_split(job, self.gpu, worker, fp, cause, max_tokens, shrunk, now)
+        return "dispatched"
+
+    def _take_split(
+        self, job: Job, lane: Lane, worker: WorkerClient, fp: Footprint, cause: RouteReason, max_tokens: int,
+        shrunk: bool, now: float,
+    ) -> None:  # fmt: skip
+        """Hand ``job`` (queued on ``lane``, its reservation ``fp`` made) the split worker's slot;
+        ``cause``: why it left the resident profile (``resident_does_not_fit`` when only the
+        split runs)."""
+        assert self.policy is not None
+        self.split_breaker, probe_round = probe_started(self.split_breaker, now, self.policy.breaker)
+        lane.queue.remove(job)
+        self.split_total += 1
         reason = cause if self.gpu_workers else Reason.RESIDENT_DOES_NOT_FIT
         job.last_reason = reason
         key = f"split:{reason}"
@@ -565,7 +577,6 @@ class Scheduler:
                 probe_round,
             )
         )
-        return "dispatched"
 
     def _split_fit(
         self, prompt_tokens: int, max_tokens: int, now: float, *, settling: bool = False
@@ -642,6 +653,28 @@ class Scheduler:
             if isinstance(d, Admit | Shrink) and self._dispatch_gpu(job, d, now, self.cpu):
                 self._record(job, d, now)
                 self.rebound_total += 1
+
+    def _rebind_to_split(self, now: float) -> None:
+        """Late binding onto the split worker, as onto the GPU: a job that left the resident
+        profile for the CPU lane (its wait for a split slot or room past ``delay_max_s``, or
+        no split worker ready then) and has not started yet runs on the split worker when it
+        has a free slot and the job's reservation fits now, so the split never idles while
+        such work waits on the CPU lane. Jobs pinned to the CPU stay, and a job longer than
+        the split's cap stays where it is."""
+        if not self.split_workers or self.ledger is None or self.split_memory is None:
+            return
+        for job in [j for j in self.cpu.queue if j.movable]:
+            fit = self._split_fit(job.prompt_tokens, job.max_tokens, now)
+            if fit in ("busy", "breaker"):  # nothing else can go there now either
+                return
+            if isinstance(fit, str):  # too long for it, or no room for this one: a smaller one may fit
+                continue
+            worker, fp = fit
+            if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
+                continue
+            cause = job.last_reason or Reason.RESIDENT_DOES_NOT_FIT
+            self._take_split(job, self.cpu, worker, fp, cause, job.max_tokens, False, now)
+            self.rebound_total += 1
 
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""
