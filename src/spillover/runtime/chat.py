@@ -360,6 +360,7 @@ class ChatModel:
                 else {"profile": "cpu", "why": "no GPU device here"}
             ),
             "split_total": self.scheduler.split_total,
+            "rebound_total": self.scheduler.rebound_total,  # late binding: CPU-lane jobs the device took after all
         }
         if not primary:  # the primary's workers and lanes are the document's own
             row |= {
