@@ -155,3 +155,54 @@ def test_round_that_raises_is_logged_and_retried(caplog: pytest.LogCaptureFixtur
     assert failed and sup.errors == 1
     assert "supervisor round failed" in caplog.text and "a bug in one round" in caplog.text
     assert any(what.startswith("supervisor_error: RuntimeError") for _, what in sup.events), sup.events
+
+
+@dataclass(frozen=True)
+class AbortingWorkerSpec(WorkerSpec):
+    """A worker whose engine aborts while loading, as llama.cpp does on a file it cannot place."""
+
+    def argv(self) -> list[str]:
+        said = "print('ggml/src/ggml-backend.cpp:205: GGML_ASSERT(buffer) failed', file=sys.stderr, flush=True)"
+        return [sys.executable, "-c", f"import os, sys; {said}; os.abort()"]
+
+
+def test_a_start_that_aborts_is_kept_before_its_death_is_told_and_counts_as_a_restart() -> None:
+    """Rule 8. The owner's pass on the worker's death (a chat model refusing its queued requests)
+    must see the failed start: it was kept only after the death was told, so requests that came
+    while the workers first started got "The GPU is full" (a helper's attack). The attempt after
+    it counts as a restart (it stayed 0 however often the start failed), and the refusal's
+    Retry-After is when that attempt comes."""
+
+    async def go() -> tuple[Supervisor, list[str | None]]:
+        at_death: list[str | None] = []
+        sup: Supervisor | None = None
+
+        def on_change(w: WorkerClient, ev: SupervisorEvent) -> None:
+            if ev.kind is SupervisorEventKind.DIED and sup is not None:
+                at_death.append(sup.start_failure)
+
+        aborting = AbortingWorkerSpec(
+            worker_id="cpu0", lane="cpu", device="cpu", model_path="", state_dir="", slots=1, n_ctx=64, n_threads=1,
+            n_batch=8,
+        )  # fmt: skip
+        sup = Supervisor(aborting, FAST, on_change=on_change)
+        task = asyncio.create_task(sup.run())
+        try:
+            for _ in range(400):
+                if sup.restarts >= 2:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await sup.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return sup, at_death
+
+    sup, at_death = asyncio.run(go())
+    assert sup.restarts >= 2, sup.events
+    assert at_death and all(
+        f == "exited: worker exited with code -6 (SIGABRT): ggml-backend.cpp:205: GGML_ASSERT(buffer) failed"
+        for f in at_death
+    ), at_death
+    assert sup.start_failure == at_death[0] and sup.next_start_s > 0

@@ -117,6 +117,8 @@ def test_a_chat_model_whose_engine_aborts_loading_it_is_refused_with_why(tmp_pat
     layer of no size. Both workers die of SIGABRT at every start. A request is refused at once
     with 503 ``model_load_failed`` naming the abort, not "The GPU is full", and /v1/status says
     why the model is unavailable."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     from spillover.config import default_model_path
@@ -125,19 +127,38 @@ def test_a_chat_model_whose_engine_aborts_loading_it_is_refused_with_why(tmp_pat
     from tests.e2e.helpers import wait_for
 
     model = write_arch(tmp_path / "deci.gguf", default_model_path(), "deci")
+    body = {"model": "deci", "prompt": "hi", "max_tokens": 2}
     with GatewayProcess(["--gpu", "sim:1024", "--model", str(model), "--chat-only"], wait_all_workers=False) as g:
+        # Sent while the workers first start: they wait for them, then are refused with why
+        # once the last one's start has failed (they got "The GPU is full" when the failure
+        # was kept only after the death was told).
+        with ThreadPoolExecutor(3) as pool:
+            early = list(pool.map(lambda _: httpx.post(g.url + "/v1/completions", json=body, timeout=60), range(3)))
+        for r in early:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed", r.text
         wait_for(lambda: all(w["start_failure"] for w in g.status()["workers"]), 90, "both loads aborted")
         for w in g.status()["workers"]:
             assert "(SIGABRT): ggml-backend.cpp" in w["start_failure"] and "GGML_ASSERT" in w["start_failure"], w
-        r = httpx.post(g.url + "/v1/completions", json={"model": "deci", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
         error = r.json()["error"]
         assert error["code"] == "model_load_failed" and "GPU is full" not in error["message"], error
         assert "chat model 'deci' has no worker that can start (gpu worker: exited:" in error["detail"], error
         assert error["detail"].count("GGML_ASSERT(buffer) failed") == 2, error
         assert r.elapsed.total_seconds() < 5
+        ollama = httpx.post(g.url + "/api/generate", json={"model": "deci", "prompt": "hi", "raw": True}, timeout=30)
+        assert ollama.status_code == 503 and "GGML_ASSERT" in ollama.json()["detail"], ollama.text  # Ollama's shape
+        # its own error first: a model without a chat template is a 400 a retry cannot mend
+        chat = httpx.post(
+            g.url + "/v1/chat/completions", json={"model": "deci", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "model_not_supported", chat.text
         status = g.status()
         assert status["mode"] == "unavailable" and any("GGML_ASSERT" in why for why in status["reasons"]), status
+        assert status["services"][0]["why"] == "model_load_failed"
+        assert all(w["restarts"] >= 1 for w in status["workers"]), status["workers"]  # each failed start is retried
+        refused = 'spillover_requests_total{outcome="rejected",reason="model_load_failed",route="none"}'
+        assert float(httpx.get(g.url + "/metrics").text.split(refused)[1].split()[0]) == 5
 
 
 def test_a_second_ctrl_c_stops_the_gateway_and_its_workers_at_once(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ enough to keep taking requests."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +29,8 @@ MIB = 1024 * 1024
 def _sup(lane: str, state: WorkerState, failure: str | None, *, parked: bool = False) -> SimpleNamespace:
     w = WorkerClient(WorkerSpec(f"emb-{lane}", lane, "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
     w.state = state
-    return SimpleNamespace(worker=w, start_failure=failure, parked=parked, backoff_s=4.0)
+    # its next attempt in 4 s: the refusal's Retry-After
+    return SimpleNamespace(worker=w, start_failure=failure, parked=parked, next_start_s=time.monotonic() + 4.0)
 
 
 def _service(gpu: SimpleNamespace | None, cpu: SimpleNamespace | None) -> EmbeddingsService:
@@ -69,7 +71,7 @@ def test_a_request_is_refused_at_once_only_when_every_worker_that_may_run_failed
         return
     with pytest.raises(NoWorkerReady) as got:
         svc.hold_place("r1")
-    assert got.value.status == 503 and got.value.code == "model_load_failed" and got.value.retry_after_s == 4.0
+    assert got.value.status == 503 and got.value.code == "model_load_failed" and 3.9 < got.value.retry_after_s <= 4.0
     failed = [s for s in (g, svc.cpu) if s is not None and not s.parked]
     for s in failed:
         assert f"{s.worker.spec.lane} worker: {s.start_failure}" in str(got.value)
@@ -125,9 +127,12 @@ def test_a_chat_model_whose_workers_abort_at_load_refuses_with_why_not_gpu_full(
         s.submit_nowait(queued, lane=lane)  # the GPU worker is still starting: it waits
         assert not queued.future.done()
         g.worker.state, g.start_failure = DEAD, ABORTED  # its start aborted too
+        s.hold_place("r1", lane)  # a place is still promised: the request's own errors come first (prepare)
         with pytest.raises(NoWorkerReady) as got:
-            s.hold_place("r1", lane)
-        assert got.value.code == "model_load_failed" and got.value.status == 503 and got.value.retry_after_s == 4.0
+            s.submit_nowait(Job(rid="r1", prompt_tokens=20, max_tokens=8, arrived_s=0.0), lane=lane)
+        assert (
+            got.value.code == "model_load_failed" and got.value.status == 503 and 3.9 < got.value.retry_after_s <= 4.0
+        )
         assert (
             str(got.value)
             == f"chat model 'deci' has no worker that can start (gpu worker: {ABORTED}; cpu worker: {ABORTED})"
@@ -139,6 +144,8 @@ def test_a_chat_model_whose_workers_abort_at_load_refuses_with_why_not_gpu_full(
             await queued.future
         assert not (s.gpu and s.gpu.queue) and not s.cpu.queue
         c.worker.state, c.start_failure = READY, None  # a later start succeeded: requests are taken again
-        s.hold_place("r3", lane)
+        taken = Job(rid="r3", prompt_tokens=20, max_tokens=8, arrived_s=0.0)
+        s.submit_nowait(taken, lane=lane)
+        assert (await asyncio.wait_for(taken.future, 1)).route == "cpu"
 
     asyncio.run(main())

@@ -23,7 +23,9 @@ def _gateway(*, resident: bool, cannot_start: NoWorkerReady | None = None) -> An
         cannot_start=lambda: cannot_start,
     )
     chat = SimpleNamespace(profile=plan, split=None if resident else object(), scheduler=scheduler)
-    return SimpleNamespace(chat=chat, device=object(), degraded=DegradedAnswers(), loops=SimpleNamespace(fatal=None))
+    return SimpleNamespace(
+        chat=chat, chats=[chat], device=object(), degraded=DegradedAnswers(), loops=SimpleNamespace(fatal=None)
+    )
 
 
 def test_a_dead_split_worker_is_named_when_only_it_runs_on_the_device() -> None:
@@ -43,3 +45,14 @@ def test_workers_that_cannot_start_are_named_with_why() -> None:
     workers = [{"lane": "gpu", "state": "dead"}, {"lane": "cpu", "state": "dead"}]
     mode, reasons = serving_mode(_gateway(resident=True, cannot_start=why), workers, "closed")
     assert (mode, reasons) == ("unavailable", ["gpu worker not ready", why.message])
+
+
+def test_a_second_chat_model_that_cannot_start_is_named_while_the_primary_serves() -> None:
+    """Only the primary's was looked at: a [[services]] chat model whose workers all failed left
+    the mode normal while each of its requests was refused (a helper's attack)."""
+    gw = _gateway(resident=True)
+    why = NoWorkerReady("chat model 'deci2' has no worker that can start (gpu worker: GGML_ASSERT(buffer) failed)")
+    second = SimpleNamespace(scheduler=SimpleNamespace(cannot_start=lambda: why))
+    gw.chats = [gw.chat, second]
+    workers = [{"lane": "gpu", "state": "ready"}, {"lane": "cpu", "state": "ready"}]
+    assert serving_mode(gw, workers, "closed") == ("degraded", [why.message])

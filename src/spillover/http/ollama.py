@@ -175,9 +175,11 @@ def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
 
 
 def ollama_error_body(err: SpilloverError) -> dict[str, Any]:
-    """Ollama's error shape; the machine-readable code stays with it."""
+    """Ollama's error shape; the machine-readable code stays with it, and the technical
+    account (``detail``: a model load's failures, each worker's) where there is one."""
     e = to_http(err).body["error"]
-    return {"error": e["message"], "code": e["code"], "param": e["param"]}
+    detail = {"detail": e["detail"]} if "detail" in e else {}
+    return {"error": e["message"], "code": e["code"], "param": e["param"]} | detail
 
 
 def created_at() -> str:

@@ -342,6 +342,8 @@ class ChatModel:
         queued = sum(x.depth for x in lanes)
         last = self.scheduler.decisions[-1] if self.scheduler.decisions else None
         where, why = (last["route"], last["reason"]) if queued and last else self.scheduler.where_now()
+        if self.scheduler.cannot_start() is not None:  # what its requests are answered now
+            where, why = "none", "model_load_failed"
         row: dict[str, Any] = {
             "name": self.name,
             "kind": "chat",

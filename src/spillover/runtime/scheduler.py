@@ -6,9 +6,11 @@ pages and dispatch, wait, move to the CPU lane, or reject. A full queue answers 
 A job refused only because no CPU path is ready, while a worker that could take it is still
 starting (the gateway's start, a restart), waits for that worker instead (``_coming``).
 While none of the model's workers is ready and every one that may run failed its last start
-(an engine that aborts loading the file), a request is refused at once, and the queued ones
-with it, with that failure (503 ``model_load_failed``: ``runtime.supervisor`` rule 8), not
-with the refusal a full GPU gets.
+(an engine that aborts loading the file), a request is refused when it is queued, and the
+queued ones with it, with that failure (503 ``model_load_failed``: ``runtime.supervisor``
+rule 8), not with the refusal a full GPU gets. Not when it is promised a place: the request's
+own errors (a model without a chat template is a 400) come first, and the refusal is journaled
+and counted as any refusal after acceptance.
 
 This module owns the decisions: which job leaves which lane for which worker, the breaker's
 events, and when the next pass is due. The lanes themselves (queues, counters, speed and
@@ -155,7 +157,6 @@ class Scheduler:
         The promise ends when its job is queued or ``release_place``; the queue's own check
         when the job is queued stays the exact bound."""
         target = self._lane(lane)
-        self._check_can_start()
         self._check_room(target)
         if places_promised(target.cfg.queue_depth, len(target.queue), len(target.promised), self._takers(target)):
             self._shed(target)

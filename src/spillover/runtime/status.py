@@ -60,9 +60,10 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
     elif gw.device is not None and not gpu_ready:  # the split worker, when only it runs on the device
         only_split = gw.chat.scheduler is not None and not gw.chat.scheduler.gpu_workers
         reasons.append("split worker not ready" if only_split else "gpu worker not ready")
+    for chat in gw.chats:  # any chat model none of whose workers can start, and why
+        if chat.scheduler is not None and (failed := chat.scheduler.cannot_start()) is not None:
+            reasons.append(failed.message)
     sched = gw.chat.scheduler
-    if sched is not None and (failed := sched.cannot_start()) is not None:  # why none is ready
-        reasons.append(failed.message)
     if breaker != "closed":
         reasons.append(f"gpu breaker {breaker}")
     if sched is not None and sched.split_workers and sched.split_breaker.circuit.value != "closed":

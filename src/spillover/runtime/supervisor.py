@@ -22,7 +22,9 @@ Rules:
 8. A start that fails (a model the worker cannot load, or an engine that aborts loading it) is
    kept as ``start_failure`` until a start succeeds: the owner can answer at once instead of
    queueing for a worker that keeps failing the same way (``cannot_start``: every model and
-   service, chat included), and ``/v1/status`` shows it.
+   service, chat included), and ``/v1/status`` shows it. It is kept before the worker's death
+   is told (the owner's pass on that event already sees it), the attempt after it counts as a
+   restart, and its Retry-After is that attempt's time.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def cannot_start(what: str, supervisors: Iterable[Supervisor]) -> NoWorkerReady 
     why = "; ".join(f"{s.worker.spec.lane} worker: {s.start_failure}" for s in sups)
     return NoWorkerReady(
         f"{what} has no worker that can start ({why})",
-        retry_after_s=max(1.0, min(s.backoff_s for s in sups)),
+        retry_after_s=max(1.0, min(s.next_start_s for s in sups) - time.monotonic()),
         code="model_load_failed",
     )
 
@@ -88,6 +90,8 @@ class Supervisor:
         self.events: list[tuple[float, str]] = []
         self.errors = 0  # supervisor rounds that raised (rule 5)
         self.start_failure: str | None = None  # rule 8
+        self.next_start_s = 0.0  # when the back-off ends (monotonic; rule 8's Retry-After)
+        self._starting = False  # a start is under way: its worker's death is a failed start
         self._stopping = False
         self._may_run = asyncio.Event()  # cleared while parked (rule 7)
         self._may_run.set()
@@ -133,6 +137,8 @@ class Supervisor:
 
     def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:
         self._exited.set()
+        if self._starting:  # rule 8: kept before the death is told (``start`` raises this text)
+            self.start_failure = f"{gone.kind}: {gone.message}"
         if not self._stopping and not self.parked:
             self._event(K.DIED, f"{gone.kind}: {gone.message}")
         elif self.parked:
@@ -170,7 +176,11 @@ class Supervisor:
             await self._before_start(self.worker)
         try:
             self._event(K.STARTING)
-            info = await self.worker.start(self.cfg.load_timeout_s)
+            self._starting = True
+            try:
+                info = await self.worker.start(self.cfg.load_timeout_s)
+            finally:
+                self._starting = False
             self.start_failure = None
             self._event(K.READY, f"pid={info.get('pid')}")
         except Exception as exc:
@@ -179,6 +189,7 @@ class Supervisor:
             await self.worker.kill()  # a no-op when no process was spawned (or it is gone)
             with contextlib.suppress(TimeoutError):  # bounded: nothing may have been spawned
                 await asyncio.wait_for(self._exited.wait(), self.cfg.health_timeout_s)
+            self.restarts += 1  # the next attempt is a restart too (an operator alerts on them)
             await self._sleep_backoff(0.0)
             return
         up_since = time.monotonic()
@@ -199,6 +210,7 @@ class Supervisor:
             self.backoff_s = self.cfg.restart_backoff_initial_s
         delay = self.backoff_s
         self.backoff_s = min(self.cfg.restart_backoff_max_s, self.backoff_s * 2)
+        self.next_start_s = time.monotonic() + delay
         self._event(K.RESTARTING, f"in {delay:.2f}s")
         await asyncio.sleep(delay)
 
