@@ -171,5 +171,10 @@ class Metrics:
         if route not in ("gpu", "none"):
             self.degraded.inc()
 
+    def request_refused(self, reason: str) -> None:
+        """A request refused before it was accepted (a full queue, a context too long, a model
+        that cannot load; nothing journaled, no route): counted with its reason, not timed."""
+        self.requests.labels("none", "rejected", reason).inc()
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

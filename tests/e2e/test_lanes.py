@@ -73,6 +73,14 @@ def test_a_full_queue_refuses_before_accepting() -> None:
         for t in ts:
             t.join(300)
         assert codes == [200, 200]
+        too_long = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 5000}, timeout=30)
+        assert too_long.status_code == 400, too_long.text
+        # refused before acceptance, yet counted once each with its reason (they were not counted)
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert 'spillover_requests_total{outcome="rejected",reason="queue_full",route="none"} 1.0' in metrics
+        assert (
+            'spillover_requests_total{outcome="rejected",reason="context_length_exceeded",route="none"} 1.0' in metrics
+        )
 
 
 def overload_peak_rss(guard: bool, budget_mib: int) -> tuple[int, dict[str, Any]]:

@@ -177,6 +177,8 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         try:
             got = await gw.requests.submit(endpoint, body, idem_key=key, deadline_ms=deadline_ms)
         except Refused as exc:
+            if not exc.counted:
+                gw.metrics.request_refused(exc.error.code or type(exc.error).__name__)
             return refuse(exc.error, exc.rid)
         if isinstance(got, Answer):  # a stored answer, or a whole one (embeddings)
             return _answer(got)

@@ -67,12 +67,15 @@ class Endpoint:
 
 class Refused(Exception):
     """A request refused before it was accepted (nothing journaled), naming the request id
-    its error belongs to (the key's request for an Idempotency-Key error)."""
+    its error belongs to (the key's request for an Idempotency-Key error); ``counted``: one
+    refused as it was queued, just after its acceptance, whose end is journaled and counted
+    in /metrics already (``Run._store``)."""
 
-    def __init__(self, error: SpilloverError, rid: str) -> None:
+    def __init__(self, error: SpilloverError, rid: str, *, counted: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
         self.rid = rid
+        self.counted = counted
 
 
 class RequestService:
@@ -291,6 +294,8 @@ class RequestService:
             self.live.pop(prep.rid, None)  # its events never started: their ``finally`` will not run
             exe.cancel()
             await asyncio.shield(run._end(run._error(exc, committed=False), failed=exc))
+            if isinstance(exc, SpilloverError):  # its end is journaled and counted: once
+                raise Refused(exc, prep.rid, counted=True) from exc
             raise
         return run
 
