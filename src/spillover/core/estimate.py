@@ -24,7 +24,6 @@ build at hand) or the memory model's envelope (an upper bound).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -185,8 +184,7 @@ def estimate(
     # A tied output is a second copy of token_embd only when it sits on another device.
     head = spec.output_layer_bytes
     host_head = head - spec.input_bytes if spec.tied_output else head
-    _, attention, ffn = model.compute_paths(n_ctx)
-    layer_part = math.ceil(max(attention, ffn))
+    layer_part = model.layers_compute_bytes(n_ctx)
     device_compute = whole if output_on_device else layer_part if on_device else 0
     host_compute = whole if not output_on_device else layer_part if on_device < n else 0
     device = Parts(

@@ -400,8 +400,11 @@ class MemoryModel:
         larger of the attention and feed-forward paths; nothing without layers there."""
         if self.output_on_device():
             return self.compute_bytes(n_ctx)
-        if not self.layers_on_device():
-            return 0
+        return self.layers_compute_bytes(n_ctx) if self.layers_on_device() else 0
+
+    def layers_compute_bytes(self, n_ctx: int) -> int:
+        """The compute buffer of a side that runs repeating layers but not the output layer:
+        the larger of the attention and feed-forward paths (the logits are the other side's)."""
         _, attention, ffn = self.compute_paths(n_ctx)
         return math.ceil(max(attention, ffn))
 
