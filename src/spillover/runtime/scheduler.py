@@ -179,10 +179,6 @@ class Scheduler:
             return cpu
         return sum(w.free_slots for w in self.gpu_workers) + cpu + max(0, self.cpu.free())
 
-    def _check_can_start(self) -> None:
-        if (failed := self.cannot_start()) is not None:
-            raise failed
-
     def _check_room(self, lane: Lane) -> None:
         if lane.free() <= 0:
             self._shed(lane)
@@ -196,7 +192,8 @@ class Scheduler:
 
     def _enqueue_nowait(self, job: Job, lane: Lane) -> None:
         self.release_place(job.rid)  # its job takes the place now (or is refused)
-        self._check_can_start()
+        if (failed := self.cannot_start()) is not None:  # none of its workers can start
+            raise failed
         if lane is self.cpu:
             self._check_deadline(job)
         self._check_room(lane)
