@@ -371,3 +371,33 @@ def test_a_job_waiting_on_the_cpu_lane_runs_on_the_split_worker_once_it_frees(me
         assert not pinned.future.done() and list(s.cpu.queue) == [pinned]  # the client's choice stays
 
     asyncio.run(main())
+
+
+def test_a_job_longer_than_the_split_moves_there_from_the_cpu_lane_shrunk(memory: MemoryModel) -> None:
+    """Late binding shrinks as a new job's dispatch does: a request sent without
+    ``max_tokens`` (open-ended, shrinkable, longer than the split's cap) that went to the CPU
+    lane after its wait runs on the split once a slot frees, shrunk to the split's cap (a
+    reviewer's case: it stayed behind CPU work while the split idled, and a newer identical
+    job went to the split ahead of it)."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, split, cpu = _scheduler(memory, clock, resident=True)
+        assert gpu is not None
+        gpu.claim_slot("g")
+        split.claim_slot("someone")
+        cpu.claim_slot("other")  # every lane busy
+        job = Job(rid="a", prompt_tokens=48, max_tokens=2000, arrived_s=clock(), allow_shrink=True)
+        s.submit_nowait(job)
+        clock.advance(2.1)
+        s.pump_once()  # past delay_max_s: the CPU lane, where it waits
+        assert not job.future.done() and list(s.cpu.queue) == [job] and job.movable
+        split.release_slot("someone")
+        s.pump_once()
+        d = await asyncio.wait_for(job.future, 1)
+        assert (d.route, d.worker, d.max_tokens, d.shrunk) == ("split", split, 1024 - 48, True)
+        assert s.rebound_total == 1 and not s.cpu.queue
+        assert s.split_memory is not None and s.ledger is not None
+        assert s.ledger.held_bytes("a") == s.split_memory.request_footprint(48, 1024 - 48).total_bytes
+
+    asyncio.run(main())

@@ -525,12 +525,10 @@ class Scheduler:
         if self.ledger is None or self.split_memory is None or self.gpu is None or self.policy is None:
             return "no"
         waiting = now - job.enqueued_s < self.policy.delay_max_s
-        max_tokens, shrunk = job.max_tokens, False
-        cap = self.split_ctx_cap_tokens
-        if job.prompt_tokens + max_tokens > cap and any(w.state is WorkerState.READY for w in self.split_workers):
-            if not (job.allow_shrink and job.prompt_tokens + MIN_SHRUNK_TOKENS <= cap):
-                return "long"
-            max_tokens, shrunk = cap - job.prompt_tokens, True
+        budget = self._split_tokens(job)
+        if budget is None and any(w.state is WorkerState.READY for w in self.split_workers):
+            return "long"
+        max_tokens, shrunk = budget or (job.max_tokens, False)
         fit = self._split_fit(job.prompt_tokens, max_tokens, now)
         if isinstance(fit, str):
             return "wait" if waiting and fit in ("busy", "room") else fit
@@ -540,6 +538,17 @@ class Scheduler:
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
         self._take_split(job, self.gpu, worker, fp, cause, max_tokens, shrunk, now)
         return "dispatched"
+
+    def _split_tokens(self, job: Job) -> tuple[int, bool] | None:
+        """The job's ``max_tokens`` on the split worker, and whether it was shrunk to the
+        split's context cap to fit there (a client that allows shrinking, with at least
+        ``MIN_SHRUNK_TOKENS`` left); None when it is longer than the cap and may not be."""
+        cap = self.split_ctx_cap_tokens
+        if job.prompt_tokens + job.max_tokens <= cap:
+            return job.max_tokens, False
+        if job.allow_shrink and job.prompt_tokens + MIN_SHRUNK_TOKENS <= cap:
+            return cap - job.prompt_tokens, True
+        return None
 
     def _take_split(
         self, job: Job, lane: Lane, worker: WorkerClient, fp: Footprint, cause: RouteReason, max_tokens: int,
@@ -657,12 +666,16 @@ class Scheduler:
         profile for the CPU lane (its wait for a split slot or room past ``delay_max_s``, or
         no split worker ready then) and has not started yet runs on the split worker when it
         has a free slot and the job's reservation fits now, so the split never idles while
-        such work waits on the CPU lane. Jobs pinned to the CPU stay, and a job longer than
-        the split's cap stays where it is."""
+        such work waits on the CPU lane. Jobs pinned to the CPU stay; a job longer than the
+        split's cap runs there shrunk to it when the client allows shrinking, as a new one
+        would (``_split_tokens``), and otherwise stays where it is."""
         if not self.split_workers or self.ledger is None or self.split_memory is None:
             return
         for job in [j for j in self.cpu.queue if j.movable]:
-            fit = self._split_fit(job.prompt_tokens, job.max_tokens, now)
+            if (budget := self._split_tokens(job)) is None:
+                continue
+            max_tokens, shrunk = budget
+            fit = self._split_fit(job.prompt_tokens, max_tokens, now)
             if fit in ("busy", "breaker"):  # nothing else can go there now either
                 return
             if isinstance(fit, str):  # too long for it, or no room for this one: a smaller one may fit
@@ -671,7 +684,7 @@ class Scheduler:
             if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
                 continue
             cause = job.last_reason or Reason.RESIDENT_DOES_NOT_FIT
-            self._take_split(job, self.cpu, worker, fp, cause, job.max_tokens, False, now)
+            self._take_split(job, self.cpu, worker, fp, cause, max_tokens, shrunk, now)
             self.rebound_total += 1
 
     def _dispatch_cpu(self, now: float) -> None:
