@@ -143,3 +143,15 @@ def test_the_probe_prefills_what_the_shortest_chat_request_does() -> None:
         token_bos = token_eos
 
     assert probe_prompt(Raising()) == f"user: {PROBE_MESSAGE}\nassistant:"
+
+
+def test_every_context_runs_without_op_offload() -> None:
+    """llama.cpp's default ``op_offload`` would run a host-held weight's large-batch product on
+    the GPU with a copy of the weight in the GPU's compute buffer: on a split, device memory
+    the memory model gives to the host (``engine.llamacpp.OP_OFFLOAD``). Every slot's context
+    is made without it."""
+    e = engine("warm", slots=2)
+    e.measure()
+    assert e.contexts == 2
+    assert [bool(llm.context_params.op_offload) for llm in e._slots] == [False, False]
+    e.set_readiness("on_demand")

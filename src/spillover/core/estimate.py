@@ -15,7 +15,9 @@ Placement follows one of two rule sets:
   layers and their KV cache are on the device; the output layer is on the device only when
   ``L > n_layers``; the input embeddings always stay on the host. The compute buffer's
   logits part goes with the output layer, and each side that holds layers also needs the
-  attention/feed-forward part. Tensors count their file bytes. These rules are llama.cpp's;
+  attention/feed-forward part. Tensors count their file bytes. These rules are llama.cpp's
+  with ``op_offload`` off, as every context spillover makes runs (``engine.llamacpp.
+  OP_OFFLOAD``: with it on, host weights' large-batch products would run on the device);
   the CUDA buffers themselves were not measured here (no GPU was available).
 
 The compute buffer is either llama.cpp's own planned figure (``engine.plan``, exact on the

@@ -12,7 +12,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from spillover.engine.llamacpp import load_llama_cpp
+from spillover.engine.llamacpp import OP_OFFLOAD, load_llama_cpp
 
 __all__ = ["COMPUTE_LINE", "OUTPUT_LINE", "MeasuredBuffers", "by_buffer", "ggml_type", "measure_buffers"]
 
@@ -95,6 +95,7 @@ def measure_buffers(
             type_k=cache_type,
             type_v=cache_type,
             flash_attn=flash_attn,
+            op_offload=OP_OFFLOAD,  # as the engine's contexts run
             n_threads=1,
             verbose=True,
         )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from spillover.engine.holder import check_mode, held_report
-from spillover.engine.llamacpp import load_llama_cpp
+from spillover.engine.llamacpp import OP_OFFLOAD, load_llama_cpp
 from spillover.engine.textstream import StopScanner
 
 __all__ = ["Engine", "GenerateParams", "Step", "Tokenizer", "fingerprint_parts"]
@@ -568,6 +568,7 @@ class Engine:
             "n_threads_batch": n_threads,
             "n_batch": n_batch,
             "n_gpu_layers": n_gpu_layers,
+            "op_offload": OP_OFFLOAD,  # a split's device holds only what was planned
             "verbose": False,
         }
         self.readiness = check_mode(readiness)

@@ -23,7 +23,26 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-__all__ = ["amx_in_cpu_backend", "cpu_backend_repacks", "cpu_repack_rules", "load_llama_cpp", "repack_rules_for"]
+__all__ = [
+    "OP_OFFLOAD",
+    "amx_in_cpu_backend",
+    "cpu_backend_repacks",
+    "cpu_repack_rules",
+    "load_llama_cpp",
+    "repack_rules_for",
+]
+
+
+# Every llama context spillover makes (``Engine``, ``plan_buffers``, ``measure_buffers``) sets
+# ``op_offload`` to this. llama.cpp's default is on: its scheduler then runs the matrix product
+# of a weight held in host memory on the GPU when the batch is large enough (CUDA: 32 tokens or
+# more), copying the weight into the GPU's compute buffer. On a split that puts the host
+# layers' and the output layer's weights, and the logits, in device memory the memory model
+# gives to the host (``core.estimate``'s ``gpu`` rules, ``MemoryModel.device_compute_bytes``):
+# a request admitted to a split worker could then fail to allocate. Off, what a split holds on
+# the device is what was planned; the cost is a slower prefill of the host layers on a real GPU.
+# A build without a GPU backend (this machine's, the ``sim`` device's) is not affected.
+OP_OFFLOAD = False
 
 
 def amx_in_cpu_backend(system_info: str) -> bool:

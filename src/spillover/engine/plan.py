@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spillover.engine.calibrate import COMPUTE_LINE, OUTPUT_LINE, by_buffer, ggml_type
-from spillover.engine.llamacpp import load_llama_cpp
+from spillover.engine.llamacpp import OP_OFFLOAD, load_llama_cpp
 
 __all__ = ["PLAN_CELLS_MAX", "PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
 
@@ -96,6 +96,7 @@ def plan_buffers(
     cp.n_ubatch = min(n_batch, n_ubatch)
     cp.n_threads = cp.n_threads_batch = 1
     cp.type_k = cp.type_v = ggml_type(kv_type)
+    cp.op_offload = OP_OFFLOAD  # as the engine's contexts run
     cp.flash_attn_type = (
         llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     )
