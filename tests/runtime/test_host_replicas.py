@@ -6,6 +6,7 @@ replica's weights mapped from its file take none of the machine's available memo
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -140,3 +141,22 @@ def test_a_chat_replicas_mapped_weights_leave_its_room_on_the_machine_as_it_was(
     assert h.room_bytes(lane) == 1200 + 80 - 1000  # the mapped 80 still never taken from the machine
     view = h._view(lane, 0)
     assert (view.slot_bytes, view.mapped_bytes) == (W + 30, 80)  # a first context: 50 of it from available
+
+
+def test_the_status_and_ollama_show_a_replica_as_the_guard_counts_it() -> None:
+    """A failover claims a slot of an ``on_demand`` chat replica: until the worker's next
+    report (after the whole model load) the guard counts its model and the context the request
+    opens, and so do ``/v1/status``'s ``host_bytes`` and ``/api/ps`` (a reviewer's case: they
+    said 0 from the reports alone while the guard counted 130)."""
+    w = WorkerClient(WorkerSpec("chat-cpu", "cpu", "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
+    w.state = WorkerState.READY
+    w._held({"mode": "on_demand", "model": False, "contexts": 0, "timings": {}})
+    sched = SimpleNamespace(cpu_workers=[w], running=0)
+    sched.peak_running = lambda worker: sched.running
+    h = HostMemory(lambda: [], budget_bytes=10**6, min_free_bytes=0)
+    r = ReplicaReadiness("on_demand", 1000.0, lambda: w, weights_bytes=W, context_bytes=30)
+    h.lane_view(lambda: sched, weights_bytes=W, context_bytes=30, readiness=r)  # type: ignore[arg-type,return-value]
+    assert r.status()["host_bytes"] == 0 == h.replicas_bytes()  # nothing held
+    sched.running = 1  # the failover's request runs: its load and its context
+    assert r.status()["host_bytes"] == W + 30 == h.replicas_bytes()
+    assert r.host_bytes(w) == W + 30

@@ -156,7 +156,7 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
                 on_host = max(0, whole - on_device)
             elif chat.readiness is not None:  # what its replica holds now (runtime.readiness): a
                 # mode that keeps no model (on_demand) holds nothing until a failover loads it
-                on_device, on_host = 0, chat.readiness.held_bytes(s.worker)
+                on_device, on_host = 0, chat.readiness.host_bytes(s.worker)
             else:
                 on_device, on_host = 0, chat.cpu_slot_bytes
             ready = w.state == "ready"

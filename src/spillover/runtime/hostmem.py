@@ -20,6 +20,7 @@ before, for memory that was never taken.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -214,15 +215,20 @@ class HostMemory:
     ) -> Callable[[int], HostView]:
         """Register a chat model's CPU lane; its scheduler's ``host_view``."""
         lane = CpuLaneHost(scheduler, weights_bytes, context_bytes, readiness, mapped_bytes=mapped_bytes)
-        self.lanes.append(lane)
+        self._register(lane)
         return lambda running: self._view(lane, running)
 
     def add_replica(
         self, worker: Callable[[], WorkerClient | None], *, weights_bytes: int, readiness: ReplicaReadiness
     ) -> CpuLaneHost:
         """Register an embeddings or transcription service's CPU replica (its model, no context)."""
-        lane = CpuLaneHost(lambda: None, weights_bytes, 0, readiness, replica=worker)
+        return self._register(CpuLaneHost(lambda: None, weights_bytes, 0, readiness, replica=worker))
+
+    def _register(self, lane: CpuLaneHost) -> CpuLaneHost:
+        """Count ``lane``'s replica from now on; its readiness shows what the guard counts."""
         self.lanes.append(lane)
+        if lane.readiness is not None:
+            lane.readiness.guard_bytes = functools.partial(self.held_bytes, lane)
         return lane
 
     def load_allowed(self, lane: CpuLaneHost) -> bool:

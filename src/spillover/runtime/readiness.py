@@ -54,6 +54,9 @@ class ReplicaReadiness:
         self.last_failover: dict[str, Any] | None = None
         self._asked: tuple[str, int, int] | None = None  # (mode, worker start, held report) last sent
         self._asked_at = -ASK_AGAIN_S
+        # What the host-RAM guard counts the replica as holding (``HostMemory`` sets it when it
+        # registers the replica): sooner than the reports (a context opens with its request).
+        self.guard_bytes: Callable[[WorkerClient], int] | None = None
 
     def __repr__(self) -> str:
         return f"<ReplicaReadiness {self.configured} -> {self.choice.mode} ({self.choice.why})>"
@@ -74,6 +77,11 @@ class ReplicaReadiness:
     def held_bytes(self, w: WorkerClient) -> int:
         """Host bytes the replica reports holding (its model when loaded, its contexts)."""
         return (self.weights_bytes if w.held.get("model") else 0) + w.contexts * self.context_bytes
+
+    def host_bytes(self, w: WorkerClient) -> int:
+        """Host bytes the replica holds as the host-RAM guard counts them (``/v1/status``'s
+        ``host_bytes``, ``/api/ps``); its reports alone without a guard."""
+        return self.guard_bytes(w) if self.guard_bytes is not None else self.held_bytes(w)
 
     def _costs(self, w: WorkerClient) -> dict[str, int]:
         return {
@@ -158,6 +166,6 @@ class ReplicaReadiness:
             "timings_ms": dict((w.held.get("timings") or {}) if w is not None else {}),
             "model_loaded": bool(w.held.get("model")) if w is not None else False,
             "contexts": w.contexts if w is not None else 0,
-            "host_bytes": self.held_bytes(w) if w is not None else 0,  # as the host-RAM guard counts it
+            "host_bytes": self.host_bytes(w) if w is not None else 0,
             "last_failover": self.last_failover,
         }
