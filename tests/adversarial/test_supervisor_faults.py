@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -176,10 +177,17 @@ def test_a_start_that_aborts_is_kept_before_its_death_is_told_and_counts_as_a_re
     async def go() -> tuple[Supervisor, list[str | None]]:
         at_death: list[str | None] = []
         sup: Supervisor | None = None
+        ahead.clear()
 
         def on_change(w: WorkerClient, ev: SupervisorEvent) -> None:
-            if ev.kind is SupervisorEventKind.DIED and sup is not None:
+            if sup is None:
+                return
+            now = time.monotonic()
+            if ev.kind is SupervisorEventKind.DIED:
                 at_death.append(sup.start_failure)
+                ahead.append(sup.next_start_s - now)
+            if ev.kind is SupervisorEventKind.STARTING and sup.start_failure is not None:  # a retry runs
+                ahead.append(sup.next_start_s - now)
 
         aborting = AbortingWorkerSpec(
             worker_id="cpu0", lane="cpu", device="cpu", model_path="", state_dir="", slots=1, n_ctx=64, n_threads=1,
@@ -199,8 +207,12 @@ def test_a_start_that_aborts_is_kept_before_its_death_is_told_and_counts_as_a_re
                 await task
         return sup, at_death
 
+    ahead: list[float] = []  # when a refusal would say the next try is, from now
     sup, at_death = asyncio.run(go())
     assert sup.restarts >= 2, sup.events
+    # Told at each death and while each retry loads: ahead by at least the back-off to come
+    # (it said 1 s, or a time long past, while a retry loaded).
+    assert ahead and min(ahead) >= FAST.restart_backoff_initial_s * 0.5, ahead
     assert at_death and all(
         f == "exited: worker exited with code -6 (SIGABRT): ggml-backend.cpp:205: GGML_ASSERT(buffer) failed"
         for f in at_death

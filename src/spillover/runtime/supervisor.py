@@ -24,7 +24,8 @@ Rules:
    queueing for a worker that keeps failing the same way (``cannot_start``: every model and
    service, chat included), and ``/v1/status`` shows it. It is kept before the worker's death
    is told (the owner's pass on that event already sees it), the attempt after it counts as a
-   restart, and its Retry-After is that attempt's time.
+   restart, and its Retry-After is that attempt's time (while a retry runs, the time of the
+   one after it, should the retry fail as the last start did).
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ class Supervisor:
         self.events: list[tuple[float, str]] = []
         self.errors = 0  # supervisor rounds that raised (rule 5)
         self.start_failure: str | None = None  # rule 8
-        self.next_start_s = 0.0  # when the back-off ends (monotonic; rule 8's Retry-After)
+        # When the next start comes (monotonic; rule 8's Retry-After): the back-off's end; while
+        # a retry runs, when the one after it would come should it fail as the last one did.
+        self.next_start_s = 0.0
+        self._failed_start_s = 0.0  # how long the last failed start took to fail
         self._starting = False  # a start is under way: its worker's death is a failed start
         self._stopping = False
         self._may_run = asyncio.Event()  # cleared while parked (rule 7)
@@ -139,6 +143,7 @@ class Supervisor:
         self._exited.set()
         if self._starting:  # rule 8: kept before the death is told (``start`` raises this text)
             self.start_failure = f"{gone.kind}: {gone.message}"
+            self.next_start_s = time.monotonic() + self.backoff_s  # the back-off that follows
         if not self._stopping and not self.parked:
             self._event(K.DIED, f"{gone.kind}: {gone.message}")
         elif self.parked:
@@ -174,6 +179,9 @@ class Supervisor:
             await self._wait_released(pid_before)
         if self._before_start is not None:  # e.g. the load's device memory must fit first (rule 6)
             await self._before_start(self.worker)
+        began = time.monotonic()
+        if self.start_failure is not None:  # a retry: refusals meanwhile name the try after it
+            self.next_start_s = began + self._failed_start_s + self.backoff_s
         try:
             self._event(K.STARTING)
             self._starting = True
@@ -185,6 +193,8 @@ class Supervisor:
             self._event(K.READY, f"pid={info.get('pid')}")
         except Exception as exc:
             self.start_failure = str(exc) or type(exc).__name__
+            self._failed_start_s = time.monotonic() - began
+            self.next_start_s = time.monotonic() + self.backoff_s  # the back-off below
             self._event(K.START_FAILED, self.start_failure)
             await self.worker.kill()  # a no-op when no process was spawned (or it is gone)
             with contextlib.suppress(TimeoutError):  # bounded: nothing may have been spawned
