@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from spillover.errors import SpilloverError
+
 __all__ = ["Metrics"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -171,10 +173,11 @@ class Metrics:
         if route not in ("gpu", "none"):
             self.degraded.inc()
 
-    def request_refused(self, reason: str) -> None:
-        """A request refused before it was accepted (a full queue, a context too long, a model
-        that cannot load; nothing journaled, no route): counted with its reason, not timed."""
-        self.requests.labels("none", "rejected", reason).inc()
+    def request_refused(self, error: SpilloverError) -> None:
+        """A request refused before it was accepted (a bad or slow body, a full queue, a context
+        too long, a model that cannot load; nothing journaled, no route): counted with its error
+        code as the reason, not timed."""
+        self.requests.labels("none", "rejected", error.code or type(error).__name__).inc()
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -75,12 +75,15 @@ def test_a_full_queue_refuses_before_accepting() -> None:
         assert codes == [200, 200]
         too_long = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "hi", "max_tokens": 5000}, timeout=30)
         assert too_long.status_code == 400, too_long.text
-        # refused before acceptance, yet counted once each with its reason (they were not counted)
+        headers = {"content-type": "application/json"}
+        not_json = httpx.post(f"{gw.url}/v1/chat/completions", content=b"{nope", headers=headers, timeout=30)
+        too_big = httpx.post(f"{gw.url}/v1/embeddings", content=b" " * (2 << 20), headers=headers, timeout=30)
+        assert (not_json.status_code, too_big.status_code) == (400, 413), (not_json.text, too_big.text)
+        # refused before acceptance, yet counted once each with its reason (they were not counted),
+        # the body's own refusals too
         metrics = httpx.get(f"{gw.url}/metrics").text
-        assert 'spillover_requests_total{outcome="rejected",reason="queue_full",route="none"} 1.0' in metrics
-        assert (
-            'spillover_requests_total{outcome="rejected",reason="context_length_exceeded",route="none"} 1.0' in metrics
-        )
+        for reason in ("queue_full", "context_length_exceeded", "invalid_request", "payload_too_large"):
+            assert f'spillover_requests_total{{outcome="rejected",reason="{reason}",route="none"}} 1.0' in metrics
 
 
 def overload_peak_rss(guard: bool, budget_mib: int) -> tuple[int, dict[str, Any]]:

@@ -172,13 +172,14 @@ def create_app(gw: Gateway) -> GatewayLifespan:
             body = await _within(cfg.server.body_timeout_s, read(request))
             key = _idempotency_key(request)
             deadline_ms = _deadline_header(request)
-        except SpilloverError as exc:
+        except SpilloverError as exc:  # refused before acceptance: counted, nothing journaled
+            gw.metrics.request_refused(exc)
             return refuse(exc, new_request_id())
         try:
             got = await gw.requests.submit(endpoint, body, idem_key=key, deadline_ms=deadline_ms)
         except Refused as exc:
             if not exc.counted:
-                gw.metrics.request_refused(exc.error.code or type(exc.error).__name__)
+                gw.metrics.request_refused(exc.error)
             return refuse(exc.error, exc.rid)
         if isinstance(got, Answer):  # a stored answer, or a whole one (embeddings)
             return _answer(got)
