@@ -74,7 +74,16 @@ from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
 from spillover.errors import CapacityError, ConfigError, NoWorkerReady, QueueFull, RequestCancelled, WorkerFailed
 from spillover.runtime import ticks
-from spillover.runtime.events import Done, Failed, Interrupted, RequestEvent, Started, SupervisorEvent, WorkerGone
+from spillover.runtime.events import (
+    AudioInfo,
+    Done,
+    Failed,
+    Interrupted,
+    RequestEvent,
+    Started,
+    SupervisorEvent,
+    WorkerGone,
+)
 from spillover.runtime.hostmem import CpuLaneHost
 from spillover.runtime.lanes import places_promised
 from spillover.runtime.readiness import ReplicaReadiness
@@ -114,8 +123,9 @@ class _Dispatch:
 
 @dataclass(eq=False)
 class _Recovery:
-    """A failover's time from the GPU fault to the CPU attempt's first result (its first answer
-    event, else its answer), told to the replica's readiness once (rule 7)."""
+    """A failover's time from the GPU fault to the CPU attempt's first result (its first
+    vectors or segment, else its answer; a transcription's ``AudioInfo``, told once the audio
+    is decoded, is not one), told to the replica's readiness once (rule 7)."""
 
     fault_at: float
     readiness: ReplicaReadiness
@@ -128,7 +138,8 @@ class _Recovery:
 
     def wrap(self, on_part: Callable[[RequestEvent], None] | None) -> Callable[[RequestEvent], None]:
         def part(ev: RequestEvent) -> None:
-            self.seen()
+            if not isinstance(ev, AudioInfo):
+                self.seen()
             if on_part is not None:
                 on_part(ev)
 
