@@ -3,11 +3,21 @@ what the converter cannot handle is refused with the schema path, before any wor
 
 from __future__ import annotations
 
+import random
+import re
 from typing import Any
 
 import pytest
 
-from spillover.engine.grammar import MAX_SCHEMA_DEPTH, GrammarRefused, _max_nesting, schema_to_grammar
+from spillover.engine.grammar import (
+    JSON_CHAR,
+    MAX_SCHEMA_DEPTH,
+    GrammarRefused,
+    _max_nesting,
+    integer_bounds,
+    integer_range,
+    schema_to_grammar,
+)
 
 BOUNDS = {"max_bytes": 65536, "max_repeat": 512}
 
@@ -95,3 +105,73 @@ def test_nesting_bound_refuses_a_deep_grammar() -> None:
     assert schema_to_grammar(schema, max_bytes=65536, max_repeat=100)
     with pytest.raises(GrammarRefused):
         schema_to_grammar(obj(s={"type": "string", "maxLength": 99, "minLength": 0}), max_bytes=65536, max_repeat=50)
+
+
+def _regex(expr: str) -> re.Pattern[str]:
+    """``integer_range``'s GBNF (quoted digits, digit classes, groups, alternatives) as a regex."""
+    return re.compile(re.sub(r'"([^"]*)"', lambda m: re.escape(m.group(1)), expr).replace("(", "(?:").replace(" ", ""))
+
+
+EDGES = [(0, 0), (1, 7), (-7, -1), (-15, 230), (0, 120), (10, 99), (100, 100), (7, 1007), (-1000, 1000), (19, 21)]
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi"), EDGES + [tuple(sorted(random.Random(i).sample(range(-3000, 3000), 2))) for i in range(12)]
+)
+def test_an_integer_range_spells_exactly_the_integers_in_it(lo: int, hi: int) -> None:
+    """The rule for an integer's bounds matches every integer from ``lo`` to ``hi`` as JSON
+    writes it, and nothing else near them: no value outside, no leading zero, no ``-0``."""
+    pattern = _regex(integer_range(lo, hi))
+    for v in range(min(lo, 0) - 1200, max(hi, 0) + 1200):
+        assert bool(pattern.fullmatch(str(v))) is (lo <= v <= hi), v
+    for bad in ("-0", "00", "01", "+1", "007", ""):
+        assert not pattern.fullmatch(bad), bad
+
+
+def test_an_integer_range_holds_at_eighteen_digits() -> None:
+    lo, hi = 123456789012345678, 987654321098765432
+    pattern = _regex(integer_range(lo, hi))
+    for v in (lo - 1, lo, lo + 1, hi - 1, hi, hi + 1, 5 * 10**17, 10**18, -lo):
+        assert bool(pattern.fullmatch(str(v))) is (lo <= v <= hi), v
+
+
+@pytest.mark.parametrize(
+    ("bounds", "want"),
+    [
+        ({"minimum": 1, "maximum": 7}, (1, 7)),
+        ({"exclusiveMinimum": 0, "exclusiveMaximum": 8}, (1, 7)),  # drafts 6+: numbers
+        ({"minimum": 0, "exclusiveMinimum": True, "maximum": 8, "exclusiveMaximum": True}, (1, 7)),  # draft 4
+        ({"minimum": 0, "exclusiveMinimum": False}, (0, 10**18 - 1)),
+        ({"minimum": 0.5, "maximum": 7.9}, (1, 7)),  # fractional bounds: the integers within
+        ({"exclusiveMinimum": 0.5, "exclusiveMaximum": 7.0}, (1, 6)),
+        ({"minimum": 3, "exclusiveMinimum": 5}, (6, 10**18 - 1)),  # both: the tighter
+        ({"maximum": -5}, (-(10**18) + 1, -5)),
+    ],
+)
+def test_integer_bounds_of_either_draft(bounds: dict[str, Any], want: tuple[int, int]) -> None:
+    assert integer_bounds({"type": "integer", **bounds}) == want
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [{"minimum": 5, "maximum": 4}, {"exclusiveMinimum": 1, "exclusiveMaximum": 2}, {"minimum": 0.2, "maximum": 0.8},
+     {"minimum": "1"}, {"maximum": None}, {"minimum": float("nan")}, {"maximum": float("inf")}, {"minimum": 1e300}],
+)  # fmt: skip
+def test_integer_bounds_nothing_meets_or_not_numbers_are_refused(bounds: dict[str, Any]) -> None:
+    with pytest.raises(GrammarRefused):
+        schema_to_grammar(obj(n={"type": "integer", **bounds}), **BOUNDS)
+
+
+def test_a_schemas_strings_leave_out_control_characters() -> None:
+    """JSON forbids control characters unescaped in a string; the converter's ``char`` let
+    them through, so a forced answer could fail ``json.loads`` and the SDKs' ``parse()``."""
+    grammar = schema_to_grammar(obj(name={"type": "string"}, short={"type": "string", "maxLength": 3}), **BOUNDS)
+    char = next(line for line in grammar.splitlines() if line.startswith("char ::="))
+    assert char == f"char ::= {JSON_CHAR}"
+    assert r"\x00-\x1F" in char and r"\x7F" in char
+
+
+def test_integer_bounds_refused_name_their_schema_path() -> None:
+    with pytest.raises(GrammarRefused) as e:
+        schema_to_grammar(obj(n={"type": "integer", "minimum": 5, "maximum": 4}), **BOUNDS)
+    assert e.value.path == "properties.n.maximum" and "no integer" in e.value.message

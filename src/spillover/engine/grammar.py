@@ -12,6 +12,12 @@ Rules:
    the conversion itself is cheap.
 2. The schema is converted by llama-cpp-python's own converter (the one the engine used);
    anything it cannot convert (an unsupported ``pattern``, a remote ``$ref``, ...) is refused.
+   Two of its rules are spillover's (``_Converter``): a string's characters leave out the
+   control characters JSON forbids unescaped (the converter's let them through, so
+   ``json.loads`` and the SDKs' ``parse()`` refused what it forced), and an integer's
+   ``minimum``/``maximum``/``exclusiveMinimum``/``exclusiveMaximum`` (either draft's form)
+   are a rule that spells exactly the integers in range (the converter ignored them; a
+   ``number``'s bounds are still not enforced). Bounds no integer meets are refused.
 3. The grammar must be at most ``max_bytes`` long and nest parentheses at most
    ``max_repeat`` deep.
 
@@ -21,6 +27,7 @@ A refusal is a ``GrammarRefused`` naming the schema path; the gateway answers 40
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 __all__ = ["MAX_SCHEMA_DEPTH", "GrammarRefused", "schema_to_grammar"]
@@ -60,8 +67,13 @@ def _check(node: Any, path: str, depth: int, max_repeat: int) -> None:
             )
     for key in INT_BOUND_KEYS:
         v = node.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT_BOUND:
+        if isinstance(v, int | float) and not isinstance(v, bool) and not abs(v) <= MAX_INT_BOUND:  # NaN too
             raise GrammarRefused(f"'{key}' is out of range (at most 18 digits)", f"{path}.{key}".lstrip("."))
+    if node.get("type") == "integer":
+        try:
+            integer_bounds(node)
+        except GrammarRefused as exc:
+            raise GrammarRefused(exc.message, f"{path}.{exc.path}".lstrip(".")) from None
     for key, value in node.items():
         if isinstance(value, dict | list):
             _check(value, f"{path}.{key}".lstrip("."), depth + 1, max_repeat)
@@ -92,13 +104,129 @@ def _max_nesting(grammar: str) -> int:
     return deepest
 
 
+# A JSON string's character: anything but a quote, a backslash and the control characters
+# (JSON forbids them unescaped), or an escape.
+JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+NO_INT_BOUND = 10**18 - 1  # an integer's missing bound: rule 1's widest
+OTHER_FORMS = frozenset(("$ref", "oneOf", "anyOf", "const", "enum"))  # the converter's, before a type's
+
+
+def _sequence(first: str, any_digits: int) -> str:
+    return " ".join([first, *["[0-9]"] * any_digits])
+
+
+def _span(x: str, y: str) -> list[str]:
+    """Alternatives whose union is the digit strings from ``x`` to ``y`` (same length,
+    ``x <= y``): a shared first digit, then the partial first digit ranges at either end and
+    the whole ones between."""
+    if x == y:
+        return [f'"{x}"']
+    n = len(x) - 1
+    if x[0] == y[0]:
+        return [f'"{x[0]}" ({" | ".join(_span(x[1:], y[1:]))})']
+    alts = []
+    low, high = int(x[0]), int(y[0])
+    if x[1:] != "0" * n:  # x's first digit, then a tail from x's to 9...9
+        alts.append(f'"{x[0]}" ({" | ".join(_span(x[1:], "9" * n))})')
+        low += 1
+    partial_top = y[1:] != "9" * n
+    if partial_top:
+        high -= 1
+    if low <= high:
+        alts.append(_sequence(f"[{low}-{high}]", n))
+    if partial_top:  # y's first digit, then a tail from 0...0 to y's
+        alts.append(f'"{y[0]}" ({" | ".join(_span("0" * n, y[1:]))})')
+    return alts
+
+
+def _naturals(a: int, b: int) -> list[str]:
+    """Alternatives spelling exactly the integers ``a..b`` (``0 <= a <= b``), no leading zero."""
+    alts: list[str] = []
+    for digits in range(len(str(a)), len(str(b)) + 1):
+        lo, hi = max(a, 10 ** (digits - 1) if digits > 1 else 0), min(b, 10**digits - 1)
+        if lo <= hi:
+            alts += _span(str(lo), str(hi))
+    return alts
+
+
+def integer_range(lo: int, hi: int) -> str:
+    """A GBNF expression matching exactly the decimal integers ``lo..hi`` as JSON writes them."""
+    alts = []
+    if lo < 0:
+        alts.append(f'"-" ({" | ".join(_naturals(max(1, -hi), -lo))})')
+    if hi >= 0:
+        alts += _naturals(max(0, lo), hi)
+    return " | ".join(alts)
+
+
+def _number(schema: dict[str, Any], key: str) -> int | float | None:
+    """The keyword's value when it is a number (not a boolean), else None."""
+    v = schema.get(key)
+    return v if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int, int] | None:
+    """The inclusive range an integer schema's bound keywords allow (draft 4's boolean
+    ``exclusiveMinimum``/``exclusiveMaximum`` and the later numeric ones), or None when it
+    has none. ``GrammarRefused`` (its path: the keyword) when a bound is not a number or no
+    integer meets them."""
+    if not any(k in schema for k in INT_BOUND_KEYS):
+        return None
+    for key in INT_BOUND_KEYS:
+        draft4 = key.startswith("exclusive") and isinstance(schema.get(key), bool)
+        if key in schema and _number(schema, key) is None and not draft4:
+            raise GrammarRefused(f"'{key}' must be a number", key)
+    lo, hi = -NO_INT_BOUND, NO_INT_BOUND
+    if (low := _number(schema, "minimum")) is not None:
+        lo = math.floor(low) + 1 if schema.get("exclusiveMinimum") is True else math.ceil(low)
+    if (ex_low := _number(schema, "exclusiveMinimum")) is not None:
+        lo = max(lo, math.floor(ex_low) + 1)
+    if (high := _number(schema, "maximum")) is not None:
+        hi = math.ceil(high) - 1 if schema.get("exclusiveMaximum") is True else math.floor(high)
+    if (ex_high := _number(schema, "exclusiveMaximum")) is not None:
+        hi = min(hi, math.ceil(ex_high) - 1)
+    if lo > hi:
+        raise GrammarRefused(f"no integer is within the bounds ({lo} > {hi})", "maximum")
+    return lo, hi
+
+
+def _converter() -> Any:
+    """llama-cpp-python's converter with spillover's string characters and integer ranges
+    (its module is untyped)."""
+    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+
+    class _Converter(SchemaConverter):
+        def _add_primitive(self, name: str, rule: Any) -> Any:
+            if name == "char":
+                rule = type(rule)(JSON_CHAR, [])
+            return super()._add_primitive(name, rule)
+
+        def visit(self, schema: Any, name: str) -> Any:
+            plain = isinstance(schema, dict) and schema.get("type") == "integer" and OTHER_FORMS.isdisjoint(schema)
+            bounds = integer_bounds(schema) if plain else None
+            if bounds is None:
+                return super().visit(schema, name)  # type: ignore[no-untyped-call]
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            return self._add_rule(rule_name, f"({integer_range(*bounds)}) space")  # type: ignore[no-untyped-call]
+
+    return _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
+
+
+def _to_gbnf(schema: dict[str, Any]) -> str:
+    """As llama-cpp-python's ``json_schema_to_gbnf``, with ``_converter``'s rules."""
+    converter = _converter()
+    resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "stdin")
+    converter.visit(resolved, "")
+    return str(converter.format_grammar())
+
+
 def schema_to_grammar(schema: dict[str, Any], *, max_bytes: int, max_repeat: int) -> str:
     """The GBNF grammar for ``schema``, or ``GrammarRefused`` (rules 1-3)."""
     _check(schema, "", 0, max_repeat)
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
     try:
-        grammar: str = json_schema_to_gbnf(json.dumps(schema))
+        grammar = _to_gbnf(schema)
+    except GrammarRefused:
+        raise
     except RecursionError as exc:
         raise GrammarRefused("the schema nests too deeply to convert") from exc
     except Exception as exc:  # the converter asserts on what it does not support

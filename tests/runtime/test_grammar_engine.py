@@ -1,0 +1,42 @@
+"""A forced JSON answer from the real default model keeps its schema's integer bounds and is
+JSON that a strict parser takes (no raw control character in a string): the grammar the
+gateway builds (``engine.grammar``) parsed and enforced by llama.cpp, over sampled seeds."""
+
+from __future__ import annotations
+
+import json
+
+from spillover.config import default_model_path
+from spillover.engine.grammar import schema_to_grammar
+from spillover.engine.llama_engine import Engine, GenerateParams, Step, Tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "people": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 13},
+    },
+    "required": ["city", "days", "people"],
+}
+
+
+def test_sampled_answers_keep_the_integer_bounds_and_are_strict_json() -> None:
+    grammar = schema_to_grammar(SCHEMA, max_bytes=65536, max_repeat=512)
+    prompt = Tokenizer(default_model_path()).tokenize_chat(
+        [{"role": "user", "content": "Plan a trip: a city, how many days (a lot!), how many people. JSON."}], None
+    )
+    e = Engine(default_model_path(), slots=1, n_ctx=512, n_threads=2, n_batch=256)
+    answers = []
+    for seed in range(10):
+        slot = e.acquire_slot()
+        assert slot is not None
+        try:
+            params = GenerateParams(max_tokens=80, temperature=1.3, seed=seed, grammar=grammar)
+            out = list(e.generate(slot, prompt, params, kv_tokens=512, should_stop=lambda: False))
+        finally:
+            e.release_slot(slot)
+        assert out[-1] == "stop", out[-1]
+        answers.append(json.loads("".join(s.text for s in out if isinstance(s, Step)), strict=True))
+    assert all(1 <= a["days"] <= 7 and 1 <= a["people"] <= 12 and len(a["city"]) <= 12 for a in answers), answers
+    e.set_readiness("on_demand")
