@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from spillover.errors import ConfigError
 __all__ = ["main"]
 
 MIB = 1024 * 1024
+STOP_GRACE_S = 5  # Ctrl-C: open requests get this long to end before the server stops them
 N_CTX_MAX = 2**32 - 256  # llama.cpp's n_ctx is 32 bits and padded to 256 cells: above this it wraps
 
 
@@ -90,12 +92,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 port=s.port,
                 log_level="info",
                 access_log=s.access_log,
-                timeout_graceful_shutdown=5,
+                timeout_graceful_shutdown=STOP_GRACE_S,
                 http=protocol,
                 loop="auto",  # uvloop (a pinned dependency) where it is installed, else asyncio
                 backlog=s.max_connections,
                 timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
-            )
+            ),
+            on_exit=functools.partial(gw.begin_stop, STOP_GRACE_S),  # what it stops ends resumable
         )
         try:
             with contextlib.suppress(KeyboardInterrupt):

@@ -18,6 +18,8 @@
     │   ├── QueueFull                   code=queue_full
     │   ├── JournalUnavailable          type=server_error code=journal_unavailable: a journal write failed
     │   ├── NoWorkerReady               code=no_worker_ready (model_load_failed: no worker can start)
+    │   ├── ServerStopping              type=server_error code=server_stopping: the gateway stopped
+    │   │                               while the request ran or waited (resumable)
     │   └── WorkerFailed                a worker died or failed mid-request (resumable)
     │       ├── AllocationFailed        the device refused memory before generation
     │       └── FailoverInterrupted     code=failover_interrupted: tokens were delivered and
@@ -231,6 +233,17 @@ class NoWorkerReady(CapacityError):
     code = "no_worker_ready"
 
 
+class ServerStopping(CapacityError):
+    """The gateway stopped (Ctrl-C, SIGTERM, a fatal loop) before the request ended: it is
+    not the client's cancellation, and a retry with its Idempotency-Key resumes it."""
+
+    type = "server_error"
+    code = "server_stopping"
+
+    def __init__(self, message: str, *, retry_after_s: float = 5.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+
+
 class WorkerFailed(CapacityError):
     """The worker serving the request died or failed; the request did not complete."""
 
@@ -286,6 +299,7 @@ _FOR_PEOPLE: dict[str, str] = {
         "Please try again in {s}."
     ),
     "worker_failed": "The model stopped while answering. Please try again in {s}.",
+    "server_stopping": "The server is restarting and stopped this request. Please try again in {s}.",
     "failover_interrupted": (
         "The GPU failed partway through this answer, and the rest could not be produced identically "
         "elsewhere. Please try again."

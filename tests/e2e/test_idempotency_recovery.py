@@ -160,6 +160,51 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
         g.stop()
 
 
+def test_a_graceful_stop_ends_its_requests_resumable_and_a_retry_with_the_key_runs_them(tmp_path: Path) -> None:
+    """SIGTERM (Ctrl-C alike): a request still running after the 5 s grace, and one queued
+    behind it, were not cancelled by their clients. They end 503 ``server_stopping``, journaled
+    resumable (they ended CANCELLED, ``request_cancelled`` with x-should-retry false, and a
+    retry with the key after the restart got that 409 back forever); after the restart a retry
+    with the key runs each, once."""
+    state = str(tmp_path / "state")
+    g = GatewayProcess(["--gpu", "none", "--chat-only", "--cpu-slots", "1"], state_dir=state)
+    g.start()
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 700, "temperature": 0}
+    try:
+        outcomes: dict[str, Any] = {}
+
+        def send(key: str) -> None:
+            try:
+                with httpx.Client(base_url=g.url, timeout=120) as c:
+                    outcomes[key] = c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
+            except httpx.HTTPError as exc:
+                outcomes[key] = exc
+
+        threads = [threading.Thread(target=send, args=(key,)) for key in ("g1", "g2")]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        wait_for(lambda: g.status()["live_requests"] == 2, 30, "one running, one queued")
+        g.stop()  # SIGTERM: uvicorn's grace of 5 s, then what still runs is stopped
+        for t in threads:
+            t.join(60)
+        for got in outcomes.values():  # told so a second before the server's grace ends (a bare 500 before)
+            assert isinstance(got, httpx.Response) and got.status_code == 503, got
+            assert got.json()["error"]["code"] == "server_stopping" and got.headers["x-should-retry"] == "true"
+        rows = {r["key"]: r for r in journal_rows(state)}
+        assert {k: r["state"] for k, r in rows.items()} == {"g1": "resumable_error", "g2": "resumable_error"}, rows
+        g.restart()
+        with httpx.Client(base_url=g.url, timeout=180) as c:
+            doc = c.get(f"/v1/requests/{rows['g2']['id']}").json()
+            assert doc["error"]["error"]["code"] == "server_stopping", doc
+            again = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "g2"})
+            assert again.status_code == 200, again.text
+            assert again.headers["x-spillover-request-id"] == rows["g2"]["id"]
+        assert {r["key"]: r["completions"] for r in journal_rows(state)} == {"g1": 0, "g2": 1}
+    finally:
+        g.stop()
+
+
 def agent_step(c: httpx.Client, messages: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """One agent call, retried with the same key until it has an answer."""
     body = agent_body(messages)

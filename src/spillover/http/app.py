@@ -196,7 +196,7 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                run.cancel()
+                run.cancel(by_user=False)
                 return
 
     def _answer(a: Answer) -> Response:

@@ -309,7 +309,13 @@ def raise_fd_limit(max_connections: int) -> int:
 class TickingServer(Server):
     """uvicorn's server whose main loop (the Date header once a second, the check for a stop)
     runs on the gateway's shared tick (``runtime.ticks``) instead of a timer of its own every
-    0.1 s: an idle gateway wakes once for it and its periodic loops. Same period, same checks."""
+    0.1 s: an idle gateway wakes once for it and its periodic loops. Same period, same checks.
+    ``on_exit`` is called when the loop sees the stop (a signal), before uvicorn's shutdown
+    gives open requests their grace and then cancels them."""
+
+    def __init__(self, config: UvicornConfig, *, on_exit: Callable[[], None] = lambda: None) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
 
     async def main_loop(self) -> None:
         counter = 0
@@ -318,3 +324,4 @@ class TickingServer(Server):
             counter = (counter + 1) % 864000
             await ticks.sleep(0.1)
             should_exit = await self.on_tick(counter)
+        self.on_exit()

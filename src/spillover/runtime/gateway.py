@@ -49,6 +49,7 @@ KICK_EVERY_S = 0.5  # the schedulers look again at least this often while the de
 MAX_PENDING_OUTCOMES = 10_000
 _GONE = (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED, SupervisorEventKind.UNLOADED)
 LOAD_RECHECK_S = 0.25  # how often a load waiting for room looks at the ledger again
+STOP_AHEAD_S = 1.0  # a stop ends what still runs this long before the server's grace is over
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 
 
@@ -99,6 +100,9 @@ class Gateway:
         self._outcome_tries: dict[str, int] = {}
         self._journal_wake = asyncio.Event()
         self.recovered: dict[str, int] = {}
+        # The gateway is stopping (``begin_stop``): a request it stops ends resumable
+        # (``ServerStopping``), not as the client's cancellation.
+        self.stopping = False
         self.host = HostMemory(
             self.all_supervisors,
             budget_bytes=cfg.device.host_budget_mib * 1024 * 1024,
@@ -348,7 +352,19 @@ class Gateway:
         chats = [s for c in self.chats for s in c.supervisors]
         return chats + [s for svc in self.services.values() for s in svc.supervisors()]
 
+    def begin_stop(self, grace_s: float = 0.0) -> None:
+        """The server stops taking work: uvicorn's shutdown begins, whose grace lets open
+        requests end for ``grace_s`` before it cancels their handlers (a bare 500 to the
+        client, before ``stop``). What still runs a second before that is stopped here, so its
+        client reads 503 ``server_stopping`` (a stream: its error event and ``[DONE]``)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if grace_s > 0:
+            asyncio.get_running_loop().call_later(max(0.0, grace_s - STOP_AHEAD_S), self.requests.cancel_all)
+
     async def stop(self) -> None:
+        self.begin_stop()
         self.requests.cancel_all()
         await self.loops.stop()
         for s in self.all_supervisors():

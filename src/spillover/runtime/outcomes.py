@@ -19,6 +19,7 @@ from spillover.errors import (
     InvalidRequest,
     JournalUnavailable,
     RequestCancelled,
+    ServerStopping,
     SpilloverError,
     WorkerFailed,
 )
@@ -124,11 +125,20 @@ def final_error(
     )
 
 
+def stopped(rid: str, *, server_stopping: bool) -> SpilloverError:
+    """The error of a request stopped before its end by no DELETE: the client went away
+    (``RequestCancelled``), or the gateway is stopping (``ServerStopping``: resumable, a retry
+    with its Idempotency-Key picks it up; it is not the client's cancellation)."""
+    if server_stopping:
+        return ServerStopping(f"request {rid} was stopped: the gateway is stopping")
+    return RequestCancelled(f"request {rid} was cancelled")
+
+
 def classify_error(exc: SpilloverError) -> State:
     """The journal state a request ends in after ``exc`` (once it was accepted)."""
     if isinstance(exc, RequestCancelled):
         return State.CANCELLED
-    if isinstance(exc, JournalUnavailable):
+    if isinstance(exc, JournalUnavailable | ServerStopping):
         return State.RESUMABLE_ERROR
     if isinstance(exc, WorkerFailed | AllocationFailed):
         return State.RESUMABLE_ERROR

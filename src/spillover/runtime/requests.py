@@ -319,12 +319,10 @@ class RequestService:
             await asyncio.wait_for(run.ended.wait(), CANCEL_WAIT_S)
 
     def cancel_all(self) -> None:
-        """The server is stopping: every live request stops (each journals its end)."""
+        """The server is stopping: every live request stops, each journaling its end as
+        resumable (``ServerStopping``: the gateway's ``stopping`` is set), not as cancelled."""
         for run in list(self.live.values()):
-            if isinstance(run, Run):
-                run.exe.cancel()
-            else:
-                run.cancel()
+            run.cancel(by_user=False)
 
     async def replay(self, rec: JournalRecord) -> None:
         """Run an orphan again (start-up recovery) under its Idempotency-Key's lock, through

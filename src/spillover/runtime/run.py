@@ -27,6 +27,7 @@ from spillover.core.lifecycle import State
 from spillover.core.reasons import FailoverReason
 from spillover.errors import RequestCancelled, SpilloverError
 from spillover.runtime.executor import Execution, Finished, RouteInfo, TokenOut, classify_error
+from spillover.runtime.outcomes import stopped
 from spillover.runtime.prepare import GenerationRequest, Prepared
 
 if TYPE_CHECKING:
@@ -175,10 +176,11 @@ class Run:
         return {"rid": self.rid, "route": self.info.route if self.info else None, "attempt": self.exe.attempt}
 
     # -- control ----------------------------------------------------------------------
-    def cancel(self) -> None:
-        """DELETE /v1/requests/{id} or a disconnected client: the Execution stops the attempt
-        (queued, dispatched or running); the run ends CANCELLED."""
-        self.cancelled_by_user = True
+    def cancel(self, *, by_user: bool = True) -> None:
+        """DELETE /v1/requests/{id} (``by_user``) or a disconnected client: the Execution stops
+        the attempt (queued, dispatched or running); the run ends CANCELLED (resumable while
+        the gateway stops, unless a DELETE asked: ``outcomes.stopped``)."""
+        self.cancelled_by_user = self.cancelled_by_user or by_user
         self.exe.cancel()
 
     # -- driving ----------------------------------------------------------------------
@@ -260,11 +262,14 @@ class Run:
         err = as_error(exc, self.rid)
         if self.cancelled_by_user:
             err = RequestCancelled(f"request {self.rid} was cancelled")
+        elif isinstance(err, RequestCancelled):  # no DELETE: the client or the server went away
+            err = stopped(self.rid, server_stopping=self.gw.stopping)
         self._error_state = classify_error(err)
         return self.encoding.error(err, committed=committed)
 
     async def _end_abandoned(self, *, committed: bool) -> None:
-        """The client (or the server) went away: end the Execution, journal CANCELLED."""
+        """The client (or the server) went away: end the Execution, journal CANCELLED (or,
+        while the gateway stops, RESUMABLE_ERROR: ``_error``)."""
         outcome = self._error(RequestCancelled(f"request {self.rid} was cancelled"), committed=committed)
         await self._end(outcome, failed=RequestCancelled(self.rid))
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from spillover.core.lifecycle import State
 from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.journal import NOTED
-from spillover.runtime.outcomes import classify_error
+from spillover.runtime.outcomes import classify_error, stopped
 from spillover.runtime.run import Answer, Encoded, Streaming, as_error
 
 if TYPE_CHECKING:
@@ -99,11 +99,19 @@ class UnaryRun:
         """Its line in /v1/status ``running``."""
         return {"rid": self.rid, "route": self.route, "attempt": self.attempt, "endpoint": self.ep.name}
 
-    def cancel(self) -> None:
-        """DELETE /v1/requests/{id}, or the server stopping: the work stops; it ends CANCELLED."""
-        self.cancelled_by_user = True
+    def cancel(self, *, by_user: bool = True) -> None:
+        """DELETE /v1/requests/{id} (``by_user``), the client going away or the server stopping:
+        the work stops; it ends CANCELLED (resumable while the gateway stops, unless a DELETE
+        asked: ``_cancelled``)."""
+        self.cancelled_by_user = self.cancelled_by_user or by_user
         if self._task is not None:
             self._task.cancel()
+
+    def _cancelled(self) -> SpilloverError:
+        """The error of work that was stopped: the DELETE's, else ``outcomes.stopped``."""
+        if self.cancelled_by_user:
+            return RequestCancelled(f"request {self.rid} was cancelled")
+        return stopped(self.rid, server_stopping=self.gw.stopping)
 
     async def _move(self, state: str, fields: dict[str, Any]) -> None:
         if "route" in fields:
@@ -161,7 +169,7 @@ class UnaryRun:
             outcome = await asyncio.shield(self._task)
         except asyncio.CancelledError:
             me = asyncio.current_task()
-            cancelled = RequestCancelled(f"request {self.rid} was cancelled")
+            cancelled = self._cancelled()
             if me is not None and me.cancelling():  # our caller is cancelled (the server stops)
                 await asyncio.shield(self._settle(cancelled))
                 raise
@@ -179,7 +187,7 @@ class UnaryRun:
                 yield frame
         finally:
             if not self.ended.is_set():
-                self.cancel()
+                self.cancel(by_user=False)
 
     async def _end_stream(self) -> None:
         """Rule 5: once the work ends, its last frames (or an error frame) are sent, and the
@@ -191,7 +199,7 @@ class UnaryRun:
                 state = State.COMPLETED
                 err: SpilloverError | None = None
             except asyncio.CancelledError:
-                err = RequestCancelled(f"request {self.rid} was cancelled")
+                err = self._cancelled()
             except Exception as exc:
                 err = RequestCancelled(f"request {self.rid} was cancelled") if self.cancelled_by_user else None
                 err = err or as_error(exc, self.rid)
