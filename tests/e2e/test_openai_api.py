@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -72,6 +73,13 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     assert a == b
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
+
+
 def test_named_tool_choice_gives_valid_tool_call(client: openai.OpenAI) -> None:
     """A named tool_choice yields a schema-valid tool call with a stable-format id."""
     tools = [
@@ -100,6 +108,38 @@ def test_named_tool_choice_gives_valid_tool_call(client: openai.OpenAI) -> None:
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     args = json.loads(call.function.arguments)
     assert isinstance(args["city"], str) and isinstance(args["days"], int)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_cut_off_by_max_tokens_comes_as_openai_gives_it(client: openai.OpenAI, stream: bool) -> None:
+    """A forced call that ``max_tokens`` cuts off is the call so far with finish_reason
+    ``length`` (OpenAI's answer), never a retryable 503 (it was ``worker_failed`` with
+    x-should-retry true: the SDK reran the whole generation, to fail the same way)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
+        max_tokens=6,
+        temperature=0,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert len(calls) == 1 and finish == ["length"], chunks
+        name, arguments = calls[0].function.name, calls[0].function.arguments
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "length"
+        name, arguments = (
+            r.choices[0].message.tool_calls[0].function.name,
+            r.choices[0].message.tool_calls[0].function.arguments,
+        )
+    assert name == "get_weather" and isinstance(arguments, str)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)  # cut off: not whole
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,13 @@ route-change chunk, and the ``X-Spillover-*`` headers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 from typing import Any
 
-from spillover.errors import SpilloverError, WorkerFailed, to_http
+from spillover.errors import SpilloverError, to_http
 from spillover.http.notice import notice
 from spillover.http.routes import signal_headers
 from spillover.runtime.events import TokenLogprob
@@ -24,6 +26,8 @@ __all__ = ["AnswerShapes", "JsonEncoding", "SseEncoding", "encoding_for", "logpr
 JSON = "application/json"
 EVENT_STREAM = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
+# A forced tool call cut off: its name (as the grammar writes it, first) and its arguments so far.
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.DOTALL)
 
 
 def tool_call_id(rid: str, index: int) -> str:
@@ -85,23 +89,40 @@ class AnswerShapes:
         return {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c}
 
     def tool_calls(self) -> list[dict[str, Any]] | None:
-        """OpenAI ``tool_calls`` from the constrained output of a forced tool call."""
+        """OpenAI ``tool_calls`` from the constrained output of a forced tool call. A call cut
+        off before it was complete (``max_tokens``, a stop sequence) comes as OpenAI gives one:
+        the arguments as far as they came, and the run's own finish reason (``tool_finish``)."""
         if self.run.req.forced_tool is None:
             return None
-        try:
-            obj = json.loads("".join(self.run.text))
-        except json.JSONDecodeError as exc:
-            raise WorkerFailed(
-                f"the tool call was cut off before it was complete (finish_reason={self.run.finish_reason}); "
-                "raise max_tokens"
-            ) from exc
+        name, arguments, _ = self._tool_call()
         return [
             {
                 "id": tool_call_id(self.run.rid, 0),
                 "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
+                "function": {"name": name, "arguments": arguments},
             }
         ]
+
+    def tool_finish(self) -> str:
+        """A forced tool call's finish reason: ``tool_calls`` when it is whole, else the run's."""
+        return "tool_calls" if self._tool_call()[2] else str(self.run.finish_reason)
+
+    def _tool_call(self) -> tuple[str, str, bool]:
+        """The forced call's function name, its arguments (JSON text) and whether it is whole."""
+        text = "".join(self.run.text)
+        try:
+            obj = json.loads(text)
+            return str(obj["name"]), json.dumps(obj["arguments"]), True
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+        forced = self.run.req.forced_tool or "*"
+        names = [str(t["function"]["name"]) for t in self.run.req.tools]
+        name = forced if forced != "*" else (names[0] if len(names) == 1 else "")
+        if m := _PARTIAL_CALL.match(text):  # the grammar writes the name first, then the arguments
+            with contextlib.suppress(json.JSONDecodeError):
+                name = str(json.loads(f'"{m.group(1)}"'))
+            return name, m.group(2), False
+        return name, "", False
 
     def logprobs(self, tokens: list[TokenOut], offset: int = 0) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of ``tokens``: chat's ``content`` list, or the completions
@@ -157,7 +178,7 @@ class JsonEncoding(AnswerShapes):
             calls = self.tool_calls()
             if calls:
                 message = {"role": "assistant", "content": None, "tool_calls": calls}
-                finish = "tool_calls"
+                finish = self.tool_finish()
             choice = {"index": 0, "message": message, "logprobs": self.logprobs(r.tokens), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(r.tokens), "finish_reason": r.finish_reason}
@@ -244,7 +265,7 @@ class SseEncoding(AnswerShapes):
         if self.buffer_tools:
             calls = self.tool_calls() or []
             frames.append(self.chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
-            finish = "tool_calls"
+            finish = self.tool_finish()
         if extra := self.appended_notice():
             frames.append(self.chunk({"content": extra} if self.chat else extra))
         frames.append(self.chunk(self._empty(), finish))
