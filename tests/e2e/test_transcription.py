@@ -364,3 +364,27 @@ def test_a_gpu_fault_mid_stream_continues_on_cpu_without_repeating_a_segment(gw:
     assert done["text"] == ref["text"]
     assert done["spillover"]["route"] == "cpu" and done["spillover"]["attempts"] == 2
     assert done["spillover"]["reason"] == "failover:oom"
+
+
+def test_a_stream_that_ends_in_an_error_has_openais_error_shape_and_done(gw: GatewayProcess) -> None:
+    """A DELETE mid-stream: after the segments sent, one error event in OpenAI's shape
+    (``error.code``, what openai-python reads) and then ``[DONE]``, as a chat stream ends (it
+    was ``{"error": {"error": {...}}}`` with no ``[DONE]``)."""
+    received: list[Any] = []
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/audio/transcriptions",
+        data={"model": "whisper-1", "stream": "true"},
+        files={"file": ("a.wav", _long_clip(12))},
+        timeout=300,
+    ) as r:
+        assert r.status_code == 200
+        rid = r.headers["x-spillover-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                received.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if len(received) == 1:
+                    assert httpx.delete(f"{gw.url}/v1/requests/{rid}", timeout=60).status_code == 200
+    assert received[0]["type"] == "transcript.text.delta" and received[-1] == "[DONE]", received
+    assert received[-2]["error"]["code"] == "request_cancelled" and received[-2]["error"]["message"], received
+    assert httpx.get(f"{gw.url}/v1/requests/{rid}").json()["state"] == "cancelled"

@@ -47,6 +47,7 @@ log = logging.getLogger("spillover.request")
 OnMove = Callable[[str, dict[str, Any]], Awaitable[None]]
 Emit = Callable[[bytes, dict[str, str]], None]  # one streamed frame, and the headers it is sent under
 SSE = "text/event-stream"
+DONE = b"data: [DONE]\n\n"  # a stream's end, after its last event (an error too)
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,8 @@ class UnaryRun:
                 err = err or as_error(exc, self.rid)
             if err is not None:
                 state = classify_error(err)
-                body = self.ep.error(err, self.rid).error or {"message": err.message}
-                last = Encoded(200, [b"data: " + json.dumps({"error": body}).encode() + b"\n\n"], {}, SSE, body)
+                body = self.ep.error(err, self.rid).error or {"error": {"message": err.message}}  # OpenAI's shape
+                last = Encoded(200, [b"data: " + json.dumps(body).encode() + b"\n\n", DONE], {}, SSE, body)
             if not self._first.is_set():  # nothing was sent: the whole answer goes as usual
                 await self._store(state, last)
                 return
