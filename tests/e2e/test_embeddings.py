@@ -165,12 +165,20 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
         listed = [m.model for m in client.list().models]
         with pytest.raises(ollama.ResponseError) as e:
             client.embed(model="nope", input="x")
+        # what list() names, show() and ps() describe too (show() was a 404, ps() left it out)
+        shown = [client.show(name) for name in ("bge-small-en", "bge-small")]
+        running = {m.model: m for m in client.ps().models}
     finally:
         client._client.close()
     ref = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES}).json()
     assert np.array_equal(np.array(got.embeddings, dtype=np.float32), _vectors(ref))
     assert e.value.status_code == 404
     assert listed == ["smollm2-135m-instruct", "bge-small-en"]
+    assert all(s.capabilities == ["embedding"] and s.modelinfo["bert.embedding_length"] == 384 for s in shown)
+    bge = running["bge-small-en"]
+    row = next(r for r in gw.status()["services"] if r["name"] == "bge-small-en")
+    assert bge.size_vram and bge.size >= bge.size_vram, bge  # its GPU worker holds its weights
+    assert {w["lane"] for w in row["workers"] if w["state"] == "ready"} >= {"gpu"}, row
 
 
 def test_delete_of_a_running_embeddings_request_ends_it_cancelled(gw: GatewayProcess) -> None:

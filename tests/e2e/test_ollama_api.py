@@ -104,6 +104,11 @@ def test_errors_come_in_ollama_shape(gw: GatewayProcess, client: ollama.Client) 
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=MODEL, input="hello")
     assert e.value.status_code == 400 and "/v1/chat/completions" in str(e.value.error)
+    # /api/show reads its body as every route does: bounded (it buffered any size, for any time)
+    big = httpx.post(f"{gw.url}/api/show", content=b" " * (2 << 20), headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["code"] == "payload_too_large", big.text
+    bad = httpx.post(f"{gw.url}/api/show", content=b"{", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"], bad.text
 
 
 def test_an_ollama_request_is_journaled_and_flags_its_route(gw: GatewayProcess) -> None:

@@ -158,6 +158,10 @@ def create_app(gw: Gateway) -> GatewayLifespan:
     async def _json_body(request: Request) -> Any:
         return await _read_json(request, cfg.server.max_body_bytes)
 
+    async def _bounded_json(request: Request) -> Any:
+        """A JSON body read as a generation request's is, outside ``generate``."""
+        return await _within(cfg.server.body_timeout_s, _json_body(request))
+
     async def generate(
         request: Request,
         endpoint: str,
@@ -322,7 +326,7 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/", index, methods=["GET"]),
-        *ollama_routes(gw, generate, guard(authorize, ollama_error)),
+        *ollama_routes(gw, generate, guard(authorize, ollama_error), _bounded_json),
     ]
 
     app = Starlette(

@@ -99,9 +99,36 @@ def _digest(path: str) -> str:
     return file_digest(path)
 
 
-def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], Handler]) -> list[Route]:
+EMBED_DETAILS = {"format": "onnx", "family": "bert", "families": ["bert"], "quantization_level": "int8"}
+
+
+def embed_show(svc: EmbeddingsService) -> dict[str, Any]:
+    """/api/show of an embeddings service (Ollama's ``embedding`` capability; no template)."""
+    i = svc.info
+    info: dict[str, Any] = {"general.architecture": "bert", "general.name": svc.name}
+    if i is not None:
+        info |= {"bert.embedding_length": i.dim, "bert.block_count": i.n_layers, "bert.context_length": i.max_tokens,
+                 "bert.attention.head_count": i.n_heads, "bert.feed_forward_length": i.intermediate}  # fmt: skip
+    return {
+        "modelfile": f"FROM {svc.model_dir}\n",
+        "parameters": "",
+        "template": "",
+        "details": EMBED_DETAILS,
+        "model_info": info,
+        "capabilities": ["embedding"],
+        "modified_at": created_at(),
+    }
+
+
+def ollama_routes(
+    gw: Gateway,
+    generate: Generate,
+    guarded: Callable[[Handler], Handler],
+    read_json: Callable[[Request], Awaitable[Any]],
+) -> list[Route]:
     """The /api routes; ``generate`` runs a request through the service, ``guarded`` checks
-    the API key as on every other route and answers errors in Ollama's shape."""
+    the API key as on every other route and answers errors in Ollama's shape, ``read_json``
+    reads a body as every route does (``max_body_bytes``, ``body_timeout_s``)."""
 
     async def model_entry(chat: ChatModel) -> dict[str, Any]:
         digest = await asyncio.to_thread(_digest, chat.model_path)
@@ -132,7 +159,7 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
             "modified_at": mtime.isoformat().replace("+00:00", "Z"),
             "size": svc.info.file_bytes if svc.info else 0,
             "digest": digest,
-            "details": {"format": "onnx", "family": "bert", "families": ["bert"], "quantization_level": "int8"},
+            "details": EMBED_DETAILS,
         }
 
     @guarded
@@ -179,21 +206,49 @@ def ollama_routes(gw: Gateway, generate: Generate, guarded: Callable[[Handler], 
             "spillover": {"placement": placement, "workers": workers, "mode": gw.status()["mode"]},
         }
 
+    async def service_running(svc: EmbeddingsService) -> dict[str, Any] | None:
+        """An embeddings service's /api/ps entry, as a chat model's: its GPU worker holds its
+        weights on the device, its CPU replica what its readiness holds now (None: neither)."""
+        workers = []
+        vram = host = 0
+        for s in svc.supervisors():
+            w = s.worker.statistics()
+            on_device = svc.weights_bytes() if w.lane == "gpu" else 0
+            on_host = 0
+            if w.lane != "gpu":
+                held = svc.readiness.host_bytes(s.worker) if svc.readiness is not None else None
+                on_host = svc.host_weights_bytes() if held is None else held
+            ready = w.state == "ready"
+            vram, host = vram + (on_device if ready else 0), host + (on_host if ready else 0)
+            workers.append({"worker_id": w.worker_id, "lane": w.lane, "device": w.device, "state": w.state,
+                            "size": on_device + on_host if ready else 0})  # fmt: skip
+        if not (vram or host):
+            return None
+        return await service_entry(svc) | {
+            "size": vram + host,
+            "size_vram": vram,
+            "expires_at": FAR_FUTURE,
+            "context_length": svc.info.max_tokens if svc.info else 0,
+            "spillover": {"placement": "gpu" if vram else "cpu", "workers": workers, "mode": gw.status()["mode"]},
+        }
+
     @guarded
     async def ps(request: Request) -> Response:
-        return plain_json({"models": [e for c in gw.chats if (e := await running(c)) is not None]})
+        chats = [e for c in gw.chats if (e := await running(c)) is not None]
+        services = [e for svc in gw.embedding_services() if svc.model_dir and (e := await service_running(svc))]
+        return plain_json({"models": [*chats, *services]})
 
     @guarded
     async def show(request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
+        body = await read_json(request)
         asked = body.get("model") or body.get("name") if isinstance(body, dict) else None
         chat = next((c for c in gw.chats if asked in c.ids), None)
+        listed = [svc for svc in gw.embedding_services() if svc.model_dir]  # as /api/tags lists them
+        if chat is None and (svc := next((e for e in listed if asked in (e.name, *e.cfg.aliases)), None)) is not None:
+            return plain_json(embed_show(svc))
         if chat is None:
-            served = ", ".join(repr(c.name) for c in gw.chats)
-            raise NotFound(f"model {asked!r} not found; this server's chat models are {served}", code="model_not_found")
+            served = ", ".join(repr(name) for name in [*(c.name for c in gw.chats), *(e.name for e in listed)])
+            raise NotFound(f"model {asked!r} not found; this server's models are {served}", code="model_not_found")
         meta = chat.tokenizer.metadata if chat.tokenizer is not None else {}
         info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
         return plain_json(
