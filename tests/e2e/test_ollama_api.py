@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import ollama
@@ -127,3 +129,28 @@ def test_an_ollama_request_is_journaled_and_flags_its_route(gw: GatewayProcess) 
     sp = lines[-1]["spillover"]
     assert lines[-1]["done"] and sp["route"] == streamed.headers["x-spillover-route"]
     assert sp["degraded"] is (sp["route"] != "gpu") and sp["request_id"] == streamed.headers["x-spillover-request-id"]
+
+
+def test_a_load_request_is_answered_at_once_and_runs_nothing(gw: GatewayProcess, client: ollama.Client) -> None:
+    """Ollama's load requests (the ollama CLI's preload): chat with no messages, generate
+    with an empty prompt. Done at once with ``done_reason: "load"``, nothing journaled or run
+    (chat answered 400, generate ran an open-ended generation)."""
+
+    def journaled() -> int:
+        db = sqlite3.connect(Path(gw.state_dir) / "journal.sqlite3")
+        try:
+            return int(db.execute("SELECT count(*) FROM requests").fetchone()[0])
+        finally:
+            db.close()
+
+    before = journaled()
+    chat = client.chat(model=MODEL, messages=[])
+    gen = client.generate(model=MODEL, prompt="")
+    streamed = list(client.generate(model=MODEL, stream=True))
+    assert chat.done and chat.done_reason == "load" and chat.message.content == ""
+    assert gen.done and gen.done_reason == "load" and gen.response == "" and not gen.eval_count
+    assert len(streamed) == 1 and streamed[0].done_reason == "load"
+    assert journaled() == before
+    with pytest.raises(ollama.ResponseError) as e:  # an unknown model is still a 404
+        client.chat(model="nope", messages=[])
+    assert e.value.status_code == 404

@@ -40,7 +40,17 @@ if TYPE_CHECKING:
 
 __all__ = ["ollama_endpoints", "ollama_error", "ollama_routes"]
 
-Generate = Callable[[Request, str, Callable[[SpilloverError, str], Response]], Awaitable[Response]]
+Generate = Callable[..., Awaitable[Response]]  # app.generate(request, endpoint, refuse, read)
+
+
+class _LoadOnly(Exception):
+    """An Ollama request that asks only to load its model: nothing to run or journal."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__("load")
+        self.answer = answer
+
+
 FAR_FUTURE = "2999-12-31T23:59:59Z"  # expires_at: spillover does not unload on a timer
 
 
@@ -143,11 +153,43 @@ def ollama_routes(
             "details": _details(chat),
         }
 
+    def unknown_model(asked: Any) -> NotFound:
+        listed = [svc.name for svc in gw.embedding_services() if svc.model_dir]
+        served = ", ".join(repr(name) for name in [*(c.name for c in gw.chats), *listed])
+        return NotFound(f"model {asked!r} not found; this server's models are {served}", code="model_not_found")
+
+    def load_reader(field: str, empty: dict[str, Any]) -> Callable[[Request], Awaitable[Any]]:
+        """The body, read as ``generate`` reads it; a request whose ``field`` is missing or
+        empty (``messages: []``, ``prompt: ""``) is Ollama's load request: the ollama CLI's
+        preload before its prompt. It is answered at once (``done_reason: "load"``) for a
+        model this server serves, and runs nothing: spillover keeps its models loaded (a
+        ``keep_alive`` of 0 unloads nothing either)."""
+
+        async def read(request: Request) -> Any:
+            body = await read_json(request)
+            if isinstance(body, dict) and body.get(field) in (None, "", []):
+                asked = body.get("model")
+                chat = next((c for c in gw.chats if asked in c.ids), None)
+                if chat is None:
+                    raise unknown_model(asked)
+                raise _LoadOnly({"model": chat.name, "created_at": created_at(), **empty, "done_reason": "load",
+                                 "done": True})  # fmt: skip
+            return body
+
+        return read
+
+    async def load_or_run(request: Request, endpoint: str, read: Callable[[Request], Awaitable[Any]]) -> Response:
+        try:
+            return await generate(request, endpoint, ollama_error, read)
+        except _LoadOnly as load:
+            return plain_json(load.answer)
+
     async def chat(request: Request) -> Response:
-        return await generate(request, "ollama-chat", ollama_error)
+        read = load_reader("messages", {"message": {"role": "assistant", "content": ""}})
+        return await load_or_run(request, "ollama-chat", read)
 
     async def gen(request: Request) -> Response:
-        return await generate(request, "ollama-generate", ollama_error)
+        return await load_or_run(request, "ollama-generate", load_reader("prompt", {"response": ""}))
 
     async def service_entry(svc: EmbeddingsService) -> dict[str, Any]:
         onnx = os.path.join(svc.model_dir, "model.onnx")
@@ -247,8 +289,7 @@ def ollama_routes(
         if chat is None and (svc := next((e for e in listed if asked in (e.name, *e.cfg.aliases)), None)) is not None:
             return plain_json(embed_show(svc))
         if chat is None:
-            served = ", ".join(repr(name) for name in [*(c.name for c in gw.chats), *(e.name for e in listed)])
-            raise NotFound(f"model {asked!r} not found; this server's models are {served}", code="model_not_found")
+            raise unknown_model(asked)
         meta = chat.tokenizer.metadata if chat.tokenizer is not None else {}
         info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
         return plain_json(
