@@ -111,22 +111,30 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     return out, num_ctx
 
 
+def _tool_call(c: Any, param: str, call_id: str) -> dict[str, Any]:
+    """An earlier assistant turn's Ollama tool call as OpenAI's (a 400 naming it when it is
+    not ``{"function": {"name": ..., "arguments": {...}}}``)."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequest("each tool call must be {'function': {'name': ..., 'arguments': {...}}}", param=param)
+    arguments = fn.get("arguments") or {}
+    if not isinstance(arguments, dict | str):
+        raise InvalidRequest("a tool call's 'arguments' must be an object", param=f"{param}.function.arguments")
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": text}}
+
+
 def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise InvalidRequest("each message must be an object", param=f"messages[{i}]")
     if m.get("images"):
         raise InvalidRequest("images are not supported by the served model", param=f"messages[{i}].images")
     out: dict[str, Any] = {"role": m.get("role"), "content": m.get("content", "")}
-    if m.get("tool_calls"):
-        out["tool_calls"] = [
-            {
-                "id": f"call_{i}_{j}",
-                "type": "function",
-                "function": {"name": (c.get("function") or {}).get("name"),
-                             "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})},
-            }
-            for j, c in enumerate(m["tool_calls"]) if isinstance(c, dict)
-        ]  # fmt: skip
+    if calls := m.get("tool_calls"):
+        if not isinstance(calls, list):
+            raise InvalidRequest("'tool_calls' must be an array", param=f"messages[{i}].tool_calls")
+        param = f"messages[{i}].tool_calls"
+        out["tool_calls"] = [_tool_call(c, f"{param}[{j}]", f"call_{i}_{j}") for j, c in enumerate(calls)]
     if m.get("role") == "tool":
         out["tool_call_id"] = str(m.get("tool_name") or "tool")
     return out
