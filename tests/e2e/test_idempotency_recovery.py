@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from spillover.drill.scenarios import agent_body
+from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
 from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, stream, wait_for
 
@@ -202,6 +205,65 @@ def test_a_graceful_stop_ends_its_requests_resumable_and_a_retry_with_the_key_ru
             assert again.headers["x-spillover-request-id"] == rows["g2"]["id"]
         assert {r["key"]: r["completions"] for r in journal_rows(state)} == {"g1": 0, "g2": 1}
     finally:
+        g.stop()
+
+
+def test_a_delete_of_an_orphan_waiting_for_recovery_cancels_it_and_it_never_runs(tmp_path: Path) -> None:
+    """After a SIGKILL the restarted gateway replays its orphans once the workers are up (here
+    the GPU worker's load waits behind a tenant). A DELETE of one meanwhile ends it cancelled
+    and it never runs (it answered 200 with the stale state, and the replay ran it after)."""
+    state = str(tmp_path / "state")
+    g = GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1", "--cpu-slots", "1"], state_dir=state)
+    g.start()
+    tenant: subprocess.Popen[bytes] | None = None
+    try:
+        body = {"prompt": COUNT_PROMPT, "max_tokens": 600, "temperature": 0}
+
+        def send(key: str) -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=g.url, timeout=120) as c:
+                c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
+
+        threads = [threading.Thread(target=send, args=(f"o{i}",), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        wait_for(lambda: len(journal_rows(state)) == 3, 30, "all three accepted")
+        g.kill9()
+        cmd = [sys.executable, "-m", "spillover.cli", "tenant", "--state-dir", state, "--mib", "1000"]
+        tenant = subprocess.Popen([*cmd, "--name", "other"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: SimDevice(state).snapshot().used_bytes >= 900 * 2**20, 20, "the tenant's hold")
+        g.wait_all_workers = False  # the GPU worker's load waits for room: recovery waits for it
+        g.restart()
+        victim = next(r for r in journal_rows(state) if r["key"] == "o2")
+        assert victim["state"] not in ("completed", "cancelled")
+        r = httpx.delete(f"{g.url}/v1/requests/{victim['id']}", timeout=30)
+        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        tenant.terminate()
+        tenant.wait(10)
+        tenant = None
+        rows = wait_for(
+            lambda: (
+                (rs := journal_rows(state))
+                and all(x["state"] in ("completed", "resumable_error", "cancelled") for x in rs)
+                and rs
+            ),
+            240,
+            "every request ended",
+        )
+        by_key = {x["key"]: x for x in rows}
+        assert by_key["o2"]["state"] == "cancelled" and by_key["o2"]["completions"] == 0, by_key
+        assert {by_key[k]["state"] for k in ("o0", "o1")} == {"completed"}, by_key  # the others replayed
+        db = sqlite3.connect(Path(state) / "journal.sqlite3")
+        try:
+            after = db.execute(
+                "SELECT to_state FROM transitions WHERE rid=? ORDER BY rowid", (victim["id"],)
+            ).fetchall()
+        finally:
+            db.close()
+        assert after[-1][0] == "cancelled", after  # nothing moved it after the DELETE
+    finally:
+        if tenant is not None:
+            tenant.terminate()
         g.stop()
 
 

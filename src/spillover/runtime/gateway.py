@@ -181,6 +181,7 @@ class Gateway:
         self.loops.add("journal-retention", self._journal_loop)
         # What was unfinished *before* this gateway serves anything: only those are orphans.
         orphans = await self.journal.unfinished()
+        self.requests.orphans = {rec.id for rec in orphans}
         await self.loops.start()
         self.loops.spawn("recover", self._recover(orphans))
 

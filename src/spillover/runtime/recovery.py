@@ -22,24 +22,32 @@ from typing import TYPE_CHECKING
 
 from spillover.core.lifecycle import State
 from spillover.core.routing import replayable_after_restart
-from spillover.errors import FailoverInterrupted, SpilloverError, to_http
+from spillover.errors import FailoverInterrupted, RequestCancelled, SpilloverError, to_http
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
     from spillover.runtime.journal import JournalRecord
 
-__all__ = ["end_orphan", "recover"]
+__all__ = ["end_orphan", "orphan_lock", "recover"]
 
 log = logging.getLogger("spillover.recovery")
 
 
+def orphan_lock(rec: JournalRecord) -> str:
+    """The lock an orphan's replay, recovery and DELETE take: its Idempotency-Key (a retry
+    with it resumes the same request), else one of its own that no client key can be (a key
+    is printable ASCII)."""
+    return rec.idem_key or f"\0{rec.id}"
+
+
 async def end_orphan(gw: Gateway, rec: JournalRecord, exc: SpilloverError) -> None:
-    """End an orphan as a resumable error whose stored answer is ``exc`` (rule 3)."""
+    """End an orphan whose stored answer is ``exc``: as a resumable error (rule 3), or
+    cancelled (a DELETE before its replay)."""
     assert gw.journal is not None
     e = to_http(exc, rec.id)
     await gw.journal.move(
         rec.id,
-        State.RESUMABLE_ERROR,
+        State.CANCELLED if isinstance(exc, RequestCancelled) else State.RESUMABLE_ERROR,
         status_code=e.status,
         response=json.dumps(e.body).encode(),
         content_type="application/json",
@@ -56,13 +64,14 @@ async def recover(
     assert gw.journal is not None
     counts = {"replayed": 0, "ended": 0, "failed": 0}
     for rec in orphans:
-        if rec.id in gw.requests.live:  # resumed by its client (same Idempotency-Key) meanwhile
-            continue
-        try:
-            counts[await _recover_one(gw, rec, spawn)] += 1
-        except Exception:  # one orphan's failure (a journal error) does not stop the others
-            log.exception("recovery of %s failed; it stays unfinished until the next start", rec.id)
-            counts["failed"] += 1
+        async with gw.keys.hold(orphan_lock(rec)):  # not while a DELETE ends it
+            if rec.id in gw.requests.live or rec.id not in gw.requests.orphans:  # resumed, or cancelled
+                continue
+            try:
+                counts[await _recover_one(gw, rec, spawn)] += 1
+            except Exception:  # one orphan's failure (a journal error) does not stop the others
+                log.exception("recovery of %s failed; it stays unfinished until the next start", rec.id)
+                counts["failed"] += 1
     if any(counts.values()):
         log.info("recovered journal: %s", counts)
     return counts
@@ -77,6 +86,7 @@ async def _recover_one(gw: Gateway, rec: JournalRecord, spawn: Callable[[str, Aw
         rec = await gw.journal.get(rec.id) or rec
         spawn(f"recover-{rec.id}", gw.requests.replay(rec))
         return "replayed"
+    gw.requests.orphans.discard(rec.id)
     await end_orphan(
         gw,
         rec,

@@ -37,11 +37,12 @@ from spillover.errors import (
     IdempotencyInFlight,
     IdempotencyMismatch,
     InvalidRequest,
+    RequestCancelled,
     SpilloverError,
 )
 from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
 from spillover.runtime.prepare import GenerationRequest, Prepared, new_request_id, prepare
-from spillover.runtime.recovery import end_orphan
+from spillover.runtime.recovery import end_orphan, orphan_lock
 from spillover.runtime.run import Answer, Encoded, Encoding, Run, Streaming, as_error
 from spillover.runtime.unary import UnaryEndpoint, UnaryRun
 
@@ -85,6 +86,9 @@ class RequestService:
         self.gw = gw
         self.endpoints: dict[str, Endpoint | UnaryEndpoint] = {}
         self.live: dict[str, Run | UnaryRun] = {}  # request id -> its run, from acceptance until it ends
+        # Unfinished in the journal at start and not replayed yet (start-up recovery waits for
+        # the workers): a DELETE ends one here (``cancel``), and its replay then runs nothing.
+        self.orphans: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<RequestService endpoints={sorted(self.endpoints)} live={len(self.live)}>"
@@ -310,8 +314,20 @@ class RequestService:
             self.live.pop(rid, None)
 
     async def cancel(self, rid: str) -> None:
-        """Cancel a live request and wait (bounded) until its end is journaled."""
+        """Cancel a live request and wait (bounded) until its end is journaled. An orphan
+        whose replay has not begun is ended CANCELLED at once, under the lock its replay
+        takes (``orphan_lock``), so it never runs."""
         run = self.live.get(rid)
+        if run is None and rid in self.orphans and self.gw.journal is not None:
+            rec = await self.gw.journal.get(rid)
+            if rec is None:
+                return
+            async with self.gw.keys.hold(orphan_lock(rec)):
+                run = self.live.get(rid)  # its replay began meanwhile
+                if run is None and rid in self.orphans:
+                    self.orphans.discard(rid)
+                    if (now := await self.gw.journal.get(rid)) is not None and not now.terminal:
+                        await end_orphan(self.gw, now, RequestCancelled(f"request {rid} was cancelled"))
         if run is None:
             return
         run.cancel()
@@ -329,7 +345,10 @@ class RequestService:
         its own endpoint, so a retry with its key gets exactly what its client would have.
         If its client resumed it meanwhile (it is live, or no longer QUEUED), nothing runs."""
         assert self.gw.journal is not None
-        async with self.gw.keys.hold(rec.idem_key):
+        async with self.gw.keys.hold(orphan_lock(rec)):
+            if rec.id not in self.orphans:  # a DELETE ended it
+                return
+            self.orphans.discard(rec.id)
             current = await self.gw.journal.get(rec.id)
             if rec.id in self.live or current is None or current.state is not State.QUEUED:
                 return
