@@ -9,10 +9,17 @@ import asyncio
 import pytest
 
 from spillover.config import LaneConfig
-from spillover.errors import QueueFull
+from spillover.core.admission import AdmissionPolicy
+from spillover.core.ledger import DeviceLedger
+from spillover.core.memory import MemoryModel
+from spillover.errors import CapacityError, QueueFull
 from spillover.runtime.lanes import places_promised
 from spillover.runtime.scheduler import Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.testing import FakeClock
+from tests.runtime.fakes import ready_worker
+
+MIB = 1024 * 1024
 
 
 def _cpu_only(depth: int, slots: int) -> tuple[Scheduler, WorkerClient]:
@@ -79,5 +86,47 @@ def test_a_promise_does_not_count_against_its_own_job() -> None:
             s.hold_place("b")
         s.submit_nowait(Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=0.0))
         assert [j.rid for j in s.cpu.queue] == ["a"] and not s.cpu.promised
+
+    asyncio.run(main())
+
+
+def test_the_cpu_profiles_gpu_lane_sheds_with_the_cpu_lanes_eta_and_each_lane_counts_its_own(
+    memory: MemoryModel,
+) -> None:
+    """The ``cpu`` profile: a GPU lane without a worker of its own hands every job to the CPU
+    lane. When its places run out its refusal's Retry-After is the CPU lane's ETA (it said 1 s
+    while the CPU lane needed 6 to 9), and a job refused because the CPU queue is full counts
+    as the CPU lane's shed (the GPU lane counted all of them)."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        ledger = DeviceLedger("sim", 60 * MIB, 16 * MIB, freshness_s=1e9)  # not one layer fits
+        ledger.observe(0, clock())
+        s = Scheduler(
+            gpu_lane=LaneConfig(slots=1, queue_depth=1),
+            cpu_lane=LaneConfig(slots=1, queue_depth=2),
+            ledger=ledger,
+            policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
+            clock=clock,
+        )
+        cpu = ready_worker("cpu0", "cpu")
+        s.cpu_workers.append(cpu)
+        cpu.claim_slot("running")
+        for rid in ("q1", "q2"):  # the CPU queue full, with minutes of work ahead
+            queued = Job(rid=rid, prompt_tokens=64, max_tokens=1000, arrived_s=clock())
+            queued.enqueued_s = clock()
+            s.cpu.append(queued)
+        eta = s.cpu.estimated_delay_s()
+        assert eta > 5
+        job = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(job)  # the GPU lane: admission routes it to the full CPU lane
+        with pytest.raises(CapacityError) as refused:
+            await asyncio.wait_for(job.future, 1)
+        assert refused.value.code == "cpu_queue_full"
+        assert (s.cpu.shed_total, s.gpu.shed_total) == (1, 0)
+        s.hold_place("b")  # the GPU lane's one place
+        with pytest.raises(QueueFull) as full:
+            s.hold_place("c")
+        assert full.value.retry_after_s >= eta and s.gpu.shed_total == 1
 
     asyncio.run(main())

@@ -409,7 +409,7 @@ class Scheduler:
             try:
                 self._check_deadline(job)
             except CapacityError as exc:
-                self.gpu.shed_total += 1
+                self.cpu.shed_total += 1  # the CPU lane could not finish it in time
                 self._fail(job, exc)
                 return
             job.last_reason = d.reason
@@ -417,7 +417,7 @@ class Scheduler:
             self.cpu.append(job)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
-            self.gpu.shed_total += 1
+            (self.cpu if d.refusal == Reason.CPU_QUEUE_FULL else self.gpu).shed_total += 1  # whose queue was full
             self._fail(
                 job,
                 CapacityError(
@@ -741,8 +741,13 @@ class Scheduler:
 
     def _retry_after_s(self, lane: Lane | None = None) -> float:
         """Retry-After for a refusal: when the lane's queued work is likely done (its ETA from
-        measured speed), or the breaker's cooldown, never under a second."""
-        eta = (lane or self.cpu).estimated_delay_s()
+        measured speed), or the breaker's cooldown, never under a second. A GPU lane with no
+        worker of its own (the ``cpu`` profile) hands all its jobs to the CPU lane: the CPU
+        lane's ETA is its own."""
+        lane = lane or self.cpu
+        eta = lane.estimated_delay_s()
+        if lane is self.gpu and not (self.gpu_workers or self.split_workers):
+            eta = max(eta, self.cpu.estimated_delay_s())
         return max(1.0, self.breaker.retry_after_s(self.clock()), eta)
 
     def statistics(self) -> list[LaneStatistics]:
