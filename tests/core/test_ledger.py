@@ -43,6 +43,26 @@ def test_granted_but_unconfirmed_is_added_to_the_reading() -> None:
     assert led.headroom(0.8) == 60 * MIB
 
 
+def test_a_dead_holders_weights_kept_for_its_restart_stay_counted_above_any_reading() -> None:
+    """A worker (40 MiB of weights) beside a tenant the ledger does not know (30 MiB): when
+    the worker dies its memory leaves the reading, but its grant is kept for its restart
+    (``unconfirm``): counted on top of the reading, so no other load gets that room (it went
+    to a waiting load, and the restart found it taken)."""
+    led = make()
+    led.force_reserve("w", 40 * MIB, 0.0, "weights")
+    led.confirm("w", 0.1)
+    led.observe(70 * MIB, 0.2)  # the tenant's 30 and w's 40
+    assert led.headroom(0.2) == 20 * MIB
+    led.unconfirm("w")  # it died
+    led.observe(30 * MIB, 0.3)  # its memory is gone from the device
+    assert led.unconfirmed_bytes() == 40 * MIB and led.headroom(0.3) == 20 * MIB
+    assert led.reserve_nowait("waiting-load", 30 * MIB, 0.3) is None
+    led.confirm("w", 0.4)  # restarted: its allocation made again
+    led.observe(70 * MIB, 0.5)
+    assert led.unconfirmed_bytes() == 0 and led.headroom(0.5) == 20 * MIB
+    led.unconfirm("nobody")  # unknown holders: nothing to do
+
+
 def test_stale_observation_is_not_trusted() -> None:
     """An observation older than freshness_s gives no headroom at all (None)."""
     led = make()

@@ -121,6 +121,12 @@ class DeviceLedger:
         if holder in self._reservations:
             self._confirmed[holder] = now_s
 
+    def unconfirm(self, holder: str) -> None:
+        """The holder's allocation is gone from the device (its process died) and the grant is
+        kept for the holder's next one (a restart): until confirmed again it is counted on top
+        of every reading, as a grant not made yet (rule 3)."""
+        self._confirmed.pop(holder, None)
+
     def unconfirmed_bytes(self) -> int:
         """Granted bytes that the last reading cannot contain yet."""
         taken = self._observed_at_s if self._observed_at_s is not None else float("-inf")
