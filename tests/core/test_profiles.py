@@ -91,6 +91,16 @@ def test_nothing_fits_runs_on_the_cpu_only(memory: MemoryModel) -> None:
     plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=8 * MIB, split=split, split_ctx_tokens=SPLIT_CTX)
     assert (plan.profile, plan.split_layers, plan.split_bytes) == ("cpu", 0, 0)
     assert "no split of it fits" in plan.why
+    # a device where layers fit but not a split worker's requests: the why names what they need
+    # (a [split].ctx_cap_tokens of 100000 read only "no split of it fits")
+    huge = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=100 * MIB, split=split, split_ctx_tokens=100_000)
+    one = device_bytes(dataclasses.replace(split, n_gpu_layers=1), 1, 100_000)
+    assert huge.profile == "cpu" and one > 100 * MIB > device_bytes(dataclasses.replace(split, n_gpu_layers=1), 1, 1)
+    assert (
+        f"one layer with 1 request(s) of 100000 tokens ([split] slots, ctx_cap_tokens) needs {one / MIB:.0f} MiB"
+        in huge.why
+    )
+    assert "100 MiB on the device" in huge.why
     # without a split worker a device too small for even a 1-token request is the cpu profile
     # as well (no resident worker would ever be admitted one), and it names no split
     assert device_bytes(resident, 1, 1) > 128 * MIB

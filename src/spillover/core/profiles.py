@@ -109,8 +109,13 @@ def plan_profile(
                 + (f" ([split].gpu_layers = {most} would fit)" if most else "")
             )
             n, split_need = 0, 0
-        elif n == 0:
-            split_why = f"; no split of it fits {where}" if resident_fits else ""
+        elif n == 0:  # what even one layer would need: its requests' share may be what does not fit
+            one = device_bytes(replace(split, n_gpu_layers=1), split_slots, split_ctx_tokens)
+            split_why = (
+                f"; no split of it fits {where}: one layer with {split_slots} request(s) of "
+                f"{split_ctx_tokens} tokens ([split] slots, ctx_cap_tokens) needs {one / mib:.0f} MiB, "
+                f"{max(0, room) / mib:.0f} MiB {where}"
+            )
         elif resident_fits:
             split_why = f"; a split worker with {_layers(n)} beside it ({split_need / mib:.0f} MiB)"
     if resident_fits:
@@ -132,7 +137,7 @@ def plan_profile(
             return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}; no split worker configured: {fit}")
         why = f"{short}; not even a 1-token request fits beside its weights"
         return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)
-    return ProfilePlan("cpu", need, 0, 0, usable_bytes, f"{short}{split_why or '; no split of it fits'}")
+    return ProfilePlan("cpu", need, 0, 0, usable_bytes, short + split_why)
 
 
 def _longest_request(model: MemoryModel, cap_tokens: int, usable_bytes: int) -> int:
