@@ -43,24 +43,34 @@ def test_granted_but_unconfirmed_is_added_to_the_reading() -> None:
     assert led.headroom(0.8) == 60 * MIB
 
 
-def test_a_dead_holders_weights_kept_for_its_restart_stay_counted_above_any_reading() -> None:
-    """A worker (40 MiB of weights) beside a tenant the ledger does not know (30 MiB): when
-    the worker dies its memory leaves the reading, but its grant is kept for its restart
-    (``unconfirm``): counted on top of the reading, so no other load gets that room (it went
-    to a waiting load, and the restart found it taken)."""
+def test_weights_kept_for_a_restart_are_not_granted_to_another_weights_load() -> None:
+    """Rule 6: a worker (40 MiB of weights) died and will restart. Its room is not another
+    load's (it went to a waiting load, and the restart then waited behind it for good), while
+    requests may still use it for now; it is taken back by its own load, or dropped."""
     led = make()
     led.force_reserve("w", 40 * MIB, 0.0, "weights")
     led.confirm("w", 0.1)
-    led.observe(70 * MIB, 0.2)  # the tenant's 30 and w's 40
-    assert led.headroom(0.2) == 20 * MIB
-    led.unconfirm("w")  # it died
-    led.observe(30 * MIB, 0.3)  # its memory is gone from the device
-    assert led.unconfirmed_bytes() == 40 * MIB and led.headroom(0.3) == 20 * MIB
-    assert led.reserve_nowait("waiting-load", 30 * MIB, 0.3) is None
-    led.confirm("w", 0.4)  # restarted: its allocation made again
-    led.observe(70 * MIB, 0.5)
-    assert led.unconfirmed_bytes() == 0 and led.headroom(0.5) == 20 * MIB
-    led.unconfirm("nobody")  # unknown holders: nothing to do
+    led.observe(40 * MIB, 0.2)
+    led.release("w", 0.3)
+    led.keep("w", 40 * MIB)
+    led.observe(0, 0.4)  # its memory is freed
+    assert led.kept_bytes() == 40 * MIB and led.kept_bytes(but="w") == 0 and led.predicted_bytes == 0
+    assert led.headroom(0.4) == 90 * MIB  # nothing counted twice
+    assert led.reserve_nowait("other/weights", 60 * MIB, 0.4, kind="weights") is None  # 90 - 40 kept
+    assert led.reserve_nowait("other/weights", 50 * MIB, 0.4, kind="weights") is not None
+    led.release("other/weights")
+    assert led.reserve_nowait("req", 60 * MIB, 0.4) is not None  # requests are not held back
+    led.release("req")
+    assert led.reserve_nowait("w", 40 * MIB, 0.5, kind="weights") is not None  # its own: taken back
+    assert led.kept_bytes() == 0
+    led.release("w")
+    led.keep("w", 40 * MIB)
+    led.force_reserve("w", 40 * MIB, 0.6, "weights")  # a start recorded without a wait takes it back too
+    assert led.kept_bytes() == 0
+    led.keep("x", 10 * MIB)
+    led.drop_kept("x")  # it will not restart
+    led.drop_kept("nobody")
+    assert led.kept_bytes() == 0
 
 
 def test_stale_observation_is_not_trusted() -> None:

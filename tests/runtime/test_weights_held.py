@@ -1,6 +1,6 @@
 """A GPU worker's weights in the device ledger across its life (``Gateway.worker_event``):
-reserved from its start, kept for its restart when it dies, given back when it is unloaded
-or a start fails."""
+reserved from its start, released when it dies with its room kept from other loads for its
+restart, given up when it is parked, unloaded or a start fails."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ MIB = 1024 * 1024
 K = SupervisorEventKind
 
 
-def test_a_dead_workers_weights_wait_for_its_restart_and_a_failed_start_gives_them_back() -> None:
+def test_a_dead_workers_room_waits_for_its_restart_and_a_failed_start_or_a_park_gives_it_up() -> None:
     ledger = DeviceLedger("sim", 200 * MIB, 16 * MIB, freshness_s=1e9)
     gw = SimpleNamespace(ledger=ledger, note_event=lambda *a: None, kick_scheduler=lambda: None)
     w = ready_worker("split0", "split")
@@ -29,16 +29,22 @@ def test_a_dead_workers_weights_wait_for_its_restart_and_a_failed_start_gives_th
     event(K.STARTING)
     event(K.READY)
     ledger.observe(66 * MIB, 1e9)
-    assert ledger.held_bytes(holder) == 66 * MIB and ledger.unconfirmed_bytes() == 0
-    event(K.DIED)  # a crash: its supervisor restarts it into the same room
-    ledger.observe(0, 1e9 + 1)
-    assert ledger.held_bytes(holder) == 66 * MIB and ledger.unconfirmed_bytes() == 66 * MIB
-    assert ledger.reserve_nowait("whisper-gpu/weights", 120 * MIB, 1e9 + 1) is None  # the room stays its own
-    event(K.STARTING)  # the restart: the kept grant is its reservation
     assert ledger.held_bytes(holder) == 66 * MIB
-    event(K.START_FAILED)  # a start that fails gives the room back
-    assert not ledger.holds(holder)
+    event(K.DIED)  # a crash: released (its memory is coming back), its room kept for the restart
+    assert not ledger.holds(holder) and ledger.kept_bytes() == 66 * MIB
+    assert ledger.recently_released(1e9) == 66 * MIB
+    ledger.observe(0, 1e9 + 1)
+    assert ledger.reserve_nowait("whisper-gpu/weights", 120 * MIB, 1e9 + 1, kind="weights") is None
+    event(K.STARTING)  # the restart takes its room back
+    assert ledger.held_bytes(holder) == 66 * MIB and ledger.kept_bytes() == 0
+    event(K.DIED)
+    event(K.START_FAILED)  # a start that fails gives the room up
+    assert not ledger.holds(holder) and ledger.kept_bytes() == 0
     event(K.STARTING)
     event(K.READY)
-    event(K.UNLOADED)  # parked (a demoted service): given back
-    assert not ledger.holds(holder)
+    event(K.DIED)
+    event(K.PARKED)  # parked as it died (a demotion's race): it will not restart
+    assert not ledger.holds(holder) and ledger.kept_bytes() == 0
+    event(K.STARTING)
+    event(K.UNLOADED)  # unloaded: given back, nothing kept
+    assert not ledger.holds(holder) and ledger.kept_bytes() == 0

@@ -16,6 +16,11 @@ Rules:
 4. ``reserve_nowait`` grants only what fits in headroom (never over-commits) and returns
    ``None`` when it does not fit: running out is a value.
 5. Every reservation is released exactly once; releasing an unknown id raises KeyError.
+6. The weights of a holder that died and will restart are *kept* for it (``keep``): another
+   holder's weights load is granted only what leaves them free, until the holder takes them
+   back (its own weights reservation) or ``drop_kept``. Requests are not held back by them (a
+   restart waits for their pages to come back), and they are not in ``predicted``: the reading
+   still shows the dead process's memory until the device frees it.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class DeviceLedger:
     _peak_requests: int = 0
     _recent_releases: deque[tuple[float, int, str]] = field(default_factory=deque)  # (when, bytes, kind)
     _confirmed: dict[str, float] = field(default_factory=dict)
+    _kept: dict[str, int] = field(default_factory=dict)  # holder -> weights its restart takes back (rule 6)
 
     def __repr__(self) -> str:
         return (
@@ -121,12 +127,6 @@ class DeviceLedger:
         if holder in self._reservations:
             self._confirmed[holder] = now_s
 
-    def unconfirm(self, holder: str) -> None:
-        """The holder's allocation is gone from the device (its process died) and the grant is
-        kept for the holder's next one (a restart): until confirmed again it is counted on top
-        of every reading, as a grant not made yet (rule 3)."""
-        self._confirmed.pop(holder, None)
-
     def unconfirmed_bytes(self) -> int:
         """Granted bytes that the last reading cannot contain yet."""
         taken = self._observed_at_s if self._observed_at_s is not None else float("-inf")
@@ -157,11 +157,14 @@ class DeviceLedger:
         return nbytes >= 0 and room is not None and nbytes <= room + (self.settling_bytes() if settling else 0)
 
     def reserve_nowait(self, holder: str, nbytes: int, now_s: float, kind: str = "request") -> Reservation | None:
-        """Grant ``nbytes`` to ``holder`` if it fits now; ``None`` otherwise."""
+        """Grant ``nbytes`` to ``holder`` if it fits now (a weights load: beside what is kept
+        for other holders' restarts, rule 6); ``None`` otherwise."""
         if holder in self._reservations:
             raise KeyError(f"{holder} already holds a reservation")
-        if not self.fits(nbytes, now_s):
+        kept = self.kept_bytes(but=holder) if kind == "weights" else 0
+        if not self.fits(nbytes + kept, now_s):
             return None
+        self._kept.pop(holder, None)  # its own, taken back
         res = Reservation(holder=holder, nbytes=nbytes, kind=kind, granted_s=now_s)
         self._reservations[holder] = res
         self._granted_total += 1
@@ -174,10 +177,23 @@ class DeviceLedger:
         """Record bytes already committed on the device (a loaded model's weights)."""
         if holder in self._reservations:
             raise KeyError(f"{holder} already holds a reservation")
+        self._kept.pop(holder, None)
         res = Reservation(holder=holder, nbytes=nbytes, kind=kind, granted_s=now_s)
         self._reservations[holder] = res
         self._granted_total += 1
         return res
+
+    def keep(self, holder: str, nbytes: int) -> None:
+        """Rule 6: ``holder`` (released) will take ``nbytes`` of weights back when it restarts."""
+        self._kept[holder] = nbytes
+
+    def drop_kept(self, holder: str) -> None:
+        """Rule 6: ``holder`` will not restart (parked, or its start failed)."""
+        self._kept.pop(holder, None)
+
+    def kept_bytes(self, *, but: str | None = None) -> int:
+        """Weights kept for restarts (rule 6), all or all but ``but``'s."""
+        return sum(n for h, n in self._kept.items() if h != but)
 
     def release(self, holder: str, now_s: float | None = None) -> Reservation:
         """Return a reservation; each one exactly once.

@@ -206,10 +206,10 @@ class Gateway:
     def worker_event(self, worker: Any, ev: SupervisorEvent) -> None:
         """A supervisor event of any service's worker: logged, and a GPU worker's weights are
         held in the ledger from its start (reserved before it, for a load that had to fit)
-        until it is unloaded or a start fails. A worker that dies keeps them for its restart
-        (its supervisor restarts it; unconfirmed: the reading no longer holds them), so a load
-        that waited for room (another service's) cannot take the room of a planned worker that
-        crashed once, leaving it waiting behind that load for good."""
+        until it dies. Its supervisor restarts a worker that died into the room it had: the
+        ledger keeps that room from other weights loads (``DeviceLedger.keep``), so a load that
+        waited for room (another service's) cannot take it and leave the planned worker waiting
+        behind it for good; a failed start or a park gives it up."""
         self.note_event(worker.spec.worker_id, str(ev))
         if self.ledger is not None and worker.spec.lane in DEVICE_ROUTES:
             holder = worker.spec.weights_holder
@@ -218,10 +218,12 @@ class Gateway:
                 self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")
             elif ev.kind is SupervisorEventKind.READY:
                 self.ledger.confirm(holder, now)
-            elif ev.kind is SupervisorEventKind.DIED and self.ledger.holds(holder):
-                self.ledger.unconfirm(holder)  # held for the restart
             elif ev.kind in _GONE and self.ledger.holds(holder):
                 self.ledger.release(holder, now)  # remembered: this memory is coming back
+                if ev.kind is SupervisorEventKind.DIED:  # its restart takes it back
+                    self.ledger.keep(holder, worker.spec.weights_bytes)
+            if ev.kind in (SupervisorEventKind.START_FAILED, SupervisorEventKind.PARKED, SupervisorEventKind.UNLOADED):
+                self.ledger.drop_kept(holder)
         self.kick_scheduler()
 
     async def reserve_weights(self, worker: WorkerClient, *, nbytes: int, on_wait: Callable[[bool], None]) -> None:
