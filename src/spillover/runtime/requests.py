@@ -341,48 +341,50 @@ class RequestService:
             run.cancel(by_user=False)
 
     async def replay(self, rec: JournalRecord) -> None:
-        """Run an orphan again (start-up recovery) under its Idempotency-Key's lock, through
-        its own endpoint, so a retry with its key gets exactly what its client would have.
-        If its client resumed it meanwhile (it is live, or no longer QUEUED), nothing runs."""
+        """Run an orphan again (start-up recovery) under its lock (``orphan_lock``: its
+        Idempotency-Key's), through its own endpoint, so a retry with its key gets exactly what
+        its client would have. If its client resumed it meanwhile (it is live, or no longer
+        QUEUED), or a DELETE ended it, nothing runs. It leaves ``orphans`` only once it is live
+        (or ended), under the lock: a DELETE finds it in one or the other."""
         assert self.gw.journal is not None
+        run: Run | UnaryRun
         async with self.gw.keys.hold(orphan_lock(rec)):
             if rec.id not in self.orphans:  # a DELETE ended it
                 return
-            self.orphans.discard(rec.id)
-            current = await self.gw.journal.get(rec.id)
-            if rec.id in self.live or current is None or current.state is not State.QUEUED:
-                return
             try:
-                doc = json.loads(rec.body)
-                ep = self.endpoints[doc["endpoint"]]
-                if isinstance(ep, UnaryEndpoint):
-                    unary = UnaryRun(self.gw, ep, rec.id, ep.parse(doc["body"]), attempt=rec.attempts)
-                    self.live[rec.id] = unary
-            except Exception as exc:  # its stored body no longer runs: it ends, resumable
-                await self._end_unrunnable(rec, exc)
-                return
-            if isinstance(ep, UnaryEndpoint):
+                current = await self.gw.journal.get(rec.id)
+                if rec.id in self.live or current is None or current.state is not State.QUEUED:
+                    return
                 try:
-                    got = await unary.reply()
-                    if isinstance(got, Streaming):  # nobody listens: the stream runs to its journaled end
-                        async for _ in got.frames:
-                            pass
-                finally:
-                    self.live.pop(rec.id, None)
-                return
+                    doc = json.loads(rec.body)
+                    ep = self.endpoints[doc["endpoint"]]
+                    if isinstance(ep, UnaryEndpoint):
+                        run = UnaryRun(self.gw, ep, rec.id, ep.parse(doc["body"]), attempt=rec.attempts)
+                        self.live[rec.id] = run
+                    else:
+                        prep = await prepare(self.gw, _with_stored_seed(ep.parse(doc["body"]), doc), rec.id)
+                        run = await self._begin(
+                            ep,
+                            prep,
+                            body_json=rec.body,
+                            body_hash=rec.body_hash,
+                            idem_key=rec.idem_key,
+                            resume_attempts=rec.attempts,
+                        )
+                except Exception as exc:  # its stored body no longer runs (or a bug): it ends, resumable
+                    await self._end_unrunnable(rec, exc)
+                    return
+            finally:
+                self.orphans.discard(rec.id)
+        if isinstance(run, UnaryRun):
             try:
-                prep = await prepare(self.gw, _with_stored_seed(ep.parse(doc["body"]), doc), rec.id)
-                run = await self._begin(
-                    ep,
-                    prep,
-                    body_json=rec.body,
-                    body_hash=rec.body_hash,
-                    idem_key=rec.idem_key,
-                    resume_attempts=rec.attempts,
-                )
-            except Exception as exc:  # its stored body no longer runs (or a bug): it ends, resumable
-                await self._end_unrunnable(rec, exc)
-                return
+                got = await run.reply()
+                if isinstance(got, Streaming):  # nobody listens: the stream runs to its journaled end
+                    async for _ in got.frames:
+                        pass
+            finally:
+                self.live.pop(rec.id, None)
+            return
         reply = await run.reply()
         if isinstance(reply, Streaming):
             async with contextlib.aclosing(reply.frames) as frames:
