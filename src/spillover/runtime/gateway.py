@@ -100,7 +100,7 @@ class Gateway:
         self._outcome_tries: dict[str, int] = {}
         self._journal_wake = asyncio.Event()
         self.recovered: dict[str, int] = {}
-        # The gateway is stopping (``begin_stop``): a request it stops ends resumable
+        # The gateway stops its requests (``stop_requests``): one it stops ends resumable
         # (``ServerStopping``), not as the client's cancellation.
         self.stopping = False
         self.host = HostMemory(
@@ -360,20 +360,23 @@ class Gateway:
         chats = [s for c in self.chats for s in c.supervisors]
         return chats + [s for svc in self.services.values() for s in svc.supervisors()]
 
-    def begin_stop(self, grace_s: float = 0.0) -> None:
-        """The server stops taking work: uvicorn's shutdown begins, whose grace lets open
-        requests end for ``grace_s`` before it cancels their handlers (a bare 500 to the
-        client, before ``stop``). What still runs a second before that is stopped here, so its
-        client reads 503 ``server_stopping`` (a stream: its error event and ``[DONE]``)."""
-        if self.stopping:
-            return
+    def begin_stop(self, grace_s: float) -> None:
+        """uvicorn's shutdown begins: open requests get ``grace_s`` to end, then uvicorn cancels
+        their handlers (a bare 500 to the client). A second before that the gateway stops what
+        still runs (``stop_requests``), so its client reads 503 ``server_stopping`` (a stream:
+        its error event and ``[DONE]``). Until then a request ends as it would have (a client
+        that goes away cancels it)."""
+        asyncio.get_running_loop().call_later(max(0.0, grace_s - STOP_AHEAD_S), self.stop_requests)
+
+    def stop_requests(self) -> None:
+        """From now on the gateway stops its requests: every live one ends resumable
+        (``ServerStopping``, not as the client's cancellation), and a new one is refused with
+        it (``RequestService.submit``) or, accepted meanwhile, stopped as it goes live."""
         self.stopping = True
-        if grace_s > 0:
-            asyncio.get_running_loop().call_later(max(0.0, grace_s - STOP_AHEAD_S), self.requests.cancel_all)
+        self.requests.cancel_all()
 
     async def stop(self) -> None:
-        self.begin_stop()
-        self.requests.cancel_all()
+        self.stop_requests()
         await self.loops.stop()
         for s in self.all_supervisors():
             await s.stop()

@@ -38,6 +38,7 @@ from spillover.errors import (
     IdempotencyMismatch,
     InvalidRequest,
     RequestCancelled,
+    ServerStopping,
     SpilloverError,
 )
 from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
@@ -103,6 +104,8 @@ class RequestService:
         Raises ``Refused`` when the request is not accepted."""
         ep = self.endpoints[endpoint]
         rid = new_request_id()
+        if self.gw.stopping:
+            raise Refused(ServerStopping("the gateway is stopping; send it again once it is back"), rid)
         if isinstance(ep, UnaryEndpoint):
             return await self._submit_unary(ep, body, rid, idem_key, deadline_ms)
         try:
@@ -202,6 +205,8 @@ class RequestService:
                         except KeyConflict as exc:
                             raise _in_flight(exc.existing.id) from exc
                         self.live[rid] = run  # live from here: a retry with its key gets 409
+                        if self.gw.stopping:  # accepted while the gateway stopped its requests
+                            run.cancel(by_user=False)
                     else:
                         failed = await self._queue_unary(run)
             except SpilloverError as exc:
@@ -290,6 +295,8 @@ class RequestService:
                 queued=queued,
             )
         self.live[prep.rid] = run  # visible to DELETE as soon as it is accepted
+        if self.gw.stopping:  # accepted while the gateway stopped its requests: stopped too
+            run.cancel(by_user=False)
         try:
             if gw.journal is not None and resume_attempts is not None:
                 await gw.journal.move(prep.rid, State.QUEUED, **queued)

@@ -86,6 +86,7 @@ class UnaryRun:
     started_s: float = field(default_factory=time.monotonic)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled_by_user: bool = False
+    cancelled_early: bool = False  # cancelled before its work began: it never starts
     on_end: Callable[[], None] | None = None  # a streamed run's owner lets go of it (rule 5)
     _task: asyncio.Task[Encoded] | None = None
     _sent: list[bytes] = field(default_factory=list)  # frames streamed so far (rule 5)
@@ -107,6 +108,8 @@ class UnaryRun:
         self.cancelled_by_user = self.cancelled_by_user or by_user
         if self._task is not None:
             self._task.cancel()
+        else:
+            self.cancelled_early = True
 
     def _cancelled(self) -> SpilloverError:
         """The error of work that was stopped: the DELETE's, else ``outcomes.stopped``."""
@@ -152,8 +155,8 @@ class UnaryRun:
                 self.on_end()
 
     async def _reply(self) -> Answer | Streaming:
-        if self.cancelled_by_user:  # DELETE came while it was being queued
-            return _answer(await asyncio.shield(self._settle(RequestCancelled(f"request {self.rid} was cancelled"))))
+        if self.cancelled_early:  # a DELETE (or the gateway's stop) came while it was being queued
+            return _answer(await asyncio.shield(self._settle(self._cancelled())))
         timeout_s = self.gw.cfg.server.request_timeout_s
         self._task = asyncio.create_task(self._bounded(timeout_s))
         try:
