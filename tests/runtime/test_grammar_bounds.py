@@ -11,6 +11,7 @@ import pytest
 
 from spillover.engine.grammar import (
     JSON_CHAR,
+    JSON_DOT,
     MAX_SCHEMA_DEPTH,
     GrammarRefused,
     _max_nesting,
@@ -175,3 +176,39 @@ def test_integer_bounds_refused_name_their_schema_path() -> None:
     with pytest.raises(GrammarRefused) as e:
         schema_to_grammar(obj(n={"type": "integer", "minimum": 5, "maximum": 4}), **BOUNDS)
     assert e.value.path == "properties.n.maximum" and "no integer" in e.value.message
+
+
+def test_a_nullable_integer_keeps_its_bounds() -> None:
+    """``"type": ["integer", "null"]`` (OpenAI's strict mode's nullable field): each type keeps
+    the other keywords, so the bounds hold (the converter's list branch dropped them) and
+    bounds no integer meets are refused."""
+    grammar = schema_to_grammar({"type": ["integer", "null"], "minimum": 1, "maximum": 7}, **BOUNDS)
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["root"] == "alternative-0 | null" and "integral-part" not in grammar
+    assert rules["alternative-0"] == f"({integer_range(1, 7)}) space"
+    with pytest.raises(GrammarRefused) as e:
+        schema_to_grammar(obj(n={"type": ["integer", "null"], "minimum": 9, "maximum": 1}), **BOUNDS)
+    assert e.value.path == "properties.n.maximum"
+
+
+def test_a_patterns_dot_and_negated_classes_leave_out_what_json_escapes() -> None:
+    """A ``pattern`` string: ``.`` and ``[^...]`` could write a raw quote, backslash or control
+    character into the JSON string (the converter's ``dot`` is ``[^\\x0A\\x0D]``)."""
+    grammar = schema_to_grammar(obj(a={"type": "string", "pattern": r"^[^,]{1,3}\..[a-c]$"}), **BOUNDS)
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["dot"] == JSON_DOT == r'[^"\\\x00-\x1F\x7F]'
+    assert r'[^"\\\x00-\x1F\x7F,]' in grammar and "[a-c]" in grammar  # a positive class is left as it is
+
+
+@pytest.mark.parametrize(
+    ("bounds", "path"),
+    [
+        ({"minimum": 10**18}, "properties.n.minimum"),  # 19 digits: the 18-digit bound names it
+        ({"exclusiveMinimum": 5, "exclusiveMaximum": 6}, "properties.n.exclusiveMaximum"),
+        ({"minimum": 5, "exclusiveMaximum": 5}, "properties.n.exclusiveMaximum"),
+    ],
+)
+def test_integer_bounds_refusals_name_the_keyword_the_schema_has(bounds: dict[str, Any], path: str) -> None:
+    with pytest.raises(GrammarRefused) as e:
+        schema_to_grammar(obj(n={"type": "integer", **bounds}), **BOUNDS)
+    assert e.value.path == path

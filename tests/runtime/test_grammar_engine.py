@@ -16,8 +16,10 @@ SCHEMA = {
         "city": {"type": "string", "maxLength": 12},
         "days": {"type": "integer", "minimum": 1, "maximum": 7},
         "people": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 13},
+        "stars": {"type": ["integer", "null"], "minimum": 1, "maximum": 5},
+        "code": {"type": "string", "pattern": "^[^,]{2,5}.$"},
     },
-    "required": ["city", "days", "people"],
+    "required": ["city", "days", "people", "stars", "code"],
 }
 
 
@@ -32,11 +34,13 @@ def test_sampled_answers_keep_the_integer_bounds_and_are_strict_json() -> None:
         slot = e.acquire_slot()
         assert slot is not None
         try:
-            params = GenerateParams(max_tokens=80, temperature=1.3, seed=seed, grammar=grammar)
+            params = GenerateParams(max_tokens=120, temperature=1.3, seed=seed, grammar=grammar)
             out = list(e.generate(slot, prompt, params, kv_tokens=512, should_stop=lambda: False))
         finally:
             e.release_slot(slot)
         assert out[-1] == "stop", out[-1]
         answers.append(json.loads("".join(s.text for s in out if isinstance(s, Step)), strict=True))
     assert all(1 <= a["days"] <= 7 and 1 <= a["people"] <= 12 and len(a["city"]) <= 12 for a in answers), answers
+    assert all(a["stars"] is None or 1 <= a["stars"] <= 5 for a in answers), answers
+    assert all(3 <= len(a["code"]) <= 6 and "," not in a["code"][:-1] for a in answers), answers
     e.set_readiness("on_demand")

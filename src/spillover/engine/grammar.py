@@ -35,7 +35,7 @@ __all__ = ["MAX_SCHEMA_DEPTH", "GrammarRefused", "schema_to_grammar"]
 MAX_SCHEMA_DEPTH = 32
 REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 INT_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-MAX_INT_BOUND = 10**18
+MAX_INT_BOUND = 10**18 - 1  # 18 digits
 
 
 class GrammarRefused(ValueError):
@@ -69,7 +69,7 @@ def _check(node: Any, path: str, depth: int, max_repeat: int) -> None:
         v = node.get(key)
         if isinstance(v, int | float) and not isinstance(v, bool) and not abs(v) <= MAX_INT_BOUND:  # NaN too
             raise GrammarRefused(f"'{key}' is out of range (at most 18 digits)", f"{path}.{key}".lstrip("."))
-    if node.get("type") == "integer":
+    if _integer_type(node):
         try:
             integer_bounds(node)
         except GrammarRefused as exc:
@@ -107,6 +107,8 @@ def _max_nesting(grammar: str) -> int:
 # A JSON string's character: anything but a quote, a backslash and the control characters
 # (JSON forbids them unescaped), or an escape.
 JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+JSON_UNSAFE = r'"\\\x00-\x1F\x7F'  # what a JSON string holds only escaped, in a character class
+JSON_DOT = f"[^{JSON_UNSAFE}]"  # a pattern's ``.`` inside a JSON string
 NO_INT_BOUND = 10**18 - 1  # an integer's missing bound: rule 1's widest
 OTHER_FORMS = frozenset(("$ref", "oneOf", "anyOf", "const", "enum"))  # the converter's, before a type's
 
@@ -159,6 +161,39 @@ def integer_range(lo: int, hi: int) -> str:
     return " | ".join(alts)
 
 
+def _integer_type(schema: Any) -> bool:
+    """Whether a schema's ``type`` is ``integer`` or a list that holds it (a nullable integer)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
+
+
+def _json_pattern(pattern: str) -> str:
+    """A string ``pattern`` whose negated character classes also leave out what a JSON string
+    cannot hold unescaped (a quote, a backslash, the control characters): the converter copies
+    a class into the grammar as it is, so ``[^a]`` could write a raw quote. (``.`` is a rule of
+    its own: ``JSON_DOT``.)"""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif c == "[":
+            j = i + 1
+            negated = j < n and pattern[j] == "^"
+            out.append("[^" + JSON_UNSAFE if negated else "[")
+            j += 1 if negated else 0
+            while j < n and pattern[j] != "]":
+                step = 2 if pattern[j] == "\\" else 1
+                out.append(pattern[j : j + step])
+                j += step
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 def _number(schema: dict[str, Any], key: str) -> int | float | None:
     """The keyword's value when it is a number (not a boolean), else None."""
     v = schema.get(key)
@@ -186,7 +221,9 @@ def integer_bounds(schema: dict[str, Any]) -> tuple[int, int] | None:
     if (ex_high := _number(schema, "exclusiveMaximum")) is not None:
         hi = min(hi, math.ceil(ex_high) - 1)
     if lo > hi:
-        raise GrammarRefused(f"no integer is within the bounds ({lo} > {hi})", "maximum")
+        keys = ("maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum")
+        named = next(k for k in keys if _number(schema, k) is not None)
+        raise GrammarRefused(f"no integer is within the bounds ({lo} > {hi})", named)
     return lo, hi
 
 
@@ -201,13 +238,22 @@ def _converter() -> Any:
                 rule = type(rule)(JSON_CHAR, [])
             return super()._add_primitive(name, rule)
 
+        def _add_rule(self, name: str, rule: str) -> Any:
+            return super()._add_rule(name, JSON_DOT if name == "dot" else rule)  # type: ignore[no-untyped-call]
+
+        def _visit_pattern(self, pattern: str, name: str) -> Any:
+            return super()._visit_pattern(_json_pattern(pattern), name)  # type: ignore[no-untyped-call]
+
         def visit(self, schema: Any, name: str) -> Any:
-            plain = isinstance(schema, dict) and schema.get("type") == "integer" and OTHER_FORMS.isdisjoint(schema)
-            bounds = integer_bounds(schema) if plain else None
+            plain = isinstance(schema, dict) and OTHER_FORMS.isdisjoint(schema)
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            if plain and isinstance(schema.get("type"), list):  # each type keeps the other keywords
+                union = self._generate_union_rule(name, [{**schema, "type": t} for t in schema["type"]])  # type: ignore[no-untyped-call]
+                return self._add_rule(rule_name, union)
+            bounds = integer_bounds(schema) if plain and schema.get("type") == "integer" else None
             if bounds is None:
                 return super().visit(schema, name)  # type: ignore[no-untyped-call]
-            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-            return self._add_rule(rule_name, f"({integer_range(*bounds)}) space")  # type: ignore[no-untyped-call]
+            return self._add_rule(rule_name, f"({integer_range(*bounds)}) space")
 
     return _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
 

@@ -168,10 +168,9 @@ def ollama_routes(
         async def read(request: Request) -> Any:
             body = await read_json(request)
             if isinstance(body, dict) and body.get(field) in (None, "", []):
-                asked = body.get("model")
-                chat = next((c for c in gw.chats if asked in c.ids), None)
-                if chat is None:
-                    raise unknown_model(asked)
+                asked = str(body.get("model") or gw.cfg.model.name)  # as the request's own parse defaults it
+                gw.registry.resolve(asked, "chat")  # an unknown model's 404, another kind's 400, as a run's
+                chat = gw.chat_model(asked)
                 raise _LoadOnly({"model": chat.name, "created_at": created_at(), **empty, "done_reason": "load",
                                  "done": True})  # fmt: skip
             return body
