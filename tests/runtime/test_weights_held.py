@@ -16,9 +16,9 @@ MIB = 1024 * 1024
 K = SupervisorEventKind
 
 
-def test_a_dead_workers_room_waits_for_its_restart_and_a_failed_start_or_a_park_gives_it_up() -> None:
+def test_a_dead_workers_room_waits_for_its_restarts_and_a_park_gives_it_up() -> None:
     ledger = DeviceLedger("sim", 200 * MIB, 16 * MIB, freshness_s=1e9)
-    gw = SimpleNamespace(ledger=ledger, note_event=lambda *a: None, kick_scheduler=lambda: None)
+    gw = SimpleNamespace(ledger=ledger, note_event=lambda *a: None, kick_scheduler=lambda: None, ran=set())
     w = ready_worker("split0", "split")
     w.spec = dataclasses.replace(w.spec, weights_bytes=66 * MIB)
     holder = w.spec.weights_holder
@@ -38,8 +38,14 @@ def test_a_dead_workers_room_waits_for_its_restart_and_a_failed_start_or_a_park_
     event(K.STARTING)  # the restart takes its room back
     assert ledger.held_bytes(holder) == 66 * MIB and ledger.kept_bytes() == 0
     event(K.DIED)
-    event(K.START_FAILED)  # a start that fails gives the room up
-    assert not ledger.holds(holder) and ledger.kept_bytes() == 0
+    event(K.START_FAILED)  # killed again while it restarted: a worker that ran keeps its room
+    assert not ledger.holds(holder) and ledger.kept_bytes() == 66 * MIB
+    assert ledger.reserve_nowait("whisper-gpu/weights", 120 * MIB, 1e9 + 1, kind="weights") is None
+    never = ready_worker("deci0", "gpu")
+    never.spec = dataclasses.replace(never.spec, weights_bytes=30 * MIB)
+    for kind in (K.STARTING, K.DIED, K.START_FAILED):  # a model that cannot load never ran: no room held
+        Gateway.worker_event(gw, never, SupervisorEvent(kind))  # type: ignore[arg-type]
+    assert ledger.kept_bytes() == 66 * MIB and not ledger.holds(never.spec.weights_holder)
     event(K.STARTING)
     event(K.READY)
     event(K.DIED)

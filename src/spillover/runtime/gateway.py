@@ -103,6 +103,7 @@ class Gateway:
         # The gateway stops its requests (``stop_requests``): one it stops ends resumable
         # (``ServerStopping``), not as the client's cancellation.
         self.stopping = False
+        self.ran: set[str] = set()  # GPU workers' weights holders that were ready once (worker_event)
         self.host = HostMemory(
             self.all_supervisors,
             budget_bytes=cfg.device.host_budget_mib * 1024 * 1024,
@@ -209,7 +210,9 @@ class Gateway:
         until it dies. Its supervisor restarts a worker that died into the room it had: the
         ledger keeps that room from other weights loads (``DeviceLedger.keep``), so a load that
         waited for room (another service's) cannot take it and leave the planned worker waiting
-        behind it for good; a failed start or a park gives it up."""
+        behind it for good. A park or an unload gives it up, and so does a failed start of a
+        worker that never ran (a model that cannot load holds no room from the others); one
+        that ran keeps it through failed restarts (killed again while it restarted)."""
         self.note_event(worker.spec.worker_id, str(ev))
         if self.ledger is not None and worker.spec.lane in DEVICE_ROUTES:
             holder = worker.spec.weights_holder
@@ -218,11 +221,14 @@ class Gateway:
                 self.ledger.force_reserve(holder, worker.spec.weights_bytes, now, kind="weights")
             elif ev.kind is SupervisorEventKind.READY:
                 self.ledger.confirm(holder, now)
+                self.ran.add(holder)
             elif ev.kind in _GONE and self.ledger.holds(holder):
                 self.ledger.release(holder, now)  # remembered: this memory is coming back
                 if ev.kind is SupervisorEventKind.DIED:  # its restart takes it back
                     self.ledger.keep(holder, worker.spec.weights_bytes)
-            if ev.kind in (SupervisorEventKind.START_FAILED, SupervisorEventKind.PARKED, SupervisorEventKind.UNLOADED):
+            if ev.kind in (SupervisorEventKind.PARKED, SupervisorEventKind.UNLOADED) or (
+                ev.kind is SupervisorEventKind.START_FAILED and holder not in self.ran
+            ):
                 self.ledger.drop_kept(holder)
         self.kick_scheduler()
 
