@@ -21,7 +21,7 @@ from spillover.errors import ConfigError
 __all__ = ["main"]
 
 MIB = 1024 * 1024
-STOP_GRACE_S = 5  # Ctrl-C: open requests get this long to end before the server stops them
+STOP_GRACE_S = 8  # Ctrl-C: uvicorn's grace; the gateway stops what still runs STOP_AHEAD_S before its end
 N_CTX_MAX = 2**32 - 256  # llama.cpp's n_ctx is 32 bits and padded to 256 cells: above this it wraps
 
 

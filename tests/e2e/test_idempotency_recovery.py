@@ -191,7 +191,7 @@ def test_a_graceful_stop_ends_its_requests_resumable_and_a_retry_with_the_key_ru
         g.stop()  # SIGTERM: uvicorn's grace of 5 s, then what still runs is stopped
         for t in threads:
             t.join(60)
-        for got in outcomes.values():  # told so a second before the server's grace ends (a bare 500 before)
+        for got in outcomes.values():  # told so before the server's grace ends (a bare 500 before)
             assert isinstance(got, httpx.Response) and got.status_code == 503, got
             assert got.json()["error"]["code"] == "server_stopping" and got.headers["x-should-retry"] == "true"
         rows = {r["key"]: r for r in journal_rows(state)}

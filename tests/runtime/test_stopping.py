@@ -1,5 +1,5 @@
 """The gateway's own stop (Ctrl-C, SIGTERM): open requests keep their grace, and end as
-they would (a client that goes away cancels); a second before uvicorn's grace ends the
+they would (a client that goes away cancels); ``STOP_AHEAD_S`` before uvicorn's grace ends the
 gateway stops what still runs, resumable, and refuses what comes after."""
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ import pytest
 
 from spillover.core.lifecycle import State
 from spillover.errors import RequestCancelled, ServerStopping
-from spillover.runtime.gateway import Gateway
+from spillover.runtime.gateway import STOP_AHEAD_S, Gateway
 from spillover.runtime.outcomes import classify_error, stopped
 from spillover.runtime.requests import Refused, RequestService
 
 
-def test_the_gateway_stops_its_requests_only_a_second_before_the_grace_ends() -> None:
+def test_the_gateway_stops_its_requests_only_shortly_before_the_grace_ends() -> None:
     async def main() -> None:
         cancelled: list[float] = []
         gw: Any = SimpleNamespace(stopping=False)
         gw.requests = SimpleNamespace(cancel_all=lambda: cancelled.append(asyncio.get_running_loop().time()))
         gw.stop_requests = functools.partial(Gateway.stop_requests, gw)
         t0 = asyncio.get_running_loop().time()
-        Gateway.begin_stop(gw, 1.3)
+        Gateway.begin_stop(gw, STOP_AHEAD_S + 0.3)
         await asyncio.sleep(0.1)
         assert not gw.stopping and not cancelled  # the grace: a client going away still cancels
         assert isinstance(stopped("r", server_stopping=gw.stopping), RequestCancelled)

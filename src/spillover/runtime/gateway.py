@@ -49,7 +49,9 @@ KICK_EVERY_S = 0.5  # the schedulers look again at least this often while the de
 MAX_PENDING_OUTCOMES = 10_000
 _GONE = (SupervisorEventKind.DIED, SupervisorEventKind.START_FAILED, SupervisorEventKind.UNLOADED)
 LOAD_RECHECK_S = 0.25  # how often a load waiting for room looks at the ledger again
-STOP_AHEAD_S = 1.0  # a stop ends what still runs this long before the server's grace is over
+# A stop ends what still runs this long before the server's grace is over: a GPU job's answer
+# waits for its worker to let go of it (1 s was too short for an embeddings batch on the GPU).
+STOP_AHEAD_S = 3.0
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 
 
@@ -368,7 +370,7 @@ class Gateway:
 
     def begin_stop(self, grace_s: float) -> None:
         """uvicorn's shutdown begins: open requests get ``grace_s`` to end, then uvicorn cancels
-        their handlers (a bare 500 to the client). A second before that the gateway stops what
+        their handlers (a bare 500 to the client). ``STOP_AHEAD_S`` before that the gateway stops what
         still runs (``stop_requests``), so its client reads 503 ``server_stopping`` (a stream:
         its error event and ``[DONE]``). Until then a request ends as it would have (a client
         that goes away cancels it)."""
