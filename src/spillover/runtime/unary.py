@@ -47,6 +47,7 @@ log = logging.getLogger("spillover.request")
 OnMove = Callable[[str, dict[str, Any]], Awaitable[None]]
 Emit = Callable[[bytes, dict[str, str]], None]  # one streamed frame, and the headers it is sent under
 SSE = "text/event-stream"
+STOPPING_WAIT_S = 1.0  # ``_settle`` while the gateway stops its requests
 DONE = b"data: [DONE]\n\n"  # a stream's end, after its last event (an error too)
 
 
@@ -89,6 +90,8 @@ class UnaryRun:
     cancelled_early: bool = False  # cancelled before its work began: it never starts
     on_end: Callable[[], None] | None = None  # a streamed run's owner lets go of it (rule 5)
     _task: asyncio.Task[Encoded] | None = None
+    _caller: asyncio.Task[Any] | None = None  # the task waiting for a non-streamed answer
+    _woken: bool = False  # ``cancel`` woke it: the gateway stops its requests
     _sent: list[bytes] = field(default_factory=list)  # frames streamed so far (rule 5)
     _head: dict[str, str] | None = None
     _frames: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
@@ -110,6 +113,10 @@ class UnaryRun:
             self._task.cancel()
         else:
             self.cancelled_early = True
+        caller = self._caller
+        if self.gw.stopping and not by_user and caller is not None and not caller.done():
+            self._woken = True  # its client is answered now, not when the worker lets go (``_reply``)
+            caller.cancel()
 
     def _cancelled(self) -> SpilloverError:
         """The error of work that was stopped: the DELETE's, else ``outcomes.stopped``."""
@@ -170,10 +177,14 @@ class UnaryRun:
                     self.gw.loops.spawn(f"stream-{self.rid}", self._end_stream())
                     assert self._head is not None
                     return Streaming(self._head, self._stream(), SSE)
+            self._caller = asyncio.current_task()
             outcome = await asyncio.shield(self._task)
         except asyncio.CancelledError:
             me = asyncio.current_task()
             cancelled = self._cancelled()
+            if self._woken and me is not None:  # the gateway stops its requests: its answer now
+                me.uncancel()
+                return _answer(await asyncio.shield(self._settle(cancelled)))
             if me is not None and me.cancelling():  # our caller is cancelled (the server stops)
                 await asyncio.shield(self._settle(cancelled))
                 raise
@@ -237,10 +248,16 @@ class UnaryRun:
         return _answer(await asyncio.shield(self._settle(err)))
 
     async def _settle(self, err: SpilloverError) -> Encoded:
-        """The task has ended (or is made to); journal ``err`` as the outcome."""
+        """The task has ended (or is made to); journal ``err`` as the outcome. While the gateway
+        stops its requests the answer waits at most ``STOPPING_WAIT_S`` for the task (a GPU
+        batch runs on until its worker lets go; the stop kills the workers after)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            if self.gw.stopping:
+                self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, whenever
+                await asyncio.wait({self._task}, timeout=STOPPING_WAIT_S)
+            else:
+                await asyncio.gather(self._task, return_exceptions=True)
         outcome = self.ep.error(err, self.rid)
         await self._store(classify_error(err), outcome)
         return outcome
