@@ -14,11 +14,14 @@ from spillover.engine.grammar import (
     JSON_DOT,
     MAX_SCHEMA_DEPTH,
     GrammarRefused,
+    _json_pattern,
     _max_nesting,
     integer_bounds,
     integer_range,
     schema_to_grammar,
 )
+from spillover.errors import InvalidRequest
+from spillover.runtime.prepare import tool_schema
 
 BOUNDS = {"max_bytes": 65536, "max_repeat": 512}
 
@@ -212,3 +215,59 @@ def test_integer_bounds_refusals_name_the_keyword_the_schema_has(bounds: dict[st
     with pytest.raises(GrammarRefused) as e:
         schema_to_grammar(obj(n={"type": "integer", **bounds}), **BOUNDS)
     assert e.value.path == path
+
+
+@pytest.mark.parametrize(
+    ("pattern", "want"),
+    [
+        (r"^\d{5}$", "^[0-9]{5}$"),  # pydantic's digits: llama.cpp's parser refused \d
+        (r"\w+\s\W", r'[0-9A-Za-z_]+[ ][^"\\\x00-\x1F\x7F0-9A-Za-z_]'),
+        (r"[\d-]", "[0-9-]"),
+        (r"a\\b", r"a\\\\b"),  # a literal backslash is matched as JSON writes it: escaped
+        ('a"b', r'a\\"b'),
+        (r"a\"b", r'a\\"b'),
+        (r"a\.b\-c\/d", "a[.]b-c/d"),
+        (r"x\ny", r"x\\ny"),
+    ],
+)
+def test_a_pattern_is_rewritten_for_a_json_string(pattern: str, want: str) -> None:
+    assert _json_pattern(pattern) == want
+
+
+def test_literals_write_every_character_as_itself() -> None:
+    """A constant's or a property name's JSON text: a backslash, a quote, a control character
+    (the converter's literal kept one backslash, which JSON read as an escape, and a quote
+    inside broke the grammar llama.cpp parses)."""
+    grammar = schema_to_grammar({"enum": ["a\\b", 'say "hi"', "tab\there"]}, **BOUNDS)
+    root = dict(line.split(" ::= ", 1) for line in grammar.splitlines())["root"]
+    assert root == r'"\"a\\\\b\"" | "\"say \\\"hi\\\"\"" | "\"tab\\there\""'
+
+
+@pytest.mark.parametrize(
+    ("prop", "key"),
+    [
+        ({"type": "integer", "multipleOf": 5}, "multipleOf"),  # silently not enforced before
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}, "pattern"),  # maxLength was ignored
+        ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2}, "pattern"),
+    ],
+)
+def test_keywords_the_grammar_cannot_enforce_are_refused(prop: dict[str, Any], key: str) -> None:
+    with pytest.raises(GrammarRefused) as e:
+        schema_to_grammar(obj(p=prop), **BOUNDS)
+    assert e.value.path == f"properties.p.{key}"
+
+
+def test_a_forced_tools_defs_resolve_from_the_wrapper() -> None:
+    """pydantic's nested models: ``#/$defs/Pt`` in a function's parameters (it was resolved
+    against the name/arguments wrapper and refused)."""
+    pt = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}
+    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Pt"}}, "required": ["at"], "$defs": {"Pt": pt}}
+    tools = ({"type": "function", "function": {"name": "move", "parameters": params}},)
+    schema = tool_schema(tools, "move")
+    assert schema["$defs"] == {"Pt": pt} and "$defs" not in schema["properties"]["arguments"]
+    assert "[0-9]" in schema_to_grammar(schema, **BOUNDS)
+    other = {**params, "$defs": {"Pt": {"type": "string"}}}
+    both = (*tools, {"type": "function", "function": {"name": "jump", "parameters": other}})
+    with pytest.raises(InvalidRequest) as e:
+        tool_schema(both, "*")
+    assert e.value.param == "tools"

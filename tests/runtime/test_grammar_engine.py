@@ -5,6 +5,7 @@ gateway builds (``engine.grammar``) parsed and enforced by llama.cpp, over sampl
 from __future__ import annotations
 
 import json
+import re
 
 from spillover.config import default_model_path
 from spillover.engine.grammar import schema_to_grammar
@@ -18,8 +19,11 @@ SCHEMA = {
         "people": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 13},
         "stars": {"type": ["integer", "null"], "minimum": 1, "maximum": 5},
         "code": {"type": "string", "pattern": "^[^,]{2,5}.$"},
+        "zip": {"type": "string", "pattern": r"^\d{3}$"},  # pydantic's digits: the grammar was refused
+        "tag": {"enum": ["a\\b", 'say "hi"']},  # a backslash came back a backspace; a quote broke the grammar
+        "path": {"type": "string", "pattern": r"^[a-z]{1,3}\\[a-z]{1,3}$"},  # a literal backslash
     },
-    "required": ["city", "days", "people", "stars", "code"],
+    "required": ["city", "days", "people", "stars", "code", "zip", "tag", "path"],
 }
 
 
@@ -34,7 +38,7 @@ def test_sampled_answers_keep_the_integer_bounds_and_are_strict_json() -> None:
         slot = e.acquire_slot()
         assert slot is not None
         try:
-            params = GenerateParams(max_tokens=120, temperature=1.3, seed=seed, grammar=grammar)
+            params = GenerateParams(max_tokens=160, temperature=1.3, seed=seed, grammar=grammar)
             out = list(e.generate(slot, prompt, params, kv_tokens=512, should_stop=lambda: False))
         finally:
             e.release_slot(slot)
@@ -43,4 +47,6 @@ def test_sampled_answers_keep_the_integer_bounds_and_are_strict_json() -> None:
     assert all(1 <= a["days"] <= 7 and 1 <= a["people"] <= 12 and len(a["city"]) <= 12 for a in answers), answers
     assert all(a["stars"] is None or 1 <= a["stars"] <= 5 for a in answers), answers
     assert all(3 <= len(a["code"]) <= 6 and "," not in a["code"][:-1] for a in answers), answers
+    assert all(re.fullmatch(r"\d{3}", a["zip"]) and a["tag"] in ("a\\b", 'say "hi"') for a in answers), answers
+    assert all(re.fullmatch(r"[a-z]{1,3}\\[a-z]{1,3}", a["path"]) for a in answers), answers
     e.set_readiness("on_demand")

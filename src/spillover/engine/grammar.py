@@ -65,6 +65,10 @@ def _check(node: Any, path: str, depth: int, max_repeat: int) -> None:
                 f"'{key}' is {v}; this server constrains output to at most {max_repeat} repetitions",
                 f"{path}.{key}".lstrip("."),
             )
+    unsupported = _unsupported(node)
+    if unsupported is not None:
+        key, why = unsupported
+        raise GrammarRefused(why, f"{path}.{key}".lstrip("."))
     for key in INT_BOUND_KEYS:
         v = node.get(key)
         if isinstance(v, int | float) and not isinstance(v, bool) and not abs(v) <= MAX_INT_BOUND:  # NaN too
@@ -109,6 +113,10 @@ def _max_nesting(grammar: str) -> int:
 JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 JSON_UNSAFE = r'"\\\x00-\x1F\x7F'  # what a JSON string holds only escaped, in a character class
 JSON_DOT = f"[^{JSON_UNSAFE}]"  # a pattern's ``.`` inside a JSON string
+# How a grammar literal writes a character that is not itself there.
+_LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"} | {
+    chr(c): f"\\x{c:02X}" for c in [*range(0x20), 0x7F] if chr(c) not in "\n\r\t"
+}
 NO_INT_BOUND = 10**18 - 1  # an integer's missing bound: rule 1's widest
 OTHER_FORMS = frozenset(("$ref", "oneOf", "anyOf", "const", "enum"))  # the converter's, before a type's
 
@@ -161,29 +169,74 @@ def integer_range(lo: int, hi: int) -> str:
     return " | ".join(alts)
 
 
+def _unsupported(node: dict[str, Any]) -> tuple[str, str] | None:
+    """A keyword the grammar would silently not enforce, and why it is refused (rule 2): the
+    answer would break the schema instead."""
+    if "multipleOf" in node:
+        return "multipleOf", "'multipleOf' cannot be enforced by this server's output grammar"
+    if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
+        return "pattern", (
+            "a 'pattern' together with 'minLength'/'maxLength' cannot both be enforced; "
+            "put the length in the pattern (e.g. {1,8})"
+        )
+    return None
+
+
 def _integer_type(schema: Any) -> bool:
     """Whether a schema's ``type`` is ``integer`` or a list that holds it (a nullable integer)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
 
 
+# A pattern's class escapes, as character-class bodies the grammar takes (``\s``: a space only:
+# JSON writes the other whitespace escaped).
+_CLASS_ESCAPES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " "}
+_PLAIN_AFTER_ESCAPE = set("/-!#%&',:;<=>@`~")  # escaped in a regex for no reason: the character itself
+
+
 def _json_pattern(pattern: str) -> str:
-    """A string ``pattern`` whose negated character classes also leave out what a JSON string
-    cannot hold unescaped (a quote, a backslash, the control characters): the converter copies
-    a class into the grammar as it is, so ``[^a]`` could write a raw quote. (``.`` is a rule of
-    its own: ``JSON_DOT``.)"""
+    """A string ``pattern`` rewritten for what the converter does with it inside a JSON string
+    (it copies literals and classes into the grammar as they are):
+    - a negated class also leaves out what a JSON string holds only escaped (a quote, a
+      backslash, the control characters): ``[^a]`` could write a raw quote (``.`` is a rule of
+      its own: ``JSON_DOT``);
+    - a quote and a backslash are matched as JSON writes them, escaped (``a\\\\b`` wrote a raw
+      backslash that JSON read as ``\\b``, a backspace; a quote ended the string); ``\\n``,
+      ``\\t``, ``\\r`` likewise;
+    - ``\\d``, ``\\w``, ``\\s`` (and their negations) are character classes, and ``\\.`` a
+      dot: llama.cpp's grammar parser refused them (pydantic writes ``\\d`` for digits)."""
     out, i, n = [], 0, len(pattern)
     while i < n:
         c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i : i + 2])
+        if c == "\\" and i + 1 < n:
+            e = pattern[i + 1]
+            if e.lower() in _CLASS_ESCAPES:
+                body = _CLASS_ESCAPES[e.lower()]
+                out.append(f"[^{JSON_UNSAFE}{body}]" if e.isupper() else f"[{body}]")
+            elif e in '\\"':
+                out.append("\\\\\\\\" if e == "\\" else '\\\\"')
+            elif e in "ntr":
+                out.append("\\\\" + e)
+            elif e == ".":
+                out.append("[.]")
+            elif e in _PLAIN_AFTER_ESCAPE:
+                out.append(e)
+            else:
+                out.append(pattern[i : i + 2])
             i += 2
+        elif c == '"':
+            out.append('\\\\"')
+            i += 1
         elif c == "[":
             j = i + 1
             negated = j < n and pattern[j] == "^"
             out.append("[^" + JSON_UNSAFE if negated else "[")
             j += 1 if negated else 0
             while j < n and pattern[j] != "]":
+                if pattern[j] == "\\" and j + 1 < n and pattern[j + 1] in _CLASS_ESCAPES:
+                    out.append(_CLASS_ESCAPES[pattern[j + 1]])
+                    j += 2
+                    continue
                 step = 2 if pattern[j] == "\\" else 1
                 out.append(pattern[j : j + step])
                 j += step
@@ -237,6 +290,12 @@ def _converter() -> Any:
             if name == "char":
                 rule = type(rule)(JSON_CHAR, [])
             return super()._add_primitive(name, rule)
+
+        def _format_literal(self, literal: str) -> str:
+            # every character as itself: a backslash too (a constant's or a property name's JSON
+            # text, ``"a\\\\b"``, wrote one backslash, which JSON read as a backspace; a quote
+            # inside one broke the grammar), and the control characters by their code
+            return '"' + "".join(_LITERAL_ESCAPES.get(ch) or ch for ch in literal) + '"'
 
         def _add_rule(self, name: str, rule: str) -> Any:
             return super()._add_rule(name, JSON_DOT if name == "dot" else rule)  # type: ignore[no-untyped-call]

@@ -78,12 +78,26 @@ class GenerationRequest:
         }
 
 
+DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps the parts its "#/..." refs name
+
+
 def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any]:
-    """JSON schema the constrained output must follow for a forced tool call."""
+    """JSON schema the constrained output must follow for a forced tool call. Each function's
+    parameters sit under ``arguments`` in it, so their ``$defs``/``definitions`` (what a
+    ``#/$defs/...`` ref in them names: pydantic's nested models) move to its root, where those
+    refs resolve; two functions that define one name differently are refused (400)."""
+    defs: dict[str, dict[str, Any]] = {}
 
     def params(t: dict[str, Any]) -> dict[str, Any]:
         p = dict(t["function"].get("parameters") or {"type": "object", "properties": {}})
         p.setdefault("type", "object")
+        for key in DEFS_KEYS:
+            for name, part in (p.pop(key, None) or {}).items() if isinstance(p.get(key), dict) else ():
+                if defs.setdefault(key, {}).setdefault(name, part) != part:
+                    raise InvalidRequest(
+                        f"two functions define {key} '{name}' differently; a forced call needs one",
+                        param="tools",
+                    )
         return p
 
     chosen = [t for t in tools if forced == "*" or t["function"]["name"] == forced]
@@ -95,7 +109,8 @@ def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any
         }
         for t in chosen
     ]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return schema | defs
 
 
 @dataclass(frozen=True)
