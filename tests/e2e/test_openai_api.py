@@ -271,3 +271,21 @@ def test_responses_api_is_a_clear_404_naming_what_is_served(client: openai.OpenA
         client.responses.create(model=MODEL, input="hi")
     assert e.value.response.headers["x-should-retry"] == "false"
     assert "/v1/chat/completions" in e.value.message and e.value.body["code"] == "endpoint_not_supported"  # type: ignore[index]
+
+
+def test_stop_sequences_do_not_cut_a_forced_tool_call(client: openai.OpenAI) -> None:
+    """A stop of ``","`` or ``'"'`` matched the hidden name/arguments wrapper: the call came
+    back with empty arguments. Stops do not apply to a forced call."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
+        max_tokens=80,
+        temperature=0,
+        stop=[",", '"'],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    assert isinstance(args["city"], str) and isinstance(args["days"], int)

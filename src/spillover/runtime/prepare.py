@@ -67,7 +67,9 @@ class GenerationRequest:
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "stop": list(self.stop),
+            # A forced tool call's output is the call's JSON in a wrapper the client never sees:
+            # a stop sequence there could only match the wrapper or cut the call (ignored).
+            "stop": list(self.stop) if self.forced_tool is None else [],
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "repeat_penalty": self.repeat_penalty,
