@@ -154,3 +154,7 @@ def test_a_load_request_is_answered_at_once_and_runs_nothing(gw: GatewayProcess,
     with pytest.raises(ollama.ResponseError) as e:  # an unknown model is still a 404
         client.chat(model="nope", messages=[])
     assert e.value.status_code == 404
+    for refused in ({"num_gpu": 1}, {"bogus": 1}):  # checked as a run's are (they were answered "load")
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model=MODEL, messages=[], options=refused)
+        assert e.value.status_code == 400 and next(iter(refused)) in str(e.value.error)

@@ -158,16 +158,20 @@ def ollama_routes(
         served = ", ".join(repr(name) for name in [*(c.name for c in gw.chats), *listed])
         return NotFound(f"model {asked!r} not found; this server's models are {served}", code="model_not_found")
 
-    def load_reader(field: str, empty: dict[str, Any]) -> Callable[[Request], Awaitable[Any]]:
+    def load_reader(
+        field: str, stand_in: Any, parse: Callable[[Any, str], Any], empty: dict[str, Any]
+    ) -> Callable[[Request], Awaitable[Any]]:
         """The body, read as ``generate`` reads it; a request whose ``field`` is missing or
         empty (``messages: []``, ``prompt: ""``) is Ollama's load request: the ollama CLI's
         preload before its prompt. It is answered at once (``done_reason: "load"``) for a
         model this server serves, and runs nothing: spillover keeps its models loaded (a
-        ``keep_alive`` of 0 unloads nothing either)."""
+        ``keep_alive`` of 0 unloads nothing either). Its other fields are checked as a run's
+        are (``parse`` with ``stand_in`` as its ``field``): a refused option is refused."""
 
         async def read(request: Request) -> Any:
             body = await read_json(request)
             if isinstance(body, dict) and body.get(field) in (None, "", []):
+                parse({**body, field: stand_in}, gw.cfg.model.name)  # its 400s, as a run's
                 asked = str(body.get("model") or gw.cfg.model.name)  # as the request's own parse defaults it
                 gw.registry.resolve(asked, "chat")  # an unknown model's 404, another kind's 400, as a run's
                 chat = gw.chat_model(asked)
@@ -184,11 +188,13 @@ def ollama_routes(
             return plain_json(load.answer)
 
     async def chat(request: Request) -> Response:
-        read = load_reader("messages", {"message": {"role": "assistant", "content": ""}})
+        stand_in = [{"role": "user", "content": "."}]
+        read = load_reader("messages", stand_in, parse_ollama_chat, {"message": {"role": "assistant", "content": ""}})
         return await load_or_run(request, "ollama-chat", read)
 
     async def gen(request: Request) -> Response:
-        return await load_or_run(request, "ollama-generate", load_reader("prompt", {"response": ""}))
+        read = load_reader("prompt", ".", parse_ollama_generate, {"response": ""})
+        return await load_or_run(request, "ollama-generate", read)
 
     async def service_entry(svc: EmbeddingsService) -> dict[str, Any]:
         onnx = os.path.join(svc.model_dir, "model.onnx")
