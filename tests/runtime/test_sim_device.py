@@ -195,3 +195,24 @@ def test_worker_refused_weights_exits(tmp_path: Path, model_path: str) -> None:
         assert exits[0].kind == "alloc_failed"
 
     asyncio.run(main())
+
+
+def test_a_gateway_start_keeps_a_live_tenants_memory(tmp_path: Path) -> None:
+    """A card keeps another program's memory across the gateway's restart: the sim did not (its
+    start cleared every allocation, and the workers loaded into the tenant's room). A dead
+    process's allocation is still reaped by the next full reading."""
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    a = tenant(tmp_path, 30, "a")
+    try:
+        wait_used(dev, 30 * MIB)
+        done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        assert dev.allocate("old-worker", 10 * MIB, "gone", pid=int(done.stdout))  # its process has exited
+        from spillover.runtime.devices import GpuDevice
+
+        gpu = GpuDevice("sim", 200, str(tmp_path))
+        gpu.init()
+        reading = gpu.read()
+        assert reading.used_bytes == 30 * MIB and reading.capacity_bytes == 200 * MIB
+    finally:
+        end(a)

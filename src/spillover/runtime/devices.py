@@ -180,9 +180,11 @@ class GpuDevice:
         return f"<GpuDevice {self.spec}>"
 
     def init(self) -> None:
-        """Create the sim ledger (fresh) or open NVML."""
+        """Set the sim device's capacity (its live allocations kept, as a card keeps another
+        program's memory across this gateway's restart: a ``spillover tenant``'s; the first
+        full reading reaps those of processes that died) or open NVML."""
         if self.sim is not None:
-            self.sim.create(self.initial_capacity_bytes)
+            self.sim.create(self.initial_capacity_bytes, keep_allocations=True)
             return
         import pynvml
 
