@@ -167,11 +167,14 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
             client.embed(model="nope", input="x")
         # what list() names, show() and ps() describe too (show() was a 404, ps() left it out)
         shown = [client.show(name) for name in ("bge-small-en", "bge-small")]
+        legacy = client.embeddings(model="bge-small", prompt=PARAPHRASES[0])  # /api/embeddings: it was a 404
         running = {m.model: m for m in client.ps().models}
     finally:
         client._client.close()
     ref = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES}).json()
     assert np.array_equal(np.array(got.embeddings, dtype=np.float32), _vectors(ref))
+    one = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES[0]}).json()
+    assert np.array_equal(np.array(legacy.embedding, dtype=np.float32), _vectors(one)[0])  # the same one input
     assert e.value.status_code == 404
     assert listed == ["smollm2-135m-instruct", "bge-small-en"]
     assert all(s.capabilities == ["embedding"] and s.modelinfo["bert.embedding_length"] == 384 for s in shown)

@@ -19,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import struct
@@ -49,7 +50,7 @@ class EmbedRequest:
     service: str
     inputs: list[list[int]]
     encoding_format: str  # "float" | "base64"
-    shape: str  # "openai" | "ollama"
+    shape: str  # "openai" | "ollama" | "ollama-legacy"
 
 
 def _texts_or_ids(value: Any) -> list[str] | list[list[int]]:
@@ -164,6 +165,20 @@ def parse_ollama(body: Any, gw: Gateway) -> EmbedRequest:
     return EmbedRequest(model, svc.name, parse_inputs(body["input"], svc), "float", "ollama")
 
 
+def parse_ollama_legacy(body: Any, gw: Gateway) -> EmbedRequest:
+    """Ollama's older ``/api/embeddings`` (the ollama client's ``embeddings()``): ``model`` and
+    one ``prompt`` string, answered ``{"embedding": [...]}``; otherwise as ``/api/embed``."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    for name in body:
+        if name not in ("model", "prompt", "keep_alive", "options"):
+            raise InvalidRequest(f"unknown field '{name}'", param=name)
+    if not isinstance(body.get("prompt"), str):
+        raise InvalidRequest("'prompt' must be a string", param="prompt")
+    req = parse_ollama({"model": body.get("model"), "input": body["prompt"], "options": body.get("options")}, gw)
+    return dataclasses.replace(req, shape="ollama-legacy")
+
+
 def _service(gw: Gateway, model: str) -> EmbeddingsService:
     from spillover.runtime.embeddings import EmbeddingsService
 
@@ -183,8 +198,10 @@ def encode_answer(rid: str, req: EmbedRequest, res: EmbedResult) -> Encoded:
         "model": req.service,
         "attempts": res.attempts,
     }
-    if req.shape == "ollama":
-        doc: dict[str, Any] = {
+    if req.shape == "ollama-legacy":
+        doc: dict[str, Any] = {"embedding": list(struct.unpack(f"<{res.dim}f", rows[0])), "spillover": sp}
+    elif req.shape == "ollama":
+        doc = {
             "model": req.model,
             "embeddings": [list(struct.unpack(f"<{res.dim}f", r)) for r in rows],
             "prompt_eval_count": res.prompt_tokens,
@@ -233,7 +250,12 @@ async def _execute(
 def embedding_endpoints(gw: Gateway) -> list[UnaryEndpoint]:
     """The unary endpoints the request service runs (and replays after a restart)."""
     out = []
-    for name, parse, shape in (("embeddings", parse_openai, "openai"), ("ollama-embed", parse_ollama, "ollama")):
+    shapes = (
+        ("embeddings", parse_openai, "openai"),
+        ("ollama-embed", parse_ollama, "ollama"),
+        ("ollama-embeddings", parse_ollama_legacy, "ollama"),
+    )
+    for name, parse, shape in shapes:
         out.append(
             UnaryEndpoint(
                 name=name,

@@ -315,6 +315,9 @@ def ollama_routes(
     async def embed(request: Request) -> Response:
         return await generate(request, "ollama-embed", ollama_error)
 
+    async def embeddings(request: Request) -> Response:  # the older route (the ollama client's embeddings())
+        return await generate(request, "ollama-embeddings", ollama_error)
+
     return [
         Route("/api/chat", chat, methods=["POST"]),
         Route("/api/generate", gen, methods=["POST"]),
@@ -323,4 +326,5 @@ def ollama_routes(
         Route("/api/show", show, methods=["POST"]),
         Route("/api/version", version, methods=["GET"]),
         Route("/api/embed", embed, methods=["POST"]),
+        Route("/api/embeddings", embeddings, methods=["POST"]),
     ]
