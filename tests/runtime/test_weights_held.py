@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from spillover.core.ledger import DeviceLedger
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
-from spillover.runtime.gateway import Gateway
+from spillover.runtime.gateway import KEPT_FAILED_STARTS, Gateway
 from tests.runtime.fakes import ready_worker
 
 MIB = 1024 * 1024
@@ -18,7 +18,8 @@ K = SupervisorEventKind
 
 def test_a_dead_workers_room_waits_for_its_restarts_and_a_park_gives_it_up() -> None:
     ledger = DeviceLedger("sim", 200 * MIB, 16 * MIB, freshness_s=1e9)
-    gw = SimpleNamespace(ledger=ledger, note_event=lambda *a: None, kick_scheduler=lambda: None, ran=set())
+    gw = SimpleNamespace(ledger=ledger, note_event=lambda *a: None, kick_scheduler=lambda: None)
+    gw.ran, gw.failed_starts = set(), {}
     w = ready_worker("split0", "split")
     w.spec = dataclasses.replace(w.spec, weights_bytes=66 * MIB)
     holder = w.spec.weights_holder
@@ -41,6 +42,17 @@ def test_a_dead_workers_room_waits_for_its_restarts_and_a_park_gives_it_up() -> 
     event(K.START_FAILED)  # killed again while it restarted: a worker that ran keeps its room
     assert not ledger.holds(holder) and ledger.kept_bytes() == 66 * MIB
     assert ledger.reserve_nowait("whisper-gpu/weights", 120 * MIB, 1e9 + 1, kind="weights") is None
+    for _ in range(KEPT_FAILED_STARTS - 1):  # ... until its model seems not to load any more
+        assert ledger.kept_bytes() == 66 * MIB
+        event(K.STARTING)
+        event(K.DIED)  # its process dies as it loads
+        event(K.START_FAILED)
+    assert ledger.kept_bytes() == 0  # given up after KEPT_FAILED_STARTS in a row
+    event(K.STARTING)
+    event(K.READY)  # it came back: the count starts again
+    event(K.DIED)
+    event(K.START_FAILED)
+    assert ledger.kept_bytes() == 66 * MIB
     never = ready_worker("deci0", "gpu")
     never.spec = dataclasses.replace(never.spec, weights_bytes=30 * MIB)
     for kind in (K.STARTING, K.DIED, K.START_FAILED):  # a model that cannot load never ran: no room held

@@ -90,7 +90,7 @@ class AnswerShapes:
 
     def tool_calls(self) -> list[dict[str, Any]] | None:
         """OpenAI ``tool_calls`` from the constrained output of a forced tool call. A call cut
-        off before it was complete (``max_tokens``, a stop sequence) comes as OpenAI gives one:
+        off before it was complete (``max_tokens``) comes as OpenAI gives one:
         the arguments as far as they came, and the run's own finish reason (``tool_finish``)."""
         if self.run.req.forced_tool is None:
             return None

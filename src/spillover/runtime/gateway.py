@@ -52,6 +52,9 @@ LOAD_RECHECK_S = 0.25  # how often a load waiting for room looks at the ledger a
 # A stop ends what still runs this long before the server's grace is over: a GPU job's answer
 # waits for its worker to let go of it (1 s was too short for an embeddings batch on the GPU).
 STOP_AHEAD_S = 3.0
+# A worker that ran keeps its room through this many failed restarts in a row (killed again
+# while it restarted), no more: one whose model can no longer load gives it to the others.
+KEPT_FAILED_STARTS = 3
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 
 
@@ -106,6 +109,7 @@ class Gateway:
         # (``ServerStopping``), not as the client's cancellation.
         self.stopping = False
         self.ran: set[str] = set()  # GPU workers' weights holders that were ready once (worker_event)
+        self.failed_starts: dict[str, int] = {}  # weights holder -> failed starts since it was last ready
         self.host = HostMemory(
             self.all_supervisors,
             budget_bytes=cfg.device.host_budget_mib * 1024 * 1024,
@@ -214,7 +218,8 @@ class Gateway:
         waited for room (another service's) cannot take it and leave the planned worker waiting
         behind it for good. A park or an unload gives it up, and so does a failed start of a
         worker that never ran (a model that cannot load holds no room from the others); one
-        that ran keeps it through failed restarts (killed again while it restarted)."""
+        that ran keeps it through ``KEPT_FAILED_STARTS`` failed restarts in a row (killed again
+        while it restarted), no more (its model may no longer load)."""
         self.note_event(worker.spec.worker_id, str(ev))
         if self.ledger is not None and worker.spec.lane in DEVICE_ROUTES:
             holder = worker.spec.weights_holder
@@ -224,12 +229,16 @@ class Gateway:
             elif ev.kind is SupervisorEventKind.READY:
                 self.ledger.confirm(holder, now)
                 self.ran.add(holder)
+                self.failed_starts.pop(holder, None)
             elif ev.kind in _GONE and self.ledger.holds(holder):
                 self.ledger.release(holder, now)  # remembered: this memory is coming back
                 if ev.kind is SupervisorEventKind.DIED:  # its restart takes it back
                     self.ledger.keep(holder, worker.spec.weights_bytes)
+            if ev.kind is SupervisorEventKind.START_FAILED:
+                self.failed_starts[holder] = self.failed_starts.get(holder, 0) + 1
             if ev.kind in (SupervisorEventKind.PARKED, SupervisorEventKind.UNLOADED) or (
-                ev.kind is SupervisorEventKind.START_FAILED and holder not in self.ran
+                ev.kind is SupervisorEventKind.START_FAILED
+                and (holder not in self.ran or self.failed_starts[holder] >= KEPT_FAILED_STARTS)
             ):
                 self.ledger.drop_kept(holder)
         self.kick_scheduler()

@@ -177,8 +177,11 @@ class UnaryRun:
                     self.gw.loops.spawn(f"stream-{self.rid}", self._end_stream())
                     assert self._head is not None
                     return Streaming(self._head, self._stream(), SSE)
-            self._caller = asyncio.current_task()
-            outcome = await asyncio.shield(self._task)
+            self._caller = asyncio.current_task()  # woken by ``cancel`` only while it waits here
+            try:
+                outcome = await asyncio.shield(self._task)
+            finally:
+                self._caller = None
         except asyncio.CancelledError:
             me = asyncio.current_task()
             cancelled = self._cancelled()
