@@ -200,7 +200,7 @@ def test_a_patterns_dot_and_negated_classes_leave_out_what_json_escapes() -> Non
     grammar = schema_to_grammar(obj(a={"type": "string", "pattern": r"^[^,]{1,3}\..[a-c]$"}), **BOUNDS)
     rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
     assert rules["dot"] == JSON_DOT == r'[^"\\\x00-\x1F\x7F]'
-    assert r'[^"\\\x00-\x1F\x7F,]' in grammar and "[a-c]" in grammar  # a positive class is left as it is
+    assert r'[^"\\\x00-\x1F\x7F\x2C]' in grammar and r"[\x61-\x63]" in grammar
 
 
 @pytest.mark.parametrize(
@@ -222,16 +222,27 @@ def test_integer_bounds_refusals_name_the_keyword_the_schema_has(bounds: dict[st
     [
         (r"^\d{5}$", "^[0-9]{5}$"),  # pydantic's digits: llama.cpp's parser refused \d
         (r"\w+\s\W", r'[0-9A-Za-z_]+[ ][^"\\\x00-\x1F\x7F0-9A-Za-z_]'),
-        (r"[\d-]", "[0-9-]"),
-        (r"a\\b", r"a\\\\b"),  # a literal backslash is matched as JSON writes it: escaped
-        ('a"b', r'a\\"b'),
-        (r"a\"b", r'a\\"b'),
-        (r"a\.b\-c\/d", "a[.]b-c/d"),
-        (r"x\ny", r"x\\ny"),
+        (r"[\d-]", r"[\x30-\x39\x2D]"),
+        (r"[\w\.-]+", r"[\x30-\x39\x41-\x5A\x5F\x61-\x7A\x2E\x2D]+"),  # refused by llama.cpp before
+        (r"[ -~]+", r"[\x20-\x21\x23-\x5B\x5D-\x7E]+"),  # less the quote and the backslash JSON escapes
+        (r"[^a]", r'[^"\\\x00-\x1F\x7F\x61]'),
+        (r"a\\+", r"a(\\\\)+"),  # a quantifier takes the whole escape (it took "a\\" as one literal)
+        ('a"?', r'a(\\")?'),
+        (r"a\"b", r'a(\\")b'),
+        (r"^\n+$", r"^(\\u000a)+$"),  # it wrote \nnn
+        (r"a\.b\-c\/d\$", r"a[.]b-c/d[\x24]"),
+        (r"\x41\u0022", r'A(\\")'),
     ],
 )
 def test_a_pattern_is_rewritten_for_a_json_string(pattern: str, want: str) -> None:
     assert _json_pattern(pattern) == want
+
+
+@pytest.mark.parametrize("pattern", [r'^["]$', r"^[\\]$", r"a\bc", r"\p{L}", r"(a)\1", r"[\D]", r"[a-z"])
+def test_a_pattern_the_grammar_cannot_keep_is_refused_naming_it(pattern: str) -> None:
+    with pytest.raises(GrammarRefused) as e:
+        schema_to_grammar(obj(p={"type": "string", "pattern": pattern}), **BOUNDS)
+    assert e.value.path == "properties.p.pattern"
 
 
 def test_literals_write_every_character_as_itself() -> None:

@@ -65,6 +65,11 @@ def _check(node: Any, path: str, depth: int, max_repeat: int) -> None:
                 f"'{key}' is {v}; this server constrains output to at most {max_repeat} repetitions",
                 f"{path}.{key}".lstrip("."),
             )
+    if isinstance(node.get("pattern"), str):
+        try:
+            _json_pattern(node["pattern"])
+        except GrammarRefused as exc:
+            raise GrammarRefused(exc.message, f"{path}.pattern".lstrip(".")) from None
     unsupported = _unsupported(node)
     if unsupported is not None:
         key, why = unsupported
@@ -188,59 +193,145 @@ def _integer_type(schema: Any) -> bool:
     return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
 
 
-# A pattern's class escapes, as character-class bodies the grammar takes (``\s``: a space only:
-# JSON writes the other whitespace escaped).
-_CLASS_ESCAPES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " "}
-_PLAIN_AFTER_ESCAPE = set("/-!#%&',:;<=>@`~")  # escaped in a regex for no reason: the character itself
+# A pattern's class escapes as code-point ranges (``\s``: a space only: JSON writes the other
+# whitespace escaped), and the characters a JSON string holds only escaped.
+_CLASS_RANGES = {
+    "d": [(0x30, 0x39)],
+    "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+    "s": [(0x20, 0x20)],
+}
+_CLASS_BODIES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " "}
+_UNSAFE = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)]
+_CHAR_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
+_SPECIAL = set("[]()|{}*+?")  # the converter takes these escaped (``\X``)
+
+
+def _refuse_escape(e: str) -> GrammarRefused:
+    return GrammarRefused(f"the pattern's '\\{e}' cannot be enforced by this server's output grammar", "pattern")
+
+
+def _escaped_char(pattern: str, i: int) -> tuple[int, int]:
+    """The character an escape at ``pattern[i]`` (a backslash) stands for, and its length;
+    ``GrammarRefused`` for an escape that is not one character (``\b``, ``\\p``, ...)."""
+    e = pattern[i + 1] if i + 1 < len(pattern) else "\\"
+    if e in _CHAR_ESCAPES:
+        return _CHAR_ESCAPES[e], 2
+    if e in "xu":
+        digits = 2 if e == "x" else 4
+        code = pattern[i + 2 : i + 2 + digits]
+        if len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
+            return int(code, 16), 2 + digits
+        raise _refuse_escape(e)
+    if e.isalnum():
+        raise _refuse_escape(e)
+    return ord(e), 2
+
+
+def _json_char(c: int) -> str:
+    """A regex the converter takes for the JSON text of character ``c`` in a string: itself, or
+    its escape (a quote, a backslash and the control characters are written escaped)."""
+    ch = chr(c)
+    if ch == '"':
+        return '(\\\\")'
+    if ch == "\\":
+        return "(\\\\\\\\)"
+    if c < 0x20 or c == 0x7F:
+        return f"(\\\\u{c:04x})"
+    if ch == ".":
+        return "[.]"
+    if ch in _SPECIAL:
+        return "\\" + ch
+    if ch in "^$":
+        return f"[\\x{c:02X}]"
+    return ch
+
+
+def _less_unsafe(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` without the characters a JSON string holds only escaped."""
+    out = []
+    for lo, hi in ranges:
+        for u_lo, u_hi in _UNSAFE:
+            if hi < u_lo or lo > u_hi or lo > hi:
+                continue
+            if lo < u_lo:
+                out.append((lo, u_lo - 1))
+            lo = max(lo, u_hi + 1)
+        if lo <= hi:
+            out.append((lo, hi))
+    return out
+
+
+def _class_char(c: int) -> str:
+    return f"\\x{c:02X}" if c < 0x100 else f"\\u{c:04X}" if c < 0x10000 else f"\\U{c:08X}"
+
+
+def _json_class(pattern: str, i: int) -> tuple[str, int]:
+    """A character class at ``pattern[i]`` (``[``) for a JSON string, and where it ends: a
+    positive class less what JSON writes escaped (a narrower class: what it writes still
+    matches), a negated one with those added to what it leaves out."""
+    j, n = i + 1, len(pattern)
+    negated = j < n and pattern[j] == "^"
+    j += 1 if negated else 0
+    ranges: list[tuple[int, int]] = []
+    first = True
+    while j < n and (pattern[j] != "]" or first):
+        first = False
+        if pattern[j] == "\\" and j + 1 < n and pattern[j + 1] in _CLASS_RANGES:
+            ranges += _CLASS_RANGES[pattern[j + 1]]
+            j += 2
+            continue
+        if pattern[j] == "\\" and j + 1 < n and pattern[j + 1] in "DWS":
+            raise _refuse_escape(pattern[j + 1])
+        lo, step = _escaped_char(pattern, j) if pattern[j] == "\\" else (ord(pattern[j]), 1)
+        j += step
+        hi = lo
+        if j + 1 < n and pattern[j] == "-" and pattern[j + 1] != "]":
+            hi, step = _escaped_char(pattern, j + 1) if pattern[j + 1] == "\\" else (ord(pattern[j + 1]), 1)
+            j += 1 + step
+        ranges.append((lo, hi))
+    if j >= n:
+        raise GrammarRefused("the pattern has a character class without its ']'", "pattern")
+    body = "".join(_class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}" for lo, hi in
+                   (ranges if negated else _less_unsafe(ranges)))  # fmt: skip
+    if negated:
+        return f"[^{JSON_UNSAFE}{body}]", j + 1
+    if not body:
+        raise GrammarRefused("the pattern's character class holds only characters JSON writes escaped", "pattern")
+    return f"[{body}]", j + 1
 
 
 def _json_pattern(pattern: str) -> str:
-    """A string ``pattern`` rewritten for what the converter does with it inside a JSON string
-    (it copies literals and classes into the grammar as they are):
-    - a negated class also leaves out what a JSON string holds only escaped (a quote, a
-      backslash, the control characters): ``[^a]`` could write a raw quote (``.`` is a rule of
-      its own: ``JSON_DOT``);
-    - a quote and a backslash are matched as JSON writes them, escaped (``a\\\\b`` wrote a raw
-      backslash that JSON read as ``\\b``, a backspace; a quote ended the string); ``\\n``,
-      ``\\t``, ``\\r`` likewise;
-    - ``\\d``, ``\\w``, ``\\s`` (and their negations) are character classes, and ``\\.`` a
-      dot: llama.cpp's grammar parser refused them (pydantic writes ``\\d`` for digits)."""
+    """A string ``pattern`` rewritten for the converter, which copies literals and classes into
+    the grammar as they are, inside a JSON string:
+    - a quote, a backslash and the control characters are matched as JSON writes them,
+      escaped, each as a group so that a quantifier after it takes the whole escape (``a\\\\b``
+      wrote a raw backslash, which JSON read as a backspace; a quote ended the string);
+    - a character class leaves those out (a positive one: narrower, what it writes still
+      matches), as does ``.`` (``JSON_DOT``); ``\\d``, ``\\w``, ``\\s`` (and their negations) are
+      classes, and an escaped character is itself (``\\.``, ``\\$``, ``\\x41``): llama.cpp's
+      grammar parser refused them (pydantic writes ``\\d`` for digits);
+    - an escape that is not a character (``\\b``, ``\\p{L}``) is refused (``GrammarRefused``)."""
     out, i, n = [], 0, len(pattern)
     while i < n:
         c = pattern[i]
-        if c == "\\" and i + 1 < n:
+        if c == "\\" and i + 1 < n and pattern[i + 1].lower() in _CLASS_BODIES:
             e = pattern[i + 1]
-            if e.lower() in _CLASS_ESCAPES:
-                body = _CLASS_ESCAPES[e.lower()]
-                out.append(f"[^{JSON_UNSAFE}{body}]" if e.isupper() else f"[{body}]")
-            elif e in '\\"':
-                out.append("\\\\\\\\" if e == "\\" else '\\\\"')
-            elif e in "ntr":
-                out.append("\\\\" + e)
-            elif e == ".":
-                out.append("[.]")
-            elif e in _PLAIN_AFTER_ESCAPE:
-                out.append(e)
-            else:
-                out.append(pattern[i : i + 2])
+            body = _CLASS_BODIES[e.lower()]
+            out.append(f"[^{JSON_UNSAFE}{body}]" if e.isupper() else f"[{body}]")
             i += 2
-        elif c == '"':
-            out.append('\\\\"')
-            i += 1
+        elif c == "\\" and i + 1 < n and pattern[i + 1] in _SPECIAL:
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif c == "\\":
+            code, step = _escaped_char(pattern, i)
+            out.append(_json_char(code))
+            i += step
         elif c == "[":
-            j = i + 1
-            negated = j < n and pattern[j] == "^"
-            out.append("[^" + JSON_UNSAFE if negated else "[")
-            j += 1 if negated else 0
-            while j < n and pattern[j] != "]":
-                if pattern[j] == "\\" and j + 1 < n and pattern[j + 1] in _CLASS_ESCAPES:
-                    out.append(_CLASS_ESCAPES[pattern[j + 1]])
-                    j += 2
-                    continue
-                step = 2 if pattern[j] == "\\" else 1
-                out.append(pattern[j : j + step])
-                j += step
-            i = j
+            cls, i = _json_class(pattern, i)
+            out.append(cls)
+        elif c == '"' or ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(_json_char(ord(c)))
+            i += 1
         else:
             out.append(c)
             i += 1
