@@ -87,6 +87,16 @@ def journal_rows(state_dir: str) -> list[dict[str, Any]]:
     return [dict(zip(keys, r, strict=True)) | {"completions": completed[r[0]]} for r in rows]
 
 
+def post_keyed(g: GatewayProcess, body: dict[str, Any], key: str, outcomes: dict[str, Any]) -> None:
+    """POST a completion with an Idempotency-Key; its response (or the connection's error) goes
+    into ``outcomes[key]``."""
+    try:
+        with httpx.Client(base_url=g.url, timeout=120) as c:
+            outcomes[key] = c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
+    except httpx.HTTPError as exc:
+        outcomes[key] = exc
+
+
 def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -> None:
     """Requests queued and running when the gateway is SIGKILLed all end, after restart,
     completed (replayed) or with an explicit resumable error; each completes at most once."""
@@ -99,11 +109,7 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
         tokens_seen = threading.Event()
 
         def send(key: str) -> None:
-            try:
-                with httpx.Client(base_url=g.url, timeout=120) as c:
-                    outcomes[key] = c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
-            except httpx.HTTPError as exc:
-                outcomes[key] = exc
+            post_keyed(g, body, key, outcomes)
 
         def send_stream() -> None:
             try:
@@ -177,11 +183,7 @@ def test_a_graceful_stop_ends_its_requests_resumable_and_a_retry_with_the_key_ru
         outcomes: dict[str, Any] = {}
 
         def send(key: str) -> None:
-            try:
-                with httpx.Client(base_url=g.url, timeout=120) as c:
-                    outcomes[key] = c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
-            except httpx.HTTPError as exc:
-                outcomes[key] = exc
+            post_keyed(g, body, key, outcomes)
 
         threads = [threading.Thread(target=send, args=(key,)) for key in ("g1", "g2")]
         for t in threads:

@@ -80,29 +80,21 @@ WEATHER = {
 }
 
 
+def forced_weather(**changes: Any) -> dict[str, Any]:
+    """A chat request whose ``tool_choice`` forces ``get_weather`` (``WEATHER``), greedy."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Oslo for 3 days?"}],
+        "max_tokens": 80,
+        "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    } | changes
+
+
 def test_named_tool_choice_gives_valid_tool_call(client: openai.OpenAI) -> None:
     """A named tool_choice yields a schema-valid tool call with a stable-format id."""
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                    "required": ["city", "days"],
-                },
-            },
-        }
-    ]
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
-        max_tokens=80,
-        temperature=0,
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
+    r = client.chat.completions.create(**forced_weather())
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "get_weather" and call.id.startswith("call_")
@@ -115,15 +107,7 @@ def test_a_forced_tool_call_cut_off_by_max_tokens_comes_as_openai_gives_it(clien
     """A forced call that ``max_tokens`` cuts off is the call so far with finish_reason
     ``length`` (OpenAI's answer), never a retryable 503 (it was ``worker_failed`` with
     x-should-retry true: the SDK reran the whole generation, to fail the same way)."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
-    kw: dict[str, Any] = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
-        max_tokens=6,
-        temperature=0,
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
+    kw = forced_weather(max_tokens=6)
     if stream:
         chunks = list(client.chat.completions.create(**kw, stream=True))
         calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
@@ -276,16 +260,7 @@ def test_responses_api_is_a_clear_404_naming_what_is_served(client: openai.OpenA
 def test_stop_sequences_do_not_cut_a_forced_tool_call(client: openai.OpenAI) -> None:
     """A stop of ``","`` or ``'"'`` matched the hidden name/arguments wrapper: the call came
     back with empty arguments. Stops do not apply to a forced call."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
-        max_tokens=80,
-        temperature=0,
-        stop=[",", '"'],
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
+    r = client.chat.completions.create(**forced_weather(stop=[",", '"']))
     assert r.choices[0].finish_reason == "tool_calls"
     args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
     assert isinstance(args["city"], str) and isinstance(args["days"], int)

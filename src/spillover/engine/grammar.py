@@ -113,11 +113,11 @@ def _max_nesting(grammar: str) -> int:
     return deepest
 
 
-# A JSON string's character: anything but a quote, a backslash and the control characters
-# (JSON forbids them unescaped), or an escape.
-JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 JSON_UNSAFE = r'"\\\x00-\x1F\x7F'  # what a JSON string holds only escaped, in a character class
 JSON_DOT = f"[^{JSON_UNSAFE}]"  # a pattern's ``.`` inside a JSON string
+# A JSON string's character: anything but a quote, a backslash and the control characters
+# (JSON forbids them unescaped), or an escape.
+JSON_CHAR = JSON_DOT + r' | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 # How a grammar literal writes a character that is not itself there.
 _LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"} | {
     chr(c): f"\\x{c:02X}" for c in [*range(0x20), 0x7F] if chr(c) not in "\n\r\t"
