@@ -14,7 +14,7 @@ N_CTX = 2048
 
 def engine() -> Engine:
     # n_batch = the context: the whole prompt is one llama_decode, which only an abort ends early
-    return Engine(default_model_path(), slots=1, n_ctx=N_CTX, n_threads=2, n_batch=N_CTX)
+    return Engine(default_model_path(), slots=1, n_ctx=N_CTX, n_threads=1, n_batch=N_CTX)
 
 
 def long_prompt(e: Engine) -> list[int]:

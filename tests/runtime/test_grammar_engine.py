@@ -32,7 +32,10 @@ def test_sampled_answers_keep_the_integer_bounds_and_are_strict_json() -> None:
     prompt = Tokenizer(default_model_path()).tokenize_chat(
         [{"role": "user", "content": "Plan a trip: a city, how many days (a lot!), how many people. JSON."}], None
     )
-    e = Engine(default_model_path(), slots=1, n_ctx=512, n_threads=2, n_batch=256)
+    # One llama.cpp thread, as in every runtime test: scripts/test-pythons runs two pytest
+    # processes at once on two cores, and two threads each spin-wait on each other (this test
+    # took 14 s alone, 71 s beside its twin, past 300 s on CI).
+    e = Engine(default_model_path(), slots=1, n_ctx=512, n_threads=1, n_batch=256)
     answers = []
     for seed in range(10):
         slot = e.acquire_slot()
