@@ -25,12 +25,12 @@ def test_the_gateway_stops_its_requests_only_shortly_before_the_grace_ends() -> 
         gw.requests = SimpleNamespace(cancel_all=lambda: cancelled.append(asyncio.get_running_loop().time()))
         gw.stop_requests = functools.partial(Gateway.stop_requests, gw)
         t0 = asyncio.get_running_loop().time()
-        Gateway.begin_stop(gw, STOP_AHEAD_S + 0.3)
+        Gateway.begin_stop(gw, STOP_AHEAD_S + 1.0)
         await asyncio.sleep(0.1)
         assert not gw.stopping and not cancelled  # the grace: a client going away still cancels
         assert isinstance(stopped("r", server_stopping=gw.stopping), RequestCancelled)
-        await asyncio.sleep(0.4)
-        assert gw.stopping and len(cancelled) == 1 and 0.25 <= cancelled[0] - t0 < 0.5
+        await asyncio.sleep(1.4)  # margins of a loaded machine's late wakes, either side
+        assert gw.stopping and len(cancelled) == 1 and 0.95 <= cancelled[0] - t0 < 1.5
         err = stopped("r", server_stopping=gw.stopping)
         assert isinstance(err, ServerStopping) and classify_error(err) is State.RESUMABLE_ERROR
 

@@ -60,15 +60,17 @@ def test_loops_of_different_periods_share_one_timer_per_grid_point(
     """Three periodic loops (every tick, every two ticks, every five) over ten ticks set one
     timer per grid point reached, not one per sleep."""
 
-    async def body() -> tuple[list[float], dict[float, list[str]]]:
+    async def body() -> tuple[list[float], dict[float, list[str]], float]:
         loop = asyncio.get_running_loop()
         whens = watch_timers(loop)
         woken: dict[float, list[str]] = {}
+        late = [0.0]
         await ticks.sleep(0)  # start on a grid point, as the loops do after their first wake
 
         async def periodic(name: str, period: float, until: float) -> None:
             while True:
                 due = await ticks.sleep(period)
+                late[0] = max(late[0], loop.time() - due)
                 woken.setdefault(round(due, 6), []).append(name)
                 if due >= until - 1e-9:
                     return
@@ -78,9 +80,14 @@ def test_loops_of_different_periods_share_one_timer_per_grid_point(
         await asyncio.gather(
             periodic("one", TICK_S, end), periodic("two", 2 * TICK_S, end), periodic("five", 5 * TICK_S, end)
         )
-        return whens, woken
+        return whens, woken, late[0]
 
-    whens, woken = run(make_loop, body())
+    # A loop woken half a tick late (a loaded machine) counts its next sleep from then and skips a
+    # grid point; the body runs again then (as the test below does), the assertions unchanged.
+    for _ in range(3):
+        whens, woken, late = run(make_loop, body())
+        if late < TICK_S / 2:
+            break
     sleeps = sum(len(names) for names in woken.values())
     assert sleeps == 10 + 5 + 2
     assert len(whens) == 1 + len(woken) == 1 + 10  # the first sleep's, then one a grid point

@@ -223,7 +223,19 @@ def test_a_held_token_is_not_a_stall_but_a_real_one_still_is(incremental: bool, 
         return await exe._next(late_token(after_s), d, exe._stall_s(d, prefill=False))
 
     if held:
-        assert asyncio.run(next_after(stall_s + window)) == Token(7, "x")
+        # The token is due one window before the extended bound. A loaded machine that pauses
+        # the loop past that bound fires both timers in one turn: the stall wins, late (not at
+        # the unextended bound, as a held token taken for a stall is); it runs again then.
+        for _ in range(3):
+            t0 = time.monotonic()
+            try:
+                assert asyncio.run(next_after(stall_s + window)) == Token(7, "x")
+                break
+            except _Failure:
+                if time.monotonic() - t0 < stall_s + 2 * window:
+                    raise
+        else:
+            pytest.fail("the loop was late three times in a row")
     else:
         with pytest.raises(_Failure):
             asyncio.run(next_after(stall_s + window))
