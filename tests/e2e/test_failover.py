@@ -108,22 +108,31 @@ def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, http: httpx.C
     ready_worker(gw, "gpu", not_pid=pid)
 
 
-def test_g_breaker_opens_routes_to_cpu_half_opens_and_closes(gw: GatewayProcess, http: httpx.Client) -> None:
+def test_g_breaker_opens_routes_to_cpu_half_opens_and_closes() -> None:
     """A classified allocation failure opens the breaker; new work goes to CPU; after the
-    cooldown it half-opens, probes succeed on the GPU, and it closes."""
-    sim(gw).fail_next(1)
-    first = http.post("/v1/completions", json={"prompt": "One", "max_tokens": 4})
-    assert first.headers["x-spillover-route"] == "cpu"
-    assert gw.status()["breaker"]["circuit"] == "open"
-    second = http.post("/v1/completions", json={"prompt": "Two", "max_tokens": 4})
-    assert second.headers["x-spillover-route"] == "cpu" and second.headers["x-spillover-reason"] == "breaker_open"
-    wait_for(lambda: gw.status()["breaker"]["circuit"] == "half_open", 10, "half-open")
-    routes = [
-        http.post("/v1/completions", json={"prompt": "Three", "max_tokens": 4}).headers["x-spillover-route"]
-        for _ in range(2)
-    ]
-    assert routes == ["gpu", "gpu"]
-    assert gw.status()["breaker"]["circuit"] == "closed"
+    cooldown it half-opens, probes succeed on the GPU, and it closes. Its own gateway, with a
+    cooldown that outlasts the first request's CPU replay on a loaded machine (the module's
+    1.5 s could pass before the second request, which then went to the GPU as a probe)."""
+    config = {**CONFIG, "breaker": {**CONFIG["breaker"], "cooldown_s": 6.0, "cooldown_max_s": 12.0}}
+    with (
+        GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "1"], config=config) as g,
+        httpx.Client(base_url=g.url, timeout=120) as http,
+    ):
+        ready_worker(g, "gpu")
+        sim(g).fail_next(1)
+        first = http.post("/v1/completions", json={"prompt": "One", "max_tokens": 4})
+        assert first.headers["x-spillover-route"] == "cpu"
+        assert g.status()["breaker"]["circuit"] == "open"
+        second = http.post("/v1/completions", json={"prompt": "Two", "max_tokens": 4})
+        assert second.headers["x-spillover-route"] == "cpu"
+        assert second.headers["x-spillover-reason"] == "breaker_open"
+        wait_for(lambda: g.status()["breaker"]["circuit"] == "half_open", 30, "half-open")
+        routes = [
+            http.post("/v1/completions", json={"prompt": "Three", "max_tokens": 4}).headers["x-spillover-route"]
+            for _ in range(2)
+        ]
+        assert routes == ["gpu", "gpu"]
+        assert g.status()["breaker"]["circuit"] == "closed"
 
 
 def test_h_cpu_work_undisturbed_while_gpu_worker_restarts_five_times() -> None:

@@ -30,6 +30,7 @@ def test_exact_count_queue_sheds_k_immediately() -> None:
 
         def one() -> None:
             with httpx.Client(base_url=gw.url, timeout=120) as cl:
+                cl.get("/health")  # connected before the race: the time below is the gateway's
                 go.wait()
                 t0 = time.perf_counter()
                 r = cl.post("/v1/completions", json=LONG)
@@ -133,6 +134,7 @@ def test_host_ram_guard_keeps_peak_rss_under_budget_and_negative_control_fails()
 def test_deadline_that_cpu_cannot_meet_is_refused_at_once() -> None:
     """A request whose estimated CPU completion exceeds its deadline gets an immediate 503."""
     with GatewayProcess(["--gpu", "none"]) as gw, httpx.Client(base_url=gw.url, timeout=60) as c:
+        c.get("/health")  # connected: the time below is the refusal's
         t0 = time.perf_counter()
         r = c.post("/v1/completions", json={**LONG, "max_tokens": 500, "spillover": {"deadline_ms": 50}})
         assert r.status_code == 503 and r.json()["error"]["code"] == "deadline_exceeded"

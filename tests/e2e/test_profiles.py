@@ -22,7 +22,9 @@ SMALL_MIB = 160  # 128 MiB usable: SmolLM2 with a 2048-token request needs about
 
 @pytest.fixture(scope="module")
 def gw() -> Iterator[GatewayProcess]:
-    with GatewayProcess(["--gpu", f"sim:{SMALL_MIB}", "--split"]) as g:
+    # A cooldown that outlasts a CPU replay and two status reads on a loaded machine: the
+    # split breaker's test sends a request that must find the breaker still open.
+    with GatewayProcess(["--gpu", f"sim:{SMALL_MIB}", "--split"], config={"breaker": {"cooldown_s": 6.0}}) as g:
         yield g
 
 
