@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spillover.config import default_state_dir, describe_fields, env_api_key, load_config
+from spillover.config import config_sample, default_state_dir, env_api_key, load_config
 from spillover.errors import ConfigError
 
 __all__ = ["main"]
@@ -137,6 +137,18 @@ def _sim(a: argparse.Namespace) -> Any:
 
 
 def cmd_sim(a: argparse.Namespace) -> int:
+    least = {"capacity": 1, "fail-next": 0, "oom-running": 0}.get(a.action)
+    if least is None and a.value is not None:
+        print(f"spillover sim: {a.action} takes no number", file=sys.stderr)
+        return 2
+    if least is not None:
+        if a.action == "capacity" and a.value is None:
+            print("spillover sim: capacity needs the device's MiB", file=sys.stderr)
+            return 2
+        a.value = 1 if a.value is None else a.value
+        if a.value < least:
+            print(f"spillover sim: {a.action} needs a number >= {least}, not {a.value}", file=sys.stderr)
+            return 2
     dev = _sim(a)
     if a.action == "status":
         pass
@@ -157,7 +169,8 @@ def cmd_sim(a: argparse.Namespace) -> int:
 
         from spillover.runtime.journal import set_disk_full
 
-        set_disk_full(Path(a.state_dir).expanduser().resolve() / "journal.sqlite3", a.action == "disk-full")
+        journal = Path(a.journal) if a.journal else Path(a.state_dir).expanduser() / "journal.sqlite3"
+        set_disk_full(journal.resolve(), a.action == "disk-full")
     print(json.dumps(dev.snapshot().as_dict(), indent=2))
     return 0
 
@@ -410,13 +423,7 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
 
 
 def cmd_config(a: argparse.Namespace) -> int:
-    section = None
-    for sec, name, default, doc in describe_fields():
-        if sec != section:
-            print(f"\n[[{sec}]]" if sec == "services" else f"\n[{sec}]")
-            section = sec
-        print(f"# {doc}")
-        print(f"{name} = {json.dumps(default)}")
+    print(config_sample(), end="")
     return 0
 
 
@@ -467,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fallback-model",
         help="GGUF the CPU lane serves instead of a replica (always labelled degraded; default: none)",
     )
-    s.add_argument("--gpu", help="auto | none | cuda:N | sim:<capacity_mib> (default auto)")
+    s.add_argument("--gpu", help="auto | none (or cpu: no GPU lane) | cuda:N | sim:<capacity_mib> (default auto)")
     s.add_argument("--sim-capacity-mib", type=int, help="sim capacity when --gpu auto finds no GPU")
     s.add_argument("--margin-mib", type=int, help="device memory never handed out")
     s.add_argument("--gpu-slots", type=int, help="concurrent requests on the GPU worker")
@@ -512,7 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
                 "disk-full | disk-ok (the journal in the state folder fails every write as on a full disk, or stops)",
             )
             q.add_argument(
-                "value", nargs="?", type=int, default=1, help="N for fail-next/oom-running, MiB for capacity"
+                "value",
+                nargs="?",
+                type=int,
+                help="N for fail-next/oom-running (default 1), the device's MiB for capacity (required)",
+            )
+            q.add_argument(
+                "--journal",
+                help="the journal file disk-full/disk-ok act on, when the gateway's [journal].path sets one "
+                "(default <state-dir>/journal.sqlite3)",
             )
             q.set_defaults(func=cmd_sim)
         else:
