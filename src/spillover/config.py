@@ -9,10 +9,13 @@ Resolution order (later wins): defaults, the TOML file, CLI flags.
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import ipaddress
+import json
 import math
 import os
 import re
+import textwrap
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -192,7 +195,9 @@ class ServiceConfig:
 class DeviceConfig:
     """The accelerator the GPU lane runs on."""
 
-    gpu: str = _doc("auto", "auto | none | cuda:N | sim:<capacity_mib>; auto = cuda if found, else sim")
+    gpu: str = _doc(
+        "auto", "auto | none (or cpu: no GPU lane) | cuda:N | sim:<capacity_mib>; auto = cuda if found, else sim"
+    )
     sim_capacity_mib: int = _doc(1024, "capacity of the sim device when gpu=auto falls back to sim")
     margin_mib: int = _doc(32, "device memory never handed out (safety margin)")
     host_budget_mib: int = _doc(4096, "host RAM the gateway and its workers may use (CPU lane guard)")
@@ -422,29 +427,43 @@ def parse_device(spec: str) -> tuple[str, int]:
         return "sim", cap
     if m := _CUDA_RE.match(spec):
         return "cuda", int(m.group(1))
-    raise ConfigError(f"unknown device {spec!r}: use auto, none, cuda:N or sim:<capacity_mib>")
+    raise ConfigError(f"unknown device {spec!r}: use auto, none (or cpu), cuda:N or sim:<capacity_mib>")
+
+
+# What TOML calls the values a setting holds (a setting's list of strings is a tuple here).
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", tuple: "a list of strings"}
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, (_dt.date, _dt.time)):  # a datetime is a date too
+        return "a date or time"
+    return {dict: "a table", list: "an array", **_TOML_TYPES}.get(type(value), type(value).__name__)
 
 
 def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
+    """``section``'s table as ``cls``; ``section`` is a table's name (``server``), or a
+    ``[[services]]`` entry's ``[[services]] #N``, counted from 1 as the later checks count."""
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
+
+    def name(key: str) -> str:
+        return f"{key} in {section}" if section.startswith("[[") else f"[{section}].{key}"
+
     for key, value in raw.items():
         if key not in known:
             if cls is LaneConfig and key in CPU_LANE_ONLY:
-                raise ConfigError(
-                    f"[{section}].{key} is a CPU lane setting (it changes nothing here): set it in [cpu_lane]"
-                )
-            raise ConfigError(f"unknown setting [{section}].{key}")
+                raise ConfigError(f"{name(key)} is a CPU lane setting (it changes nothing here): set it in [cpu_lane]")
+            raise ConfigError(f"unknown setting {name(key)}")
         default = known[key].default
         expected = type(default) if default is not dataclasses.MISSING else str
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if expected is tuple and isinstance(value, list):
             if not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"[{section}].{key} must be a list of strings")
+                raise ConfigError(f"{name(key)} must be a list of strings")
             value = tuple(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ConfigError(f"[{section}].{key} must be {expected.__name__}, got {type(value).__name__}")
+            raise ConfigError(f"{name(key)} must be {_TOML_TYPES[expected]}, not {_toml_type(value)}")
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -599,7 +618,7 @@ def _services(values: Any) -> tuple[ServiceConfig, ...]:
         if isinstance(table, dict) and table.get("kind", "embeddings") != "embeddings":
             defaults["aliases"] = ()  # the default entry's aliases name the default embeddings model
             defaults["priority"] = "interactive"  # a chat model answers people unless told otherwise
-        out.append(_coerce(f"services.{i}", ServiceConfig, {**defaults, **table}))
+        out.append(_coerce(f"[[services]] #{i + 1}", ServiceConfig, {**defaults, **table}))
     return tuple(out)
 
 
@@ -672,14 +691,36 @@ def env_api_key() -> str:
     return os.environ.get("SPILLOVER_API_KEY", "")
 
 
-def describe_fields() -> list[tuple[str, str, Any, str]]:
-    """(section, name, default, doc) for every setting; used by --help and the sample."""
-    out: list[tuple[str, str, Any, str]] = []
+def _blocks() -> list[tuple[str, Any]]:
+    """(section, its default object) in the sample's order: one ``[[services]]`` block for each
+    default service."""
     base = Config()
+    out: list[tuple[str, Any]] = []
     for f in fields(Config):
-        section = getattr(base, f.name)
-        if f.name == "services":
-            section = section[0]
-        for sf in fields(section):
-            out.append((f.name, sf.name, getattr(section, sf.name), sf.metadata.get("doc", "")))
+        value = getattr(base, f.name)
+        out.extend((f.name, v) for v in (value if f.name == "services" else (value,)))
     return out
+
+
+def describe_fields() -> list[tuple[str, str, Any, str]]:
+    """(section, name, default, doc) for every setting of every default block (each default
+    service's own); used by the sample (``config_sample``) and its test."""
+    return [
+        (name, sf.name, getattr(block, sf.name), sf.metadata.get("doc", ""))
+        for name, block in _blocks()
+        for sf in fields(block)
+    ]
+
+
+def config_sample(width: int = 100) -> str:
+    """The commented TOML file of every setting at its default, each default service its own
+    ``[[services]]`` block: what ``spillover config`` prints and ``spillover.example.toml`` is.
+    Loaded back, it is the default configuration."""
+    lines: list[str] = []
+    for name, block in _blocks():
+        lines += ["", f"[[{name}]]" if name == "services" else f"[{name}]"]
+        for sf in fields(block):
+            doc = sf.metadata.get("doc", "")
+            lines += textwrap.wrap(doc, width, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
+            lines.append(f"{sf.name} = {json.dumps(getattr(block, sf.name))}")
+    return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spillover.config import Config, describe_fields, load_config, parse_device
+from spillover.config import Config, config_sample, describe_fields, load_config, parse_device
 from spillover.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -83,6 +83,32 @@ def test_bad_config_is_rejected(tmp_path: Path, toml: str) -> None:
         load_config(str(f))
 
 
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[server]\nport = "80"\n', "[server].port must be an integer, not a string"),
+        ('[model]\naliases = "x"\n', "[model].aliases must be a list of strings, not a string"),
+        ("[device]\nmargin_mib = 1979-05-27\n", "[device].margin_mib must be an integer, not a date or time"),
+        ("[breaker]\ncooldown_s = true\n", "[breaker].cooldown_s must be a number, not true or false"),
+        ("[server]\nhost = [1]\n", "[server].host must be a string, not an array"),
+        # a [[services]] entry is counted from 1 in every message, as its later checks count it
+        ('[[services]]\nname = "a"\nbatch = 3\n', "unknown setting batch in [[services]] #1"),
+        (
+            '[[services]]\nname = "a"\n[[services]]\nname = "b"\ngpu_slots = "2"\n',
+            "gpu_slots in [[services]] #2 must be an integer, not a string",
+        ),
+        ('[[services]]\nname = "a"\n[[services]]\nname = "a"\n', "[[services]] #2 (a)"),
+    ],
+)
+def test_a_bad_setting_is_named_in_toml_words(tmp_path: Path, toml: str, message: str) -> None:
+    """Types in TOML's words (it said "must be tuple, got str"), services counted from 1."""
+    f = tmp_path / "c.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(f))
+    assert message in str(caught.value)
+
+
 def test_a_recovery_budget_is_milliseconds_up_to_a_day(tmp_path: Path) -> None:
     """A day is the most (any longer picks as a day does); a service's message names its 0."""
     assert load_config(overrides={"cpu_lane": {"recovery_budget_ms": 86_400_000.0}}).cpu_lane.recovery_budget_ms
@@ -114,12 +140,16 @@ def test_fallback_model_name(tmp_path: Path) -> None:
 
 
 def test_every_field_documented_and_in_sample() -> None:
-    """Every setting has a doc line and appears in the sample config shipped in the repo."""
-    sample = (Path(__file__).parents[2] / "spillover.example.toml").read_text()
+    """Every setting has a doc line; the sample shipped in the repo is what ``spillover config``
+    prints (regenerate it with ``spillover config > spillover.example.toml``), and loaded back it
+    is the default configuration, every default service included (the sample once held only
+    the first, so a file made from it served no transcription)."""
+    path = Path(__file__).parents[2] / "spillover.example.toml"
     for section, name, _default, doc in describe_fields():
         assert doc, f"{section}.{name} has no doc"
-        assert f"\n{name} = " in sample, f"{section}.{name} missing from spillover.example.toml"
-    assert isinstance(load_config(str(Path(__file__).parents[2] / "spillover.example.toml")), Config)
+    assert path.read_text() == config_sample(), "spillover.example.toml is not `spillover config`'s output"
+    loaded = load_config(str(path))
+    assert loaded == Config() and [s.name for s in loaded.services] == ["bge-small-en", "whisper-tiny.en"]
 
 
 def test_parse_device() -> None:
