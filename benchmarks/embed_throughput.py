@@ -10,8 +10,8 @@ same chunking), interleaved round by round. Prints inputs/s of each, their ratio
 
 On the sim device the "GPU" worker computes on the CPU like the bare runtime, so the ratio
 is the gateway's own cost: HTTP, validation, journal (fsync), queueing, the worker channel
-and base64 framing. The gateway runs with ``--chat-only`` off (chat and embeddings loaded),
-and the chat model is idle.
+and base64 framing. The gateway runs with ``--chat-only`` off (chat, embeddings and transcription loaded),
+and the chat model and transcription are idle.
 """
 
 from __future__ import annotations

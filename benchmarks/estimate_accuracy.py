@@ -173,6 +173,8 @@ def errors(spec: ModelSpec, cell: dict[str, Any]) -> tuple[float, float, float]:
 
 
 def main() -> int:
+    from spillover.testing.gguf_arch import ARCHES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", type=int, default=CELLS, help=f"cells sampled from the full grid (default {CELLS})")
     ap.add_argument("--full", action="store_true", help="every cell of the grid")
@@ -181,8 +183,7 @@ def main() -> int:
     ap.add_argument(
         "--arches",
         action="store_true",
-        help="the other architectures instead (spillover.testing.gguf_arch: qwen2, qwen3, bert, deepseek2, openelm, "
-        "granitehybrid, lfm2, gemma3, qwen2moe, gpt2), on the same grid",
+        help=f"the other architectures instead (spillover.testing.gguf_arch: {', '.join(ARCHES)}), on the same grid",
     )
     a = ap.parse_args()
     if a.write and a.arches:

@@ -15,7 +15,7 @@ streams ``--streams`` chat completions one after another and prints the gateway'
 streamed token (what item 4's ratio at threads = cores pays for each token), idle loops included.
 
 Each figure comes with the gateway's wake-ups (voluntary context switches of all its threads)
-per request or token, and three floors measured on the same machine in the same run: ``GET
+per request or token, and four floors measured on the same machine in the same run: ``GET
 /health`` through the same server (the HTTP server and framework alone, no gateway work); after
 the streams, a bare ASGI app under uvicorn (``benchmarks._bare_stream``, no framework)
 streaming as many chunks at the same rate (the server stack's own cost a streamed token); and

@@ -5,7 +5,7 @@ and the latency of a 1-token completion through each (median of >= 20), measured
 with the two interleaved.
 
     .venv/bin/python -m benchmarks.serve_overhead [--rounds 6] [--latency-n 25] [--threads 1,2]
-        [--concurrency 1,4] [--stream-coalesce-ms MS]
+        [--concurrency 1] [--stream-coalesce-ms MS]
 
 Each (threads, concurrency) cell is measured separately. Bare: ``concurrency`` llama contexts
 (``Llama`` objects) generating at once, one Python thread each; gateway: a GPU worker with

@@ -2,7 +2,8 @@
 
 Each level sends ``level`` chat requests and ``level // 2 + 1`` embedding batches at once
 (32 inputs of about 90 tokens each). The oracle knows the truth: the device's capacity, the
-weights both GPU workers hold and the margin; what is left is the room requests can use.
+weights the GPU workers hold (chat's, embeddings' and transcription's) and the margin; what is
+left is the room requests can use.
 spillover's figure is the peak of request bytes it held on the device at once (the ledger's
 reservations, sampled every 20 ms), next to that room, and what did not fit must have run on
 the CPU paths with zero GPU allocation failures.
@@ -84,7 +85,7 @@ def main() -> int:
         )
     room = capacity - weights - MARGIN_MIB * MIB
     print(
-        f"sim capacity {capacity / MIB:.0f} MiB: weights of both GPU workers {weights / MIB:.1f} MiB, "
+        f"sim capacity {capacity / MIB:.0f} MiB: weights of the GPU workers {weights / MIB:.1f} MiB, "
         f"margin {MARGIN_MIB} MiB, room for requests {room / MIB:.0f} MiB"
     )
     print(f"{'level':>6}  {'chat gpu/cpu':>13}  {'embeddings gpu/cpu':>19}  {'errors':>6}")
