@@ -118,3 +118,26 @@ def test_a_time_out_leaves_no_cancellation_behind() -> None:
         return "ok"
 
     assert run(body()) == "ok"
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_bound_already_spent_guards_again_without_a_loop_turn_between(loop_name: str) -> None:
+    """A bound of 0 (a request whose deadline passed) guarded twice in a row, with no loop turn
+    in between (tokens already queued): the second guard found uvloop's timer for a time
+    already past, a plain Handle without when(), and the request ended an internal error."""
+    import uvloop
+
+    async def body() -> str:
+        w = Watchdog()
+        for _ in range(3):
+            async with w.guard(0):
+                pass  # nothing awaited: the block ends before its bound is checked
+        with pytest.raises(TimeoutError):
+            async with w.guard(0):
+                await asyncio.sleep(1)
+        w.close()
+        return "ok"
+
+    factory = uvloop.new_event_loop if loop_name == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(body()) == "ok"

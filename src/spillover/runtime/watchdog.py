@@ -29,7 +29,9 @@ class Watchdog:
 
     def __init__(self) -> None:
         self._deadline = math.inf  # loop time; inf while disarmed (rule 2)
-        self._handle: asyncio.TimerHandle | None = None
+        self._handle: asyncio.Handle | None = None
+        self._when = math.inf  # the loop time the handle is set for: uvloop's call_at with a time
+        # already past gives a plain Handle, which has no when()
         self._task: asyncio.Task[object] | None = None
         self._expired = False
         self._delay = 0.0
@@ -46,10 +48,10 @@ class Watchdog:
         assert task is not None, "a watchdog guards a task"
         self._task, self._expired, self._cancelling = task, False, task.cancelling()
         self._deadline = loop.time() + max(0.0, self._delay)
-        if self._handle is None or self._handle.when() > self._deadline:
+        if self._handle is None or self._when > self._deadline:
             if self._handle is not None:
                 self._handle.cancel()
-            self._handle = loop.call_at(self._deadline, self._fire)
+            self._handle, self._when = loop.call_at(self._deadline, self._fire), self._deadline
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         expired, self._deadline, self._expired = self._expired, math.inf, False
@@ -64,7 +66,7 @@ class Watchdog:
             return
         loop = asyncio.get_running_loop()
         if loop.time() < self._deadline:  # the deadline moved on since this timer was set
-            self._handle = loop.call_at(self._deadline, self._fire)
+            self._handle, self._when = loop.call_at(self._deadline, self._fire), self._deadline
             return
         self._expired = True
         assert self._task is not None
