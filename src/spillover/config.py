@@ -96,6 +96,11 @@ class ServerConfig:
     body_timeout_s: float = _doc(
         30.0, "longest a client may take to send its request body once the head arrived (408 past it)"
     )
+    send_timeout_s: float = _doc(
+        30.0,
+        "longest a response may wait for its client to take any of its bytes (a client that stopped "
+        "reading); past it the connection is aborted and the request ends as a disconnected client's",
+    )
     stream_coalesce_ms: float = _doc(
         50.0,
         "longest a streamed token may wait in the worker to go out with the tokens after it, in one "
@@ -474,8 +479,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[server].port must be 0..65535")
     if s.max_body_bytes < 1024:
         raise ConfigError("[server].max_body_bytes must be at least 1024")
-    if s.max_connections < 1 or s.header_timeout_s <= 0 or s.body_timeout_s <= 0:
-        raise ConfigError("[server] max_connections must be >= 1, header_timeout_s and body_timeout_s > 0")
+    timeouts = (s.header_timeout_s, s.body_timeout_s, s.send_timeout_s)
+    if s.max_connections < 1 or not all(math.isfinite(t) and t > 0 for t in timeouts):
+        raise ConfigError(
+            "[server] max_connections must be >= 1, header_timeout_s, body_timeout_s and send_timeout_s > 0"
+        )
     if not (math.isfinite(s.stream_coalesce_ms) and 0 <= s.stream_coalesce_ms <= MAX_STREAM_COALESCE_MS):
         raise ConfigError(f"[server].stream_coalesce_ms must be 0..{MAX_STREAM_COALESCE_MS:.0f}")
     if not _is_loopback(s.host) and not s.api_key:

@@ -123,6 +123,11 @@ class _StateCollector(Collector):
                 "connections answered 431: a request head over the listener's bound",
                 value=c["heads_too_large"],
             )
+            yield CounterMetricFamily(
+                "spillover_connections_send_timeouts",
+                "connections aborted for taking no response bytes within send_timeout_s",
+                value=c["send_timeouts"],
+            )
         host = GaugeMetricFamily(
             "spillover_host_memory_bytes", "gateway and workers RSS, and the budget", labels=["kind"]
         )

@@ -30,6 +30,11 @@ Rules:
    many descriptors before rule 1 closes them. ``raise_fd_limit`` raises the soft
    ``RLIMIT_NOFILE`` to the hard limit and refuses to serve unless two bursts' worth of
    connections plus ``FD_RESERVE`` fit under it.
+6. A response whose client takes none of its bytes for ``send_timeout_s`` (the transport's
+   write buffer stays above its high-water mark: a client that stopped reading) is aborted,
+   counted (``send_timeouts``) and logged as rule 4 says. The app sees the client go away, so
+   the request it answers ends as a disconnected client's does and its worker slot is free:
+   a reader that never reads cannot hold a slot, however long its request may run.
 """
 
 from __future__ import annotations
@@ -79,19 +84,23 @@ class ConnectionStatistics:
     refused: int
     head_timeouts: int
     heads_too_large: int
+    send_timeout_s: float
+    send_timeouts: int
 
 
 class ConnectionGuard:
     """The bounds and counters shared by every connection of one server (rules 1-4)."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float) -> None:
+    def __init__(self, max_connections: int, header_timeout_s: float, send_timeout_s: float = 30.0) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.open = 0
         self.refused = 0
         self.head_timeouts = 0
         self.heads_too_large = 0
-        self._logged = (0, 0, 0)  # (refused, head_timeouts, heads_too_large) at the last log line
+        self.send_timeouts = 0
+        self._logged = (0, 0, 0, 0)  # (refused, head_timeouts, heads_too_large, send_timeouts) at the last log line
         self._last_log_s = float("-inf")
         error = to_http(
             CapacityError(
@@ -117,21 +126,24 @@ class ConnectionGuard:
             refused=self.refused,
             head_timeouts=self.head_timeouts,
             heads_too_large=self.heads_too_large,
+            send_timeout_s=self.send_timeout_s,
+            send_timeouts=self.send_timeouts,
         )
 
     def note(self, now_s: float) -> None:
         """Log what changed since the last line, at most once per ``LOG_EVERY_S`` (rule 4)."""
         if now_s - self._last_log_s < LOG_EVERY_S:
             return
-        now = (self.refused, self.head_timeouts, self.heads_too_large)
-        refused, timeouts, too_large = (a - b for a, b in zip(now, self._logged, strict=True))
-        if refused == 0 and timeouts == 0 and too_large == 0:
+        now = (self.refused, self.head_timeouts, self.heads_too_large, self.send_timeouts)
+        refused, timeouts, too_large, stalled = (a - b for a, b in zip(now, self._logged, strict=True))
+        if refused == 0 and timeouts == 0 and too_large == 0 and stalled == 0:
             return
         self._last_log_s = now_s
         self._logged = now
         log.warning(
             "connections: %d refused (max_connections=%d, open %d), %d closed without a request head "
-            "within header_timeout_s=%g, %d heads over %d bytes (counts since the last such line)",
+            "within header_timeout_s=%g, %d heads over %d bytes, %d aborted for taking no response "
+            "bytes within send_timeout_s=%g (counts since the last such line)",
             refused,
             self.max_connections,
             self.open,
@@ -139,11 +151,13 @@ class ConnectionGuard:
             self.header_timeout_s,
             too_large,
             MAX_HEAD_BYTES,
+            stalled,
+            self.send_timeout_s,
         )
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with rules 1-4; build it with ``bounded_protocol``.
+    """uvicorn's httptools protocol with rules 1-4 and 6; build it with ``bounded_protocol``.
 
     A connection waits for a head while no request of it is being answered (``_open_heads``
     is 0): from connecting, and from the end of each response. Pipelined requests whose
@@ -163,6 +177,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._refused = False
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._send_deadline: asyncio.TimerHandle | None = None  # rule 6, while writing is paused
         self._in_message = False  # a request has begun and its body is not complete
         self._in_head = False  # a request has begun and its head is not complete
         self._head_bytes = 0  # bytes of the head being received, and of empty lines before it (rule 3)
@@ -188,6 +203,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         self.guard.open -= 1
         self._disarm_head_deadline()
+        self.resume_writing()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -232,6 +248,27 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         elif self._head_deadline is None:
             self._arm_head_deadline()  # partial bytes of the next head never restart it
 
+    def pause_writing(self) -> None:
+        """The transport's buffer is past its high-water mark: the client has until
+        ``send_timeout_s`` to take bytes again (rule 6)."""
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._send_deadline = self.loop.call_later(self.guard.send_timeout_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+        super().resume_writing()
+
+    def _send_timed_out(self) -> None:
+        self._send_deadline = None
+        if self.transport.is_closing():
+            return
+        self.guard.send_timeouts += 1
+        self.transport.abort()  # its buffer would never drain: close() would wait for it
+        self.guard.note(time.monotonic())
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse, after the answers before it (rule 3)."""
         self._refuse(functools.partial(super().send_400_response, msg))
@@ -274,10 +311,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.guard.note(time.monotonic())
 
 
-def bounded_protocol(max_connections: int, header_timeout_s: float) -> type[BoundedHttpProtocol]:
+def bounded_protocol(
+    max_connections: int, header_timeout_s: float, send_timeout_s: float = 30.0
+) -> type[BoundedHttpProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` enforcing these bounds; its
     ``guard`` holds the counters of every connection it serves."""
-    shared = ConnectionGuard(max_connections, header_timeout_s)
+    shared = ConnectionGuard(max_connections, header_timeout_s, send_timeout_s)
 
     class Configured(BoundedHttpProtocol):
         guard = shared
