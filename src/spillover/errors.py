@@ -334,6 +334,19 @@ def should_retry(exc: SpilloverError) -> bool:
     return isinstance(exc, CapacityError | IdempotencyInFlight)
 
 
+def _utf8(text: str | None) -> str | None:
+    """``text`` as UTF-8 can carry it: a lone surrogate a client sent (JSON's ``"\\ud800"``, in
+    a field's name that an error quotes) is written as its escape, ``\\ud800``, instead of
+    failing the answer's encoding (a bare 500 in place of the client's 400)."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
     """Map any exception to an OpenAI-shaped HTTP error. The only such mapping. An error of
     an accepted request names it (``request_id`` in the error object)."""
@@ -350,14 +363,14 @@ def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
     person = for_people(exc)
     body: dict[str, Any] = {
         "error": {
-            "message": person or exc.message,
+            "message": _utf8(person or exc.message),
             "type": exc.type,
-            "param": exc.param,
+            "param": _utf8(exc.param),
             "code": exc.code,
         }
     }
     if person is not None:
-        body["error"]["detail"] = exc.message
+        body["error"]["detail"] = _utf8(exc.message)
     if request_id is not None:
         body["error"]["request_id"] = request_id
     return HttpError(status=exc.status, body=body, headers=headers)

@@ -4,6 +4,8 @@ whether a retry can help."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from spillover.errors import (
@@ -21,6 +23,7 @@ from spillover.errors import (
     WorkerFailed,
     to_http,
 )
+from spillover.http.ollama import ollama_error_body
 
 
 @pytest.mark.parametrize(
@@ -63,3 +66,15 @@ def test_developer_errors_keep_their_technical_message(exc: SpilloverError) -> N
     e = to_http(exc)
     assert e.body["error"]["message"] == exc.message and "detail" not in e.body["error"]
     assert e.headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize("name", ["\ud800x", "a\udfffb", "\udc80"])
+def test_a_lone_surrogate_a_client_sent_is_quoted_escaped_not_a_failed_answer(name: str) -> None:
+    """An unknown field whose name holds a lone surrogate (JSON's "\\ud800"): the 400 quoting
+    it encodes as UTF-8 (it failed there, and the client got a bare 500), in both shapes."""
+    err = InvalidRequest(f"unknown field {name!r}", param=name)
+    body = to_http(err).body
+    text = json.dumps(body, ensure_ascii=False).encode("utf-8").decode("utf-8")
+    assert "\\\\ud" in text, text  # the escape, as text
+    assert body["error"]["param"] == name.encode("utf-8", "backslashreplace").decode()
+    json.dumps(ollama_error_body(err), ensure_ascii=False).encode("utf-8")
