@@ -341,6 +341,8 @@ MALFORMED: list[tuple[str, bytes, dict[str, str | bytes]]] = [
     ("include_usage not bool", b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', {}),
     ("not UTF-8", b'{"prompt": "\xff\xfe"}', {}),
     ("lone surrogate", b'{"prompt": "\\ud800"}', {}),
+    ("lone surrogate in a field's name", b'{"prompt": "x", "\\ud800x": 1}', {}),  # the 400 quoting it was a 500
+    ("lone surrogate in stream_options", b'{"prompt": "x", "stream": true, "stream_options": {"\\udfff": 1}}', {}),
 ]
 CHAT_MALFORMED: list[tuple[str, dict[str, Any]]] = [
     ("tool_choice.function a string", {"tools": [TOOL], "tool_choice": {"type": "function", "function": "lookup"}}),

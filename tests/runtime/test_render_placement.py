@@ -134,3 +134,31 @@ def test_a_refused_conversation_is_the_clients_400_inline_or_not(tok: Tokenizer,
     with pytest.raises(InvalidRequest) as err:
         asyncio.run(_render_or_400(Refusing(tok), chat(content)))
     assert err.value.param == "messages" and "refused these messages" in str(err.value)
+
+
+def _nested_tool(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"type": "function", "function": {"name": "f", "parameters": schema}}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "required"])
+def test_a_tool_schema_nested_past_the_bound_is_the_clients_400_on_both_apis(tok: Tokenizer, tool_choice: Any) -> None:
+    """A tool whose parameters nest 300 schema levels (600 JSON levels) with tool_choice auto or
+    absent: rendering it into the prompt ran out of Python's stack, a 500. It is a 400 naming
+    the tool's parameters, on /v1/chat/completions and /api/chat; at the bound it renders."""
+    from spillover.http.ollama import parse_ollama_chat
+    from spillover.http.schemas import MAX_TOOL_JSON_DEPTH
+
+    msgs = [{"role": "user", "content": "hi"}]
+    choice = {} if tool_choice is None else {"tool_choice": tool_choice}
+    for levels in (300, MAX_TOOL_JSON_DEPTH // 2 + 1):
+        with pytest.raises(InvalidRequest) as caught:
+            parse_chat({"messages": msgs, "tools": [_nested_tool(levels)], **choice}, "m")
+        assert caught.value.param == "tools[0].function.parameters" and "nests deeper" in caught.value.message
+        with pytest.raises(InvalidRequest) as caught:
+            parse_ollama_chat({"model": "m", "messages": msgs, "tools": [_nested_tool(levels)]}, "m")
+        assert caught.value.param == "tools[0].function.parameters"
+    req = parse_chat({"messages": msgs, "tools": [_nested_tool(MAX_TOOL_JSON_DEPTH // 2 - 1)], **choice}, "m")
+    assert render(tok, req)  # the deepest allowed renders

@@ -253,6 +253,22 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+# The deepest JSON a tool's ``parameters`` may nest: a schema's 32 levels (``engine.grammar``'s
+# bound on a forced one) are about 64 JSON levels, each an object in ``properties``. Deeper,
+# rendering it into the prompt ran out of Python's stack: a 500 in place of the client's 400.
+MAX_TOOL_JSON_DEPTH = 64
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value``'s JSON nests deeper than ``limit`` objects and arrays (no recursion)."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())]
+        if not level:
+            return False
+    return True
+
+
 def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None]:
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -272,6 +288,10 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequest("'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters")
+        if _nests_deeper(params, MAX_TOOL_JSON_DEPTH):
+            raise InvalidRequest(
+                f"'parameters' nests deeper than {MAX_TOOL_JSON_DEPTH} levels", param=f"tools[{i}].function.parameters"
+            )
         names.add(fn["name"])
     forced: str | None = None
     if choice in (None, "auto", "none"):
