@@ -327,11 +327,13 @@ def for_people(exc: SpilloverError) -> str | None:
 
 def should_retry(exc: SpilloverError) -> bool:
     """Whether the same request, sent again later, can succeed: the gateway was full or a
-    worker failed (503, with Retry-After), or the key's first request is still running.
-    Never for a cancelled request (a retry would run what its user stopped), a client's
-    mistake, a time-out or a bug. SDKs read it from ``x-should-retry`` before their own
-    status-code rules (openai-python and openai-node retry 408, 409 and 5xx otherwise)."""
-    return isinstance(exc, CapacityError | IdempotencyInFlight)
+    worker failed (503, with Retry-After), the key's first request is still running, or its
+    body came too slowly (408: never accepted, nothing of it ran; its answer says to send it
+    again). Never for a cancelled request (a retry would run what its user stopped), a
+    client's mistake, a request's time-out or a bug. SDKs read it from ``x-should-retry``
+    before their own status-code rules (openai-python and openai-node retry 408, 409 and 5xx
+    otherwise)."""
+    return isinstance(exc, CapacityError | IdempotencyInFlight | BodyTimeout)
 
 
 def _utf8(text: str | None) -> str | None:

@@ -41,7 +41,7 @@ from spillover.http.ollama import ollama_error_body
         (ContextLengthExceeded("needs 5000 tokens; the longest context is 2048", param="messages"),
          "This conversation is too long for the model. Shorten it or start a new one.", "false"),
         (IdempotencyInFlight("key k in flight"), "This request is still being answered. Wait for it to finish.", "true"),
-        (BodyTimeout("no body within 30s"), "The request arrived too slowly and was dropped. Please send it again.", "false"),
+        (BodyTimeout("no body within 30s"), "The request arrived too slowly and was dropped. Please send it again.", "true"),  # never accepted: a retry is safe
     ],
 )  # fmt: skip
 def test_errors_people_read_say_what_happened_and_what_to_do(exc: SpilloverError, message: str, retry: str) -> None:

@@ -12,6 +12,7 @@ import functools
 import hmac
 import json
 import traceback
+import zlib
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
@@ -32,6 +33,7 @@ from spillover.errors import (
     PayloadTooLarge,
     SpilloverError,
     Unauthorized,
+    UnsupportedMediaType,
     to_http,
 )
 from spillover.http.audio import audio_endpoints, read_audio_form, sweep_uploads
@@ -68,8 +70,28 @@ async def _within(timeout_s: float, reading: Awaitable[Any]) -> Any:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g}s") from exc
 
 
+# Content-Encodings a JSON body may come in: gzip and deflate (zlib; zlib's window bits 47 read
+# either header); an unknown one is a 415, never bytes handed to the JSON parser as they are.
+_DECOMPRESSED = frozenset({"gzip", "x-gzip", "deflate"})
+
+
+def _decoder(request: Request) -> Any:
+    """A zlib decompressor for the body's ``Content-Encoding``, or None for ``identity``."""
+    raw = request.headers.getlist("content-encoding")
+    codings = [c.strip().lower() for v in raw for c in v.split(",") if c.strip()]
+    if not codings or codings == ["identity"]:
+        return None
+    if len(codings) == 1 and codings[0] in _DECOMPRESSED:
+        return zlib.decompressobj(47)
+    raise UnsupportedMediaType(
+        f"Content-Encoding {', '.join(codings)} is not supported: send the body as it is, or gzip or deflate it",
+        param="Content-Encoding",
+    )
+
+
 async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON: at most ``limit`` bytes (counted while reading)."""
+    """The body as JSON: at most ``limit`` bytes (counted while reading), and at most ``limit``
+    once a gzip or deflate ``Content-Encoding`` is undone (also counted while reading)."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -77,13 +99,24 @@ async def _read_json(request: Request, limit: int) -> Any:
                 raise PayloadTooLarge(f"request body of {cl} bytes exceeds the {limit}-byte limit")
         except ValueError as exc:
             raise InvalidRequest("bad Content-Length header") from exc
+    decoder = _decoder(request)
     chunks: list[bytes] = []
-    size = 0
+    size = decoded = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        if decoder is not None and chunk:
+            try:
+                chunk = decoder.decompress(chunk, limit + 1 - decoded)
+            except zlib.error as exc:
+                raise InvalidRequest(f"the body is not valid gzip or deflate data: {exc}") from exc
+            decoded += len(chunk)
+            if decoded > limit or decoder.unconsumed_tail:
+                raise PayloadTooLarge(f"the request body, decompressed, exceeds the {limit}-byte limit")
         chunks.append(chunk)
+    if decoder is not None and not decoder.eof:
+        raise InvalidRequest("the body is not valid gzip or deflate data: it ends early")
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too many digits, too deep
@@ -94,9 +127,18 @@ async def _read_json(request: Request, limit: int) -> Any:
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
 
 
+def _one_header(request: Request, name: str) -> str | None:
+    """A header the request may carry once, without the whitespace around it (HTTP's optional
+    whitespace is not part of a value); two of it are ambiguous: 400."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise InvalidRequest(f"{name} is given {len(values)} times: send it once", param=name)
+    return values[0].strip(" \t") if values else None
+
+
 def _deadline_header(request: Request) -> int | None:
     """``X-Spillover-Deadline-Ms``: the client's completion deadline, in ms from now."""
-    raw = request.headers.get("x-spillover-deadline-ms")
+    raw = _one_header(request, "X-Spillover-Deadline-Ms")
     if raw is None:
         return None
     value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 12 else -1
@@ -105,7 +147,7 @@ def _deadline_header(request: Request) -> int | None:
 
 def _idempotency_key(request: Request) -> str | None:
     """The Idempotency-Key header: 1-255 visible ASCII characters, else 400."""
-    key = request.headers.get("idempotency-key")
+    key = _one_header(request, "Idempotency-Key")
     if key is None:
         return None
     if not 1 <= len(key) <= 255 or not set(key) <= _KEY_CHARS:
@@ -302,10 +344,14 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
             return _error_response(NotFound(f"no route {request.method} {request.url.path}"))
-        err = SpilloverError(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else None)
+        client = 400 <= exc.status_code < 500  # Starlette's own refusals: a code, never internal_error
+        code = "method_not_allowed" if exc.status_code == 405 else "invalid_request" if client else None
+        err = SpilloverError(str(exc.detail), code=code)
         err.status = exc.status_code
         err.type = "invalid_request_error"
-        return _error_response(err)
+        response = _error_response(err)
+        response.headers.update(exc.headers or {})  # a 405's Allow, as HTTP asks
+        return response
 
     async def on_error(request: Request, exc: Exception) -> Response:
         return _error_response(exc)

@@ -49,7 +49,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.types import Message
 
-from spillover.errors import InvalidRequest, PayloadTooLarge, SpilloverError, to_http
+from spillover.errors import InvalidRequest, PayloadTooLarge, SpilloverError, UnsupportedMediaType, to_http
 from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
@@ -101,8 +101,13 @@ def _limit_bytes(gw: Gateway) -> int:
 async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str, Any]:
     """Rules 1-3: the multipart body as the journaled body (the upload stored by digest)."""
     ctype = request.headers.get("content-type", "")
-    if not ctype.startswith("multipart/form-data"):
+    if not ctype.lower().startswith("multipart/form-data"):  # a media type's name has no case
         raise InvalidRequest("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding != "identity":  # an upload is read as it is: audio is compressed already
+        raise UnsupportedMediaType(
+            f"Content-Encoding {coding} is not supported for an upload: send it as it is", param="Content-Encoding"
+        )
     limit = _limit_bytes(gw)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -118,12 +123,15 @@ async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str,
                 raise PayloadTooLarge(f"the upload exceeds the {limit // (1024 * 1024)} MiB limit")
         return msg
 
+    from starlette.exceptions import HTTPException
     from starlette.formparsers import MultiPartException
 
     try:
         form = await Request(request.scope, receive).form(max_files=1, max_fields=32, max_part_size=64 * 1024)
     except MultiPartException as exc:
         raise InvalidRequest(f"the multipart body cannot be read: {exc.message}") from exc
+    except HTTPException as exc:  # Starlette's own 400 for the same, inside an app: it had no code
+        raise InvalidRequest(f"the multipart body cannot be read: {exc.detail}") from exc
     try:
         body: dict[str, Any] = {"task": task}
         granularities: list[str] = []

@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import math
+import re
 import time
 from typing import Any
 
@@ -54,12 +56,30 @@ GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "o
                              "top_logprobs"})  # fmt: skip
 
 
+# Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "-1s"; a bare number
+# of seconds too). Nothing else, so that what the journal keeps of it stays small.
+_DURATION = re.compile(r"[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h)?)+")
+
+
+def _keep_alive_ok(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return math.isfinite(value)
+    return isinstance(value, str) and len(value) <= 32 and _DURATION.fullmatch(value) is not None
+
+
 def _fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     for name in body:
         if name not in allowed:
             raise InvalidRequest(f"unknown field '{name}'", param=name)
+    if not _keep_alive_ok(body.get("keep_alive")):
+        raise InvalidRequest(
+            "'keep_alive' must be a number of seconds or a duration such as \"5m\" (it changes nothing here)",
+            param="keep_alive",
+        )
     if body.get("think"):
         raise InvalidRequest(
             "'think' is not supported: the served model does not think in separate steps", param="think"

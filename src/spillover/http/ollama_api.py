@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spillover.errors import NotFound, SpilloverError, to_http
+from spillover.errors import InvalidRequest, NotFound, SpilloverError, to_http
 from spillover.http.ollama import (
     NdjsonEncoding,
     created_at,
@@ -288,7 +288,11 @@ def ollama_routes(
     @guarded
     async def show(request: Request) -> Response:
         body = await read_json(request)
-        asked = body.get("model") or body.get("name") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            raise InvalidRequest('the body must be a JSON object naming the model: {"model": ...}')
+        asked = body.get("model") or body.get("name")
+        if not isinstance(asked, str) or not asked:
+            raise InvalidRequest("'model' is required: the name of a model this server lists", param="model")
         chat = next((c for c in gw.chats if asked in c.ids), None)
         listed = [svc for svc in gw.embedding_services() if svc.model_dir]  # as /api/tags lists them
         if chat is None and (svc := next((e for e in listed if asked in (e.name, *e.cfg.aliases)), None)) is not None:

@@ -86,12 +86,14 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     n = body.get("n", 1)
     if n != 1:
         raise InvalidRequest("only n=1 is supported", param="n")
-    so = body.get("stream_options") or {}
+    so = body.get("stream_options")
+    so = {} if so is None else so  # null is absent; [], "" or 0 are not an object: 400
     if not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     if not isinstance(so.get("include_usage", False), bool):
         raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
-    ext = body.get("spillover") or {}
+    ext = body.get("spillover")
+    ext = {} if ext is None else ext
     if not isinstance(ext, dict):
         raise InvalidRequest("'spillover' must be an object", param="spillover")
     allow_shrink = ext.get("allow_shrink")
