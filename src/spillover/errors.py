@@ -12,7 +12,9 @@
     │   ├── UnsupportedMediaType        415 code=unsupported_media_type (body not JSON-typed)
     │   ├── NotFound                    404 (model_not_found, request_not_found, ...)
     │   ├── PayloadTooLarge             413 code=payload_too_large
-    │   ├── RequestCancelled            409 code=request_cancelled (DELETE or client gone)
+    │   ├── RequestCancelled            409 code=request_cancelled (a DELETE)
+    │   ├── ClientDisconnected          499 code=client_disconnected: the client went away before
+    │   │                               its answer ended (resumable: its key runs it again)
     │   └── BodyTimeout                 408 code=body_timeout: the body came too slowly
     ├── CapacityError                   503 + Retry-After: the gateway is full right now
     │   ├── QueueFull                   code=queue_full
@@ -34,7 +36,8 @@ has a plain ``message`` saying what happened and what to do (``for_people``); th
 account is kept in ``detail``.
 
 Every error answer carries ``x-should-retry`` (``should_retry``): ``true`` only for
-CapacityError and IdempotencyInFlight, the two a later retry can fix; SDKs obey it.
+CapacityError, IdempotencyInFlight, BodyTimeout and ClientDisconnected, those a later retry can
+fix; SDKs obey it.
 
 Expected outcomes inside the core are values (``Decision``); these exceptions cross
 layers. A foreign exception is wrapped once, at its boundary, with ``from exc``.
@@ -154,10 +157,21 @@ class NotFound(ClientError):
 
 
 class RequestCancelled(ClientError):
-    """The request was cancelled (DELETE /v1/requests/{id}, or the client went away)."""
+    """The request was cancelled (DELETE /v1/requests/{id})."""
 
     status = 409
     code = "request_cancelled"
+
+
+class ClientDisconnected(ClientError):
+    """The client went away (its connection closed, or took no bytes for ``send_timeout_s``)
+    before its answer ended. Not a cancellation: a network drop is what an Idempotency-Key
+    is for, so a retry with the key resumes the request (journaled RESUMABLE_ERROR). The
+    status is nginx's 499 "client closed request": nobody was there to read it; it is what
+    ``GET /v1/requests/{id}`` shows."""
+
+    status = 499
+    code = "client_disconnected"
 
 
 class IdempotencyError(ClientError):
@@ -284,6 +298,8 @@ class HttpError:
 # sentence. The technical account stays in ``detail``; ``code`` and ``param`` stay machine-readable.
 _FOR_PEOPLE: dict[str, str] = {
     "request_cancelled": "This request was cancelled before it finished. Send it again if you still want an answer.",
+    "client_disconnected": "The connection closed before this answer was complete. Send it again (with the same "
+    "Idempotency-Key it runs once).",
     "queue_full": "The server is busy right now. Please try again in {s}.",
     "queue_timeout": "The server was too busy to start this request in time. Please try again in {s}.",
     "cpu_queue_full": "The GPU is full and the slower CPU path is busy too. Please try again in {s}.",
@@ -333,7 +349,7 @@ def should_retry(exc: SpilloverError) -> bool:
     client's mistake, a request's time-out or a bug. SDKs read it from ``x-should-retry``
     before their own status-code rules (openai-python and openai-node retry 408, 409 and 5xx
     otherwise)."""
-    return isinstance(exc, CapacityError | IdempotencyInFlight | BodyTimeout)
+    return isinstance(exc, CapacityError | IdempotencyInFlight | BodyTimeout | ClientDisconnected)
 
 
 def _utf8(text: str | None) -> str | None:

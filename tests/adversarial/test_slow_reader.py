@@ -65,7 +65,8 @@ def test_a_stream_nobody_reads_frees_its_slot_and_ends_as_a_disconnect() -> None
                 doc = wait_for(
                     lambda: (d := c.get(f"/v1/requests/{rid}").json())["state"] != "running" and d, 30, "ended"
                 )
-                assert doc["state"] == "cancelled", doc  # as a client that went away
+                assert doc["state"] == "resumable_error", doc  # as a client that went away
+                assert "client_disconnected" in json.dumps(doc), doc
                 assert gw.status()["connections"]["send_timeouts"] >= 1
                 assert "spillover_connections_send_timeouts_total 1.0" in c.get("/metrics").text
                 r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})  # the slot serves again

@@ -158,9 +158,10 @@ def journal_state(c: httpx.Client, rid: str) -> str:
     return str(c.get(f"/v1/requests/{rid}").json()["state"])
 
 
-def test_disconnect_while_queued_on_cpu_cancels(gw: GatewayProcess) -> None:
+def test_disconnect_while_queued_on_cpu_frees_its_place(gw: GatewayProcess) -> None:
     """A client that goes away while its request waits on the CPU lane frees the queue
-    place within 1 s, and the journal says CANCELLED."""
+    place within 1 s, and the journal says RESUMABLE_ERROR (client_disconnected: a retry with
+    its key runs it; only a DELETE cancels)."""
     with httpx.Client(base_url=gw.url, timeout=120) as c:
         hold = threading.Thread(
             target=lambda: c.post("/v1/completions", json={**LONG, "max_tokens": 400, "spillover": {"prefer": "cpu"}})
@@ -183,17 +184,22 @@ def test_disconnect_while_queued_on_cpu_cancels(gw: GatewayProcess) -> None:
         t0 = time.monotonic()
         wait_for(lambda: not any(lane["queued"] for lane in gw.status()["lanes"]), 5, "queue emptied")
         assert time.monotonic() - t0 < 1.0
-        wait_for(lambda: journal_state(c, rid) == "cancelled", 5, "journal cancelled")
+        wait_for(lambda: journal_state(c, rid) == "resumable_error", 5, "journal resumable_error")
         hold.join(120)
 
 
 def test_disconnect_while_generating_frees_slot_and_reservation(gw: GatewayProcess) -> None:
     """A streaming client that disconnects mid-generation frees the GPU slot and its
-    device reservation within 1 s; the journal says CANCELLED."""
+    device reservation within 1 s; the journal says RESUMABLE_ERROR (client_disconnected), and
+    the same request sent again with its Idempotency-Key runs once more, whole, under the same
+    id (a dropped connection is what the key is for: it answered 409 request_cancelled, for
+    ever)."""
     ready_worker(gw, "gpu")
+    body = {**LONG, "max_tokens": 400, "stream": True, "temperature": 0}
+    key = {"Idempotency-Key": f"dropped-{time.monotonic_ns()}"}
     with httpx.Client(base_url=gw.url, timeout=120) as c:
         weights = gw.status()["device"]["ledger"]["predicted_bytes"]
-        with c.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 400, "stream": True}) as r:
+        with c.stream("POST", "/v1/completions", json=body, headers=key) as r:
             rid = r.headers["x-spillover-request-id"]
             assert r.headers["x-spillover-route"] == "gpu"
             for i, _ in enumerate(r.iter_lines()):
@@ -208,7 +214,13 @@ def test_disconnect_while_generating_frees_slot_and_reservation(gw: GatewayProce
             "freed",
         )
         assert time.monotonic() - t0 < 1.0
-        wait_for(lambda: journal_state(c, rid) == "cancelled", 5, "journal cancelled")
+        wait_for(lambda: journal_state(c, rid) == "resumable_error", 5, "journal resumable_error")
+        assert "client_disconnected" in c.get(f"/v1/requests/{rid}").json()["response"]  # its stored answer
+        again = c.post("/v1/completions", json=body, headers=key)
+        assert again.status_code == 200 and again.headers["x-spillover-request-id"] == rid, again.text
+        assert again.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in again.text
+        doc = c.get(f"/v1/requests/{rid}").json()
+        assert doc["state"] == "completed" and doc["attempts"] == 2, doc
 
 
 def test_delete_by_id_cancels_a_running_request(gw: GatewayProcess) -> None:

@@ -11,6 +11,7 @@ import pytest
 from spillover.errors import (
     BodyTimeout,
     CapacityError,
+    ClientDisconnected,
     ContextLengthExceeded,
     FailoverInterrupted,
     IdempotencyInFlight,
@@ -41,6 +42,7 @@ from spillover.http.ollama import ollama_error_body
         (ContextLengthExceeded("needs 5000 tokens; the longest context is 2048", param="messages"),
          "This conversation is too long for the model. Shorten it or start a new one.", "false"),
         (IdempotencyInFlight("key k in flight"), "This request is still being answered. Wait for it to finish.", "true"),
+        (ClientDisconnected("request r1: the client went away"), "The connection closed before this answer was complete. Send it again (with the same Idempotency-Key it runs once).", "true"),
         (BodyTimeout("no body within 30s"), "The request arrived too slowly and was dropped. Please send it again.", "true"),  # never accepted: a retry is safe
     ],
 )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from spillover.core.lifecycle import State
-from spillover.errors import RequestCancelled, ServerStopping
+from spillover.errors import ClientDisconnected, ServerStopping
 from spillover.runtime.gateway import STOP_AHEAD_S, Gateway
 from spillover.runtime.outcomes import classify_error, stopped
 from spillover.runtime.requests import Refused, RequestService
@@ -27,8 +27,8 @@ def test_the_gateway_stops_its_requests_only_shortly_before_the_grace_ends() -> 
         t0 = asyncio.get_running_loop().time()
         Gateway.begin_stop(gw, STOP_AHEAD_S + 1.0)
         await asyncio.sleep(0.1)
-        assert not gw.stopping and not cancelled  # the grace: a client going away still cancels
-        assert isinstance(stopped("r", server_stopping=gw.stopping), RequestCancelled)
+        assert not gw.stopping and not cancelled  # the grace: a client going away still stops its own
+        assert isinstance(stopped("r", server_stopping=gw.stopping), ClientDisconnected)
         await asyncio.sleep(1.4)  # margins of a loaded machine's late wakes, either side
         assert gw.stopping and len(cancelled) == 1 and 0.95 <= cancelled[0] - t0 < 1.5
         err = stopped("r", server_stopping=gw.stopping)

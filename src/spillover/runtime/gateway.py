@@ -382,7 +382,7 @@ class Gateway:
         their handlers (a bare 500 to the client). ``STOP_AHEAD_S`` before that the gateway stops what
         still runs (``stop_requests``), so its client reads 503 ``server_stopping`` (a stream:
         its error event and ``[DONE]``). Until then a request ends as it would have (a client
-        that goes away cancels it)."""
+        that goes away stops it, resumable)."""
         asyncio.get_running_loop().call_later(max(0.0, grace_s - STOP_AHEAD_S), self.stop_requests)
 
     def stop_requests(self) -> None:

@@ -14,6 +14,7 @@ from spillover.core.routing import FailKind
 from spillover.errors import (
     AllocationFailed,
     CapacityError,
+    ClientDisconnected,
     ContextLengthExceeded,
     FailoverInterrupted,
     InvalidRequest,
@@ -127,18 +128,19 @@ def final_error(
 
 def stopped(rid: str, *, server_stopping: bool) -> SpilloverError:
     """The error of a request stopped before its end by no DELETE: the client went away
-    (``RequestCancelled``), or the gateway is stopping (``ServerStopping``: resumable, a retry
-    with its Idempotency-Key picks it up; it is not the client's cancellation)."""
+    (``ClientDisconnected``), or the gateway is stopping (``ServerStopping``). Both are
+    resumable: a retry with its Idempotency-Key picks it up (a dropped connection is what the
+    key is for); only a DELETE cancels."""
     if server_stopping:
         return ServerStopping(f"request {rid} was stopped: the gateway is stopping")
-    return RequestCancelled(f"request {rid} was cancelled")
+    return ClientDisconnected(f"request {rid}: the client went away before its answer ended")
 
 
 def classify_error(exc: SpilloverError) -> State:
     """The journal state a request ends in after ``exc`` (once it was accepted)."""
     if isinstance(exc, RequestCancelled):
         return State.CANCELLED
-    if isinstance(exc, JournalUnavailable | ServerStopping):
+    if isinstance(exc, JournalUnavailable | ServerStopping | ClientDisconnected):
         return State.RESUMABLE_ERROR
     if isinstance(exc, WorkerFailed | AllocationFailed):
         return State.RESUMABLE_ERROR

@@ -268,8 +268,8 @@ class Run:
         return self.encoding.error(err, committed=committed)
 
     async def _end_abandoned(self, *, committed: bool) -> None:
-        """The client (or the server) went away: end the Execution, journal CANCELLED (or,
-        while the gateway stops, RESUMABLE_ERROR: ``_error``)."""
+        """The client (or the server) went away: end the Execution, journal RESUMABLE_ERROR
+        (``client_disconnected`` or ``server_stopping``: ``_error``), or CANCELLED after a DELETE."""
         outcome = self._error(RequestCancelled(f"request {self.rid} was cancelled"), committed=committed)
         await self._end(outcome, failed=RequestCancelled(self.rid))
 

@@ -17,8 +17,9 @@ Rules:
    ``execute`` emits as it goes (SSE), the first one with the response headers. Until the
    first frame it is answered as a whole (an error before anything was sent keeps its own
    status). Once streaming, an error ends the stream with an error frame, and a client that
-   goes away cancels the request. What was sent, the last frame included, is journaled as
-   its answer, so a retry with its Idempotency-Key gets the same bytes.
+   goes away stops the request (resumable: ``outcomes.stopped``). What was sent, the last
+   frame included, is journaled as its answer, so a retry with its Idempotency-Key gets the
+   same bytes; one that ended resumable runs again.
 """
 
 from __future__ import annotations
