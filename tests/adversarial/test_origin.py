@@ -249,3 +249,45 @@ def test_the_official_openai_client_still_works(gw: GatewayProcess) -> None:
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert out.choices[0].message is not None
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+@e2e
+def test_a_listed_origin_gets_cors_and_no_other_does() -> None:
+    """[server].allowed_origins names a web UI served elsewhere: its browser's preflight is
+    answered (204, the methods, the headers it asked for) and every answer (a stream, an error)
+    carries Access-Control-Allow-Origin and exposes the X-Spillover-* headers. Before, the
+    preflight was a 405 and no answer had a CORS header: a browser kept all of them from the
+    page the setting is for. The same origin and a foreign one get no CORS header."""
+    ui = "http://ui.example:3000"
+    with GatewayProcess(
+        ["--gpu", "none", "--cpu-slots", "1", "--chat-only"], config={"server": {"allowed_origins": [ui]}}
+    ) as g:
+        host = {"Host": f"127.0.0.1:{g.port}"}
+        asked = "authorization, content-type, idempotency-key, x-stainless-os"
+        pre = _call(
+            g,
+            "OPTIONS",
+            "/v1/chat/completions",
+            {**host, "Origin": ui, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked},
+        )
+        assert pre.status_code == 204, pre.text
+        assert pre.headers["access-control-allow-origin"] == ui and pre.headers["vary"] == "Origin"
+        assert (
+            "POST" in pre.headers["access-control-allow-methods"]
+            and pre.headers["access-control-allow-headers"] == asked
+        )
+        r = _call(g, "POST", "/v1/chat/completions", {**host, "Origin": ui, **JSON}, {**CHAT, "stream": True})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui and "data: [DONE]" in r.text
+        assert "X-Spillover-Request-Id" in r.headers["access-control-expose-headers"]
+        bad = _call(g, "POST", "/v1/chat/completions", {**host, "Origin": ui, **JSON}, {"messages": []})
+        assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == ui  # the page reads why
+        same = _call(g, "GET", "/v1/status", {**host, "Origin": f"http://127.0.0.1:{g.port}"})
+        assert same.status_code == 200 and "access-control-allow-origin" not in same.headers
+        foreign = _call(
+            g,
+            "OPTIONS",
+            "/v1/chat/completions",
+            {**host, "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        _assert_refused(foreign, 403, "forbidden_origin")
+        assert "access-control-allow-origin" not in foreign.headers

@@ -25,6 +25,15 @@ separate check made by the routes):
    cross-site without a preflight, but always with an ``Origin`` header, so rule 2 (and the
    API key, when one is set) guards them.
 
+4. **CORS.** A request whose ``Origin`` is listed in ``[server].allowed_origins`` (a web UI
+   served from elsewhere) gets what a browser needs to let that page read the answer: a
+   preflight (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204 with the
+   methods and the headers it asked for (the origin is the operator's choice: its page may
+   send the API key, an Idempotency-Key, an SDK's own headers); every answer carries
+   ``Access-Control-Allow-Origin`` and exposes the ``X-Spillover-*`` and retry headers. No
+   other origin gets any ``Access-Control-*`` header: a browser keeps such answers from its
+   page, and rule 2 refuses its requests anyway. No cookies are involved (no credentials).
+
 ``HostPolicy.refusal`` decides (no I/O, table-tested); ``OriginGuard`` acts on it.
 """
 
@@ -36,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from spillover.config import ServerConfig
 from spillover.errors import Forbidden, SpilloverError, UnsupportedMediaType
@@ -108,6 +117,13 @@ def _is_ip(host: str) -> bool:
 
 
 FORM_PATHS = ("/v1/audio/",)  # rule 3: routes whose body is multipart/form-data
+CORS_METHODS = b"GET, POST, DELETE, OPTIONS"  # rule 4: every method a route answers
+CORS_EXPOSED = (  # rule 4: the answer's headers a page may read
+    b"X-Spillover-Request-Id, X-Spillover-Route, X-Spillover-Degraded, X-Spillover-Reason, X-Spillover-Model, "
+    b"X-Spillover-Limits, X-Spillover-Queue-Position, X-Spillover-Estimated-Delay-Ms, X-Spillover-Attempts, "
+    b"Retry-After, retry-after-ms, x-should-retry, Idempotent-Replayed"
+)
+CORS_MAX_AGE_S = b"600"
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,13 @@ class HostPolicy:
             any_ip_literal=bind in WILDCARD_BINDS,
             origins=frozenset(origins),
         )
+
+    def cors_origin(self, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """Rule 4: the request's one ``Origin`` when ``allowed_origins`` lists it, else None."""
+        values = [v for n, v in headers if n.lower() == b"origin"]
+        if len(values) != 1 or not self.origins:
+            return None
+        return values[0] if parse_origin(values[0].decode("latin-1")) in self.origins else None
 
     def host_allowed(self, host: str) -> bool:
         """Rule 1 for a parsed host name (no port)."""
@@ -199,9 +222,39 @@ class OriginGuard:
             await self.app(scope, receive, send)
             return
         error = self.policy.refusal(scope.get("method", "GET"), scope["headers"], scope.get("path", ""))
-        if error is None:
+        origin = self.policy.cors_origin(scope["headers"]) if error is None and scope["type"] == "http" else None
+        if origin is not None:
+            await self._cors(origin, scope, receive, send)
+        elif error is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
         else:
             await self.refuse(error)(scope, receive, send)
+
+    async def _cors(self, origin: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+        """Rule 4 for a listed origin: its preflight answered here, its answers marked."""
+        headers = dict((n.lower(), v) for n, v in scope["headers"])
+        allow = [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
+        if scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers:
+            asked = headers.get(b"access-control-request-headers", b"")
+            preflight = [
+                *allow,
+                (b"access-control-allow-methods", CORS_METHODS),
+                (b"access-control-max-age", CORS_MAX_AGE_S),
+                *([(b"access-control-allow-headers", asked)] if asked else []),
+                (b"content-length", b"0"),
+            ]
+            await send({"type": "http.response.start", "status": 204, "headers": preflight})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def marked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), *allow, (b"access-control-expose-headers", CORS_EXPOSED)],
+                }
+            await send(message)
+
+        await self.app(scope, receive, marked)
