@@ -103,6 +103,7 @@ def test_starlettes_own_refusals_have_a_code_and_a_405_its_allow(c: httpx.Client
     r = c.put("/v1/chat/completions", json=CHAT)
     err = error(r, 405)
     assert err["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+    assert len(r.headers["x-spillover-request-id"]) == 24  # an id to name it by, not an empty header
     r = c.post("/v1/audio/transcriptions", content=b"--x\r\n", headers={"Content-Type": "multipart/form-data"})
     err = error(r, 400)  # no boundary: Starlette's own 400, which said internal_error
     assert err["code"] == "invalid_request" and "multipart" in err["message"]

@@ -54,9 +54,11 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 def _error_response(exc: BaseException, rid: str | None = None) -> JSONResponse:
+    """An error answer; one refused before any request id was made gets a fresh one (the id a
+    log line or a bug report names: never an empty header)."""
     e = to_http(exc)
     headers = dict(e.headers)
-    headers["X-Spillover-Request-Id"] = rid or ""
+    headers["X-Spillover-Request-Id"] = rid or new_request_id()
     headers.setdefault("X-Spillover-Route", "none")
     return JSONResponse(e.body, status_code=e.status, headers=headers)
 
@@ -381,7 +383,7 @@ def create_app(gw: Gateway) -> GatewayLifespan:
             Middleware(
                 OriginGuard,
                 policy=HostPolicy.from_config(cfg.server),
-                refuse=lambda exc: _error_response(exc, new_request_id()),
+                refuse=_error_response,
             )
         ],
         exception_handlers={HTTPException: on_http_exception, Exception: on_error},
