@@ -720,6 +720,11 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
     ]
 
 
+# Settings whose default follows another one ([model]'s name and aliases follow its path): the
+# sample shows them commented out, so a file made from it still names another --model by its file.
+_FOLLOWING = frozenset({("model", "name"), ("model", "aliases")})
+
+
 def config_sample(width: int = 100) -> str:
     """The commented TOML file of every setting at its default, each default service its own
     ``[[services]]`` block: what ``spillover config`` prints and ``spillover.example.toml`` is.
@@ -730,5 +735,6 @@ def config_sample(width: int = 100) -> str:
         for sf in fields(block):
             doc = sf.metadata.get("doc", "")
             lines += textwrap.wrap(doc, width, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
-            lines.append(f"{sf.name} = {json.dumps(getattr(block, sf.name))}")
+            setting = f"{sf.name} = {json.dumps(getattr(block, sf.name))}"
+            lines.append(f"# {setting}" if (name, sf.name) in _FOLLOWING else setting)
     return "\n".join(lines) + "\n"

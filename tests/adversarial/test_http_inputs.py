@@ -66,6 +66,11 @@ def test_a_gzip_or_deflate_body_is_read_and_any_other_coding_refused(c: httpx.Cl
     for name in ("br", "zstd", "gzip, br"):
         err = error(post(c, "/v1/chat/completions", raw, **{"Content-Encoding": name}), 415)
         assert err["code"] == "unsupported_media_type" and err["param"] == "Content-Encoding"
+    members = gzip.compress(raw[:10]) + gzip.compress(raw[10:])  # a gzip stream of two members: one body
+    r = post(c, "/v1/chat/completions", members, **{"Content-Encoding": "gzip"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, r.text
+    err = error(post(c, "/v1/chat/completions", gzip.compress(raw) + b"junk", **{"Content-Encoding": "gzip"}), 400)
+    assert "not valid gzip or deflate" in err["message"]  # what follows a member is read, not dropped
     err = error(post(c, "/v1/chat/completions", raw, **{"Content-Encoding": "gzip"}), 400)  # not gzip at all
     assert "not valid gzip or deflate" in err["message"]
     err = error(post(c, "/v1/chat/completions", gzip.compress(raw)[:-9], **{"Content-Encoding": "gzip"}), 400)
@@ -113,12 +118,13 @@ def test_starlettes_own_refusals_have_a_code_and_a_405_its_allow(c: httpx.Client
         headers={"Content-Type": "Multipart/Form-Data; boundary=b"},
     )
     assert error(r, 400)["param"] == "file"  # read as multipart: it is the file that is missing
-    r = c.post(
-        "/v1/audio/transcriptions",
-        content=b"--b--\r\n",
-        headers={"Content-Type": "multipart/form-data; boundary=b", "Content-Encoding": "gzip"},
-    )
-    assert error(r, 415)["param"] == "Content-Encoding"
+    for coding in (["gzip"], ["identity", "gzip"]):  # every Content-Encoding header counts
+        r = c.post(
+            "/v1/audio/transcriptions",
+            content=b"--b--\r\n",
+            headers=[("Content-Type", "multipart/form-data; boundary=b"), *(("Content-Encoding", v) for v in coding)],
+        )
+        assert error(r, 415)["param"] == "Content-Encoding"
 
 
 def test_bodies_that_are_not_what_a_route_reads_are_400s(c: httpx.Client) -> None:

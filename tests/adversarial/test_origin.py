@@ -281,6 +281,8 @@ def test_a_listed_origin_gets_cors_and_no_other_does() -> None:
         assert "X-Spillover-Request-Id" in r.headers["access-control-expose-headers"]
         bad = _call(g, "POST", "/v1/chat/completions", {**host, "Origin": ui, **JSON}, {"messages": []})
         assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == ui  # the page reads why
+        plain = _call(g, "POST", "/v1/chat/completions", {**host, "Origin": ui, "Content-Type": "text/plain"}, CHAT)
+        assert plain.status_code == 415 and plain.headers["access-control-allow-origin"] == ui  # the guard's own
         same = _call(g, "GET", "/v1/status", {**host, "Origin": f"http://127.0.0.1:{g.port}"})
         assert same.status_code == 200 and "access-control-allow-origin" not in same.headers
         foreign = _call(
@@ -291,3 +293,39 @@ def test_a_listed_origin_gets_cors_and_no_other_does() -> None:
         )
         _assert_refused(foreign, 403, "forbidden_origin")
         assert "access-control-allow-origin" not in foreign.headers
+
+
+def test_an_error_the_app_did_not_answer_still_carries_cors_for_a_listed_origin() -> None:
+    """The app raises (a bug): Starlette answers its 500 outside this guard, without the CORS
+    headers, so a browser showed the page a network error. The guard answers it, marked, and
+    the error goes on to be logged."""
+    import asyncio
+
+    from starlette.responses import JSONResponse
+
+    from spillover.http.origin import OriginGuard
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("a bug")
+
+    ui = "http://ui.example:3000"
+    policy = HostPolicy.from_config(ServerConfig(allowed_origins=(ui,)))
+    guard = OriginGuard(broken, policy=policy, refuse=lambda exc: JSONResponse({"error": str(exc)}, status_code=500))
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/status",
+        "headers": [(b"host", b"127.0.0.1"), (b"origin", ui.encode())],
+    }
+    with pytest.raises(RuntimeError):
+        asyncio.run(guard(scope, receive, send))  # type: ignore[arg-type]
+    start = sent[0]
+    assert start["status"] == 500 and (b"access-control-allow-origin", ui.encode()) in start["headers"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spillover.config import Config, config_sample, describe_fields, load_config, parse_device
+from spillover.config import Config, config_sample, default_model_path, describe_fields, load_config, parse_device
 from spillover.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -150,6 +150,17 @@ def test_every_field_documented_and_in_sample() -> None:
     assert path.read_text() == config_sample(), "spillover.example.toml is not `spillover config`'s output"
     loaded = load_config(str(path))
     assert loaded == Config() and [s.name for s in loaded.services] == ["bge-small-en", "whisper-tiny.en"]
+
+
+def test_the_sample_with_another_model_serves_it_under_its_own_name(tmp_path: Path) -> None:
+    """--model other.gguf with the sample as its config: served as ``other``, no alias (the
+    sample's name and aliases, which follow the path, are commented out; written out, they
+    served any file as smollm2-135m-instruct)."""
+    other = tmp_path / "other.gguf"
+    other.symlink_to(default_model_path())
+    sample = Path(__file__).parents[2] / "spillover.example.toml"
+    cfg = load_config(str(sample), overrides={"model": {"path": str(other)}})
+    assert (cfg.model.name, cfg.model.aliases) == ("other", ())
 
 
 def test_parse_device() -> None:

@@ -216,9 +216,14 @@ def test_disconnect_while_generating_frees_slot_and_reservation(gw: GatewayProce
         assert time.monotonic() - t0 < 1.0
         wait_for(lambda: journal_state(c, rid) == "resumable_error", 5, "journal resumable_error")
         assert "client_disconnected" in c.get(f"/v1/requests/{rid}").json()["response"]  # its stored answer
-        again = c.post("/v1/completions", json=body, headers=key)
-        assert again.status_code == 200 and again.headers["x-spillover-request-id"] == rid, again.text
-        assert again.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in again.text
+        with c.stream("POST", "/v1/completions", json=body, headers=key) as again:
+            assert again.status_code == 200 and again.headers["x-spillover-request-id"] == rid
+            lines = again.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            live = c.get(f"/v1/requests/{rid}").json()  # the resumed run: not the dropped attempt's answer
+            assert live["state"] != "completed" and not live["response"] and live["status_code"] is None, live
+            text = "\n".join([first, *lines])
+        assert text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in text
         doc = c.get(f"/v1/requests/{rid}").json()
         assert doc["state"] == "completed" and doc["attempts"] == 2, doc
 

@@ -41,7 +41,7 @@ from spillover.http.embeddings import embedding_endpoints
 from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
-from spillover.http.routes import guard, plain_json
+from spillover.http.routes import content_codings, guard, plain_json
 from spillover.http.schemas import parse_chat, parse_completion, positive_ms, stored_body
 from spillover.runtime.gateway import Gateway
 from spillover.runtime.prepare import new_request_id
@@ -77,14 +77,43 @@ async def _within(timeout_s: float, reading: Awaitable[Any]) -> Any:
 _DECOMPRESSED = frozenset({"gzip", "x-gzip", "deflate"})
 
 
-def _decoder(request: Request) -> Any:
-    """A zlib decompressor for the body's ``Content-Encoding``, or None for ``identity``."""
-    raw = request.headers.getlist("content-encoding")
-    codings = [c.strip().lower() for v in raw for c in v.split(",") if c.strip()]
+class _Inflater:
+    """A gzip or deflate body undone as it arrives, at most ``limit`` bytes of it; one gzip
+    member after another (a valid gzip stream) as one body."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._z = zlib.decompressobj(47)
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = []
+        while chunk:
+            try:
+                part = self._z.decompress(chunk, self.limit + 1 - self.size)
+            except zlib.error as exc:
+                raise InvalidRequest(f"the body is not valid gzip or deflate data: {exc}") from exc
+            self.size += len(part)
+            out.append(part)
+            if self.size > self.limit or self._z.unconsumed_tail:
+                raise PayloadTooLarge(f"the request body, decompressed, exceeds the {self.limit}-byte limit")
+            chunk = self._z.unused_data if self._z.eof else b""  # the next member, if any
+            if chunk:
+                self._z = zlib.decompressobj(47)
+        return b"".join(out)
+
+    def end(self) -> None:
+        if not self._z.eof:
+            raise InvalidRequest("the body is not valid gzip or deflate data: it ends early")
+
+
+def _inflater(request: Request, limit: int) -> _Inflater | None:
+    """The body's decoder for its ``Content-Encoding``, or None for ``identity``."""
+    codings = content_codings(request)
     if not codings or codings == ["identity"]:
         return None
     if len(codings) == 1 and codings[0] in _DECOMPRESSED:
-        return zlib.decompressobj(47)
+        return _Inflater(limit)
     raise UnsupportedMediaType(
         f"Content-Encoding {', '.join(codings)} is not supported: send the body as it is, or gzip or deflate it",
         param="Content-Encoding",
@@ -101,24 +130,16 @@ async def _read_json(request: Request, limit: int) -> Any:
                 raise PayloadTooLarge(f"request body of {cl} bytes exceeds the {limit}-byte limit")
         except ValueError as exc:
             raise InvalidRequest("bad Content-Length header") from exc
-    decoder = _decoder(request)
+    inflater = _inflater(request, limit)
     chunks: list[bytes] = []
-    size = decoded = 0
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
-        if decoder is not None and chunk:
-            try:
-                chunk = decoder.decompress(chunk, limit + 1 - decoded)
-            except zlib.error as exc:
-                raise InvalidRequest(f"the body is not valid gzip or deflate data: {exc}") from exc
-            decoded += len(chunk)
-            if decoded > limit or decoder.unconsumed_tail:
-                raise PayloadTooLarge(f"the request body, decompressed, exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    if decoder is not None and not decoder.eof:
-        raise InvalidRequest("the body is not valid gzip or deflate data: it ends early")
+        chunks.append(chunk if inflater is None else inflater.feed(chunk))
+    if inflater is not None:
+        inflater.end()
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too many digits, too deep

@@ -50,7 +50,7 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from spillover.errors import InvalidRequest, PayloadTooLarge, SpilloverError, UnsupportedMediaType, to_http
-from spillover.http.routes import signal_headers
+from spillover.http.routes import content_codings, signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
 
@@ -103,10 +103,11 @@ async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str,
     ctype = request.headers.get("content-type", "")
     if not ctype.lower().startswith("multipart/form-data"):  # a media type's name has no case
         raise InvalidRequest("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
-    coding = request.headers.get("content-encoding", "identity").strip().lower()
-    if coding != "identity":  # an upload is read as it is: audio is compressed already
+    codings = content_codings(request)
+    if codings and codings != ["identity"]:  # an upload is read as it is: audio is compressed already
         raise UnsupportedMediaType(
-            f"Content-Encoding {coding} is not supported for an upload: send it as it is", param="Content-Encoding"
+            f"Content-Encoding {', '.join(codings)} is not supported for an upload: send it as it is",
+            param="Content-Encoding",
         )
     limit = _limit_bytes(gw)
     declared = request.headers.get("content-length")

@@ -209,7 +209,7 @@ class HostPolicy:
 class OriginGuard:
     """ASGI middleware: answers a request that ``policy`` refuses with ``refuse(error)``."""
 
-    def __init__(self, app: ASGIApp, *, policy: HostPolicy, refuse: Callable[[SpilloverError], Response]) -> None:
+    def __init__(self, app: ASGIApp, *, policy: HostPolicy, refuse: Callable[[BaseException], Response]) -> None:
         self.app = app
         self.policy = policy
         self.refuse = refuse
@@ -222,9 +222,9 @@ class OriginGuard:
             await self.app(scope, receive, send)
             return
         error = self.policy.refusal(scope.get("method", "GET"), scope["headers"], scope.get("path", ""))
-        origin = self.policy.cors_origin(scope["headers"]) if error is None and scope["type"] == "http" else None
-        if origin is not None:
-            await self._cors(origin, scope, receive, send)
+        origin = self.policy.cors_origin(scope["headers"]) if scope["type"] == "http" else None
+        if origin is not None:  # rule 4: whatever the answer, its page may read it
+            await self._cors(origin, error, scope, receive, send)
         elif error is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
@@ -232,11 +232,14 @@ class OriginGuard:
         else:
             await self.refuse(error)(scope, receive, send)
 
-    async def _cors(self, origin: bytes, scope: Scope, receive: Receive, send: Send) -> None:
-        """Rule 4 for a listed origin: its preflight answered here, its answers marked."""
+    async def _cors(
+        self, origin: bytes, error: SpilloverError | None, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Rule 4 for a listed origin: its preflight answered here; its answers (a refusal of
+        rule 1 or 3, an error the app did not answer) marked."""
         headers = dict((n.lower(), v) for n, v in scope["headers"])
         allow = [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
-        if scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers:
+        if error is None and scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers:
             asked = headers.get(b"access-control-request-headers", b"")
             preflight = [
                 *allow,
@@ -248,13 +251,24 @@ class OriginGuard:
             await send({"type": "http.response.start", "status": 204, "headers": preflight})
             await send({"type": "http.response.body", "body": b""})
             return
+        started = False
 
         async def marked(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message = {
                     **message,
                     "headers": [*message.get("headers", []), *allow, (b"access-control-expose-headers", CORS_EXPOSED)],
                 }
             await send(message)
 
-        await self.app(scope, receive, marked)
+        if error is not None:
+            await self.refuse(error)(scope, receive, marked)
+            return
+        try:
+            await self.app(scope, receive, marked)
+        except Exception as exc:  # the server's 500 is answered outside this guard, unmarked
+            if not started:
+                await self.refuse(exc)(scope, receive, marked)
+            raise  # logged as before; the answer is sent

@@ -55,3 +55,8 @@ def guard(
         return run
 
     return guarded
+
+
+def content_codings(request: Request) -> list[str]:
+    """Every ``Content-Encoding`` a body says it went through, in order, lower-case."""
+    return [c.strip().lower() for v in request.headers.getlist("content-encoding") for c in v.split(",") if c.strip()]

@@ -262,10 +262,16 @@ MAX_TOOL_JSON_DEPTH = 64
 
 
 def _nests_deeper(value: Any, limit: int) -> bool:
-    """Whether ``value``'s JSON nests deeper than ``limit`` objects and arrays (no recursion)."""
+    """Whether ``value``'s JSON has more than ``limit`` levels of objects and arrays inside it
+    (no recursion)."""
     level: list[Any] = [value]
     for _ in range(limit + 1):
-        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())]
+        level = [
+            c
+            for v in level
+            for c in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())
+            if isinstance(c, dict | list)
+        ]
         if not level:
             return False
     return True

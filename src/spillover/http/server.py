@@ -31,7 +31,8 @@ Rules:
    ``RLIMIT_NOFILE`` to the hard limit and refuses to serve unless two bursts' worth of
    connections plus ``FD_RESERVE`` fit under it.
 6. A response whose client takes none of its bytes for ``send_timeout_s`` (the transport's
-   write buffer stays above its high-water mark: a client that stopped reading) is aborted,
+   write buffer stays above its high-water mark and does not shrink: a client that stopped
+   reading; a slow reader of a large answer shrinks it, and its clock starts again) is aborted,
    counted (``send_timeouts``) and logged as rule 4 says. The app sees the client go away, so
    the request it answers ends as a disconnected client's does and its worker slot is free:
    a reader that never reads cannot hold a slot, however long its request may run.
@@ -89,7 +90,7 @@ class ConnectionStatistics:
 
 
 class ConnectionGuard:
-    """The bounds and counters shared by every connection of one server (rules 1-4)."""
+    """The bounds and counters shared by every connection of one server (rules 1-4 and 6)."""
 
     def __init__(self, max_connections: int, header_timeout_s: float, send_timeout_s: float = 30.0) -> None:
         self.max_connections = max_connections
@@ -178,6 +179,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._head_deadline: asyncio.TimerHandle | None = None
         self._send_deadline: asyncio.TimerHandle | None = None  # rule 6, while writing is paused
+        self._send_buffered = 0  # rule 6: the write buffer's size when its clock last started
         self._in_message = False  # a request has begun and its body is not complete
         self._in_head = False  # a request has begun and its head is not complete
         self._head_bytes = 0  # bytes of the head being received, and of empty lines before it (rule 3)
@@ -253,7 +255,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         ``send_timeout_s`` to take bytes again (rule 6)."""
         super().pause_writing()
         if self._send_deadline is None:
-            self._send_deadline = self.loop.call_later(self.guard.send_timeout_s, self._send_timed_out)
+            self._arm_send_deadline()
+
+    def _arm_send_deadline(self) -> None:
+        self._send_buffered = self.transport.get_write_buffer_size()
+        self._send_deadline = self.loop.call_later(self.guard.send_timeout_s, self._send_timed_out)
 
     def resume_writing(self) -> None:
         if self._send_deadline is not None:
@@ -263,10 +269,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _send_timed_out(self) -> None:
         self._send_deadline = None
-        if self.transport.is_closing():
+        if self.transport.get_write_buffer_size() < self._send_buffered:  # it took bytes: a slow reader
+            self._arm_send_deadline()
             return
         self.guard.send_timeouts += 1
-        self.transport.abort()  # its buffer would never drain: close() would wait for it
+        self.transport.abort()  # closing or not: its buffer would never drain, and close() waits for it
         self.guard.note(time.monotonic())
 
     def send_400_response(self, msg: str) -> None:

@@ -53,6 +53,17 @@ if TYPE_CHECKING:
 __all__ = ["Answer", "Encoded", "Encoding", "Endpoint", "Refused", "RequestService", "Run", "Streaming"]
 
 log = logging.getLogger("spillover.request")
+# What a resumed request's QUEUED move clears: the answer of the attempt that ended resumable (a
+# dropped connection's partial stream, its 499). Kept, GET /v1/requests/{id} showed that answer
+# while the resumed run was live, and its delivered tokens kept a restart from replaying it.
+RESUMED = {
+    "tokens_delivered": 0,
+    "status_code": None,
+    "response": None,
+    "content_type": None,
+    "headers": None,
+    "error": None,
+}
 CANCEL_WAIT_S = 2.0  # how long DELETE waits for a cancelled run to journal its end
 
 
@@ -239,7 +250,7 @@ class RequestService:
         self.live[run.rid] = run
         if self.gw.journal is not None:
             try:
-                await self.gw.journal.move(run.rid, State.QUEUED, attempts=run.attempt + 1)
+                await self.gw.journal.move(run.rid, State.QUEUED, attempts=run.attempt + 1, **RESUMED)
             except SpilloverError as exc:
                 return exc
         return None
@@ -299,7 +310,7 @@ class RequestService:
             run.cancel(by_user=False)
         try:
             if gw.journal is not None and resume_attempts is not None:
-                await gw.journal.move(prep.rid, State.QUEUED, **queued)
+                await gw.journal.move(prep.rid, State.QUEUED, **queued, **RESUMED)
             exe.submit_nowait()
         except BaseException as exc:
             self.live.pop(prep.rid, None)  # its events never started: their ``finally`` will not run

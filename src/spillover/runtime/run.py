@@ -178,8 +178,8 @@ class Run:
     # -- control ----------------------------------------------------------------------
     def cancel(self, *, by_user: bool = True) -> None:
         """DELETE /v1/requests/{id} (``by_user``) or a disconnected client: the Execution stops
-        the attempt (queued, dispatched or running); the run ends CANCELLED (resumable while
-        the gateway stops, unless a DELETE asked: ``outcomes.stopped``)."""
+        the attempt (queued, dispatched or running); the run ends CANCELLED after a DELETE, else
+        resumable (the client went away, or the gateway stops: ``outcomes.stopped``)."""
         self.cancelled_by_user = self.cancelled_by_user or by_user
         self.exe.cancel()
 

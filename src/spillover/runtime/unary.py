@@ -107,8 +107,7 @@ class UnaryRun:
 
     def cancel(self, *, by_user: bool = True) -> None:
         """DELETE /v1/requests/{id} (``by_user``), the client going away or the server stopping:
-        the work stops; it ends CANCELLED (resumable while the gateway stops, unless a DELETE
-        asked: ``_cancelled``)."""
+        the work stops; it ends CANCELLED after a DELETE, else resumable (``_cancelled``)."""
         self.cancelled_by_user = self.cancelled_by_user or by_user
         if self._task is not None:
             self._task.cancel()
@@ -200,7 +199,7 @@ class UnaryRun:
         return _answer(outcome)
 
     async def _stream(self) -> AsyncGenerator[bytes, None]:
-        """The frames as they come; the client going away cancels the request (rule 5)."""
+        """The frames as they come; the client going away stops the request (rule 5)."""
         try:
             while (frame := await self._frames.get()) is not None:
                 yield frame
