@@ -110,7 +110,7 @@ class _Inflater:
 def _inflater(request: Request, limit: int) -> _Inflater | None:
     """The body's decoder for its ``Content-Encoding``, or None for ``identity``."""
     codings = content_codings(request)
-    if not codings or codings == ["identity"]:
+    if not codings:
         return None
     if len(codings) == 1 and codings[0] in _DECOMPRESSED:
         return _Inflater(limit)

@@ -104,7 +104,7 @@ async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str,
     if not ctype.lower().startswith("multipart/form-data"):  # a media type's name has no case
         raise InvalidRequest("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
     codings = content_codings(request)
-    if codings and codings != ["identity"]:  # an upload is read as it is: audio is compressed already
+    if codings:  # an upload is read as it is: audio is compressed already
         raise UnsupportedMediaType(
             f"Content-Encoding {', '.join(codings)} is not supported for an upload: send it as it is",
             param="Content-Encoding",

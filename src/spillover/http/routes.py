@@ -58,5 +58,9 @@ def guard(
 
 
 def content_codings(request: Request) -> list[str]:
-    """Every ``Content-Encoding`` a body says it went through, in order, lower-case."""
-    return [c.strip().lower() for v in request.headers.getlist("content-encoding") for c in v.split(",") if c.strip()]
+    """Every ``Content-Encoding`` a body says it went through, in order, lower-case; none when
+    it says only ``identity`` (the body as it is)."""
+    codings = [
+        c.strip().lower() for v in request.headers.getlist("content-encoding") for c in v.split(",") if c.strip()
+    ]
+    return [] if codings == ["identity"] else codings

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from spillover.engine.grammar import MAX_SCHEMA_DEPTH
 from spillover.errors import InvalidRequest
 from spillover.http.fields import check_fields, stored
 from spillover.runtime.prepare import GenerationRequest
@@ -255,10 +256,10 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-# The deepest JSON a tool's ``parameters`` may nest: a schema's 32 levels (``engine.grammar``'s
-# bound on a forced one) are about 64 JSON levels, each an object in ``properties``. Deeper,
-# rendering it into the prompt ran out of Python's stack: a 500 in place of the client's 400.
-MAX_TOOL_JSON_DEPTH = 64
+# The deepest JSON a tool's ``parameters`` may nest: a schema's levels (``engine.grammar``'s
+# bound on a forced one) are two JSON levels each, an object in ``properties``. Deeper, rendering
+# it into the prompt ran out of Python's stack: a 500 in place of the client's 400.
+MAX_TOOL_JSON_DEPTH = 2 * MAX_SCHEMA_DEPTH
 
 
 def _nests_deeper(value: Any, limit: int) -> bool:
