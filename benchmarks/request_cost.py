@@ -6,7 +6,8 @@ Sends ``--requests`` requests at ``--concurrency`` (httpx clients in threads) of
 system of its process, not its workers') over the run, divided by the requests, is printed
 with the requests per second.
 
-    .venv/bin/python -m benchmarks.request_cost [--requests 200] [--concurrency 4]
+    .venv/bin/python -m benchmarks.request_cost [--requests 200] [--concurrency 4] [--streams 6]
+        [--no-breakdown]
 
 Issue 13's target is <= 1 ms of gateway CPU per request; this prints where it stands, and how
 much of it the gateway's idle loops (device and host-memory readings, health pings, the
@@ -25,6 +26,16 @@ machine's wake-up cost times their number is a floor under what a request can co
 floor is SQLite alone (``journal_floor``: no gateway, no thread, no event loop) making the two
 commits a request's durability needs, with the journal's schema and pragmas: the accept, fsynced
 before the first byte, and the answer, committed before the client has it.
+
+Each kind's figure is also given for the event loop's thread alone, and, unless
+``--no-breakdown``, a second gateway (``benchmarks._profiled_serve``: its event loop under
+cProfile, timed in the thread's CPU time) runs the same requests and the output says where the
+loop's CPU goes: the share of each part (chat template, tokenization, journal, JSON, HTTP
+server, validation, worker channel, admission, metrics, idle loops, the request lifecycle,
+asyncio), how much of the loop's CPU the profiler saw as Python (the rest is uvloop's own C code
+and system calls), and the gateway's CPU by thread (the event loop, the journal's). The profiler
+slows every call, so its shares lean towards the parts that make many small calls; the figures
+per request are the first gateway's, which runs without it.
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -40,7 +53,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import psutil
@@ -87,6 +100,14 @@ def wakeups(gw: GatewayProcess) -> tuple[int, int]:
     return total, main
 
 
+def loop_cpu_s(gw: GatewayProcess) -> float:
+    """CPU seconds so far of the gateway's main thread, its event loop (user + system)."""
+    assert gw.proc is not None
+    with open(f"/proc/{gw.proc.pid}/task/{gw.proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wake_cost_us(n: int = 200, sleep_s: float = 0.01) -> float:
     """CPU microseconds one thread spends per wake-up from a short sleep on this machine (the
     scheduler's and the kernel's share of any hand-off between threads or processes)."""
@@ -103,11 +124,18 @@ def idle_cpu(gw: GatewayProcess, seconds: float = 5.0) -> float:
     return (gateway_cpu_s(gw) - c0) / (time.perf_counter() - w0)
 
 
-def run(
-    gw: GatewayProcess, path: str, body: dict[str, Any] | None, n: int, concurrency: int
-) -> tuple[float, float, tuple[float, float]]:
-    """(gateway CPU ms per request, requests per second, gateway wake-ups per request: all
-    threads, the event loop); a GET when ``body`` is None."""
+class Cost(NamedTuple):
+    """What the gateway spent on a run of requests, per request."""
+
+    ms: float  # CPU ms, all its threads
+    loop_ms: float  # of it, the event loop's thread
+    rps: float  # requests per second
+    wakes: float  # wake-ups, all its threads
+    loop_wakes: float  # of them, the event loop's
+
+
+def run(gw: GatewayProcess, path: str, body: dict[str, Any] | None, n: int, concurrency: int) -> Cost:
+    """What ``n`` requests at ``concurrency`` cost the gateway; a GET when ``body`` is None."""
     method = "GET" if body is None else "POST"
     with httpx.Client(base_url=gw.url, timeout=120) as c:
         for _ in range(10):  # warm-up
@@ -122,16 +150,22 @@ def run(
                     errors.append(r.status_code)
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    c0, v0, w0 = gateway_cpu_s(gw), wakeups(gw), time.perf_counter()
+    c0, l0, v0, w0 = gateway_cpu_s(gw), loop_cpu_s(gw), wakeups(gw), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    c1, v1, w1 = gateway_cpu_s(gw), wakeups(gw), time.perf_counter()
+    c1, l1, v1, w1 = gateway_cpu_s(gw), loop_cpu_s(gw), wakeups(gw), time.perf_counter()
     if errors:
         raise SystemExit(f"{len(errors)} requests failed: {sorted(set(errors))}")
     done = (n // concurrency) * concurrency
-    return 1000 * (c1 - c0) / done, done / (w1 - w0), ((v1[0] - v0[0]) / done, (v1[1] - v0[1]) / done)
+    return Cost(
+        1000 * (c1 - c0) / done,
+        1000 * (l1 - l0) / done,
+        done / (w1 - w0),
+        (v1[0] - v0[0]) / done,
+        (v1[1] - v0[1]) / done,
+    )
 
 
 STREAM = {
@@ -180,6 +214,132 @@ def stream_floor(tokens: int, tps: float) -> tuple[float, float]:
         proc.terminate()
         proc.wait()
     return 1e6 * (c1 - c0) / max(1, got), (v1 - v0) / max(1, got)
+
+
+# Where the event loop's CPU goes (``--breakdown``): each function's own time in a profile of
+# the loop's thread, put in the first part whose test its file (or a built-in's name) passes.
+# A function that passes none (a built-in such as ``isinstance`` or a socket write, the standard
+# library's ``re`` or ``dataclasses``) is counted in its callers' parts, as much in each as the
+# profile says it spent called from there.
+PARTS: list[tuple[str, tuple[str, ...]]] = [
+    ("chat template (Jinja)", ("/jinja2/", "llama_chat_format", "<template>")),
+    ("tokenization", ("/llama_cpp/", "tokenizers", "spillover/engine/llama_engine.py", "spillover/runtime/prepare.py")),
+    ("journal (SQLite)", ("spillover/runtime/journal", "sqlite3")),
+    ("JSON", ("/json/", "orjson", "_json")),
+    ("HTTP server (uvicorn, Starlette)", ("/uvicorn/", "/starlette/", "httptools", "spillover/http/server.py")),
+    ("validation, answers (spillover.http)", ("spillover/http/",)),
+    ("worker channel", ("spillover/runtime/worker_client.py", "spillover/runtime/events.py")),
+    ("admission, scheduling", ("spillover/runtime/scheduler.py", "spillover/core/", "spillover/runtime/service.py")),
+    ("metrics (Prometheus)", ("prometheus_client", "spillover/metrics.py")),
+    (
+        "idle loops",
+        (
+            "spillover/runtime/loops.py",
+            "spillover/runtime/hostmem.py",
+            "spillover/runtime/devices.py",
+            "spillover/runtime/supervisor.py",
+            "spillover/runtime/ticks.py",
+            "spillover/runtime/readiness.py",
+            "spillover/engine/sim.py",
+            "_observe_loop",
+        ),
+    ),
+    ("request lifecycle", ("spillover/",)),
+    ("asyncio, contextlib", ("/asyncio/", "_asyncio", "contextlib")),
+]
+OTHER = "other"  # a function none of whose callers the profile knows
+Key = tuple[str, int, str]  # pstats: (file, line, function)
+
+
+def part_of(key: Key) -> str | None:
+    """The part ``key``'s own time goes to; None when its callers decide."""
+    where = f"{key[0]}:{key[2]}"
+    for part, marks in PARTS:
+        if any(mark in where for mark in marks):
+            return part
+    return None
+
+
+def attribute(stats: dict[Key, Any], key: Key, seconds: float, spent: dict[str, float], depth: int = 0) -> None:
+    """Add ``seconds`` of ``key``'s own time to its part, or share them among its callers' parts."""
+    part = part_of(key)
+    callers: dict[Key, Any] = stats[key][4]
+    if part is None and depth < 8 and callers:
+        total = sum(c[2] for c in callers.values()) or 1.0  # each caller's share of the own time
+        for caller, c in callers.items():
+            if caller in stats:
+                attribute(stats, caller, seconds * c[2] / total, spent, depth + 1)
+        return
+    part = part or OTHER
+    spent[part] = spent.get(part, 0.0) + seconds
+
+
+class Breakdown(NamedTuple):
+    """Where a run's event-loop CPU went, from a profile of the loop's thread."""
+
+    shares: dict[str, float]  # each part's share of the Python time the profiler saw
+    seen: float  # the profiler's Python time over the loop thread's CPU (the rest: the loop's own C code)
+    threads: dict[str, float]  # CPU seconds of each of the gateway's threads over the run, by name
+
+
+def breakdown(out: Path) -> Breakdown:
+    """Read what ``benchmarks._profiled_serve`` wrote at the end of a count."""
+    stats: dict[Key, Any] = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
+    spent: dict[str, float] = {}
+    for key, (_, _, own_s, _, _) in stats.items():
+        attribute(stats, key, own_s, spent)
+    python_s = sum(spent.values())
+    threads: dict[str, float] = json.loads(Path(f"{out}.threads.json").read_text())
+    return Breakdown(
+        {part: s / python_s for part, s in spent.items()},
+        python_s / max(threads.get("event loop", 0.0), 1e-9),
+        threads,
+    )
+
+
+class ProfiledGateway(GatewayProcess):
+    """A gateway whose event loop runs under the profiler (``benchmarks._profiled_serve``)."""
+
+    module = "benchmarks._profiled_serve"
+
+
+def profiled(gw: GatewayProcess, out: Path, path: str, body: dict[str, Any] | None, n: int, conc: int) -> Breakdown:
+    """Run the requests with the profiler counting (SIGUSR2 starts it, SIGUSR1 writes it)."""
+    assert gw.proc is not None
+    run(gw, path, body, 10, 1)  # warm-up, not counted
+    os.kill(gw.proc.pid, signal.SIGUSR2)
+    time.sleep(0.2)  # the handler runs at the loop's next Python step
+    run(gw, path, body, n, conc)
+    os.kill(gw.proc.pid, signal.SIGUSR1)
+    for _ in range(100):
+        if Path(f"{out}.threads.json").exists():
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)  # written whole
+    found = breakdown(out)
+    out.unlink()
+    Path(f"{out}.threads.json").unlink()
+    return found
+
+
+def print_breakdowns(found: dict[str, Breakdown]) -> None:
+    parts = [part for part, _ in PARTS] + [OTHER]
+    print(
+        "where the event loop's CPU goes (a second gateway, its loop under cProfile in thread CPU time: shares"
+        " of the Python time the profiler saw; the profiler's own cost inflates the parts with many calls)"
+    )
+    print(f"{'part':<38}" + "".join(f"{kind:>22}" for kind in found))
+    for part in parts:
+        print(f"{part:<38}" + "".join(f"{100 * b.shares.get(part, 0.0):>21.1f}%" for b in found.values()))
+    print(
+        f"{'Python seen by the profiler':<38}"
+        + "".join(f"{100 * min(b.seen, 1.0):>21.0f}%" for b in found.values())
+        + "  of the loop's CPU (the rest: uvloop's C code, system calls)"
+    )
+    for kind, b in found.items():
+        total = sum(b.threads.values())
+        others = ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in sorted(b.threads.items()) if s > 0)
+        print(f"  {kind}: the gateway's CPU by thread: {others}")
 
 
 def journal_floor(n: int, body: dict[str, Any], answer: bytes) -> float:
@@ -231,6 +391,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--streams", type=int, default=6, help="streamed completions for the per-token figure")
+    ap.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="then, on a second gateway with its event loop under a profiler, where the loop's CPU goes",
+    )
     a = ap.parse_args()
     with GatewayProcess(["--gpu", "sim:1024"], services=("chat", "embeddings")) as gw:
         time.sleep(2)  # start-up work (readiness measurements) settles
@@ -238,7 +404,7 @@ def main() -> int:
         print(f"{a.requests} requests at concurrency {a.concurrency}; gateway process CPU (user + system)")
         print(f"idle gateway: {1000 * idle:.1f} ms of CPU a second")
         print(
-            f"{'kind':<24} {'CPU ms/request':>15} {'of it idle loops':>17} {'requests/s':>11}"
+            f"{'kind':<24} {'CPU ms/request':>15} {'(event loop)':>13} {'of it idle loops':>17} {'requests/s':>11}"
             f" {'wake-ups (event loop)':>22}"
         )
         emb_path, emb_body = KINDS["embeddings, 1 input"]
@@ -246,11 +412,14 @@ def main() -> int:
             answer = c.post(emb_path, json=emb_body).content
         worst = 0.0
         for name, (path, body) in {**KINDS, HEALTH: ("/health", None)}.items():
-            ms, rps, wakes = run(gw, path, body, a.requests, a.concurrency)
+            cost = run(gw, path, body, a.requests, a.concurrency)
             if name != HEALTH:  # the floor, not a kind of request the target is about
-                worst = max(worst, ms)
-            both = f"{wakes[0]:.1f} ({wakes[1]:.1f})"
-            print(f"{name:<24} {ms:>15.2f} {1000 * idle / rps:>17.2f} {rps:>11.1f} {both:>22}")
+                worst = max(worst, cost.ms)
+            both = f"{cost.wakes:.1f} ({cost.loop_wakes:.1f})"
+            print(
+                f"{name:<24} {cost.ms:>15.2f} {cost.loop_ms:>13.2f} {1000 * idle / cost.rps:>17.2f}"
+                f" {cost.rps:>11.1f} {both:>22}"
+            )
         if a.streams > 0:
             us, tps, token_wakes = stream_cost(gw, a.streams)
             print(
@@ -262,6 +431,17 @@ def main() -> int:
                 f"floor: a bare ASGI app under uvicorn streaming a chunk every {1000 / tps:.0f} ms: {floor_us:.0f} us"
                 f" of CPU a chunk, {floor_wakes:.1f} wake-ups a chunk"
             )
+    if a.breakdown:
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / "loop.prof"
+            os.environ["SPILLOVER_PROFILE_OUT"] = str(out)  # the gateway's, from its start
+            with ProfiledGateway(["--gpu", "sim:1024"], services=("chat", "embeddings")) as gw:
+                time.sleep(2)
+                found = {
+                    name: profiled(gw, out, path, body, a.requests, a.concurrency)
+                    for name, (path, body) in KINDS.items()
+                }
+        print_breakdowns(found)
     print(f"floor: one thread's wake-up from a sleep on this machine costs {wake_cost_us():.0f} us of CPU")
     print(
         f"floor: SQLite alone making an embedding's two journal commits (accept with fsync, answer):"

@@ -50,9 +50,12 @@ class GatewayProcess:
     service), as ``spillover serve`` does; a tuple of kinds serves only those kinds' services.
 
     Set ``GatewayProcess.log_archive`` to a folder to keep every gateway's log there.
+    ``module`` is what ``python -m`` runs with the ``serve`` command line (a benchmark's
+    profiled launcher, ``benchmarks._profiled_serve``, takes the same one).
     """
 
     log_archive: Path | None = None
+    module: str = "spillover.cli"
 
     def __init__(
         self,
@@ -102,7 +105,7 @@ class GatewayProcess:
             [
                 sys.executable,
                 "-m",
-                "spillover.cli",
+                self.module,
                 "serve",
                 "--port",
                 str(self.port),
