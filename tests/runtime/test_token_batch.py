@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -131,6 +132,73 @@ def test_text_released_at_the_end_joins_without_a_token_of_its_own(clock: list[f
     batch.add(tok(3, "y"))
     batch.flush()
     assert out2.messages(1) == [tok(3, "xy", ids=[3])]
+
+
+def rtok(rid: str, i: int, text: str, ids: list[int] | None = None) -> dict[str, Any]:
+    return {**tok(i, text, ids=ids), "rid": rid}
+
+
+def test_a_write_takes_every_requests_waiting_tokens_along(clock: list[float]) -> None:
+    """Two requests on one worker: a write for either (a token due, a first token, a request's
+    last event) carries what waits in the other, written first, so the gateway wakes once for
+    both; the other's next token then starts a window of its own."""
+    out = Writes()
+    chan = Channel(out)  # type: ignore[arg-type]
+    a, b = TokenBatch(chan, 0.1), TokenBatch(chan, 0.1)
+    a.add(rtok("a", 1, "x"))
+    b.add(rtok("b", 1, "p"))
+    assert len(out.writes) == 2  # each first token at once
+    a.add(rtok("a", 2, "y"))
+    clock[0] += 0.04
+    b.add(rtok("b", 2, "q"))
+    clock[0] += 0.07  # a's window is over, b's is not
+    a.add(rtok("a", 3, "z"))
+    assert out.messages(2) == [rtok("a", 3, "yz", ids=[2, 3]), rtok("b", 2, "q")]
+    clock[0] += 0.01
+    b.add(rtok("b", 3, "r"))  # a new window from here
+    clock[0] += 0.09
+    b.add(rtok("b", 4, "s"))
+    assert len(out.writes) == 3  # 0.09 s: still held
+    chan.send({"ev": "done", "rid": "a"})  # a's last event takes b's tokens along, before it
+    assert out.messages(3) == [rtok("b", 4, "rs", ids=[3, 4]), {"ev": "done", "rid": "a"}]
+    b.flush()  # nothing waits: no write
+    assert len(out.writes) == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    windows=st.lists(st.sampled_from([0.0, 0.02, 0.1]), min_size=2, max_size=4),
+    tokens=st.integers(min_value=1, max_value=40),
+)
+def test_requests_on_many_threads_keep_their_own_order_and_end_after_their_tokens(
+    windows: list[float], tokens: int
+) -> None:
+    """Slot threads adding at once, each ending with its batch's flush and a last event: every
+    request's tokens arrive whole, once, in order, and before its last event."""
+    out = Writes()
+    chan = Channel(out)  # type: ignore[arg-type]
+
+    def slot(k: int, window: float) -> None:
+        batch = TokenBatch(chan, window)
+        for i in range(tokens):
+            batch.add(rtok(f"r{k}", i, f"<{i}>"))
+            if i % 7 == 0:
+                time.sleep(0.001)
+        batch.flush()
+        chan.send({"ev": "done", "rid": f"r{k}"})
+
+    threads = [threading.Thread(target=slot, args=(k, w)) for k, w in enumerate(windows)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    messages = [m for i in range(len(out.writes)) for m in out.messages(i)]
+    for k in range(len(windows)):
+        mine = [m for m in messages if m["rid"] == f"r{k}"]
+        assert mine[-1] == {"ev": "done", "rid": f"r{k}"}
+        events = [Token(m["id"], m["text"], ids=tuple(m.get("ids", ()))) for m in mine[:-1]]
+        assert "".join(e.text for e in events) == "".join(f"<{i}>" for i in range(tokens))
+        assert [t for e in events for t in e.token_ids] == list(range(tokens))
 
 
 @settings(max_examples=300, deadline=None)

@@ -28,7 +28,8 @@ Worker -> gateway events::
                                               With "coalesce_s" > 0 the tokens after the first are
                                               sent at most every coalesce_s (about: ``TokenBatch``):
                                               plain ones as one event (texts joined, "id" the last
-                                              token's, "ids" every token's in order), all in one write
+                                              token's, "ids" every token's in order), all in one write;
+                                              any write takes every request's waiting tokens along
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
                                               | context_overflow | bad_grammar (the request's fault)
@@ -76,21 +77,41 @@ def _error(rid: str, kind: str, message: str) -> dict[str, Any]:
 
 
 class Channel:
-    """Thread-safe writer of JSON lines to the gateway."""
+    """Thread-safe writer of JSON lines to the gateway.
+
+    Every write takes with it the token events that wait in any request's ``TokenBatch``
+    (written first, each request's in its order): a write costs the gateway a wake-up (and each
+    stream's client one more) on cores the engine is using, so the tokens of the requests a
+    worker runs at once go in one write instead of one write each. A waiting event only goes
+    earlier than its window said, never later."""
 
     def __init__(self, out: IO[str]) -> None:
         self._out = out
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.holding: list[TokenBatch] = []  # batches with events waiting (under ``lock``)
 
     def send(self, *msgs: dict[str, Any]) -> None:
-        """Write the messages as lines, in one write."""
-        lines = "".join(json.dumps(msg, separators=(",", ":")) + "\n" for msg in msgs)
-        with self._lock:
-            try:
-                self._out.write(lines)
-                self._out.flush()
-            except (BrokenPipeError, ValueError):
-                os._exit(0)
+        """Write the messages as lines, in one write, after what the batches hold."""
+        lines = "".join(_line(msg) for msg in msgs)
+        with self.lock:
+            self.write_locked(lines)
+
+    def write_locked(self, lines: str = "") -> None:
+        """Write every batch's waiting events, then ``lines``, in one write (``lock`` held)."""
+        held = [ev for batch in self.holding for ev in batch.take()]
+        self.holding.clear()
+        text = "".join(_line(ev) for ev in held) + lines
+        if not text:
+            return
+        try:
+            self._out.write(text)
+            self._out.flush()
+        except (BrokenPipeError, ValueError):
+            os._exit(0)
+
+
+def _line(msg: dict[str, Any]) -> str:
+    return json.dumps(msg, separators=(",", ":")) + "\n"
 
 
 class TokenBatch:
@@ -100,7 +121,8 @@ class TokenBatch:
     window is ``[server].stream_coalesce_ms``, a request whose tokens the client does not see
     one by one gets a longer one) the first is sent at once (it marks the first token), and a
     later one waits while tokens come less than ``window`` apart, until ``window`` has passed
-    since the oldest waiting one, or until ``flush``: consecutive plain tokens become one
+    since the oldest waiting one, or until ``flush``, or until any write on the channel (another
+    request's, which takes it along: ``Channel``): consecutive plain tokens become one
     event (their texts joined, ``id`` the last token's, ``ids`` every real token's in order,
     so a stream's gateway knows each token it delivered), and the waiting events go in one
     write. A token that comes ``window`` or more after the one before it is sent at once
@@ -112,7 +134,7 @@ class TokenBatch:
     def __init__(self, chan: Channel, window: float) -> None:
         self._chan = chan
         self._window = window
-        self._waiting: list[dict[str, Any]] = []
+        self._waiting: list[dict[str, Any]] = []  # under the channel's lock: another write takes them
         self._since = 0.0  # when the oldest waiting event came
         self._last = 0.0  # when the latest token came
         self._sent_any = False
@@ -127,26 +149,33 @@ class TokenBatch:
             self._sent_any = True
             self._chan.send(ev)
             return
-        last = self._waiting[-1] if self._waiting else None
-        if last is not None and "lp" not in last and "lp" not in ev:
-            ids = last.get("ids")
-            if ids is None:
-                ids = last["ids"] = [last["id"]] if last["id"] >= 0 else []
-            if ev["id"] >= 0:  # -1: text released at the end, no token of its own
-                ids.append(ev["id"])
-                last["id"] = ev["id"]
-            last["text"] += ev["text"]
-        else:
-            if not self._waiting:
-                self._since = now
-            self._waiting.append(ev)
-        if slow or now - self._since >= self._window:
-            self.flush()
+        with self._chan.lock:
+            last = self._waiting[-1] if self._waiting else None
+            if last is not None and "lp" not in last and "lp" not in ev:
+                ids = last.get("ids")
+                if ids is None:
+                    ids = last["ids"] = [last["id"]] if last["id"] >= 0 else []
+                if ev["id"] >= 0:  # -1: text released at the end, no token of its own
+                    ids.append(ev["id"])
+                    last["id"] = ev["id"]
+                last["text"] += ev["text"]
+            else:
+                if not self._waiting:
+                    self._since = now
+                    self._chan.holding.append(self)
+                self._waiting.append(ev)
+            if slow or now - self._since >= self._window:
+                self._chan.write_locked()
+
+    def take(self) -> list[dict[str, Any]]:
+        """The waiting events, now on their way (the channel's lock held)."""
+        waiting, self._waiting = self._waiting, []
+        return waiting
 
     def flush(self) -> None:
-        if self._waiting:
-            waiting, self._waiting = self._waiting, []
-            self._chan.send(*waiting)
+        with self._chan.lock:
+            if self._waiting:
+                self._chan.write_locked()
 
 
 class DeviceWorker(abc.ABC):
