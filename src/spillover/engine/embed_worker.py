@@ -20,19 +20,31 @@ and a driver reset ends the process, as for chat.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import time
 from typing import Any
 
-from spillover.engine.worker import UnaryWorker, _error
+from spillover.engine.worker import Channel, UnaryWorker, _error
 
 __all__ = ["EmbedWorker"]
 
 
 class EmbedWorker(UnaryWorker):
-    """An embeddings worker (``--kind embeddings``)."""
+    """An embeddings worker (``--kind embeddings``). A cancel stops its request inside the
+    encoder run (ONNX Runtime's ``RunOptions.terminate``), not at the next chunk: a chunk of
+    long inputs can take longer than the gateway waits for a cancelled request's end, after
+    which it takes the worker for hung."""
 
     request_op = "embed"
+
+    def __init__(self, args: argparse.Namespace, chan: Channel) -> None:
+        super().__init__(args, chan)
+        self._stops: dict[str, Any] = {}  # each running request's RunOptions, by id (under ``_active_lock``)
+
+    def stop_now(self, rid: str) -> None:
+        if (run_options := self._stops.get(rid)) is not None:
+            run_options.terminate = True
 
     def model_fingerprint(self) -> dict[str, str]:
         from pathlib import Path
@@ -59,6 +71,7 @@ class EmbedWorker(UnaryWorker):
 
     def compute(self, model: Any, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
+        import onnxruntime as ort  # type: ignore[import-untyped]
 
         from spillover.engine.embedder import chunks
 
@@ -67,15 +80,23 @@ class EmbedWorker(UnaryWorker):
         self.chan.send({"ev": "started", "rid": rid})
         t0 = time.monotonic()
         parts = []
-        for start, stop in chunks(inputs, batch_size):
-            while self.hang.is_set() and rid not in self.cancelled:
-                time.sleep(0.01)
-            if rid in self.cancelled:
-                return _error(rid, "cancelled", "cancelled")
-            if self.sim is not None and self.oom_armed.is_set() and self.sim.take_running_fault():
-                return _error(rid, "oom", "device out of memory in the encoder")
-            parts.append(model.embed(inputs[start:stop], batch_size))
-            self.progress += stop - start
+        run_options = ort.RunOptions()
+        with self._active_lock:
+            self._stops[rid] = run_options
+        try:
+            for start, stop in chunks(inputs, batch_size):
+                if (end := self.between_steps(rid, "encoder")) is not None:
+                    return end
+                try:
+                    parts.append(model.embed(inputs[start:stop], batch_size, run_options))
+                except Exception:
+                    if rid in self.cancelled:  # stopped inside the run (``stop_now``)
+                        return _error(rid, "cancelled", "cancelled")
+                    raise
+                self.progress += stop - start
+        finally:
+            with self._active_lock:
+                self._stops.pop(rid, None)
         vectors = np.concatenate(parts, axis=0).astype("<f4", copy=False)
         self.chan.send(
             {

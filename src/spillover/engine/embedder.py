@@ -139,16 +139,18 @@ class Embedder:
         self.session = ort.InferenceSession(str(Path(model_dir) / "model.onnx"), opts, providers=providers)
         self.input_names = {i.name for i in self.session.get_inputs()}
 
-    def embed(self, inputs: Sequence[Sequence[int]], batch_size: int) -> Any:
-        """L2-normalised [CLS] vectors (float32, one row per input) of already wrapped ids."""
+    def embed(self, inputs: Sequence[Sequence[int]], batch_size: int, run_options: Any = None) -> Any:
+        """L2-normalised [CLS] vectors (float32, one row per input) of already wrapped ids.
+        ``run_options`` (ONNX Runtime's ``RunOptions``): setting its ``terminate`` from another
+        thread stops the run inside the encoder (it raises)."""
         import numpy as np
 
         out = []
         for start, stop in chunks(inputs, batch_size):
-            out.append(self._run(inputs[start:stop]))
+            out.append(self._run(inputs[start:stop], run_options))
         return np.concatenate(out, axis=0) if out else np.zeros((0, 0), dtype=np.float32)
 
-    def _run(self, batch: Sequence[Sequence[int]]) -> Any:
+    def _run(self, batch: Sequence[Sequence[int]], run_options: Any = None) -> Any:
         import numpy as np
 
         width = max(len(ids) for ids in batch)
@@ -160,7 +162,7 @@ class Embedder:
         feed = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self.input_names:
             feed["token_type_ids"] = np.zeros_like(ids)
-        hidden = self.session.run(None, feed)[0]
+        hidden = self.session.run(None, feed, run_options)[0]
         cls = np.ascontiguousarray(hidden[:, 0, :], dtype=np.float32)
         norms = np.linalg.norm(cls, axis=1, keepdims=True)
         return cls / np.maximum(norms, 1e-12)

@@ -119,12 +119,8 @@ class TranscribeWorker(UnaryWorker):
         t_first: float | None = None
         tokens = 0
         for seg in segments:  # decoded lazily: one window per step
-            while self.hang.is_set() and rid not in self.cancelled:
-                time.sleep(0.01)
-            if rid in self.cancelled:
-                return _error(rid, "cancelled", "cancelled")
-            if self.sim is not None and self.oom_armed.is_set() and self.sim.take_running_fault():
-                return _error(rid, "oom", "device out of memory in the decoder")
+            if (end := self.between_steps(rid, "decoder")) is not None:
+                return end
             t_first = t_first or time.monotonic()
             tokens += len(seg.tokens)
             self.progress += 1
