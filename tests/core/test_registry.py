@@ -31,6 +31,21 @@ def test_default_serves_chat_embeddings_and_transcription_with_aliases() -> None
     assert reg.resolve("whisper-1", "transcription").id == "whisper-tiny.en"
 
 
+def test_ollamas_default_tag_names_the_untagged_model() -> None:
+    """Ollama's clients send ``name:latest`` for ``name``: it is the same model, on every
+    kind; another tag is not, and the kind rules are unchanged."""
+    reg = ModelRegistry(load_config())
+    assert reg.resolve("smollm2:latest", "chat").id == "smollm2-135m-instruct"
+    assert reg.resolve("bge-small-en:latest", "embeddings").id == "bge-small-en"
+    assert reg.resolve("whisper-1:latest", "transcription").id == "whisper-tiny.en"
+    with pytest.raises(NotFound):
+        reg.resolve("smollm2:7b", "chat")
+    with pytest.raises(NotFound):
+        reg.resolve(":latest", "chat")
+    with pytest.raises(InvalidRequest):
+        reg.resolve("bge-small-en:latest", "chat")
+
+
 def test_another_chat_file_is_served_under_its_own_name(tmp_path: Path) -> None:
     """--model (or [model].path) with another GGUF: its id is the file's name and it has no
     alias (it is not SmolLM2, and "smollm2" must not reach it); a name or aliases given win."""

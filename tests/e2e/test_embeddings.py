@@ -4,6 +4,7 @@ device budget, failover at request boundaries, idempotency, cancel and recovery.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import os
 import signal
@@ -101,6 +102,8 @@ def test_token_arrays_give_the_same_vectors_as_their_text(gw: GatewayProcess) ->
         ({"model": "bge-small-en", "input": ""}, 400, "input", None),
         ({"model": "bge-small-en", "input": []}, 400, "input", None),
         ({"model": "bge-small-en", "input": [[]]}, 400, "input", None),
+        ({"model": "bge-small-en", "input": "   "}, 400, "input", None),  # no tokens: a meaningless vector
+        ({"model": "bge-small-en", "input": ["a", "\n\t\u200b"]}, 400, "input", None),
         ({"model": "bge-small-en", "input": [1, "a"]}, 400, "input", None),
         ({"model": "bge-small-en", "input": [True]}, 400, "input", None),
         ({"model": "bge-small-en", "input": [[1, 2, 99999]]}, 400, "input", None),
@@ -162,6 +165,7 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
     client = ollama.Client(host=gw.url, timeout=60)
     try:
         got = client.embed(model="bge-small", input=PARAPHRASES)
+        tagged = client.embed(model="bge-small-en:latest", input=PARAPHRASES[0])  # Ollama's default tag
         listed = [m.model for m in client.list().models]
         with pytest.raises(ollama.ResponseError) as e:
             client.embed(model="nope", input="x")
@@ -175,6 +179,7 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
     assert np.array_equal(np.array(got.embeddings, dtype=np.float32), _vectors(ref))
     one = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES[0]}).json()
     assert np.array_equal(np.array(legacy.embedding, dtype=np.float32), _vectors(one)[0])  # the same one input
+    assert np.array_equal(np.array(tagged.embeddings[0], dtype=np.float32), _vectors(one)[0])
     assert e.value.status_code == 404
     assert listed == ["smollm2-135m-instruct", "bge-small-en"]
     assert all(s.capabilities == ["embedding"] and s.modelinfo["bert.embedding_length"] == 384 for s in shown)
@@ -185,20 +190,49 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
 
 
 def test_delete_of_a_running_embeddings_request_ends_it_cancelled(gw: GatewayProcess) -> None:
-    """DELETE stops a long request; it answers 409 request_cancelled and is journaled cancelled."""
-    body = {"model": "bge-small-en", "input": [MEDIUM_TEXT] * 256}
+    """DELETE stops a long request inside its encoder run, not at the next chunk of inputs
+    (a chunk of 32 inputs of about 450 tokens takes seconds here): the DELETE answers the
+    terminal state, the client 409 request_cancelled, and the worker is not taken for hung."""
+    body = {"model": "bge-small-en", "input": [MEDIUM_TEXT * 5] * 64}
     out: dict[str, httpx.Response] = {}
     with httpx.Client(base_url=gw.url, timeout=300) as c:
-        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(gw.url + "/v1/embeddings", json=body)))
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", httpx.post(gw.url + "/v1/embeddings", json=body, timeout=120))
+        )
         t.start()
-        running = wait_for(lambda: gw.status()["running"], 30, "running")
-        rid = running[0]["rid"]
-        assert c.delete(f"/v1/requests/{rid}").status_code in (200, 202, 204)
+        wait_for(lambda: _service_worker(gw, "gpu")["busy"] >= 1, 30, "running on the gpu")
+        pid = _service_worker(gw, "gpu")["pid"]
+        rid = gw.status()["running"][0]["rid"]
+        time.sleep(0.5)  # inside its first chunk
+        d = c.delete(f"/v1/requests/{rid}")
+        assert d.status_code == 200 and d.json()["state"] == "cancelled", d.text
         t.join(60)
         r = out["r"]
         assert r.status_code == 409 and r.json()["error"]["code"] == "request_cancelled"
         assert r.headers["x-should-retry"] == "false"
         assert c.get(f"/v1/requests/{rid}").json()["state"] == "cancelled"
+    wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
+    time.sleep(6)  # past the gateway's wait for a cancelled request's end: the worker was never killed
+    assert _service_worker(gw, "gpu")["pid"] == pid and _service_worker(gw, "gpu")["state"] == "ready"
+
+
+def test_a_client_that_goes_away_stops_its_request_resumable(gw: GatewayProcess) -> None:
+    """A non-streamed request whose client leaves (a read timeout) is stopped, not run to
+    its end for nobody: journaled resumable with 499 client_disconnected, its lease back."""
+    body = {"model": "bge-small-en", "input": [MEDIUM_TEXT] * 256}
+
+    def impatient() -> None:
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(gw.url + "/v1/embeddings", json=body, timeout=httpx.Timeout(60, read=1.5))
+
+    t = threading.Thread(target=impatient)
+    t.start()
+    rid = wait_for(lambda: gw.status()["running"], 30, "running")[0]["rid"]
+    t.join(60)
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        doc = wait_for(lambda: (d := c.get(f"/v1/requests/{rid}").json())["state"] != "running" and d, 30, "its end")
+    assert doc["state"] == "resumable_error" and doc["status_code"] == 499, doc
+    assert doc["response"]["error"]["code"] == "client_disconnected", doc  # its stored answer
     wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
 
 

@@ -6,6 +6,7 @@ SIGKILL. The spoken clip is ``spillover.testing.audio``'s (espeak-ng, made once)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import threading
@@ -144,6 +145,58 @@ def test_a_missing_file_a_json_body_and_translation_are_refused(gw: GatewayProce
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
 
 
+def _variant(i: int) -> bytes:
+    """The clip with its last sample changed: the same audio, other bytes (another upload)."""
+    b = bytearray(CLIP)
+    b[-1] ^= 1 + i
+    return bytes(b)
+
+
+def test_no_upload_is_left_behind_by_a_refusal_a_replay_or_an_answer(gw: GatewayProcess) -> None:
+    """Each upload is stored before its request is checked: a request refused after that
+    (a bad field, a bad header, a deadline it cannot meet), a key's stored answer and a
+    request answered leave no file behind (they were left until the 24 h sweep)."""
+    uploads = Path(gw.state_dir) / "uploads"
+
+    def left(content: bytes) -> bool:
+        return (uploads / hashlib.sha256(content).hexdigest()).exists()
+
+    refused = [
+        ({"response_format": "xml"}, {}),
+        ({"language": "klingon"}, {}),
+        ({}, {"Idempotency-Key": "has space"}),
+        ({}, {"X-Spillover-Deadline-Ms": "abc"}),
+        ({}, {"X-Spillover-Deadline-Ms": "1"}),  # a deadline no lane can meet: 503
+    ]
+    for i, (data, headers) in enumerate(refused):
+        r = _post(gw, data, _variant(i), headers=headers)
+        assert r.status_code in (400, 503), r.text
+        assert not left(_variant(i)), (data, headers)
+    key = {"Idempotency-Key": f"uploads-{time.monotonic_ns()}"}
+    first = _post(gw, {}, _variant(9), headers=key)
+    assert first.status_code == 200 and not left(_variant(9))
+    again = _post(gw, {}, _variant(9), headers=key)
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert not left(_variant(9))
+
+
+def test_a_body_cut_short_is_told_as_such(gw: GatewayProcess) -> None:
+    """A multipart body that ends inside its file part (a Content-Length shorter than the
+    body) is told as such, naming 'file' (it was "'file' is required")."""
+    cut = (
+        b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper-1\r\n'
+        b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n' + CLIP[:5000]
+    )
+    r = httpx.post(
+        gw.url + "/v1/audio/transcriptions",
+        content=cut,
+        headers={"Content-Type": "multipart/form-data; boundary=xyz"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
+    assert "closing boundary" in r.json()["error"]["message"], r.text
+
+
 def test_idempotency_key_replays_the_same_bytes_and_another_file_is_422(gw: GatewayProcess) -> None:
     first = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})
     again = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})
@@ -248,7 +301,7 @@ def test_an_upload_over_the_limit_is_refused_while_it_is_read() -> None:
     with GatewayProcess(["--gpu", "none"], services=("chat", "transcription"), config={"services": [svc]}) as g:
         big = b"\0" * (3 * 1024 * 1024)
         r = _post(g, {}, big)
-        assert r.status_code == 413, r.text
+        assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text  # as every audio error
 
         def chunks() -> Iterator[bytes]:
             boundary = b"--xyz\r\n"
@@ -264,7 +317,7 @@ def test_an_upload_over_the_limit_is_refused_while_it_is_read() -> None:
             headers={"Content-Type": "multipart/form-data; boundary=xyz"},
             timeout=60,
         )
-        assert r.status_code == 413, r.text
+        assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text
         r = _post(g, {}, _long_clip(2))
         assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text
         ok = _post(g, {}, CLIP)

@@ -36,7 +36,7 @@ from spillover.errors import (
     UnsupportedMediaType,
     to_http,
 )
-from spillover.http.audio import audio_endpoints, read_audio_form, sweep_uploads
+from spillover.http.audio import UploadHold, audio_endpoints, read_audio_form, sweep_uploads
 from spillover.http.embeddings import embedding_endpoints
 from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
@@ -192,6 +192,36 @@ class ClosingStream(StreamingResponse):
                 await asyncio.shield(aclose())
 
 
+class _Client:
+    """Whether a request's client is still there, while its answer is made: once it goes away
+    (``http.disconnect``), the run it watches is cancelled, not by the user (resumable with
+    its key). Its body has been read whole before this listens."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._run: Run | UnaryRun | None = None
+        self._gone = False
+        self._listening: asyncio.Task[None] | None = None
+
+    def watch(self, run: Run | UnaryRun) -> None:
+        self._run = run
+        if self._gone:
+            run.cancel(by_user=False)
+        elif self._listening is None:
+            self._listening = asyncio.create_task(self._listen())
+
+    async def _listen(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        self._gone = True
+        if self._run is not None:
+            self._run.cancel(by_user=False)
+
+    def stop(self) -> None:
+        if self._listening is not None:
+            self._listening.cancel()
+
+
 def create_app(gw: Gateway) -> GatewayLifespan:
     """Build the ASGI app around a started (or starting) Gateway."""
     cfg = gw.cfg
@@ -244,29 +274,25 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         except SpilloverError as exc:  # refused before acceptance: counted, nothing journaled
             gw.metrics.request_refused(exc)
             return refuse(exc, new_request_id())
+        client = _Client(request)  # a client that goes away stops its request (resumable)
         try:
-            got = await gw.requests.submit(endpoint, body, idem_key=key, deadline_ms=deadline_ms)
-        except Refused as exc:
-            if not exc.counted:
-                gw.metrics.request_refused(exc.error)
-            return refuse(exc.error, exc.rid)
-        if isinstance(got, Answer):  # a stored answer, or a whole one (embeddings)
-            return _answer(got)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, got))
-        try:
+            try:
+                got = await gw.requests.submit(
+                    endpoint, body, idem_key=key, deadline_ms=deadline_ms, on_live=client.watch
+                )
+            except Refused as exc:
+                if not exc.counted:
+                    gw.metrics.request_refused(exc.error)
+                return refuse(exc.error, exc.rid)
+            if isinstance(got, Answer):  # a stored answer, or a whole one (embeddings, transcription)
+                return _answer(got)
+            client.watch(got)
             reply = await got.reply()
         finally:
-            watcher.cancel()
+            client.stop()
         if isinstance(reply, Answer):
             return _answer(reply)
         return ClosingStream(reply.frames, media_type=reply.content_type, headers=reply.headers)
-
-    async def _cancel_on_disconnect(request: Request, run: Run | UnaryRun) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                run.cancel(by_user=False)
-                return
 
     def _answer(a: Answer) -> Response:
         return Response(a.body, status_code=a.status, headers=a.headers, media_type=a.content_type)
@@ -284,14 +310,20 @@ def create_app(gw: Gateway) -> GatewayLifespan:
     async def embeddings(request: Request) -> Response:
         return await generate(request, "embeddings")
 
-    def audio_form(task: str) -> Callable[[Request], Awaitable[Any]]:
-        return functools.partial(read_audio_form, gw=gw, task=task)
+    async def audio(request: Request, endpoint: str, task: str) -> Response:
+        """An audio form's request: its upload is held until it is answered (``http.audio`` rule 4)."""
+        hold = UploadHold(gw)
+        try:
+            read = functools.partial(read_audio_form, gw=gw, task=task, hold=hold)
+            return await generate(request, endpoint, read=read)
+        finally:
+            hold.release()
 
     async def transcriptions(request: Request) -> Response:
-        return await generate(request, "transcriptions", read=audio_form("transcribe"))
+        return await audio(request, "transcriptions", "transcribe")
 
     async def translations(request: Request) -> Response:
-        return await generate(request, "translations", read=audio_form("translate"))
+        return await audio(request, "translations", "translate")
 
     async def health(request: Request) -> Response:
         return plain_json({"status": "ok"})

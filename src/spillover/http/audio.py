@@ -15,9 +15,13 @@ Rules:
    than ``max_audio_s`` a 413. The journaled body names the upload by its digest, so a
    replay after a restart, or an Idempotency-Key retry, transcribes the same bytes, and a
    key reused with another file is a 422.
-4. An upload is deleted once a request that used it has its answer (or a client error) and
-   no other live request uses it; what is left (a request that can still be resumed with its
-   key) is swept when older than ``[journal].retention_s``.
+4. An upload is deleted once nothing uses it: its HTTP request holds it from the moment it
+   is stored until that request is answered (a refusal, a stored answer for its key, its
+   own answer), and an accepted request's run uses it until the run ends. Requests that send
+   the same bytes share one file, and none of them deletes it while another still holds or
+   runs it. A client that retries (with its key) sends the file again. What is left (an
+   accepted request a crash interrupted: its replay after the restart reads it) is deleted
+   when that replay ends, or swept when older than ``[journal].retention_s``.
 5. Every answer carries ``X-Spillover-*`` headers; ``json`` and ``verbose_json`` also carry
    the ``spillover`` object (route, degraded, reason, attempts). An answer computed on the
    CPU path is degraded.
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
     from spillover.runtime.transcription import Transcript, TranscriptionService
 
-__all__ = ["audio_endpoints", "read_audio_form", "sweep_uploads"]
+__all__ = ["UploadHold", "audio_endpoints", "read_audio_form", "sweep_uploads"]
 
 JSON = "application/json"
 FORMATS = {"json": JSON, "verbose_json": JSON, "text": "text/plain; charset=utf-8",
@@ -66,6 +70,7 @@ FORMATS = {"json": JSON, "verbose_json": JSON, "text": "text/plain; charset=utf-
 FIELDS = ("model", "language", "prompt", "response_format", "temperature", "timestamp_granularities", "stream")
 MAX_PROMPT_CHARS = 4000
 COPY_CHUNK = 1 << 20
+TAIL_BYTES = 256  # of a multipart body, kept to tell a cut-short one (its closing boundary missing)
 LANGUAGE_NAMES = {
     "en": "english", "de": "german", "es": "spanish", "fr": "french", "it": "italian", "ja": "japanese",
     "nl": "dutch", "pl": "polish", "pt": "portuguese", "ru": "russian", "zh": "chinese", "ko": "korean",
@@ -98,8 +103,31 @@ def _limit_bytes(gw: Gateway) -> int:
     return max(mibs, default=25) * 1024 * 1024
 
 
-async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str, Any]:
-    """Rules 1-3: the multipart body as the journaled body (the upload stored by digest)."""
+class UploadHold:
+    """The uploads one HTTP request stored, held until it is answered (rule 4)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.digests: list[str] = []
+
+    def take(self, digest: str) -> None:
+        self.digests.append(digest)
+        self.gw.upload_holds[digest] = self.gw.upload_holds.get(digest, 0) + 1
+
+    def release(self) -> None:
+        """The request is answered: its uploads go unless another request holds or runs them."""
+        holds = self.gw.upload_holds
+        for digest in self.digests:
+            holds[digest] -= 1
+            if not holds[digest]:
+                del holds[digest]
+            _forget_upload(self.gw, digest, "")
+        self.digests.clear()
+
+
+async def read_audio_form(request: Request, gw: Gateway, task: str, hold: UploadHold) -> dict[str, Any]:
+    """Rules 1-3: the multipart body as the journaled body (the upload stored by digest and
+    held by ``hold`` until the request is answered: rule 4)."""
     ctype = request.headers.get("content-type", "")
     if not ctype.lower().startswith("multipart/form-data"):  # a media type's name has no case
         raise InvalidRequest("the body must be multipart/form-data with a 'file' part (OpenAI's audio API)")
@@ -112,16 +140,21 @@ async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str,
     limit = _limit_bytes(gw)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the upload of {declared} bytes exceeds the {limit // (1024 * 1024)} MiB limit")
+        raise PayloadTooLarge(
+            f"the upload of {declared} bytes exceeds the {limit // (1024 * 1024)} MiB limit", param="file"
+        )
     seen = 0
+    tail = b""  # the body's last bytes: whether it ended with the closing boundary
 
     async def receive() -> Message:  # rule 2: counted as it arrives
-        nonlocal seen
+        nonlocal seen, tail
         msg = await request.receive()
         if msg["type"] == "http.request":
-            seen += len(msg.get("body", b""))
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            tail = (tail + chunk)[-TAIL_BYTES:]
             if seen > limit:
-                raise PayloadTooLarge(f"the upload exceeds the {limit // (1024 * 1024)} MiB limit")
+                raise PayloadTooLarge(f"the upload exceeds the {limit // (1024 * 1024)} MiB limit", param="file")
         return msg
 
     from starlette.exceptions import HTTPException
@@ -154,35 +187,52 @@ async def read_audio_form(request: Request, gw: Gateway, task: str) -> dict[str,
             body["timestamp_granularities"] = granularities
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
+            if not _closed(ctype, tail):
+                raise InvalidRequest(
+                    "the multipart body ended before its closing boundary, so its 'file' part was cut off:"
+                    " check the Content-Length",
+                    param="file",
+                )
             raise InvalidRequest("'file' is required: the audio, as a file part", param="file")
-        digest, size = await asyncio.to_thread(_store, upload, uploads_dir(gw))
+        folder = uploads_dir(gw)
+        part, digest, size = await asyncio.to_thread(_write, upload, folder)
+        hold.take(digest)  # before it is in place: no other request's end can delete it from here
         try:
-            if size == 0:
-                raise InvalidRequest("the file is empty (0 bytes): send the audio to transcribe", param="file")
-            body["file"] = {"sha256": digest, "bytes": size, "name": (upload.filename or "audio")[:200]}
-            model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise InvalidRequest("'model' is required", param="model")
-            svc = _service(gw, model)
-            if size > svc.cfg.max_upload_mib * 1024 * 1024:
-                raise PayloadTooLarge(f"the upload exceeds {svc.name}'s {svc.cfg.max_upload_mib} MiB limit")
-            body["duration_s"] = await _check_audio(gw, svc, digest)
-        except SpilloverError:
-            _forget_upload(gw, digest, "")  # refused before acceptance: nothing will read it
+            _place(part, folder / digest)
+        except OSError:
+            part.unlink(missing_ok=True)
             raise
+        if size == 0:
+            raise InvalidRequest("the file is empty (0 bytes): send the audio to transcribe", param="file")
+        body["file"] = {"sha256": digest, "bytes": size, "name": (upload.filename or "audio")[:200]}
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("'model' is required", param="model")
+        svc = _service(gw, model)
+        if size > svc.cfg.max_upload_mib * 1024 * 1024:
+            raise PayloadTooLarge(f"the upload exceeds {svc.name}'s {svc.cfg.max_upload_mib} MiB limit", param="file")
+        body["duration_s"] = await _check_audio(gw, svc, digest)
         return body
     finally:
         await form.close()
 
 
-def _store(upload: UploadFile, folder: Path) -> tuple[str, int]:
-    """Rule 3: copy the upload to ``folder/<sha256>`` (fsynced, then renamed into place)."""
+def _closed(ctype: str, tail: bytes) -> bool:
+    """Whether a multipart body's last bytes hold its closing boundary (``--<boundary>--``)."""
+    params = (p.strip() for p in ctype.split(";")[1:])
+    boundary = next((p.split("=", 1)[1].strip('"') for p in params if p.lower().startswith("boundary=")), "")
+    return not boundary or f"--{boundary}--".encode("latin-1", "replace") in tail
+
+
+def _write(upload: UploadFile, folder: Path) -> tuple[Path, str, int]:
+    """Rule 3: copy the upload to a part file in ``folder``, fsynced; (its path, the upload's
+    SHA-256, its size). ``_place`` puts it where its digest says."""
     folder.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     size = 0
-    tmp = folder / f".part-{os.getpid()}-{time.monotonic_ns()}"
+    part = folder / f".part-{os.getpid()}-{time.monotonic_ns()}"
     try:
-        with open(tmp, "wb") as out:
+        with open(part, "wb") as out:
             upload.file.seek(0)
             while chunk := upload.file.read(COPY_CHUNK):
                 h.update(chunk)
@@ -190,13 +240,17 @@ def _store(upload: UploadFile, folder: Path) -> tuple[str, int]:
                 size += len(chunk)
             out.flush()
             os.fsync(out.fileno())
-        digest = h.hexdigest()
-        os.replace(tmp, folder / digest)
-        os.utime(folder / digest)  # a reused upload is young again for the sweep (rule 4)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    return digest, size
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return part, h.hexdigest(), size
+
+
+def _place(part: Path, path: Path) -> None:
+    """The written upload under its digest (renamed into place: the same bytes as any file
+    already there), young again for the sweep (rule 4)."""
+    os.replace(part, path)
+    os.utime(path)
 
 
 async def _check_audio(gw: Gateway, svc: TranscriptionService, digest: str) -> float:
@@ -383,17 +437,18 @@ async def _execute(
         res = await svc.transcribe(
             rid, fields, req.seconds, attempt=attempt, on_move=on_move, on_segment=on_segment if emit else None
         )
-    except InvalidRequest:
+    finally:  # whichever way the run ends (a retry with its key sends the file again)
         _forget_upload(gw, req.upload, rid)
-        raise
-    _forget_upload(gw, req.upload, rid)
     return encode_answer(rid, req, res)
 
 
 def _forget_upload(gw: Gateway, digest: str, rid: str) -> None:
-    """Rule 4: delete an upload no live request (but ``rid``) uses."""
+    """Rule 4: delete an upload no request being read or answered holds, and no live request
+    (but ``rid``) runs."""
     from spillover.runtime.unary import UnaryRun
 
+    if digest in gw.upload_holds:
+        return
     for other, run in gw.requests.live.items():
         if other != rid and isinstance(run, UnaryRun) and getattr(run.req, "upload", None) == digest:
             return

@@ -98,6 +98,9 @@ class Gateway:
         self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
         self.keys = KeyLocks()
+        # Audio uploads (by digest) that requests still being read or answered hold: no other
+        # request's end deletes them (``http.audio`` rule 4).
+        self.upload_holds: dict[str, int] = {}
         # Terminal outcomes the journal could not take yet (a full disk): written again by the
         # journal loop, oldest first; bounded (the oldest are dropped, and counted, past it).
         self.pending_outcomes: dict[str, tuple[State, dict[str, Any]]] = {}

@@ -7,7 +7,9 @@ Rules:
    ``[[services]]`` entry with its aliases. ``config`` refuses duplicates (the chat
    fallback's name included: clients see it on fallback answers, but it is not requestable).
 2. An unknown id is a 404 ``model_not_found`` whose message lists what is served; an id of
-   another kind (an embeddings model sent to chat) is a 400 naming the right endpoint.
+   another kind (an embeddings model sent to chat) is a 400 naming the right endpoint. An id
+   with Ollama's default tag (``name:latest``, what Ollama's clients send for ``name``) is
+   the id without it, unless the tagged id itself is served.
 3. ``/v1/models`` lists every service once, by its canonical id, with its kind and aliases.
 """
 
@@ -19,6 +21,8 @@ from spillover.config import Config
 from spillover.errors import InvalidRequest, NotFound
 
 __all__ = ["ENDPOINT_OF_KIND", "ModelRegistry", "ServedModel"]
+
+DEFAULT_TAG = ":latest"  # Ollama's tag for a name without one (rule 2)
 
 ENDPOINT_OF_KIND = {
     "chat": "/v1/chat/completions",
@@ -56,6 +60,8 @@ class ModelRegistry:
     def resolve(self, model_id: str, kind: str) -> ServedModel:
         """The service that answers ``model_id`` on an endpoint of ``kind`` (rule 2)."""
         m = self._by_id.get(model_id)
+        if m is None and model_id.endswith(DEFAULT_TAG):
+            m = self._by_id.get(model_id.removesuffix(DEFAULT_TAG))
         if m is None:
             raise NotFound(
                 f"model {model_id!r} does not exist; this server serves {self.describe()}",

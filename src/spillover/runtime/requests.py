@@ -109,16 +109,24 @@ class RequestService:
         self.endpoints[endpoint.name] = endpoint
 
     async def submit(
-        self, endpoint: str, body: Any, *, idem_key: str | None, deadline_ms: int | None
+        self,
+        endpoint: str,
+        body: Any,
+        *,
+        idem_key: str | None,
+        deadline_ms: int | None,
+        on_live: Callable[[UnaryRun], None] | None = None,
     ) -> Answer | Run | UnaryRun:
         """Rule 1: a stored answer (a finished Idempotency-Key), or an accepted ``Run``.
-        Raises ``Refused`` when the request is not accepted."""
+        Raises ``Refused`` when the request is not accepted. A unary request whose whole
+        answer is awaited here is handed to ``on_live`` once it runs (its client may go away
+        meanwhile: the caller cancels it)."""
         ep = self.endpoints[endpoint]
         rid = new_request_id()
         if self.gw.stopping:
             raise Refused(ServerStopping("the gateway is stopping; send it again once it is back"), rid)
         if isinstance(ep, UnaryEndpoint):
-            return await self._submit_unary(ep, body, rid, idem_key, deadline_ms)
+            return await self._submit_unary(ep, body, rid, idem_key, deadline_ms, on_live)
         try:
             req = ep.parse(body)
             body_hash = _body_hash(endpoint, body)
@@ -179,7 +187,13 @@ class RequestService:
         return rec
 
     async def _submit_unary(
-        self, ep: UnaryEndpoint, body: Any, rid: str, idem_key: str | None, deadline_ms: int | None = None
+        self,
+        ep: UnaryEndpoint,
+        body: Any,
+        rid: str,
+        idem_key: str | None,
+        deadline_ms: int | None = None,
+        on_live: Callable[[UnaryRun], None] | None = None,
     ) -> Answer | UnaryRun:
         """Rule 1 for a request with one whole answer (``runtime.unary``); a streamed one is
         handed back live (its caller takes ``reply()``), and lets go of its place and of
@@ -234,6 +248,8 @@ class RequestService:
                 held = None  # the run lets go of it
                 return run
             try:  # outside the key's lock, like a generation: its execution is the run's
+                if failed is None and on_live is not None:
+                    on_live(run)
                 got = await run.fail_now(failed) if failed is not None else await run.reply()
                 assert isinstance(got, Answer)
                 return got
