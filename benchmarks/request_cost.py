@@ -223,9 +223,10 @@ def stream_floor(tokens: int, tps: float) -> tuple[float, float]:
 # profile says it spent called from there.
 PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("chat template (Jinja)", ("/jinja2/", "llama_chat_format", "<template>")),
+    # prepare.py's own time (its checks and limits too) counts as tokenization: most of it is
     ("tokenization", ("/llama_cpp/", "tokenizers", "spillover/engine/llama_engine.py", "spillover/runtime/prepare.py")),
     ("journal (SQLite)", ("spillover/runtime/journal", "sqlite3")),
-    ("JSON", ("/json/", "orjson", "_json")),
+    ("JSON", ("/json/", "orjson", "_json.")),  # the module's name, not a function's (app._read_json)
     ("HTTP server (uvicorn, Starlette)", ("/uvicorn/", "/starlette/", "httptools", "spillover/http/server.py")),
     ("validation, answers (spillover.http)", ("spillover/http/",)),
     ("worker channel", ("spillover/runtime/worker_client.py", "spillover/runtime/events.py")),

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hmac
 import json
+import logging
 import traceback
 import zlib
 from collections.abc import Awaitable, Callable
@@ -49,6 +50,8 @@ from spillover.runtime.requests import Answer, Endpoint, Refused, Run
 from spillover.runtime.unary import UnaryRun
 
 __all__ = ["create_app"]
+
+log = logging.getLogger("spillover.http")
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -211,8 +214,12 @@ class _Client:
             self._listening = asyncio.create_task(self._listen())
 
     async def _listen(self) -> None:
-        while (await self._request.receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await self._request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # the server could not say: the client is taken to be there
+            log.debug("receive() failed while watching for a disconnect", exc_info=True)
+            return
         self._gone = True
         if self._run is not None:
             self._run.cancel(by_user=False)

@@ -15,13 +15,14 @@ Rules:
    than ``max_audio_s`` a 413. The journaled body names the upload by its digest, so a
    replay after a restart, or an Idempotency-Key retry, transcribes the same bytes, and a
    key reused with another file is a 422.
-4. An upload is deleted once nothing uses it: its HTTP request holds it from the moment it
+4. An upload is deleted once nothing holds it: its HTTP request holds it from the moment it
    is stored until that request is answered (a refusal, a stored answer for its key, its
-   own answer), and an accepted request's run uses it until the run ends. Requests that send
-   the same bytes share one file, and none of them deletes it while another still holds or
-   runs it. A client that retries (with its key) sends the file again. What is left (an
-   accepted request a crash interrupted: its replay after the restart reads it) is deleted
-   when that replay ends, or swept when older than ``[journal].retention_s``.
+   own answer), and each run of a request holds it while it runs. Requests that send the
+   same bytes share one file, and none of them deletes it while another holds it. A client
+   that retries (with its key) sends the file again. What a crash leaves (an accepted
+   request, whose replay after the restart reads it) is not deleted while the start-up's
+   orphans wait for their replay; the replay's end deletes it, or the sweep at a start once
+   it is older than ``[journal].retention_s``.
 5. Every answer carries ``X-Spillover-*`` headers; ``json`` and ``verbose_json`` also carry
    the ``spillover`` object (route, degraded, reason, attempts). An answer computed on the
    CPU path is degraded.
@@ -42,6 +43,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -57,6 +59,8 @@ from spillover.errors import InvalidRequest, PayloadTooLarge, SpilloverError, Un
 from spillover.http.routes import content_codings, signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
+
+log = logging.getLogger("spillover.audio")
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -104,7 +108,8 @@ def _limit_bytes(gw: Gateway) -> int:
 
 
 class UploadHold:
-    """The uploads one HTTP request stored, held until it is answered (rule 4)."""
+    """Uploads held by one HTTP request until it is answered, or by one run while it runs
+    (rule 4); ``release`` deletes each that nothing else holds then."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -115,14 +120,14 @@ class UploadHold:
         self.gw.upload_holds[digest] = self.gw.upload_holds.get(digest, 0) + 1
 
     def release(self) -> None:
-        """The request is answered: its uploads go unless another request holds or runs them."""
+        """Let go of the uploads: each goes unless another request or run holds it."""
+        digests, self.digests = self.digests, []
         holds = self.gw.upload_holds
-        for digest in self.digests:
+        for digest in digests:
             holds[digest] -= 1
             if not holds[digest]:
                 del holds[digest]
-            _forget_upload(self.gw, digest, "")
-        self.digests.clear()
+            _forget_upload(self.gw, digest)
 
 
 async def read_audio_form(request: Request, gw: Gateway, task: str, hold: UploadHold) -> dict[str, Any]:
@@ -433,27 +438,29 @@ async def _execute(
         "seed": int(req.upload[:8], 16),  # a sampled decode is seeded by its audio: a replay is exact
         "words": "word" in req.granularities,
     }
+    hold = UploadHold(gw)  # rule 4: whichever way the run ends, it lets go (a retry sends the file again)
+    hold.take(req.upload)
     try:
         res = await svc.transcribe(
             rid, fields, req.seconds, attempt=attempt, on_move=on_move, on_segment=on_segment if emit else None
         )
-    finally:  # whichever way the run ends (a retry with its key sends the file again)
-        _forget_upload(gw, req.upload, rid)
+    finally:
+        hold.release()
     return encode_answer(rid, req, res)
 
 
-def _forget_upload(gw: Gateway, digest: str, rid: str) -> None:
-    """Rule 4: delete an upload no request being read or answered holds, and no live request
-    (but ``rid``) runs."""
-    from spillover.runtime.unary import UnaryRun
-
-    if digest in gw.upload_holds:
+def _forget_upload(gw: Gateway, digest: str) -> None:
+    """Rule 4: delete an upload nothing holds, unless the start-up's orphans (one may be a
+    transcription of it) still wait for their replay. A file that cannot be deleted is left
+    to the sweep: the request it served is answered already."""
+    if digest in gw.upload_holds or gw.requests.orphans:
         return
-    for other, run in gw.requests.live.items():
-        if other != rid and isinstance(run, UnaryRun) and getattr(run.req, "upload", None) == digest:
-            return
-    with contextlib.suppress(FileNotFoundError):
+    try:
         (uploads_dir(gw) / digest).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("upload %s: cannot delete it (%s); left to the sweep at a start", digest, exc)
 
 
 def sweep_uploads(gw: Gateway, now: float | None = None) -> int:

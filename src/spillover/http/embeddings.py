@@ -5,10 +5,11 @@ Rules:
 
 1. ``input`` is a string, a list of strings, a list of token ids, or a list of token-id
    lists. Token ids are this model's own vocabulary (bge-small-en's WordPiece ids), without
-   ``[CLS]``/``[SEP]``, which are added as for text. Empty input, an empty string, a text
-   with no tokens (only whitespace or invisible characters: its vector would be the bare
-   ``[CLS]``/``[SEP]`` one, whatever it said), more than ``max_inputs`` inputs, an id outside
-   the vocabulary, or an input longer than the model's window is a 400 naming ``input``.
+   ``[CLS]``/``[SEP]``, which are added as for text. Empty input, an empty string, more
+   than ``max_inputs`` inputs, an id outside the vocabulary, or an input longer than the
+   model's window is a 400 naming ``input``. A text that has no tokens (only whitespace, or
+   characters the tokenizer drops) is embedded as ``[CLS] [SEP]``, as sentence-transformers
+   and OpenAI answer such input: a chunker's blank piece does not fail its whole batch.
 2. ``encoding_format`` is ``float`` (lists of numbers) or ``base64`` (float32
    little-endian bytes, what the openai SDK asks for by default). ``dimensions`` is refused
    unless it is the model's own size: bge models are not trained to be truncated.
@@ -87,13 +88,6 @@ def parse_inputs(value: Any, svc: EmbeddingsService) -> list[list[int]]:
             ids = svc.tokenize([str(t) for t in got])
         except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800"): JSON, not text
             raise InvalidRequest("'input' contains text that is not valid Unicode", param="input") from exc
-        blank = next((i for i, row in enumerate(ids) if not row), None)
-        if blank is not None:  # only spaces or invisible characters: its vector would mean nothing
-            raise InvalidRequest(
-                f"input {blank} has no tokens for {svc.name} (only whitespace or invisible characters): "
-                "send text, or leave it out",
-                param="input",
-            )
     else:
         ids = [list(map(int, x)) for x in got]
         for row in ids:

@@ -173,8 +173,8 @@ def ollama_routes(
             if isinstance(body, dict) and body.get(field) in (None, "", []):
                 parse({**body, field: stand_in}, gw.cfg.model.name)  # its 400s, as a run's
                 asked = str(body.get("model") or gw.cfg.model.name)  # as the request's own parse defaults it
-                gw.registry.resolve(asked, "chat")  # an unknown model's 404, another kind's 400, as a run's
-                chat = gw.chat_model(asked)
+                served = gw.registry.resolve(asked, "chat")  # an unknown model's 404, another kind's 400, as a run's
+                chat = gw.chat_model(served.id)
                 raise _LoadOnly({"model": chat.name, "created_at": created_at(), **empty, "done_reason": "load",
                                  "done": True})  # fmt: skip
             return body
@@ -293,6 +293,7 @@ def ollama_routes(
         asked = body.get("model") or body.get("name")
         if not isinstance(asked, str) or not asked:
             raise InvalidRequest("'model' is required: the name of a model this server lists", param="model")
+        asked = gw.registry.named(asked)  # Ollama's clients send "name:latest"
         chat = next((c for c in gw.chats if asked in c.ids), None)
         listed = [svc for svc in gw.embedding_services() if svc.model_dir]  # as /api/tags lists them
         if chat is None and (svc := next((e for e in listed if asked in (e.name, *e.cfg.aliases)), None)) is not None:

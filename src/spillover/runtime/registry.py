@@ -59,9 +59,7 @@ class ModelRegistry:
 
     def resolve(self, model_id: str, kind: str) -> ServedModel:
         """The service that answers ``model_id`` on an endpoint of ``kind`` (rule 2)."""
-        m = self._by_id.get(model_id)
-        if m is None and model_id.endswith(DEFAULT_TAG):
-            m = self._by_id.get(model_id.removesuffix(DEFAULT_TAG))
+        m = self._by_id.get(self.named(model_id))
         if m is None:
             raise NotFound(
                 f"model {model_id!r} does not exist; this server serves {self.describe()}",
@@ -75,6 +73,12 @@ class ModelRegistry:
                 code="model_not_supported",
             )
         return m
+
+    def named(self, model_id: str) -> str:
+        """``model_id`` as it is served: without Ollama's default tag when only that is (rule 2)."""
+        if model_id not in self._by_id and model_id.endswith(DEFAULT_TAG):
+            return model_id.removesuffix(DEFAULT_TAG)
+        return model_id
 
     def describe(self) -> str:
         """Every served id with its kind and aliases, for error messages."""
