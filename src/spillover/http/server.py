@@ -92,7 +92,7 @@ class ConnectionStatistics:
 class ConnectionGuard:
     """The bounds and counters shared by every connection of one server (rules 1-4 and 6)."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float, send_timeout_s: float = 30.0) -> None:
+    def __init__(self, max_connections: int, header_timeout_s: float, send_timeout_s: float) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -318,9 +318,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.guard.note(time.monotonic())
 
 
-def bounded_protocol(
-    max_connections: int, header_timeout_s: float, send_timeout_s: float = 30.0
-) -> type[BoundedHttpProtocol]:
+def bounded_protocol(max_connections: int, header_timeout_s: float, send_timeout_s: float) -> type[BoundedHttpProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` enforcing these bounds; its
     ``guard`` holds the counters of every connection it serves."""
     shared = ConnectionGuard(max_connections, header_timeout_s, send_timeout_s)
