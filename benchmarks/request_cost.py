@@ -27,7 +27,8 @@ floor is SQLite alone (``journal_floor``: no gateway, no thread, no event loop) 
 commits a request's durability needs, with the journal's schema and pragmas: the accept, fsynced
 before the first byte, and the answer, committed before the client has it.
 
-Each kind's figure is also given for the event loop's thread alone, and, unless
+Each kind's figure is also given for the event loop's thread alone (both are read in the
+kernel's clock ticks of 10 ms, so at 200 requests each is good to about 0.05 ms), and, unless
 ``--no-breakdown``, a second gateway (``benchmarks._profiled_serve``: its event loop under
 cProfile, timed in the thread's CPU time) runs the same requests and the output says where the
 loop's CPU goes: the share of each part (chat template, tokenization, journal, JSON, HTTP
