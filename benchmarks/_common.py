@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import threading
@@ -13,13 +14,21 @@ from typing import Any, NamedTuple
 import httpx
 import psutil
 
-__all__ = ["SseRun", "at_once", "cpu_s", "median", "p95", "sse_token_times"]
+__all__ = ["SseRun", "at_once", "cpu_s", "median", "p95", "sse_token_times", "thread_cpu_s"]
 
 
 def cpu_s(p: psutil.Process) -> float:
     """The process's CPU seconds so far (user + system)."""
     t = p.cpu_times()
     return float(t.user + t.system)
+
+
+def thread_cpu_s(pid: int | str, tid: int | str) -> float:
+    """One thread's CPU seconds so far (user + system, in the kernel's clock ticks), from
+    ``/proc``; ``pid`` may be ``"self"``. FileNotFoundError once the thread has ended."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def at_once(calls: list[Callable[[], None]]) -> None:

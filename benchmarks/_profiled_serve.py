@@ -13,6 +13,7 @@ CPU seconds over the count, by thread name. Both handlers run on the event loop'
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import json
 import os
@@ -22,23 +23,19 @@ import threading
 import time
 from typing import Any
 
+from benchmarks._common import thread_cpu_s
 from spillover.cli import main
 
 PROFILE = cProfile.Profile(time.thread_time)
 _since: dict[int, float] = {}  # each thread's CPU seconds when the count started
 
 
-def thread_cpu_s() -> dict[int, float]:
+def threads_cpu_s() -> dict[int, float]:
     """CPU seconds (user + system) of each of this process's threads, by native id."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            out[int(tid)] = thread_cpu_s("self", tid)
     return out
 
 
@@ -46,7 +43,7 @@ def _start(*_: Any) -> None:
     PROFILE.disable()
     PROFILE.clear()
     _since.clear()
-    _since.update(thread_cpu_s())
+    _since.update(threads_cpu_s())
     PROFILE.enable()
 
 
@@ -56,7 +53,7 @@ def _stop(*_: Any) -> None:
     PROFILE.dump_stats(path)
     names = {t.native_id: t.name for t in threading.enumerate()}
     spent: dict[str, float] = {}
-    for tid, cpu in thread_cpu_s().items():
+    for tid, cpu in threads_cpu_s().items():
         name = "event loop" if tid == os.getpid() else names.get(tid, "other")
         spent[name] = spent.get(name, 0.0) + cpu - _since.get(tid, 0.0)
     with open(f"{path}.threads.json", "w") as f:

@@ -62,7 +62,7 @@ import psutil
 if not __package__:  # run as a file (python benchmarks/x.py): import the package from the folder above
     sys.path.insert(0, f"{sys.path[0]}/..")
 
-from benchmarks._common import cpu_s, sse_token_times
+from benchmarks._common import cpu_s, sse_token_times, thread_cpu_s
 from spillover.runtime import journal_bounds
 from spillover.runtime.journal_records import SCHEMA
 from spillover.testing import GatewayProcess
@@ -104,9 +104,7 @@ def wakeups(gw: GatewayProcess) -> tuple[int, int]:
 def loop_cpu_s(gw: GatewayProcess) -> float:
     """CPU seconds so far of the gateway's main thread, its event loop (user + system)."""
     assert gw.proc is not None
-    with open(f"/proc/{gw.proc.pid}/task/{gw.proc.pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return thread_cpu_s(gw.proc.pid, gw.proc.pid)
 
 
 def wake_cost_us(n: int = 200, sleep_s: float = 0.01) -> float:

@@ -202,27 +202,21 @@ class _Client:
 
     def __init__(self, request: Request) -> None:
         self._request = request
-        self._run: Run | UnaryRun | None = None
-        self._gone = False
         self._listening: asyncio.Task[None] | None = None
 
     def watch(self, run: Run | UnaryRun) -> None:
-        self._run = run
-        if self._gone:
-            run.cancel(by_user=False)
-        elif self._listening is None:
-            self._listening = asyncio.create_task(self._listen())
+        """Listen for the client's going away from now on, on ``run``'s behalf (once)."""
+        if self._listening is None:
+            self._listening = asyncio.create_task(self._listen(run))
 
-    async def _listen(self) -> None:
+    async def _listen(self, run: Run | UnaryRun) -> None:
         try:
             while (await self._request.receive())["type"] != "http.disconnect":
                 pass
         except Exception:  # the server could not say: the client is taken to be there
             log.debug("receive() failed while watching for a disconnect", exc_info=True)
             return
-        self._gone = True
-        if self._run is not None:
-            self._run.cancel(by_user=False)
+        run.cancel(by_user=False)
 
     def stop(self) -> None:
         if self._listening is not None:
@@ -319,12 +313,9 @@ def create_app(gw: Gateway) -> GatewayLifespan:
 
     async def audio(request: Request, endpoint: str, task: str) -> Response:
         """An audio form's request: its upload is held until it is answered (``http.audio`` rule 4)."""
-        hold = UploadHold(gw)
-        try:
+        with UploadHold(gw) as hold:
             read = functools.partial(read_audio_form, gw=gw, task=task, hold=hold)
             return await generate(request, endpoint, read=read)
-        finally:
-            hold.release()
 
     async def transcriptions(request: Request) -> Response:
         return await audio(request, "transcriptions", "transcribe")

@@ -109,11 +109,18 @@ def _limit_bytes(gw: Gateway) -> int:
 
 class UploadHold:
     """Uploads held by one HTTP request until it is answered, or by one run while it runs
-    (rule 4); ``release`` deletes each that nothing else holds then."""
+    (rule 4): ``with UploadHold(gw) as hold``, and ``hold.take(digest)`` inside; leaving the
+    block releases them, and deletes each that nothing else holds then."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.digests: list[str] = []
+
+    def __enter__(self) -> UploadHold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def take(self, digest: str) -> None:
         self.digests.append(digest)
@@ -438,14 +445,11 @@ async def _execute(
         "seed": int(req.upload[:8], 16),  # a sampled decode is seeded by its audio: a replay is exact
         "words": "word" in req.granularities,
     }
-    hold = UploadHold(gw)  # rule 4: whichever way the run ends, it lets go (a retry sends the file again)
-    hold.take(req.upload)
-    try:
+    with UploadHold(gw) as hold:  # rule 4: whichever way the run ends, it lets go (a retry sends the file again)
+        hold.take(req.upload)
         res = await svc.transcribe(
             rid, fields, req.seconds, attempt=attempt, on_move=on_move, on_segment=on_segment if emit else None
         )
-    finally:
-        hold.release()
     return encode_answer(rid, req, res)
 
 

@@ -98,8 +98,8 @@ class Gateway:
         self.listener: Callable[[], Any] | None = None  # the HTTP listener's statistics() (set by serve)
         self.budget = RetryBudget(cfg.failover.retry_budget_per_min)
         self.keys = KeyLocks()
-        # Audio uploads (by digest) that requests still being read or answered hold: no other
-        # request's end deletes them (``http.audio`` rule 4).
+        # How many holders (HTTP requests not yet answered, runs still running) each audio
+        # upload has, by digest: an upload goes only when it has none (``http.audio`` rule 4).
         self.upload_holds: dict[str, int] = {}
         # Terminal outcomes the journal could not take yet (a full disk): written again by the
         # journal loop, oldest first; bounded (the oldest are dropped, and counted, past it).
