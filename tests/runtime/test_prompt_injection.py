@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from spillover.engine.llama_engine import Tokenizer
 from spillover.http.schemas import parse_chat, parse_completion
@@ -104,6 +106,24 @@ BENIGN: list[tuple[Messages, Messages | None]] = [
         [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
     ),
 ]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pieces=st.lists(
+        st.sampled_from(
+            ["a", "Zq", " ", "\n", "\t", "\u00e9", "\u4e2d", "\U0001f600", "<|im_start|>", "<|im_end|>", "12"]
+        )
+    ),
+    special=st.booleans(),
+    add_bos=st.booleans(),
+)
+def test_tokenize_gives_llama_cpp_pythons_ids(tok: Tokenizer, pieces: list[str], special: bool, add_bos: bool) -> None:
+    """``Tokenizer.tokenize`` (llama.cpp called into a buffer sized for the text) gives the ids
+    llama-cpp-python's own ``tokenize`` gives, markers, multi-byte text and the empty text included."""
+    text = "".join(pieces)
+    expected = list(tok._llm.tokenize(text.encode(), add_bos=add_bos, special=special))
+    assert tok.tokenize(text, special=special, add_bos=add_bos) == expected
 
 
 @pytest.mark.parametrize(("messages", "tools"), BENIGN)

@@ -165,6 +165,22 @@ def _piece(llm: Any, token_id: int) -> str:
     return bytes(llm.detokenize([token_id], special=True)).decode("utf-8", "replace")
 
 
+def _tokenize(llama_cpp: Any, vocab: Any, data: bytes, *, add_bos: bool, special: bool) -> list[int]:
+    """``llama_tokenize`` into a buffer sized for ``data``: a token is at least one byte, plus
+    BOS and EOS. (llama-cpp-python's ``tokenize`` zeroes a buffer of the training context, which a
+    vocab-only load reports as 0, so it calls llama.cpp twice: about twice this one's cost.)"""
+    room = len(data) + 2
+    buf = (llama_cpp.llama_token * room)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_bos, special)
+    if n < 0:  # more ids than bytes (not seen; llama.cpp says how many)
+        room = -n
+        buf = (llama_cpp.llama_token * room)()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_bos, special)
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
+    return buf[:n]
+
+
 def _plain_chat(messages: list[dict[str, Any]]) -> str:
     """A conversation for a model without a chat template."""
     return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
@@ -209,6 +225,8 @@ class Tokenizer:
         arch = meta.get("general.architecture", "llama")
         self.n_ctx_train = int(meta.get(f"{arch}.context_length", "2048"))
         self.n_vocab = int(self._llm.n_vocab())
+        self._lib = load_llama_cpp()
+        self._vocab = self._lib.llama_model_get_vocab(self._llm.model)
         self._lock = threading.Lock()
         self._marker_cache: list[_Marker] | None = None
         self._formatter: Any = None  # llama_cpp's Jinja2ChatFormatter, built on first use
@@ -243,8 +261,9 @@ class Tokenizer:
         ``special=True`` turns marker text such as ``<|im_start|>`` into control tokens:
         use it only on text that the client cannot write (see ``tokenize_chat``).
         """
+        data = text.encode("utf-8")
         with self._lock:
-            return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+            return _tokenize(self._lib, self._vocab, data, add_bos=add_bos, special=special)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """Prompt ids for a conversation in which only the template's own markers are control tokens.
