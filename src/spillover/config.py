@@ -322,7 +322,9 @@ class FailoverConfig:
 
     max_attempts: int = _doc(3, "attempts per request, the first included")
     retry_budget_per_min: int = _doc(120, "failover retries allowed per minute, gateway-wide")
-    stall_timeout_s: float = _doc(15.0, "no token progress on the GPU for this long is a stall")
+    stall_timeout_s: float = _doc(
+        15.0, "no token progress on the GPU for this long is a stall (a service's request: at least this long)"
+    )
     continue_mid_stream: bool = _doc(True, "continue a greedy stream on an identical CPU replica")
 
 

@@ -271,6 +271,41 @@ def test_a_gpu_worker_kill_mid_request_replays_on_cpu_with_the_same_vectors(gw: 
     wait_for(lambda: _service_worker(gw, "gpu")["state"] == "ready", 60, "gpu worker back")
 
 
+def test_a_hung_gpu_is_a_stall_replayed_on_cpu_and_its_worker_restarted() -> None:
+    """A GPU that hangs (no progress) holds an embeddings request only until the stall bound
+    (``[failover].stall_timeout_s`` here, the request being small), not ``request_timeout_s``:
+    the GPU worker is killed and restarted, and the request answers from the CPU path with the
+    vectors the GPU gives. Its own gateway: a short bound, and a hang no other test may see."""
+    body = {"model": "bge-small-en", "input": PARAPHRASES}
+    config = {"failover": {"stall_timeout_s": 3.0}}
+    with (
+        GatewayProcess(["--gpu", "sim:1024"], services=("chat", "embeddings"), config=config) as g,
+        httpx.Client(base_url=g.url, timeout=120) as c,
+    ):
+        ref = c.post("/v1/embeddings", json=body)
+        assert ref.headers["x-spillover-route"] == "gpu", ref.text
+        pid = _service_worker(g, "gpu")["pid"]
+        dev = SimDevice(g.state_dir)
+        dev.set_hang(True)
+        try:
+            time.sleep(0.5)  # each worker's sim watch sees it (it reads the ledger 20 times a second)
+            t0 = time.monotonic()
+            r = c.post("/v1/embeddings", json=body)
+            took = time.monotonic() - t0
+        finally:
+            dev.set_hang(False)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-reason"] == "failover:stall"
+        assert 3.0 <= took < 60, took
+        assert np.array_equal(_vectors(r.json()), _vectors(ref.json()))
+        wait_for(
+            lambda: (w := _service_worker(g, "gpu"))["state"] == "ready" and w["pid"] != pid, 90, "a new gpu worker"
+        )
+        events = [e for e in g.status()["events"] if "no progress: killing it" in str(e)]
+        assert events, g.status()["events"]
+        assert c.post("/v1/embeddings", json=body).headers["x-spillover-route"] == "gpu"
+
+
 def _chat_model() -> Any:
     from spillover.core.memory import MemoryModel
     from spillover.engine.gguf_meta import read_model_spec

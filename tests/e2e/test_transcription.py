@@ -197,6 +197,33 @@ def test_a_body_cut_short_is_told_as_such(gw: GatewayProcess) -> None:
     assert "closing boundary" in r.json()["error"]["message"], r.text
 
 
+def test_a_hung_gpu_is_a_stall_replayed_on_cpu_and_its_worker_restarted() -> None:
+    """A GPU that hangs holds a transcription only until the stall bound (a few times the
+    clip's expected time at the GPU's measured speed, at least ``[failover].stall_timeout_s``),
+    not ``request_timeout_s``: its worker is killed and restarted, and the CPU path answers the
+    same text. Its own gateway: a short bound, and a hang no other test may see."""
+    with GatewayProcess(
+        ["--gpu", "sim:1024"], services=("chat", "transcription"), config={"failover": {"stall_timeout_s": 3.0}}
+    ) as g:
+        ref = _post(g, {}, CLIP)
+        assert ref.headers["x-spillover-route"] == "gpu", ref.text
+        pid = _worker(g, "gpu")["pid"]
+        dev = SimDevice(g.state_dir)
+        dev.set_hang(True)
+        try:
+            time.sleep(0.5)  # each worker's sim watch sees it (it reads the ledger 20 times a second)
+            t0 = time.monotonic()
+            r = _post(g, {}, CLIP)
+            took = time.monotonic() - t0
+        finally:
+            dev.set_hang(False)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-reason"] == "failover:stall"
+        assert 3.0 <= took < 120, took
+        assert r.json()["text"] == ref.json()["text"]
+        wait_for(lambda: (w := _worker(g, "gpu"))["state"] == "ready" and w["pid"] != pid, 90, "a new gpu worker")
+
+
 def test_idempotency_key_replays_the_same_bytes_and_another_file_is_422(gw: GatewayProcess) -> None:
     first = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})
     again = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})

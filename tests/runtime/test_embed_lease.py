@@ -47,3 +47,21 @@ def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes()
         assert gpu.busy == 0 and not ledger.holds("r1") and not svc.queue
 
     asyncio.run(main())
+
+
+def test_the_stall_bound_grows_with_the_padded_tokens_and_the_workers_slots() -> None:
+    """Rule 3's bound: each chunk of ``batch_size`` inputs counts as padded to its longest; the
+    bound is ``STALL_FACTOR`` times their expected GPU time for each slot that may share the
+    device, never below ``stall_timeout_s``."""
+    from spillover.runtime.service import STALL_FACTOR
+
+    ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+    svc = embeddings_service(ledger)
+    msg = {"inputs": [[1] * 5, [1] * 20, [1] * 7], "batch_size": 2}
+    assert svc.stall_units(msg, 1.0) == 2 * 20 + 1 * 7
+    floor = svc.gw.cfg.failover.stall_timeout_s
+    assert svc.stall_bound_s(47, 1) == floor  # a small request: the floor
+    big = {"inputs": [[1] * 510] * 256, "batch_size": 32}
+    units = svc.stall_units(big, 1.0)
+    assert units == 256 * 510
+    assert svc.stall_bound_s(units, 2) == STALL_FACTOR * svc.initial_stall_rate * units * 2 > floor

@@ -363,9 +363,9 @@ class Gateway:
             log.exception("start-up recovery failed; unfinished requests stay as they are until the next start")
 
     # -- helpers for the request path -------------------------------------------------
-    async def kill_worker(self, worker: WorkerClient) -> None:
-        """A stalled worker (no token progress) is killed; its supervisor restarts it."""
-        self.worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, "no token progress: killing it"))
+    async def kill_worker(self, worker: WorkerClient, what: str = "no token progress") -> None:
+        """A stalled worker (``what``: no token progress) is killed; its supervisor restarts it."""
+        self.worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, f"{what}: killing it"))
         await worker.kill()
 
     def worker_info(self, worker_id: str) -> dict[str, Any]:

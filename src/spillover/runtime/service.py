@@ -15,10 +15,15 @@ Rules:
    request waits at most ``queue_max_age_s``. The ETA of a request is the work queued ahead
    of it (requests, or seconds of audio) at each lane's measured speed; a request whose
    client deadline that ETA cannot meet is refused at once, with the ETA.
-3. A request that fails on the GPU (the worker died, an allocation failed, an OOM) is
-   replayed on the CPU path at its request boundary: nothing of it was delivered, and the
+3. A request that fails on the GPU (the worker died, an allocation failed, an OOM, a stall)
+   is replayed on the CPU path at its request boundary: nothing of it was delivered, and the
    same inputs give the same answer (each kind's worker decodes deterministically).
-   Attempts are bounded by ``[failover].max_attempts`` and the gateway's retry budget.
+   Attempts are bounded by ``[failover].max_attempts`` and the gateway's retry budget. A GPU
+   attempt stalls when no event of it comes for ``STALL_FACTOR`` times its expected time (its
+   kind's ``stall_units`` at the GPU's measured seconds a unit, times the worker's slots: that
+   many may share the device), and never sooner than
+   ``[failover].stall_timeout_s``: a hung device (``spillover sim hang``) is not a slow one.
+   Its worker is killed (its supervisor restarts it), as chat does with a stalled one.
 4. Each attempt's lease (worker slot + device reservation) is released exactly once, when
    the worker has stopped working on it (its last event, or its exit), however the
    attempt ends (done, error, cancel).
@@ -100,6 +105,7 @@ OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
 IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an event otherwise
 HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
 STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
+STALL_FACTOR = 4.0  # a GPU attempt stalls past this many times its expected time (rule 3)
 
 
 @dataclass(eq=False)
@@ -210,6 +216,7 @@ class DeviceService(abc.ABC):
         self.load_waiting = False
         self.last_choice = ("none", "starting")
         self._rate = dict(self.initial_rate)  # running mean seconds per unit of work, per lane
+        self._stall_rate = self.initial_stall_rate  # running mean GPU seconds per stall unit (rule 3)
         self._reserved: dict[str, int] = {}  # rid -> device bytes held by a running GPU attempt
         self._running_work: dict[str, float] = {}  # rid -> work of a dispatched attempt, for the ETA
         self.demoted = False
@@ -223,6 +230,16 @@ class DeviceService(abc.ABC):
         self.host_lane: CpuLaneHost | None = None
 
     initial_rate = {"gpu": 0.05, "cpu": 0.1}
+    initial_stall_rate = 0.05  # GPU seconds a stall unit until measured (rule 3; a kind sets its own)
+
+    def stall_units(self, msg: dict[str, Any], work: float) -> float:
+        """What a GPU attempt's time grows with (rule 3): its work, unless its kind knows better."""
+        return work
+
+    def stall_bound_s(self, units: float, slots: int) -> float:
+        """How long a GPU attempt of ``units`` on a worker running up to ``slots`` requests at once
+        may go without an event before it is a stall (rule 3)."""
+        return max(self.gw.cfg.failover.stall_timeout_s, STALL_FACTOR * self._stall_rate * units * slots)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} queued={len(self.queue)} breaker={self.breaker.circuit.value}>"
@@ -435,15 +452,27 @@ class DeviceService(abc.ABC):
         (rule 4)."""
         t0 = time.monotonic()
         parts: list[RequestEvent] = []
+        units = self.stall_units(msg, work)
+        bound = self.stall_bound_s(units, d.worker.spec.slots) if d.lane == "gpu" else None  # none on the CPU
         events = d.worker.request(self.op, {"rid": rid, **msg, "reserve_bytes": d.nbytes})
         try:
-            async for ev in events:
+            while True:
+                try:
+                    async with asyncio.timeout(bound):
+                        ev = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    return await self._stalled(d, rid, bound)
                 if isinstance(ev, Started):
                     if d.lane == "gpu" and self.gw.ledger is not None:
                         self.gw.ledger.confirm(rid, time.monotonic())
                     await on_move("running", {})
                 elif isinstance(ev, Done):
-                    self._note(d, "ok", (time.monotonic() - t0) / max(work, 1e-3))
+                    took = time.monotonic() - t0
+                    self._note(d, "ok", took / max(work, 1e-3))
+                    if d.lane == "gpu":
+                        self._stall_rate = 0.8 * self._stall_rate + 0.2 * took / max(units, 1e-3)
                     return (parts, ev)
                 elif isinstance(ev, Failed):
                     self._note(d, "severe" if ev.kind in ("alloc_failed", "oom") else "failed", 0.0)
@@ -465,6 +494,18 @@ class DeviceService(abc.ABC):
             raise
         finally:
             await events.aclose()
+
+    async def _stalled(self, d: _Dispatch, rid: str, bound: float | None) -> tuple[str, str]:
+        """Rule 3: no event of a GPU attempt for ``bound`` seconds. Its worker is killed (its
+        supervisor restarts it) and its exit awaited (rule 4: the lease goes back after), and the
+        attempt fails with ``stall``, which the CPU path replays."""
+        self._note(d, "failed", 0.0)  # as chat counts a stall for the breaker
+        stopped = d.worker.when_stopped(rid)
+        await self.gw.kill_worker(d.worker, "no progress")
+        if stopped is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
+        return ("stall", f"no progress on the GPU for {bound:.1f}s")
 
     async def _until_stopped(self, d: _Dispatch, rid: str) -> None:
         """Rule 4: the lease goes back only once the worker has let go of the request. One that

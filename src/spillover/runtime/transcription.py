@@ -58,6 +58,7 @@ class TranscriptionService(DeviceService):
     kind = "transcription"
     op = "transcribe"
     initial_rate = {"gpu": 0.2, "cpu": 0.3}  # real-time factors until measured
+    initial_stall_rate = 0.2  # the GPU's, for the stall bound (its units: seconds of audio)
 
     shape: WhisperShape | None = None
     memory: TranscribeMemoryModel | None = None
