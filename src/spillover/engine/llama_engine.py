@@ -178,7 +178,7 @@ def _tokenize(llama_cpp: Any, vocab: Any, data: bytes, *, add_bos: bool, special
         n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_bos, special)
         if n < 0:
             raise RuntimeError(f"llama_tokenize failed ({n}) on {len(data)} bytes")
-    return buf[:n]
+    return list(buf[:n])
 
 
 def _plain_chat(messages: list[dict[str, Any]]) -> str:
