@@ -502,8 +502,8 @@ class DeviceService(abc.ABC):
         self._note(d, "failed", 0.0)  # as chat counts a stall for the breaker
         stopped = d.worker.when_stopped(rid)
         await self.gw.kill_worker(d.worker, "no progress")
-        if stopped is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+        if stopped is not None:  # a cancel meanwhile (a DELETE) goes on up: the request ends, no replay
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
         return ("stall", f"no progress on the GPU for {bound:.1f}s")
 
