@@ -49,19 +49,51 @@ def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes()
     asyncio.run(main())
 
 
-def test_the_stall_bound_grows_with_the_padded_tokens_and_the_workers_slots() -> None:
-    """Rule 3's bound: each chunk of ``batch_size`` inputs counts as padded to its longest; the
-    bound is ``STALL_FACTOR`` times their expected GPU time for each slot that may share the
-    device, never below ``stall_timeout_s``."""
+def test_the_stall_bound_covers_the_next_chunk_at_a_rate_that_errs_long() -> None:
+    """Rule 3's bound for an embeddings attempt: each wait covers the chunk the worker computes
+    before its next event (the first, then the one after each ``Progress``), in units that grow
+    faster than its padded tokens; ``STALL_FACTOR`` times their time at the GPU's rate, for each
+    slot that may share the device, never below ``stall_timeout_s``. The first attempt's rate
+    replaces the guess; then it rises at once to a slower one's and falls a fifth of the way
+    to a faster one's."""
+    from spillover.runtime.embeddings import ATTENTION_TOKENS, chunk_units
+    from spillover.runtime.events import Progress, Started
     from spillover.runtime.service import STALL_FACTOR
 
-    ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
-    svc = embeddings_service(ledger)
+    svc = embeddings_service(DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9))
+    assert chunk_units([[1] * 5, [1] * 20]) == 2 * 20 * (1 + 20 / ATTENTION_TOKENS)  # padded to its longest
+    assert chunk_units([[1] * 510]) / chunk_units([[1] * 51]) > 10 * 4  # a long token costs more
     msg = {"inputs": [[1] * 5, [1] * 20, [1] * 7], "batch_size": 2}
-    assert svc.stall_units(msg, 1.0) == 2 * 20 + 1 * 7
+    assert svc.stall_units(msg, 1.0) == chunk_units([[1] * 5, [1] * 20]) + chunk_units([[1] * 7])
+    steps = svc.stall_steps(msg, 1.0)
+    assert steps.units == chunk_units([[1] * 5, [1] * 20])
+    steps.after(Started())
+    assert steps.units == chunk_units([[1] * 5, [1] * 20])
+    steps.after(Progress(2))
+    assert steps.units == chunk_units([[1] * 7])
     floor = svc.gw.cfg.failover.stall_timeout_s
-    assert svc.stall_bound_s(47, 1) == floor  # a small request: the floor
-    big = {"inputs": [[1] * 510] * 256, "batch_size": 32}
-    units = svc.stall_units(big, 1.0)
-    assert units == 256 * 510
-    assert svc.stall_bound_s(units, 2) == STALL_FACTOR * svc.initial_stall_rate * units * 2 > floor
+    assert svc.stall_bound_s(steps.units, 1) == floor  # a small chunk: the floor
+    big = chunk_units([[1] * 510] * 32)
+    assert svc.stall_bound_s(big, 2) == STALL_FACTOR * svc.initial_stall_rate * big * 2 > floor
+    svc._measured(0.1, 1000.0)  # the first measurement replaces the initial guess
+    assert svc._stall_rate == 0.0001
+    svc._measured(0.05, 1000.0)  # faster: a fifth of the way
+    assert svc._stall_rate == 0.8 * 0.0001 + 0.2 * 0.00005
+    svc._measured(5.0, 1000.0)  # slower: at once
+    assert svc._stall_rate == 0.005
+
+
+def test_a_transcriptions_stall_bound_covers_the_audio_after_its_last_segment() -> None:
+    """Until the audio is decoded a wait covers all of it (its header's length, then the decoded
+    one); after each segment, the audio after that segment's end."""
+    from spillover.runtime.events import AudioInfo, Segment
+    from spillover.runtime.transcription import TranscriptionService
+
+    steps = TranscriptionService.stall_steps(None, {}, 120.0)  # type: ignore[arg-type]
+    assert steps.units == 120.0
+    steps.after(AudioInfo("en", 90.0))
+    assert steps.units == 90.0
+    steps.after(Segment({"end": 30.0, "text": " a"}))
+    assert steps.units == 60.0
+    steps.after(Segment({"end": 95.0, "text": " b"}))
+    assert steps.units == 0.0

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from spillover.runtime.events import Done, Failed, Started, Token, decode_request_event
+from spillover.runtime.events import Done, Failed, Progress, Started, Token, decode_request_event
 from spillover.runtime.worker_client import WORKER_TRANSITIONS, WorkerClient, WorkerSpec, WorkerState
 
 
@@ -20,6 +20,8 @@ from spillover.runtime.worker_client import WORKER_TRANSITIONS, WorkerClient, Wo
             {"ev": "done", "rid": "r", "finish_reason": "stop", "completion_tokens": 3, "timings": {"prefill_s": 0.5}},
             Done("stop", 3, 0.5, 0.0),
         ),
+        ({"ev": "progress", "rid": "r", "done": 32}, Progress(32)),
+        ({"ev": "progress", "rid": "r"}, None),
         ({"ev": "error", "rid": "r", "kind": "oom", "message": "m"}, Failed("oom", "m")),
         ({"ev": "error", "rid": "r", "message": "m"}, Failed("engine", "m")),
         ({"ev": "token", "rid": "r", "text": "no id"}, None),

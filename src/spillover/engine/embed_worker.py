@@ -7,6 +7,7 @@ Gateway -> worker::
 Worker -> gateway (besides ``ready``, ``pong`` and ``fatal``, as for chat)::
 
     {"ev": "started", "rid"}                   its device memory is granted
+    {"ev": "progress", "rid", "done"}          a chunk is done and more follow (``done`` inputs so far)
     {"ev": "vectors", "rid", "n", "dim", "data"}  every vector: base64 of float32 little-endian rows
     {"ev": "done", "rid", "finish_reason": "stop", "prompt_tokens", "completion_tokens": 0, "timings"}
     {"ev": "error", "rid", "kind", "message"}  alloc_failed | oom | engine | cancelled
@@ -94,6 +95,8 @@ class EmbedWorker(UnaryWorker):
                         return _error(rid, "cancelled", "cancelled")
                     raise
                 self.progress += stop - start
+                if stop < len(inputs):  # the gateway's stall bound covers one chunk at a time
+                    self.chan.send({"ev": "progress", "rid": rid, "done": stop})
         finally:
             with self._active_lock:
                 self._stops.pop(rid, None)

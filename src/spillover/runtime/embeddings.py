@@ -19,13 +19,41 @@ from typing import TYPE_CHECKING, Any
 from spillover.core.embed_memory import EmbedMemoryModel
 from spillover.engine.embedder import chunks
 from spillover.errors import WorkerFailed
-from spillover.runtime.events import Vectors
-from spillover.runtime.service import DeviceService, ServiceStatistics
+from spillover.runtime.events import Progress, RequestEvent, Vectors
+from spillover.runtime.service import DeviceService, ServiceStatistics, StallSteps
 
 if TYPE_CHECKING:
     from spillover.engine.embedder import EmbedModelInfo, EmbedTokenizer
 
 __all__ = ["EmbedResult", "EmbeddingsService", "ServiceStatistics"]
+
+
+ATTENTION_TOKENS = 64  # the padded length at which an encoder token costs twice a short one's (below)
+
+
+def chunk_units(chunk: list[list[int]]) -> float:
+    """What one encoder run of ``chunk`` costs, in units the GPU's measured rate times (the stall
+    bound, ``runtime.service`` rule 3): its inputs, padded to the longest (``length``), times
+    ``length * (1 + length / ATTENTION_TOKENS)``: a token's cost grows with the padded length
+    (attention, activations). On the sim here (ONNX Runtime on a CPU thread): 100 us a token up
+    to 64 tokens, 140 at 128, 190 at 256, 300 at 510, so a unit costs 35-80 us, the long ones
+    least: a rate measured on short inputs over-counts long ones (a bound errs long)."""
+    if not chunk:
+        return 0.0
+    length = max(len(ids) for ids in chunk)
+    return len(chunk) * length * (1 + length / ATTENTION_TOKENS)
+
+
+class _Chunks(StallSteps):
+    """An embeddings request's steps: the worker says ``Progress`` after each chunk but the last."""
+
+    def __init__(self, inputs: list[list[int]], size: int) -> None:
+        super().__init__(chunk_units(inputs[:size]))
+        self._inputs, self._size = inputs, size
+
+    def after(self, ev: RequestEvent) -> None:
+        if isinstance(ev, Progress):
+            self.units = chunk_units(self._inputs[ev.done : ev.done + self._size])
 
 
 @dataclass(frozen=True)
@@ -72,12 +100,14 @@ class EmbeddingsService(DeviceService):
         assert self.tokenizer is not None
         return self.tokenizer.encode(texts)
 
-    initial_stall_rate = 0.002  # GPU seconds a padded token until measured (about 1 ms on the sim here)
+    initial_stall_rate = 0.0005  # GPU seconds a unit (``chunk_units``) until measured: 5 times the sim's here
 
     def stall_units(self, msg: dict[str, Any], work: float) -> float:
-        """The tokens the encoder computes: each chunk of ``batch_size`` inputs is padded to its longest."""
         inputs, size = msg["inputs"], max(1, int(msg["batch_size"]))
-        return float(sum((b - a) * max(len(ids) for ids in inputs[a:b]) for a, b in chunks(inputs, size)))
+        return sum(chunk_units(inputs[a:b]) for a, b in chunks(inputs, size))
+
+    def stall_steps(self, msg: dict[str, Any], work: float) -> StallSteps:
+        return _Chunks(msg["inputs"], max(1, int(msg["batch_size"])))
 
     def predicted_bytes(self, inputs: list[list[int]]) -> int:
         assert self.memory is not None

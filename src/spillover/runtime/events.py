@@ -4,8 +4,9 @@ worker channel looks at raw JSON or matches free text.
 
 Rules:
 
-1. A request's stream is ``Started``, then ``Token``s (chat), one ``Vectors``
-   (embeddings) or one ``AudioInfo`` and ``Segment``s (transcription), then exactly one of ``Done`` or
+1. A request's stream is ``Started``, then ``Token``s (chat), ``Progress`` after each chunk but
+   the last and one ``Vectors`` (embeddings), or one ``AudioInfo`` and ``Segment``s
+   (transcription), then exactly one of ``Done`` or
    ``Failed`` (the worker's own last word, sent once its slot and device memory are free),
    or ``WorkerGone`` when the process ends first. ``Interrupted`` is put in the stream by
    the gateway itself when it stops the request; the worker's last word still follows.
@@ -24,6 +25,7 @@ __all__ = [
     "Done",
     "Failed",
     "Interrupted",
+    "Progress",
     "RequestEvent",
     "Segment",
     "Started",
@@ -95,6 +97,14 @@ class AudioInfo:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A step of a request is done and more follow (an embeddings chunk: ``done`` inputs so far):
+    what the gateway's stall bound is reset by (``runtime.service`` rule 3)."""
+
+    done: int
+
+
+@dataclass(frozen=True)
 class Segment:
     """One decoded transcription segment, as OpenAI's ``verbose_json`` names its fields."""
 
@@ -132,7 +142,7 @@ class WorkerGone:
     message: str
 
 
-RequestEvent = Started | Token | Vectors | AudioInfo | Segment | Done | Failed | Interrupted | WorkerGone
+RequestEvent = Started | Token | Progress | Vectors | AudioInfo | Segment | Done | Failed | Interrupted | WorkerGone
 FINAL = (Done, Failed, WorkerGone)  # rule 1: what ends a request's stream
 
 
@@ -157,6 +167,8 @@ def decode_request_event(msg: dict[str, Any]) -> RequestEvent | None:
             if len(data) != n * dim * 4:
                 return None
             return Vectors(n, dim, data)
+        if ev == "progress":
+            return Progress(int(msg["done"]))
         if ev == "audio":
             return AudioInfo(str(msg["language"]), float(msg["duration"]))
         if ev == "segment":

@@ -57,6 +57,7 @@ from spillover.runtime.events import (
     Done,
     Failed,
     Interrupted,
+    Progress,
     RequestEvent,
     Segment,
     Started,
@@ -380,7 +381,7 @@ class Execution:
             raise _Stopped
         if isinstance(item, Failed):
             raise _Failure(item.kind, item.message)
-        if isinstance(item, (Vectors, AudioInfo, Segment)):  # another kind's events, never a chat worker's
+        if isinstance(item, (Progress, Vectors, AudioInfo, Segment)):  # another kind's events, never a chat worker's
             raise _Failure("engine", f"a chat worker sent {type(item).__name__}")
         return item
 

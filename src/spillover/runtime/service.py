@@ -19,9 +19,12 @@ Rules:
    is replayed on the CPU path at its request boundary: nothing of it was delivered, and the
    same inputs give the same answer (each kind's worker decodes deterministically).
    Attempts are bounded by ``[failover].max_attempts`` and the gateway's retry budget. A GPU
-   attempt stalls when no event of it comes for ``STALL_FACTOR`` times its expected time (its
-   kind's ``stall_units`` at the GPU's measured seconds a unit, times the worker's slots: that
-   many may share the device), and never sooner than
+   attempt stalls when its next event does not come within ``STALL_FACTOR`` times the
+   expected time of what the worker computes before it (its kind's ``StallSteps``: an
+   embeddings chunk, a transcription's audio left; at the GPU's seconds a unit: the first
+   attempt's, then rising at once to a slower one's and falling a fifth of the way to a faster
+   one's), times the
+   worker's slots (that many may share the device), and never sooner than
    ``[failover].stall_timeout_s``: a hung device (``spillover sim hang``) is not a slow one.
    Its worker is killed (its supervisor restarts it), as chat does with a stalled one.
 4. Each attempt's lease (worker slot + device reservation) is released exactly once, when
@@ -84,6 +87,7 @@ from spillover.runtime.events import (
     Done,
     Failed,
     Interrupted,
+    Progress,
     RequestEvent,
     Started,
     SupervisorEvent,
@@ -98,7 +102,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerStat
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
 
-__all__ = ["DeviceService", "Served", "ServiceStatistics"]
+__all__ = ["DeviceService", "Served", "ServiceStatistics", "StallSteps"]
 
 log = logging.getLogger("spillover.services")
 OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
@@ -106,6 +110,17 @@ IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an
 HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
 STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
 STALL_FACTOR = 4.0  # a GPU attempt stalls past this many times its expected time (rule 3)
+
+
+class StallSteps:
+    """What a GPU attempt computes before its next event, in its kind's units (rule 3): told
+    each event, it says what the next wait covers. This one: the whole request, every time."""
+
+    def __init__(self, units: float) -> None:
+        self.units = units  # before the next event
+
+    def after(self, ev: RequestEvent) -> None:
+        """An event came: what is computed before the next one."""
 
 
 @dataclass(eq=False)
@@ -216,7 +231,8 @@ class DeviceService(abc.ABC):
         self.load_waiting = False
         self.last_choice = ("none", "starting")
         self._rate = dict(self.initial_rate)  # running mean seconds per unit of work, per lane
-        self._stall_rate = self.initial_stall_rate  # running mean GPU seconds per stall unit (rule 3)
+        self._stall_rate = self.initial_stall_rate  # GPU seconds a stall unit (rule 3), measured or not
+        self._stall_measured = False
         self._reserved: dict[str, int] = {}  # rid -> device bytes held by a running GPU attempt
         self._running_work: dict[str, float] = {}  # rid -> work of a dispatched attempt, for the ETA
         self.demoted = False
@@ -233,8 +249,21 @@ class DeviceService(abc.ABC):
     initial_stall_rate = 0.05  # GPU seconds a stall unit until measured (rule 3; a kind sets its own)
 
     def stall_units(self, msg: dict[str, Any], work: float) -> float:
-        """What a GPU attempt's time grows with (rule 3): its work, unless its kind knows better."""
+        """What a GPU attempt's time grows with, in all (rule 3): its work, unless its kind knows better."""
         return work
+
+    def stall_steps(self, msg: dict[str, Any], work: float) -> StallSteps:
+        """What each wait for a GPU attempt's next event covers (rule 3)."""
+        return StallSteps(self.stall_units(msg, work))
+
+    def _measured(self, seconds: float, units: float) -> None:
+        """A GPU attempt of ``units`` took ``seconds``. The first is the rate (the initial one is
+        a guess); after it, a slower one is the rate at once, a faster one moves it a fifth of the
+        way (rule 3: a bound errs long)."""
+        rate = seconds / max(units, 1e-9)
+        if self._stall_measured and rate <= self._stall_rate:
+            rate = 0.8 * self._stall_rate + 0.2 * rate
+        self._stall_rate, self._stall_measured = rate, True
 
     def stall_bound_s(self, units: float, slots: int) -> float:
         """How long a GPU attempt of ``units`` on a worker running up to ``slots`` requests at once
@@ -452,11 +481,11 @@ class DeviceService(abc.ABC):
         (rule 4)."""
         t0 = time.monotonic()
         parts: list[RequestEvent] = []
-        units = self.stall_units(msg, work)
-        bound = self.stall_bound_s(units, d.worker.spec.slots) if d.lane == "gpu" else None  # none on the CPU
+        steps = self.stall_steps(msg, work) if d.lane == "gpu" else None  # no stall bound on the CPU
         events = d.worker.request(self.op, {"rid": rid, **msg, "reserve_bytes": d.nbytes})
         try:
             while True:
+                bound = None if steps is None else self.stall_bound_s(steps.units, d.worker.spec.slots)
                 try:
                     async with asyncio.timeout(bound):
                         ev = await anext(events)
@@ -464,6 +493,10 @@ class DeviceService(abc.ABC):
                     break
                 except TimeoutError:
                     return await self._stalled(d, rid, bound)
+                if steps is not None:
+                    steps.after(ev)
+                if isinstance(ev, Progress):
+                    continue
                 if isinstance(ev, Started):
                     if d.lane == "gpu" and self.gw.ledger is not None:
                         self.gw.ledger.confirm(rid, time.monotonic())
@@ -472,7 +505,7 @@ class DeviceService(abc.ABC):
                     took = time.monotonic() - t0
                     self._note(d, "ok", took / max(work, 1e-3))
                     if d.lane == "gpu":
-                        self._stall_rate = 0.8 * self._stall_rate + 0.2 * took / max(units, 1e-3)
+                        self._measured(took, self.stall_units(msg, work))
                     return (parts, ev)
                 elif isinstance(ev, Failed):
                     self._note(d, "severe" if ev.kind in ("alloc_failed", "oom") else "failed", 0.0)

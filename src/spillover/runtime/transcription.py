@@ -20,6 +20,7 @@ Rules (beside the service's own):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from spillover.core.transcribe_memory import TranscribeMemoryModel
 from spillover.errors import FailoverInterrupted, InvalidRequest, WorkerFailed
 from spillover.runtime.events import AudioInfo, RequestEvent, Segment
-from spillover.runtime.service import DeviceService
+from spillover.runtime.service import DeviceService, StallSteps
 
 if TYPE_CHECKING:
     from spillover.core.transcribe_memory import WhisperShape
@@ -52,6 +53,22 @@ class Transcript:
         return "".join(s["text"] for s in self.segments).strip()
 
 
+class _AudioLeft(StallSteps):
+    """A transcription's steps (``runtime.service`` rule 3): until its audio is decoded, all of
+    it; then the audio after the last segment's end (windows without speech give no segment)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self._total = seconds
+
+    def after(self, ev: RequestEvent) -> None:
+        if isinstance(ev, AudioInfo):
+            self._total = self.units = ev.duration_s
+        elif isinstance(ev, Segment):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self.units = max(0.0, self._total - float(ev.data["end"]))
+
+
 class TranscriptionService(DeviceService):
     """One ``[[services]]`` entry of kind ``transcription``."""
 
@@ -59,6 +76,9 @@ class TranscriptionService(DeviceService):
     op = "transcribe"
     initial_rate = {"gpu": 0.2, "cpu": 0.3}  # real-time factors until measured
     initial_stall_rate = 0.2  # the GPU's, for the stall bound (its units: seconds of audio)
+
+    def stall_steps(self, msg: dict[str, Any], work: float) -> StallSteps:
+        return _AudioLeft(work)
 
     shape: WhisperShape | None = None
     memory: TranscribeMemoryModel | None = None
