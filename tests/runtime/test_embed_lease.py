@@ -74,26 +74,38 @@ def test_the_stall_bound_covers_the_next_chunk_at_a_rate_that_errs_long() -> Non
     floor = svc.gw.cfg.failover.stall_timeout_s
     assert svc.stall_bound_s(steps.units, 1) == floor  # a small chunk: the floor
     big = chunk_units([[1] * 510] * 32)
-    assert svc.stall_bound_s(big, 2) == STALL_FACTOR * svc.initial_stall_rate * big * 2 > floor
-    svc._measured(0.1, 1000.0)  # the first measurement replaces the initial guess
+    over = svc.stall_overhead_units  # a request's fixed cost, in units
+    assert svc.stall_bound_s(big, 2) == STALL_FACTOR * svc.initial_stall_rate * (big + over) * 2 > floor
+    svc._measured(0.1, 1000.0 - over)  # the first measurement replaces the initial guess
     assert svc._stall_rate == 0.0001
-    svc._measured(0.05, 1000.0)  # faster: a fifth of the way
+    svc._measured(0.05, 1000.0 - over)  # faster: a fifth of the way
     assert svc._stall_rate == 0.8 * 0.0001 + 0.2 * 0.00005
-    svc._measured(5.0, 1000.0)  # slower: at once
+    svc._measured(5.0, 1000.0 - over)  # slower: at once
     assert svc._stall_rate == 0.005
+    # A 1-input query is mostly fixed cost (3 ms here): its rate keeps a large chunk's bound
+    # a few times that chunk's own time (50 us a unit here), not hundreds of seconds.
+    fresh = embeddings_service(DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9))
+    fresh._measured(0.003, chunk_units([[101, 7592, 102]]))
+    assert fresh.stall_bound_s(big, 2) < 2 * STALL_FACTOR * 2 * 50e-6 * big
 
 
 def test_a_transcriptions_stall_bound_covers_the_audio_after_its_last_segment() -> None:
     """Until the audio is decoded a wait covers all of it (its header's length, then the decoded
-    one); after each segment, the audio after that segment's end."""
+    one); after each segment, the audio after that segment's end; in whole 30 s windows, at
+    least one (Whisper pads the last)."""
     from spillover.runtime.events import AudioInfo, Segment
     from spillover.runtime.transcription import TranscriptionService
 
-    steps = TranscriptionService.stall_steps(None, {}, 120.0)  # type: ignore[arg-type]
-    assert steps.units == 120.0
+    steps = TranscriptionService.stall_steps(None, {}, 100.0)  # type: ignore[arg-type]
+    assert steps.units == 120.0  # whole 30 s windows
     steps.after(AudioInfo("en", 90.0))
     assert steps.units == 90.0
     steps.after(Segment({"end": 30.0, "text": " a"}))
     assert steps.units == 60.0
-    steps.after(Segment({"end": 95.0, "text": " b"}))
-    assert steps.units == 0.0
+    steps.after(Segment({"end": 61.0, "text": " b"}))
+    assert steps.units == 30.0
+    steps.after(Segment({"end": 95.0, "text": " c"}))  # past the end: the last window still runs
+    assert steps.units == 30.0
+    steps.after(Segment({"text": " no end"}))
+    assert steps.units == 30.0
+    assert TranscriptionService.stall_units(None, {}, 1.0) == 30.0  # type: ignore[arg-type]

@@ -126,6 +126,34 @@ def test_tokenize_gives_llama_cpp_pythons_ids(tok: Tokenizer, pieces: list[str],
     assert tok.tokenize(text, special=special, add_bos=add_bos) == expected
 
 
+def test_tokenize_asks_again_when_llama_cpp_needs_more_room_than_the_bytes() -> None:
+    """A vocab may give more ids than bytes + 2 (a space prefix, BOS and EOS around one byte):
+    llama.cpp then answers how many it needs, and the call is made again with that room; an
+    answer no text could need (INT32_MIN: too many to count) is an error, not a huge buffer."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from spillover.engine.llama_engine import _tokenize
+
+    calls: list[int] = []
+
+    def fake(vocab: object, data: bytes, size: int, buf: Any, room: int, add_bos: bool, special: bool) -> int:
+        calls.append(room)
+        need = size + 3
+        if room < need:
+            return -need
+        for i in range(need):
+            buf[i] = 100 + i
+        return need
+
+    lib = SimpleNamespace(llama_token=ctypes.c_int32, llama_tokenize=fake)
+    assert _tokenize(lib, None, b"\x00", add_bos=True, special=False) == [100, 101, 102, 103]
+    assert calls == [3, 4]
+    lib.llama_tokenize = lambda *a: -(2**31)
+    with pytest.raises(RuntimeError, match="asked for"):
+        _tokenize(lib, None, b"x", add_bos=True, special=False)
+
+
 @pytest.mark.parametrize(("messages", "tools"), BENIGN)
 def test_benign_conversations_tokenize_as_before(tok: Tokenizer, messages: Messages, tools: Messages | None) -> None:
     """Without marker text in client strings, the ids are exactly those of the old whole-rendering path."""

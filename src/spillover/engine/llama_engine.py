@@ -172,8 +172,10 @@ def _tokenize(llama_cpp: Any, vocab: Any, data: bytes, *, add_bos: bool, special
     room = len(data) + 2
     buf = (llama_cpp.llama_token * room)()
     n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_bos, special)
-    if n < 0:  # more ids than bytes (not seen; llama.cpp says how many)
+    if n < 0:  # more ids than that (a vocab that adds a space and EOS to a byte; llama.cpp says how many)
         room = -n
+        if room > 4 * len(data) + 16:  # INT32_MIN is "too many to count": no buffer of 8 GiB
+            raise RuntimeError(f"llama_tokenize asked for {room} ids for {len(data)} bytes")
         buf = (llama_cpp.llama_token * room)()
         n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_bos, special)
         if n < 0:

@@ -101,6 +101,7 @@ class EmbeddingsService(DeviceService):
         return self.tokenizer.encode(texts)
 
     initial_stall_rate = 0.0005  # GPU seconds a unit (``chunk_units``) until measured: 5 times the sim's here
+    stall_overhead_units = 64.0  # a request's fixed cost: about 3 ms on the sim here (a 1-input query's)
 
     def stall_units(self, msg: dict[str, Any], work: float) -> float:
         inputs, size = msg["inputs"], max(1, int(msg["batch_size"]))

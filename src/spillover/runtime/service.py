@@ -23,13 +23,14 @@ Rules:
    expected time of what the worker computes before it (its kind's ``StallSteps``: an
    embeddings chunk, a transcription's audio left; at the GPU's seconds a unit: the first
    attempt's, then rising at once to a slower one's and falling a fifth of the way to a faster
-   one's), times the
-   worker's slots (that many may share the device), and never sooner than
-   ``[failover].stall_timeout_s``: a hung device (``spillover sim hang``) is not a slow one.
-   Its worker is killed (its supervisor restarts it), as chat does with a stalled one.
+   one's; a request's fixed cost counted apart), times the worker's slots (that many may
+   share the device), and never sooner than ``[failover].stall_timeout_s``: a hung device
+   (``spillover sim hang``) is not a slow one. Its worker is killed (its supervisor restarts
+   it), as chat does with a stalled one.
 4. Each attempt's lease (worker slot + device reservation) is released exactly once, when
    the worker has stopped working on it (its last event, or its exit), however the
-   attempt ends (done, error, cancel).
+   attempt ends (done, error, cancel). The wait for that is bounded: a killed worker whose
+   exit is not seen within ``[supervisor].health_timeout_s`` gives its lease back anyway.
 5. A breaker per GPU worker (``core.breaker``) takes the GPU out of placement after
    repeated failures, as for chat.
 6. The pressure ladder: a batch-priority service whose GPU worker is idle may be demoted
@@ -247,6 +248,7 @@ class DeviceService(abc.ABC):
 
     initial_rate = {"gpu": 0.05, "cpu": 0.1}
     initial_stall_rate = 0.05  # GPU seconds a stall unit until measured (rule 3; a kind sets its own)
+    stall_overhead_units = 0.0  # a request's fixed cost (the channel, a launch), in stall units
 
     def stall_units(self, msg: dict[str, Any], work: float) -> float:
         """What a GPU attempt's time grows with, in all (rule 3): its work, unless its kind knows better."""
@@ -259,8 +261,10 @@ class DeviceService(abc.ABC):
     def _measured(self, seconds: float, units: float) -> None:
         """A GPU attempt of ``units`` took ``seconds``. The first is the rate (the initial one is
         a guess); after it, a slower one is the rate at once, a faster one moves it a fifth of the
-        way (rule 3: a bound errs long)."""
-        rate = seconds / max(units, 1e-9)
+        way (rule 3: a bound errs long). The request's fixed cost counts as its kind's
+        ``stall_overhead_units``: else a tiny request's rate, which is mostly that cost, would
+        stretch every large one's bound many times over."""
+        rate = seconds / max(units + self.stall_overhead_units, 1e-9)
         if self._stall_measured and rate <= self._stall_rate:
             rate = 0.8 * self._stall_rate + 0.2 * rate
         self._stall_rate, self._stall_measured = rate, True
@@ -268,7 +272,8 @@ class DeviceService(abc.ABC):
     def stall_bound_s(self, units: float, slots: int) -> float:
         """How long a GPU attempt of ``units`` on a worker running up to ``slots`` requests at once
         may go without an event before it is a stall (rule 3)."""
-        return max(self.gw.cfg.failover.stall_timeout_s, STALL_FACTOR * self._stall_rate * units * slots)
+        expected = self._stall_rate * (units + self.stall_overhead_units)
+        return max(self.gw.cfg.failover.stall_timeout_s, STALL_FACTOR * expected * slots)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} queued={len(self.queue)} breaker={self.breaker.circuit.value}>"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,20 +54,30 @@ class Transcript:
         return "".join(s["text"] for s in self.segments).strip()
 
 
+WINDOW_S = 30.0  # Whisper decodes its audio in windows this long, the last one padded
+
+
+def windows_s(seconds: float) -> float:
+    """The audio a transcription decodes, in seconds: whole windows, at least one."""
+    return WINDOW_S * max(1, math.ceil(seconds / WINDOW_S - 1e-9))
+
+
 class _AudioLeft(StallSteps):
-    """A transcription's steps (``runtime.service`` rule 3): until its audio is decoded, all of
-    it; then the audio after the last segment's end (windows without speech give no segment)."""
+    """A transcription's steps (``runtime.service`` rule 3), in seconds of audio rounded up to
+    whole windows: until its audio is decoded, all of it; then the audio after the last
+    segment's end (windows without speech give no segment)."""
 
     def __init__(self, seconds: float) -> None:
-        super().__init__(seconds)
+        super().__init__(windows_s(seconds))
         self._total = seconds
 
     def after(self, ev: RequestEvent) -> None:
         if isinstance(ev, AudioInfo):
-            self._total = self.units = ev.duration_s
+            self._total = ev.duration_s
+            self.units = windows_s(ev.duration_s)
         elif isinstance(ev, Segment):
             with contextlib.suppress(KeyError, TypeError, ValueError):
-                self.units = max(0.0, self._total - float(ev.data["end"]))
+                self.units = windows_s(max(0.0, self._total - float(ev.data["end"])))
 
 
 class TranscriptionService(DeviceService):
@@ -76,6 +87,9 @@ class TranscriptionService(DeviceService):
     op = "transcribe"
     initial_rate = {"gpu": 0.2, "cpu": 0.3}  # real-time factors until measured
     initial_stall_rate = 0.2  # the GPU's, for the stall bound (its units: seconds of audio)
+
+    def stall_units(self, msg: dict[str, Any], work: float) -> float:
+        return windows_s(work)
 
     def stall_steps(self, msg: dict[str, Any], work: float) -> StallSteps:
         return _AudioLeft(work)
