@@ -49,6 +49,18 @@ def sim(gw: GatewayProcess) -> SimDevice:
     return SimDevice(gw.state_dir)
 
 
+def while_hung(gw: GatewayProcess, send: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
+    """``send()``'s answer, and the seconds it took, while the sim GPU hangs (cleared after)."""
+    dev = sim(gw)
+    dev.set_hang(True)
+    try:
+        time.sleep(0.5)  # each worker's sim watch sees it (it reads the ledger 20 times a second)
+        t0 = time.monotonic()
+        return send(), time.monotonic() - t0
+    finally:
+        dev.set_hang(False)
+
+
 def stream(
     client: httpx.Client,
     path: str,

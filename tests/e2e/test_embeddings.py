@@ -24,7 +24,7 @@ from spillover.core.profiles import device_bytes
 from spillover.engine.embedder import EmbedTokenizer, default_embed_model_dir, read_embed_model_info
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
-from tests.e2e.helpers import replay_after_sigkill, wait_for
+from tests.e2e.helpers import replay_after_sigkill, wait_for, while_hung
 
 pytestmark = pytest.mark.e2e
 
@@ -285,15 +285,7 @@ def test_a_hung_gpu_is_a_stall_replayed_on_cpu_and_its_worker_restarted() -> Non
         ref = c.post("/v1/embeddings", json=body)
         assert ref.headers["x-spillover-route"] == "gpu", ref.text
         pid = _service_worker(g, "gpu")["pid"]
-        dev = SimDevice(g.state_dir)
-        dev.set_hang(True)
-        try:
-            time.sleep(0.5)  # each worker's sim watch sees it (it reads the ledger 20 times a second)
-            t0 = time.monotonic()
-            r = c.post("/v1/embeddings", json=body)
-            took = time.monotonic() - t0
-        finally:
-            dev.set_hang(False)
+        r, took = while_hung(g, lambda: c.post("/v1/embeddings", json=body))
         assert r.status_code == 200, r.text
         assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-reason"] == "failover:stall"
         assert 3.0 <= took < 60, took

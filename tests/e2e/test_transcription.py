@@ -22,7 +22,7 @@ import pytest
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
 from spillover.testing.audio import SPOKEN_WORDS, speech_clip, speech_of
-from tests.e2e.helpers import wait_for
+from tests.e2e.helpers import wait_for, while_hung
 
 pytestmark = pytest.mark.e2e
 
@@ -208,15 +208,7 @@ def test_a_hung_gpu_is_a_stall_replayed_on_cpu_and_its_worker_restarted() -> Non
         ref = _post(g, {}, CLIP)
         assert ref.headers["x-spillover-route"] == "gpu", ref.text
         pid = _worker(g, "gpu")["pid"]
-        dev = SimDevice(g.state_dir)
-        dev.set_hang(True)
-        try:
-            time.sleep(0.5)  # each worker's sim watch sees it (it reads the ledger 20 times a second)
-            t0 = time.monotonic()
-            r = _post(g, {}, CLIP)
-            took = time.monotonic() - t0
-        finally:
-            dev.set_hang(False)
+        r, took = while_hung(g, lambda: _post(g, {}, CLIP))
         assert r.status_code == 200, r.text
         assert r.headers["x-spillover-route"] == "cpu" and r.headers["x-spillover-reason"] == "failover:stall"
         assert 3.0 <= took < 120, took
