@@ -122,6 +122,37 @@ def test_unreadable_device_while_waiting_for_release_does_not_end_supervision(ca
     assert any("not released after 0.2s (device unreadable" in what for _, what in sup.events), sup.events
 
 
+class SlowReleaseDevice:
+    """A device that shows a dead worker's memory held for its first reads of each pid, and
+    notes what the worker's row said it waits for at each read."""
+
+    def __init__(self) -> None:
+        self.sup: Supervisor | None = None
+        self.reads: dict[int, int] = {}
+        self.seen: list[str | None] = []
+
+    def held_by(self, pid: int) -> int:
+        assert self.sup is not None
+        self.seen.append(self.sup.worker.statistics().waiting)
+        self.reads[pid] = self.reads.get(pid, 0) + 1
+        return 1024 if self.reads[pid] <= 3 else 0
+
+
+def test_a_restart_waiting_for_the_device_says_so_in_its_row() -> None:
+    """While the device still holds the dead worker's memory, the worker's row (``waiting``)
+    names the release it waits for; once the device released it and the worker is up, nothing."""
+    dev = SlowReleaseDevice()
+
+    def keep(sup: Supervisor) -> None:
+        dev.sup = sup
+
+    sup = supervise_until_ready(2, device=dev, patch=keep)
+    assert dev.seen[0] is None  # the first read: nothing was held yet
+    assert any(w is not None and w.startswith("the device to release the memory of its last process") for w in dev.seen)
+    assert dev.seen[-1] is not None  # the last read still waited; then it released, and the row cleared
+    assert sup.worker.statistics().waiting is None
+
+
 def test_listener_that_raises_does_not_end_supervision(caplog: pytest.LogCaptureFixture) -> None:
     """A listener (the gateway's event hook) that raises on every event is logged, and the
     worker is still started and restarted."""

@@ -161,7 +161,8 @@ def test_page_lists_each_service_where_it_runs_and_why(browser: object) -> None:
 def test_services_section_hides_without_the_key_and_escapes_its_text(gw: GatewayProcess, browser: object) -> None:
     """Fed an older gateway's status (no services key) the page still renders and hides the
     Services table; fed a demoted service whose name is markup, it shows the name as text and
-    the demotion with its reason and 'waiting for room to load'."""
+    the demotion with its reason and 'waiting for room to load', and its worker's row what the
+    load waits for (markup as text too)."""
     from playwright.sync_api import Browser, Route, expect
 
     assert isinstance(browser, Browser)
@@ -186,7 +187,17 @@ def test_services_section_hides_without_the_key_and_escapes_its_text(gw: Gateway
         "demotions": 1,
         "promotions": 0,
         "ladder": [{"t_s": 1.0, "event": "demoted", "reason": "chat needed 64 MiB"}],
-        "workers": [],
+        "workers": [  # its GPU worker's load waits for room (``waiting``), its text markup too
+            {
+                "worker_id": "bge-gpu",
+                "device": "sim",
+                "state": "stopped",
+                "pid": None,
+                "busy": 0,
+                "starts": 0,
+                "waiting": f"room on the device for its 1024 bytes of weights {evil}",
+            },
+        ],
     }
     services: list[list[dict[str, object]] | None] = [None]
 
@@ -215,7 +226,10 @@ def test_services_section_hides_without_the_key_and_escapes_its_text(gw: Gateway
         expect(row).to_contain_text("waiting for room to load")
         expect(row).to_contain_text("last demoted")
         expect(row).to_contain_text("chat needed 64 MiB")
-        assert pg.locator("#services img").count() == 0
+        waiting = pg.locator("#workers tbody tr").nth(2)
+        expect(waiting).to_contain_text("stopped — waiting for room on the device for its 1024 bytes of weights")
+        expect(waiting).to_contain_text(evil)
+        assert pg.locator("#services img").count() == 0 and pg.locator("#workers img").count() == 0
         assert pg.evaluate("window.pwned") is None
         ARTIFACTS.mkdir(exist_ok=True)
         pg.locator("#services").screenshot(path=str(ARTIFACTS / "status-page-services-demoted.png"))

@@ -149,6 +149,9 @@ def test_a_second_model_load_that_does_not_fit_waits_and_serves_on_its_cpu(tiny:
         assert r.status_code == 200 and r.headers["x-spillover-route"] == "cpu", r.text
         gpu = next(w for w in _row(g.status(), SECOND)["workers"] if w["lane"] == "gpu")
         assert gpu["starts"] == 0  # never attempted
+        # its row says what it waits for, not only "stopped"
+        assert gpu["state"] == "stopped", gpu
+        assert gpu["waiting"] == f"room on the device for its {second_weights} bytes of weights", gpu
         SimDevice(g.state_dir).set_capacity((capacity_mib + 128) * MIB)
         wait_for(
             lambda: next(w for w in _row(g.status(), SECOND)["workers"] if w["lane"] == "gpu")["state"] == "ready",
@@ -159,6 +162,7 @@ def test_a_second_model_load_that_does_not_fit_waits_and_serves_on_its_cpu(tiny:
         assert r.headers["x-spillover-route"] == "gpu", (r.headers.get("x-spillover-reason"), _row(g.status(), SECOND))
         st = g.status()
         assert st["device"]["alloc_failures"] == 0 and not _row(st, SECOND)["load_waiting"]
+        assert all(w["waiting"] is None for w in _row(st, SECOND)["workers"])
 
 
 def test_a_second_model_request_survives_a_gateway_sigkill(tiny: Path, tmp_path: Path) -> None:

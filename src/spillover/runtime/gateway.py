@@ -249,17 +249,23 @@ class Gateway:
     async def reserve_weights(self, worker: WorkerClient, *, nbytes: int, on_wait: Callable[[bool], None]) -> None:
         """A GPU worker's ``before_start``: its weights are reserved in the device ledger
         before it loads; until they fit the load waits (``on_wait(True)``; its model's
-        requests go to its CPU path), never attempted into an allocation failure."""
+        requests go to its CPU path), never attempted into an allocation failure. Meanwhile
+        the worker's ``waiting`` names the room it waits for: its ``/v1/status`` row is not a
+        bare ``stopped`` or ``dead``."""
         assert self.ledger is not None
         holder = worker.spec.weights_holder
         waiting = False
-        while not self.ledger.holds(holder):
-            if self.ledger.reserve_nowait(holder, nbytes, time.monotonic(), kind="weights") is None:
-                if not waiting:
-                    waiting = True
-                    on_wait(True)
-                    self.note_event(worker.spec.worker_id, f"load waiting: its {nbytes} bytes of weights do not fit")
-                await asyncio.sleep(LOAD_RECHECK_S)
+        try:
+            while not self.ledger.holds(holder):
+                if self.ledger.reserve_nowait(holder, nbytes, time.monotonic(), kind="weights") is None:
+                    if not waiting:
+                        waiting = True
+                        on_wait(True)
+                        worker.waiting = f"room on the device for its {nbytes} bytes of weights"
+                        self.note_event(worker.spec.worker_id, f"load waiting: {worker.waiting}")
+                    await asyncio.sleep(LOAD_RECHECK_S)
+        finally:
+            worker.waiting = None  # it loads now, or the wait was cancelled (the gateway stops)
         on_wait(False)
 
     async def _observe_loop(self) -> None:

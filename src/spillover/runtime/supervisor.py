@@ -5,14 +5,16 @@ Rules:
 1. A worker that dies is restarted after ``backoff`` seconds; the back-off doubles on each
    death up to ``restart_backoff_max_s`` and resets after 30 s of healthy running.
 2. Before reloading a GPU worker it waits (bounded by ``release_wait_s``) until the device
-   shows the dead process's memory released.
+   shows the dead process's memory released; meanwhile its worker's ``waiting`` (in
+   ``/v1/status``) says so.
 3. A worker whose pings go unanswered for ``health_timeout_s`` is killed (then restarted).
    The time the gateway's own loop ran late (a machine whose cores something else holds)
    is not counted against the worker, and what its pipe already holds is read before the
    verdict: a starved gateway never kills a worker whose pong waits unread.
 4. Nothing here touches another worker or lane.
 6. A start may wait for a condition given by the owner (``before_start``): a GPU worker's
-   load is a device reservation, and it is not attempted before its weights fit.
+   load is a device reservation, and it is not attempted before its weights fit. The owner
+   says what it waits for in the worker's ``waiting`` (``Gateway.reserve_weights``).
 7. The owner may park a worker (``park``: it is stopped, its memory given back, and not
    restarted) and resume it later (``resume``): a demoted batch service's GPU worker.
 5. The loop never ends by accident: an exception in one round (a device that cannot be
@@ -237,8 +239,11 @@ class Supervisor:
                 failure = exc
             else:
                 if held == 0:
+                    self.worker.waiting = None
                     return
+            self.worker.waiting = f"the device to release the memory of its last process (pid {pid})"
             await asyncio.sleep(0.05)
+        self.worker.waiting = None
         why = f" (device unreadable: {failure!r})" if failure is not None else ""
         self._event(K.NOT_RELEASED, f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s{why}")
 

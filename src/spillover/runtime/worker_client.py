@@ -143,6 +143,7 @@ class WorkerStatistics:
     contexts: int
     fingerprint: dict[str, str] | None
     info: dict[str, Any] | None
+    waiting: str | None  # what its next start waits for (room on the device), None when it does not wait
 
 
 class _Channel(asyncio.subprocess.SubprocessStreamProtocol):
@@ -268,6 +269,7 @@ class WorkerClient:
         self.contexts = 0
         self.held: dict[str, Any] = {}  # the worker's last ``held`` report: mode, model, contexts, timings
         self.held_seq = 0  # bumped by each report
+        self.waiting: str | None = None  # what its next start waits for (set by the supervisor's owner)
 
     def __repr__(self) -> str:
         return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
@@ -517,4 +519,5 @@ class WorkerClient:
             fingerprint=(self.info or {}).get("fingerprint"),
             # what it holds now (its last ``held`` report), not what it held when it was ready
             info=self.info if self.info is None or not self.held else self.info | {"held": self.held},
+            waiting=self.waiting,
         )
