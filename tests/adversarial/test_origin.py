@@ -310,7 +310,9 @@ def test_an_error_the_app_did_not_answer_still_carries_cors_for_a_listed_origin(
 
     ui = "http://ui.example:3000"
     policy = HostPolicy.from_config(ServerConfig(allowed_origins=(ui,)))
-    guard = OriginGuard(broken, policy=policy, refuse=lambda exc: JSONResponse({"error": str(exc)}, status_code=500))
+    guard = OriginGuard(
+        broken, policy=policy, refuse=lambda exc, path: JSONResponse({"error": str(exc)}, status_code=500)
+    )
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:

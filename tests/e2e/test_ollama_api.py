@@ -111,6 +111,16 @@ def test_errors_come_in_ollama_shape(gw: GatewayProcess, client: ollama.Client) 
     assert big.status_code == 413 and big.json()["code"] == "payload_too_large", big.text
     bad = httpx.post(f"{gw.url}/api/show", content=b"{", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "JSON" in bad.json()["error"], bad.text
+    # answers made outside the routes are in Ollama's shape under /api/ too: no route, a wrong
+    # method, a Host the guard refuses (each was OpenAI's {"error": {...}})
+    for r, status, code in [
+        (httpx.post(f"{gw.url}/api/pull", json={"model": MODEL}), 404, "not_found"),
+        (httpx.get(f"{gw.url}/api/chat"), 405, "method_not_allowed"),
+        (httpx.get(f"{gw.url}/api/tags", headers={"Host": "evil.example"}), 403, "forbidden_host"),
+    ]:
+        assert r.status_code == status and isinstance(r.json()["error"], str), r.text
+        assert r.json()["code"] == code and r.headers["x-spillover-request-id"], r.text
+    assert isinstance(httpx.get(f"{gw.url}/v1/nope").json()["error"], dict)  # OpenAI's shape there
 
 
 def test_an_ollama_request_is_journaled_and_flags_its_route(gw: GatewayProcess) -> None:

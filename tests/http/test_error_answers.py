@@ -80,3 +80,19 @@ def test_a_lone_surrogate_a_client_sent_is_quoted_escaped_not_a_failed_answer(na
     assert "\\\\ud" in text, text  # the escape, as text
     assert body["error"]["param"] == name.encode("utf-8", "backslashreplace").decode()
     json.dumps(ollama_error_body(err), ensure_ascii=False).encode("utf-8")
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/anything", "/v1/chat/completions", "/"])
+def test_an_unexpected_error_answers_in_the_shape_of_its_route(path: str) -> None:
+    """A bug's 500 (the app's last handler) is Ollama's ``{"error": "..."}`` under /api/ (an
+    Ollama client reads its message there), and OpenAI's error object elsewhere; both say
+    ``internal_error`` and carry a request id."""
+    from spillover.http.app import _error_response
+
+    r = _error_response(RuntimeError("a bug"), path)
+    body = json.loads(bytes(r.body))
+    assert r.status_code == 500 and r.headers["x-spillover-request-id"]
+    if path.startswith("/api/"):
+        assert body == {"error": "internal error: RuntimeError", "code": "internal_error", "param": None}
+    else:
+        assert body["error"]["code"] == "internal_error" and body["error"]["message"] == "internal error: RuntimeError"

@@ -39,7 +39,8 @@ from spillover.errors import (
 )
 from spillover.http.audio import UploadHold, audio_endpoints, read_audio_form, sweep_uploads
 from spillover.http.embeddings import embedding_endpoints
-from spillover.http.ollama_api import ollama_endpoints, ollama_error, ollama_routes
+from spillover.http.ollama import ollama_error_body
+from spillover.http.ollama_api import OLLAMA_PREFIX, ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
 from spillover.http.routes import content_codings, guard, plain_json
@@ -56,14 +57,17 @@ log = logging.getLogger("spillover.http")
 OPEN_PATHS = frozenset({"/health"})
 
 
-def _error_response(exc: BaseException, rid: str | None = None) -> JSONResponse:
-    """An error answer; one refused before any request id was made gets a fresh one (the id a
-    log line or a bug report names: never an empty header)."""
+def _error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    """An error answer made outside a route (a refusal of the origin guard, an unknown route,
+    an unexpected error), with a fresh request id (the id a log line or a bug report names:
+    never an empty header). Under ``/api/`` it is in Ollama's shape, as the Ollama routes'
+    own errors are (``ollama_error``); elsewhere in OpenAI's."""
     e = to_http(exc)
     headers = dict(e.headers)
-    headers["X-Spillover-Request-Id"] = rid or new_request_id()
+    headers["X-Spillover-Request-Id"] = new_request_id()
     headers.setdefault("X-Spillover-Route", "none")
-    return JSONResponse(e.body, status_code=e.status, headers=headers)
+    body = ollama_error_body(exc) if path.startswith(OLLAMA_PREFIX) else e.body
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 async def _within(timeout_s: float, reading: Awaitable[Any]) -> Any:
@@ -395,19 +399,20 @@ def create_app(gw: Gateway) -> GatewayLifespan:
 
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        path = request.url.path
         if exc.status_code == 404:
-            return _error_response(NotFound(f"no route {request.method} {request.url.path}"))
+            return _error_response(NotFound(f"no route {request.method} {path}"), path)
         client = 400 <= exc.status_code < 500  # Starlette's own refusals: a code, never internal_error
         code = "method_not_allowed" if exc.status_code == 405 else "invalid_request" if client else None
         err = SpilloverError(str(exc.detail), code=code)
         err.status = exc.status_code
         err.type = "invalid_request_error"
-        response = _error_response(err)
+        response = _error_response(err, path)
         response.headers.update(exc.headers or {})  # a 405's Allow, as HTTP asks
         return response
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

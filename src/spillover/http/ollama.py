@@ -202,9 +202,10 @@ def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
     return dataclasses.replace(req, ctx_limit=num_ctx) if num_ctx is not None else req
 
 
-def ollama_error_body(err: SpilloverError) -> dict[str, Any]:
+def ollama_error_body(err: BaseException) -> dict[str, Any]:
     """Ollama's error shape; the machine-readable code stays with it, and the technical
-    account (``detail``: a model load's failures, each worker's) where there is one."""
+    account (``detail``: a model load's failures, each worker's) where there is one. Any
+    exception: one that is not a ``SpilloverError`` is an ``internal_error`` (``to_http``)."""
     e = to_http(err).body["error"]
     detail = {"detail": e["detail"]} if "detail" in e else {}
     return {"error": e["message"], "code": e["code"], "param": e["param"]} | detail

@@ -52,6 +52,7 @@ class _LoadOnly(Exception):
 
 
 FAR_FUTURE = "2999-12-31T23:59:59Z"  # expires_at: spillover does not unload on a timer
+OLLAMA_PREFIX = "/api/"  # every Ollama route's path begins so: an error there is in Ollama's shape
 
 
 def ollama_error(err: SpilloverError, rid: str) -> Response:

@@ -209,9 +209,10 @@ class HostPolicy:
 
 
 class OriginGuard:
-    """ASGI middleware: answers a request that ``policy`` refuses with ``refuse(error)``."""
+    """ASGI middleware: answers a request that ``policy`` refuses with ``refuse(error, path)``
+    (the path picks the answer's shape: Ollama's under ``/api/``)."""
 
-    def __init__(self, app: ASGIApp, *, policy: HostPolicy, refuse: Callable[[BaseException], Response]) -> None:
+    def __init__(self, app: ASGIApp, *, policy: HostPolicy, refuse: Callable[[BaseException, str], Response]) -> None:
         self.app = app
         self.policy = policy
         self.refuse = refuse
@@ -232,7 +233,7 @@ class OriginGuard:
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
         else:
-            await self.refuse(error)(scope, receive, send)
+            await self.refuse(error, scope.get("path", ""))(scope, receive, send)
 
     async def _cors(
         self, origin: bytes, error: SpilloverError | None, scope: Scope, receive: Receive, send: Send
@@ -266,11 +267,11 @@ class OriginGuard:
             await send(message)
 
         if error is not None:
-            await self.refuse(error)(scope, receive, marked)
+            await self.refuse(error, scope.get("path", ""))(scope, receive, marked)
             return
         try:
             await self.app(scope, receive, marked)
         except Exception as exc:  # the server's 500 is answered outside this guard, unmarked
             if not started:
-                await self.refuse(exc)(scope, receive, marked)
+                await self.refuse(exc, scope.get("path", ""))(scope, receive, marked)
             raise  # logged as before; the answer is sent
