@@ -12,6 +12,7 @@ import select
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -233,6 +234,7 @@ def test_an_oversized_head_gets_431_and_a_large_body_does_not(gw: GatewayProcess
                 s.sendall(head)
             got = read_response(s)
             assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+            assert _json_answer(got)[2]["error"]["code"] == "request_head_too_large", got[:300]  # rule 7
             assert s.recv(4096) == b""  # closed
     assert gw.status()["connections"]["heads_too_large"] == before + len(heads)
     body = json.dumps(
@@ -250,6 +252,50 @@ def test_an_oversized_head_gets_431_and_a_large_body_does_not(gw: GatewayProcess
             got = read_response(s)
             assert got.startswith(b"HTTP/1.1 404 "), (cut, got[:300])  # unknown model: the body was read whole
             assert b"model_not_found" in got
+
+
+def _json_answer(got: bytes) -> tuple[int, dict[str, str], Any]:
+    """A whole response's status, headers (lower-cased names) and JSON body."""
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict((k.lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:]))
+    assert headers["content-type"] == "application/json", got[:300]
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+EMB = b"POST /v1/embeddings HTTP/1.1\r\nHost: h\r\n"  # a request line and Host, the faults after them
+
+
+@pytest.mark.parametrize(
+    ("head", "fault"),
+    [
+        (EMB + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", "Content-Length"),
+        (EMB + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "Content-Length"),
+        (EMB + b"Content-Length: -1\r\n\r\n", "Content-Length"),
+        (b"BREW /v1/models HTTP/1.1\r\nHost: h\r\n\r\n", "method"),
+        (b"GET /health HTTP/1.1\r\nHost: h\r\nX-A\x01: b\r\n\r\n", "header"),
+        (b"POST /api/chat HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "Content-Length"),
+    ],
+)
+def test_a_request_that_is_not_http_gets_a_json_400_naming_the_fault(
+    gw: GatewayProcess, head: bytes, fault: str
+) -> None:
+    """What llhttp cannot parse is answered as the app answers errors (rule 7): a JSON 400
+    ``invalid_http`` whose message names the parser's fault, a request id, connection closed;
+    under /api/ in Ollama's shape. (uvicorn's own answer was plain text.)"""
+    with connect(gw) as s:
+        s.sendall(head)
+        got = read_response(s)
+        assert s.recv(4096) == b""  # closed
+    status, headers, body = _json_answer(got)
+    assert status == 400 and headers["connection"] == "close" and headers["x-spillover-request-id"], got
+    assert headers["x-should-retry"] == "false", got
+    if b" /api/" in head.split(b"\r\n")[0]:
+        assert body["code"] == "invalid_http" and fault.lower() in body["error"].lower(), body
+    else:
+        assert body["error"]["code"] == "invalid_http" and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["message"].startswith("the request cannot be read as HTTP: "), body
+        assert fault.lower() in body["error"]["message"].lower(), body
 
 
 def test_a_body_left_unread_by_an_early_answer_is_not_a_head(gw: GatewayProcess) -> None:

@@ -19,10 +19,11 @@ Rules:
    restart the clock. Late connections are closed; one that has not read its previous
    response by then is aborted.
 3. A request head (with the empty lines a client may send before it) larger than
-   ``MAX_HEAD_BYTES`` is answered 431 and the connection closed (llhttp itself sets no
-   bound; h11's was 16 KiB). A head that begins in the same read as the end of the request
-   before it (pipelining) is counted from the next read: one read at most goes uncounted.
-   A refusal (this 431, or uvicorn's 400 for a request it cannot parse) behind pipelined
+   ``MAX_HEAD_BYTES`` is answered 431 (``request_head_too_large``, rule 7) and the connection
+   closed (llhttp itself sets no bound; h11's was 16 KiB). A head that begins in the same read
+   as the end of the request before it (pipelining) is counted from the next read: one read at
+   most goes uncounted.
+   A refusal (this 431, or the 400 for a request llhttp cannot parse) behind pipelined
    requests still being answered waits for their answers, reading nothing more.
 4. Refusals, time-outs and oversized heads are counted (``statistics()``) and logged at most once per
    ``LOG_EVERY_S``: an attack cannot grow the log.
@@ -36,6 +37,12 @@ Rules:
    counted (``send_timeouts``) and logged as rule 4 says. The app sees the client go away, so
    the request it answers ends as a disconnected client's does and its worker slot is free:
    a reader that never reads cannot hold a slot, however long its request may run.
+7. What the listener answers itself is an error like the app's (``raw_error``): JSON in
+   OpenAI's shape (Ollama's when the request's target, as far as it was read, is under
+   ``/api/``), its ``x-should-retry``, a request id, and ``connection: close``. A request llhttp
+   cannot parse (a Content-Length beside a Transfer-Encoding, two Content-Lengths, an unknown
+   method, a bad header character) is a 400 ``invalid_http`` naming the parser's fault, not
+   uvicorn's plain-text "Invalid HTTP request received.". Nothing of it is accepted.
 """
 
 from __future__ import annotations
@@ -46,17 +53,22 @@ import functools
 import json
 import logging
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.config import Config as UvicornConfig
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import Server, ServerState
 
-from spillover.errors import CapacityError, ConfigError, to_http
+from spillover.errors import CapacityError, ConfigError, InvalidRequest, SpilloverError, to_http
+from spillover.http.ollama import ollama_error_body
+from spillover.http.ollama_api import OLLAMA_PREFIX
 from spillover.runtime import ticks
+from spillover.runtime.prepare import new_request_id
 
 __all__ = [
     "FD_RESERVE",
@@ -89,6 +101,20 @@ class ConnectionStatistics:
     send_timeouts: int
 
 
+def raw_error(exc: SpilloverError, *, rid: str | None = None, ollama: bool = False) -> bytes:
+    """A whole HTTP/1.1 error answer, written by the listener itself (rules 1, 3 and 7): the
+    app's JSON error (``to_http``; Ollama's shape for an ``/api/`` path) with its headers, the
+    request id when there is one, and ``connection: close``."""
+    error = to_http(exc)
+    body = json.dumps(ollama_error_body(exc) if ollama else error.body, separators=(",", ":")).encode()
+    head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}", "content-type: application/json"]
+    head += [f"{k.lower()}: {v}" for k, v in error.headers.items()]
+    if rid is not None:
+        head += [f"x-spillover-request-id: {rid}", "x-spillover-route: none"]
+    head += ["connection: close", f"content-length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
 class ConnectionGuard:
     """The bounds and counters shared by every connection of one server (rules 1-4 and 6)."""
 
@@ -103,17 +129,12 @@ class ConnectionGuard:
         self.send_timeouts = 0
         self._logged = (0, 0, 0, 0)  # (refused, head_timeouts, heads_too_large, send_timeouts) at the last log line
         self._last_log_s = float("-inf")
-        error = to_http(
+        self.refusal = raw_error(
             CapacityError(
                 f"too many open connections (server.max_connections={max_connections}); retry shortly",
                 code="too_many_connections",
             )
         )
-        body = json.dumps(error.body, separators=(",", ":")).encode()
-        head = [f"HTTP/1.1 {error.status} Service Unavailable", "content-type: application/json"]
-        head += [f"{k.lower()}: {v}" for k, v in error.headers.items()]
-        head += ["connection: close", f"content-length: {len(body)}"]
-        self.refusal = ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
     def __repr__(self) -> str:
         return f"<ConnectionGuard open={self.open}/{self.max_connections} refused={self.refused}>"
@@ -277,8 +298,20 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.guard.note(time.monotonic())
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request it cannot parse, after the answers before it (rule 3)."""
-        self._refuse(functools.partial(super().send_400_response, msg))
+        """Rule 7: a request llhttp cannot parse (uvicorn calls this inside its ``except`` for
+        the parser's error, which names the fault), after the answers before it (rule 3)."""
+        fault = sys.exc_info()[1]
+        why = f"the request cannot be read as HTTP: {fault}" if fault is not None else msg.rstrip(".")
+        answer = raw_error(InvalidRequest(why, code="invalid_http"), rid=new_request_id(), ollama=self._ollama())
+        self._refuse(functools.partial(self._send_raw, answer))
+
+    def _ollama(self) -> bool:
+        """Whether the request being read (its target, as far as llhttp got) is an Ollama route's."""
+        return bytes(getattr(self, "url", b"") or b"").startswith(OLLAMA_PREFIX.encode())
+
+    def _send_raw(self, answer: bytes) -> None:
+        self.transport.write(answer)
+        self.transport.close()
 
     def _refuse(self, send: Callable[[], None]) -> None:
         """Answer and close now, or once the requests before it are answered (reading nothing more)."""
@@ -290,12 +323,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.flow.pause_reading()
 
     def _send_431(self) -> None:
-        body = b"request head too large"
-        self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        err = InvalidRequest(
+            f"the request head (its request line and headers) is larger than {MAX_HEAD_BYTES} bytes",
+            code="request_head_too_large",
         )
-        self.transport.close()
+        err.status = 431
+        self._send_raw(raw_error(err, rid=new_request_id(), ollama=self._ollama()))
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
