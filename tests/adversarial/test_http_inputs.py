@@ -154,3 +154,16 @@ def test_a_field_named_with_a_lone_surrogate_is_a_400_naming_it_escaped(c: httpx
         assert "\\\\ud800x" in r.text  # the escape, as text
     raw = json.dumps({**OLLAMA, "options": {}})[:-2].encode() + b'"\\udfff": 1}}'
     assert post(c, "/api/chat", raw).status_code == 400
+
+
+def test_a_route_with_a_trailing_slash_is_a_404_that_names_the_route(c: httpx.Client) -> None:
+    """``/v1/chat/completions/`` is no route: a 404 in the route's error shape that names the
+    path without the slash, not Starlette's bare 307 (which a POST client does not follow, and
+    so read as an empty answer). Nothing runs."""
+    raw = json.dumps(CHAT).encode()
+    err = error(post(c, "/v1/chat/completions/", raw), 404)
+    assert err["code"] == "not_found" and "without the trailing slash: /v1/chat/completions" in err["message"], err
+    assert "without the trailing slash: /v1/models" in error(c.get("/v1/models/"), 404)["message"]
+    r = post(c, "/api/chat/", raw)  # an Ollama route: Ollama's shape
+    assert r.status_code == 404 and "without the trailing slash: /api/chat" in r.json()["error"], r.text
+    assert error(c.get("/nope"), 404)["message"] == "no route GET /nope"  # no slash, no hint

@@ -400,8 +400,9 @@ def create_app(gw: Gateway) -> GatewayLifespan:
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         path = request.url.path
-        if exc.status_code == 404:
-            return _error_response(NotFound(f"no route {request.method} {path}"), path)
+        if exc.status_code == 404:  # a trailing slash is not redirected (a 307 with no body): named
+            hint = f" (without the trailing slash: {path.rstrip('/')})" if len(path) > 1 and path.endswith("/") else ""
+            return _error_response(NotFound(f"no route {request.method} {path}{hint}"), path)
         client = 400 <= exc.status_code < 500  # Starlette's own refusals: a code, never internal_error
         code = "method_not_allowed" if exc.status_code == 405 else "invalid_request" if client else None
         err = SpilloverError(str(exc.detail), code=code)
@@ -444,6 +445,9 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         ],
         exception_handlers={HTTPException: on_http_exception, Exception: on_error},
     )
+    # Starlette answers a path with a trailing slash by a bare 307 to the one without: clients
+    # that do not follow it (for a POST, most) saw an empty answer. It is a 404 that says so.
+    app.router.redirect_slashes = False
     return GatewayLifespan(app, gw)
 
 
