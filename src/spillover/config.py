@@ -320,7 +320,7 @@ class SupervisorConfig:
 class FailoverConfig:
     """When and how a failed GPU request moves to the CPU replica."""
 
-    max_attempts: int = _doc(3, "attempts per request, the first included")
+    max_attempts: int = _doc(3, "attempts per run of a request, the first included (a resume starts a run)")
     retry_budget_per_min: int = _doc(120, "failover retries allowed per minute, gateway-wide")
     stall_timeout_s: float = _doc(
         15.0, "no token progress on the GPU for this long is a stall (a service's request: at least this long)"

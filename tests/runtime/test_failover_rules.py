@@ -84,6 +84,35 @@ def test_a_replica_with_the_same_fingerprint_takes_the_replay() -> None:
     assert job.last_reason == FailoverReason("alloc_failed") and str(job.last_reason) == "failover:alloc_failed"
 
 
+def _fail_gpu_attempt(exe: Execution) -> None:
+    """One dispatch's count (``submit_nowait``'s), then that GPU attempt fails (an allocation failure)."""
+    exe.attempt += 1
+    d = SimpleNamespace(route="gpu", worker=worker(GPU_FP))
+
+    async def go() -> None:
+        await exe._failover(d, _Failure("alloc_failed", "injected"))  # type: ignore[arg-type]
+
+    asyncio.run(go())
+
+
+def test_the_attempt_budget_is_a_runs_so_a_resumed_request_still_fails_over() -> None:
+    """A request resumed twice with its key (two earlier runs: built with ``attempt=2``, as
+    ``RequestService`` builds a resume) whose GPU attempt fails replays on the CPU (attempt 4
+    in all): ``max_attempts`` (3) bounds a run's attempts, not the request's. A fresh run's
+    third failed attempt is refused, as before."""
+    sched = FakeScheduler([worker(GPU_FP)])
+    exe = execution(sched, attempt=2)
+    _fail_gpu_attempt(exe)
+    assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.attempt == 4
+
+    sched = FakeScheduler([worker(GPU_FP)])
+    exe = execution(sched)
+    exe.attempt = 2  # two attempts of this run already (a GPU one replayed, say)
+    with pytest.raises(WorkerFailed):
+        _fail_gpu_attempt(exe)
+    assert sched.submitted == []
+
+
 @pytest.mark.parametrize(
     ("reason", "expected"),
     [

@@ -103,7 +103,7 @@ class FailoverFacts:
     route: str  # the lane of the failed attempt: gpu | cpu
     fault: str  # the worker's error kind, or crash / driver_reset / stall
     cancelled: bool
-    attempt: int
+    attempt: int  # this run's attempts so far (a resume starts a run: ``runtime.executor`` rule 1)
     max_attempts: int
     delivered_tokens: int
     incremental: bool  # tokens reach the client as they are made

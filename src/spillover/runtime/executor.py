@@ -2,8 +2,11 @@
 
 Rules (DESIGN.md, "Failover rules"):
 
-1. Only the gateway retries, at most ``max_attempts`` per request and within a gateway-wide
-   ``retry_budget_per_min``.
+1. Only the gateway retries, at most ``max_attempts`` per run of a request and within a
+   gateway-wide ``retry_budget_per_min``. A run is one execution in this gateway: a client's
+   resume (a retry with its Idempotency-Key) or a replay after a restart starts a new one,
+   with the attempts before it still numbered on (the journal's ``attempts``), so a request
+   resumed twice may still fail over.
 2. Failures of a GPU attempt are classified: ``alloc_failed`` (before generation), ``oom``
    (during generation), ``crash`` / ``driver_reset`` (the process died), ``stall`` (no
    token for ``stall_timeout_s``; slow but progressing is not a stall), ``engine``.
@@ -113,7 +116,7 @@ class Execution:
     kill_worker: Callable[[WorkerClient], Any]
     on_failover: Callable[[str], None] = lambda kind: None
     on_recovered: Callable[[float], None] = lambda ms: None  # a failover's fault -> first CPU token (ms)
-    attempt: int = 0
+    attempt: int = 0  # attempts so far, earlier runs' included (rule 1): each dispatch adds one
     delivered: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     _job: Job | None = None
@@ -132,6 +135,9 @@ class Execution:
     open_ended: bool = False  # no max_tokens asked: up to the serving lane's context limit
     stream_coalesce_s: float = 0.0  # how long a streamed token may wait to go with the next ones
     _watchdog: Watchdog = field(default_factory=Watchdog)  # ``_next``'s bound: one timer for many tokens
+
+    def __post_init__(self) -> None:
+        self._earlier_attempts = self.attempt  # earlier runs' (a resume's, a replay's): not this run's budget
 
     def __repr__(self) -> str:
         return f"<Execution {self.rid} attempt={self.attempt} delivered={len(self.delivered)}>"
@@ -462,7 +468,7 @@ class Execution:
             route=d.route,
             fault=f.kind,
             cancelled=self._cancelled,
-            attempt=self.attempt,
+            attempt=self.attempt - self._earlier_attempts,  # this run's (rule 1)
             max_attempts=self.failover.max_attempts,
             delivered_tokens=len(self.delivered),
             incremental=self.incremental,

@@ -18,7 +18,8 @@ Rules:
 3. A request that fails on the GPU (the worker died, an allocation failed, an OOM, a stall)
    is replayed on the CPU path at its request boundary: nothing of it was delivered, and the
    same inputs give the same answer (each kind's worker decodes deterministically).
-   Attempts are bounded by ``[failover].max_attempts`` and the gateway's retry budget. A GPU
+   Attempts are bounded by ``[failover].max_attempts`` a run (a resume starts a new one, as
+   ``runtime.executor`` rule 1 says) and the gateway's retry budget. A GPU
    attempt stalls when its next event does not come within ``STALL_FACTOR`` times the
    expected time of what the worker computes before it (its kind's ``StallSteps``: an
    embeddings chunk, a transcription's audio left; at the GPU's seconds a unit: the first
@@ -420,7 +421,7 @@ class DeviceService(abc.ABC):
         that is the request's own (``bad_audio``) is raised at once as ``request_error`` makes it."""
         fault: str | None = None
         fault_at = 0.0
-        max_attempts = self.gw.cfg.failover.max_attempts
+        max_attempts = self.gw.cfg.failover.max_attempts + attempt  # this run's, after the earlier runs'
         while True:
             attempt += 1
             d = await self._dispatch(rid, nbytes, work, avoid_gpu=fault is not None)
