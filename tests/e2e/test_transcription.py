@@ -460,3 +460,14 @@ def test_a_stream_that_ends_in_an_error_has_openais_error_shape_and_done(gw: Gat
     assert received[0]["type"] == "transcript.text.delta" and received[-1] == "[DONE]", received
     assert received[-2]["error"]["code"] == "request_cancelled" and received[-2]["error"]["message"], received
     assert httpx.get(f"{gw.url}/v1/requests/{rid}").json()["state"] == "cancelled"
+
+
+def test_ollama_show_of_a_transcription_service_is_a_404_in_ollamas_shape(gw: GatewayProcess) -> None:
+    """Ollama has no transcription model kind: /api/show of the service (by its id, an alias or
+    with Ollama's default tag) is a 404 in Ollama's shape that names the route which serves it;
+    the chat model is shown."""
+    for name in ("whisper-tiny.en", "whisper-1", "whisper-tiny.en:latest"):
+        r = httpx.post(gw.url + "/api/show", json={"model": name})
+        assert r.status_code == 404 and r.json()["code"] == "model_not_found", (name, r.text)
+        assert "/v1/audio/transcriptions" in r.json()["error"], r.text
+    assert httpx.post(gw.url + "/api/show", json={"model": "smollm2-135m-instruct:latest"}).status_code == 200

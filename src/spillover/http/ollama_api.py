@@ -31,6 +31,7 @@ from spillover.http.ollama import (
     parse_ollama_generate,
 )
 from spillover.http.routes import Handler, plain_json
+from spillover.runtime.registry import ENDPOINT_OF_KIND
 from spillover.runtime.requests import Endpoint
 
 if TYPE_CHECKING:
@@ -294,13 +295,19 @@ def ollama_routes(
         asked = body.get("model") or body.get("name")
         if not isinstance(asked, str) or not asked:
             raise InvalidRequest("'model' is required: the name of a model this server lists", param="model")
-        asked = gw.registry.named(asked)  # Ollama's clients send "name:latest"
-        chat = next((c for c in gw.chats if asked in c.ids), None)
-        listed = [svc for svc in gw.embedding_services() if svc.model_dir]  # as /api/tags lists them
-        if chat is None and (svc := next((e for e in listed if asked in (e.name, *e.cfg.aliases)), None)) is not None:
-            return plain_json(embed_show(svc))
-        if chat is None:
-            raise unknown_model(asked)
+        served = gw.registry.lookup(asked)  # an id or an alias; Ollama's clients send "name:latest"
+        listed = {svc.name: svc for svc in gw.embedding_services() if svc.model_dir}  # as /api/tags lists them
+        if served is not None and served.id in listed:
+            return plain_json(embed_show(listed[served.id]))
+        if served is not None and served.kind == "transcription":  # a kind Ollama's API does not have
+            raise NotFound(
+                f"model {asked!r} serves transcription, which Ollama's API has no model kind for:"
+                f" send it to {ENDPOINT_OF_KIND['transcription']}",
+                code="model_not_found",
+            )
+        if served is None or served.kind != "chat":
+            raise unknown_model(gw.registry.named(asked))
+        chat = gw.chat_model(served.id)
         meta = chat.tokenizer.metadata if chat.tokenizer is not None else {}
         info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
         return plain_json(

@@ -57,9 +57,13 @@ class ModelRegistry:
     def __repr__(self) -> str:
         return f"<ModelRegistry {', '.join(m.id for m in self.models)}>"
 
+    def lookup(self, model_id: str) -> ServedModel | None:
+        """The service ``model_id`` (an id or an alias, with Ollama's default tag or not) names, of any kind."""
+        return self._by_id.get(self.named(model_id))
+
     def resolve(self, model_id: str, kind: str) -> ServedModel:
         """The service that answers ``model_id`` on an endpoint of ``kind`` (rule 2)."""
-        m = self._by_id.get(self.named(model_id))
+        m = self.lookup(model_id)
         if m is None:
             raise NotFound(
                 f"model {model_id!r} does not exist; this server serves {self.describe()}",
