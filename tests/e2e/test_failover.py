@@ -91,6 +91,33 @@ def test_d_mid_stream_kill_with_sampling_ends_in_resumable_error(gw: GatewayProc
     assert doc["state"] == "resumable_error" and "failover_interrupted" in doc["response"]
 
 
+def test_e_a_sampled_stream_whose_text_was_all_held_back_is_replayed_from_its_start(
+    gw: GatewayProcess, http: httpx.Client
+) -> None:
+    """A stop string that the answer's first 150 characters begin (and never complete) holds
+    their text back: the GPU worker killed after 10 of those tokens had sent the client
+    nothing, so even a sampled stream is replayed on the CPU from its start (it was ended
+    failover_interrupted): one whole answer, no error, the route change announced."""
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 160, "temperature": 0.8, "seed": 7}
+    ref = stream(http, "/v1/completions", body)
+    assert ref["done"] and len(ref["text"]) > 160, ref
+    held = {**body, "stop": [ref["text"][:150] + "\u0001"]}  # the model never writes \u0001
+    ready_worker(gw, "gpu")
+    before = gw.worker("gpu")["progress_tokens"]
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("got", stream(http, "/v1/completions", held)))
+    t.start()
+    wait_for(lambda: gw.worker("gpu")["progress_tokens"] > before + 10, 30, "gpu generating")
+    kill_worker(gw, "gpu")
+    t.join(120)
+    got = result["got"]
+    assert got["error"] is None and got["done"], got
+    assert got["spillover"][-1]["route"] == "cpu" and got["spillover"][-1]["reason"] == "failover:crash", got
+    assert got["text"] and got["text"].count(ref["text"][:40]) <= 1, got["text"][:300]  # nothing twice
+    rid = got["headers"]["x-spillover-request-id"]
+    assert http.get(f"/v1/requests/{rid}").json()["state"] == "completed"
+
+
 def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, http: httpx.Client) -> None:
     """A hung device (no token progress) is a stall: the request completes on CPU and the
     hung worker is restarted."""

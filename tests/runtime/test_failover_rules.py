@@ -54,9 +54,16 @@ def execution(sched: FakeScheduler, **kw: Any) -> Execution:
 
 
 def failover(
-    cpu_fp: dict[str, str], *, fallback: bool = False, delivered: int = 0, temperature: float = 0.0
+    cpu_fp: dict[str, str],
+    *,
+    fallback: bool = False,
+    delivered: int = 0,
+    temperature: float = 0.0,
+    shown: bool = True,
 ) -> tuple[FakeScheduler, Execution]:
-    """Fail a first GPU attempt (an allocation failure) and run the failover decision."""
+    """Fail a first GPU attempt (an allocation failure) and run the failover decision; a
+    stream's ``delivered`` tokens were sent to the client unless ``shown`` is False (their
+    text all held back)."""
     sched = FakeScheduler([worker(cpu_fp)])
     exe = execution(
         sched,
@@ -64,6 +71,7 @@ def failover(
         incremental=delivered > 0,
         attempt=1,
         delivered=list(range(delivered)),
+        shown=shown and delivered > 0,
         cpu_tokens=[9, 9] if fallback else None,
         cpu_fallback=fallback,
     )
@@ -175,3 +183,17 @@ def test_a_stream_is_continued_only_on_an_identical_replica() -> None:
     ):
         with pytest.raises(FailoverInterrupted):
             failover(fp, fallback=fb, delivered=5, temperature=temp)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_stream_whose_tokens_were_all_held_back_is_replayed_from_its_start(temperature: float) -> None:
+    """Tokens came, but their text was held back (a partial UTF-8 character, a stop string's
+    prefix, a tool call being buffered): nothing reached the client, so even a sampled stream
+    is replayed on the CPU from its start (no prefix, ``restart`` for the run to drop what it
+    held), where it was ended ``failover_interrupted``. Once something was shown, a sampled
+    stream is not continued."""
+    sched, exe = failover(GPU_FP, delivered=3, temperature=temperature, shown=False)
+    assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.attempt == 2
+    assert exe.delivered == [] and exe._restart  # the CPU attempt's prefix is empty (``_msg``)
+    with pytest.raises(FailoverInterrupted):
+        failover(GPU_FP, delivered=3, temperature=0.8, shown=True)

@@ -12,7 +12,11 @@ Rules (DESIGN.md, "Failover rules"):
    token for ``stall_timeout_s``; slow but progressing is not a stall), ``engine``.
    Each feeds the breaker; a stalled worker is killed so the supervisor restarts it.
 3. Nothing delivered yet (non-stream, or a stream before its first token): the request
-   is replayed on the CPU replica with the same id and the next attempt number.
+   is replayed on the CPU replica with the same id and the next attempt number. Delivered
+   means sent to the client (``shown``, which the run sets): a stream whose tokens all had
+   their text held back (a partial UTF-8 character, a stop string's prefix, a tool call
+   being buffered) delivered nothing, and is replayed from its start (``RouteInfo.restart``:
+   the run drops what it held).
 4. Tokens delivered: continue on the CPU replica only when that is provably identical
    (greedy, no grammar, identical compatibility *and* numerics fingerprints; the replica
    re-checks every delivered token before producing a new one). Otherwise the request
@@ -43,6 +47,7 @@ from spillover.core.routing import (
     FailoverFacts,
     FailoverReason,
     Reason,
+    Replay,
     fits_lane,
     lane_max_tokens,
     plan_failover,
@@ -117,7 +122,8 @@ class Execution:
     on_failover: Callable[[str], None] = lambda kind: None
     on_recovered: Callable[[float], None] = lambda ms: None  # a failover's fault -> first CPU token (ms)
     attempt: int = 0  # attempts so far, earlier runs' included (rule 1): each dispatch adds one
-    delivered: list[int] = field(default_factory=list)
+    delivered: list[int] = field(default_factory=list)  # this answer's tokens so far (a stream's)
+    shown: bool = False  # something of this answer was sent to the client (set by the run: rule 3)
     failures: list[str] = field(default_factory=list)
     _job: Job | None = None
     _next_lane: str | None = None
@@ -128,6 +134,7 @@ class Execution:
     _unstopped: bool = False  # a worker did not stop a request in time and was killed
     _kill_task: asyncio.Future[Any] | None = None
     _cpu_reason: Reason = Reason.CLIENT_PREFERS_CPU
+    _restart: bool = False  # the next attempt starts the answer again (rule 3: nothing was shown)
     deadline_s: float | None = None  # the client's deadline (monotonic), for the CPU lane's ETA check
     timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
@@ -415,9 +422,10 @@ class Execution:
                 queued_s=d.queued_s,
                 queue_position=d.queue_position,
                 estimated_delay_ms=d.estimated_delay_ms,
-                restart=not self.incremental,
+                restart=not self.incremental or self._restart,
                 failover=self._cause,
             )
+            self._restart = False
             first_token = True
             while True:
                 ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s)
@@ -470,7 +478,7 @@ class Execution:
             cancelled=self._cancelled,
             attempt=self.attempt - self._earlier_attempts,  # this run's (rule 1)
             max_attempts=self.failover.max_attempts,
-            delivered_tokens=len(self.delivered),
+            delivered_tokens=self._delivered_n(),
             incremental=self.incremental,
             continue_mid_stream=self.failover.continue_mid_stream,
             greedy=float(self.params.get("temperature", 1.0)) <= 0,
@@ -489,6 +497,9 @@ class Execution:
             raise self._fail_error(plan.kind, where, f)
         if not self.budget.take():
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
+        if isinstance(plan, Replay) and self.delivered:  # tokens held back, none shown: start again
+            self.delivered.clear()
+            self._restart = True
         self._cause = f.kind
         self._fault_at = time.monotonic()
         self._next_lane = "cpu"
@@ -502,6 +513,10 @@ class Execution:
                 retry_after_s=exc.retry_after_s,
             ) from exc
 
+    def _delivered_n(self) -> int:
+        """Tokens the client was sent (rule 3): none while every token's text was held back."""
+        return len(self.delivered) if self.shown else 0
+
     def _fail_error(self, kind: FailKind, where: str, f: _Failure) -> SpilloverError:
         """The one error each kind of final failure becomes (``outcomes.final_error``)."""
         return final_error(
@@ -511,7 +526,7 @@ class Execution:
             fault=f.kind,
             message=f.message,
             attempts=self.attempt,
-            delivered=len(self.delivered),
+            delivered=self._delivered_n(),
             needs_tokens=len(self._prompt("cpu")) + len(self.delivered) + self.max_tokens,
             cpu_cap_tokens=self.scheduler.cpu_ctx_cap_tokens(),
         )

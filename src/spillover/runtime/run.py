@@ -238,6 +238,7 @@ class Run:
                         self.tokens.append(ev)
                     out = enc.token(ev)
                     if out and self.req.stream:
+                        self.exe.shown = True  # from now on a failover may only continue it
                         await self._note_delivery()
                 elif isinstance(ev, Finished):
                     self.finish_reason = ev.finish_reason
