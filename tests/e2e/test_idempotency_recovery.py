@@ -45,6 +45,7 @@ def test_f_idempotency_replay_conflict_and_mismatch(gw: GatewayProcess) -> None:
         assert again.headers["x-spillover-request-id"] == first.headers["x-spillover-request-id"]
         other = c.post("/v1/completions", json={**body, "max_tokens": 13}, headers={"Idempotency-Key": "k-1"})
         assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+        assert other.headers["x-spillover-request-id"] == first.headers["x-spillover-request-id"]  # the key's
         bad = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "x" * 300})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
 
@@ -62,6 +63,7 @@ def test_f_idempotency_replay_conflict_and_mismatch(gw: GatewayProcess) -> None:
         assert busy.json()["error"]["code"] == "idempotency_key_in_flight"
         t.join(120)
         assert result["r"].status_code == 200
+        assert busy.headers["x-spillover-request-id"] == result["r"].headers["x-spillover-request-id"]
 
 
 def test_stream_replay_is_the_same_transcript(gw: GatewayProcess) -> None:

@@ -87,9 +87,9 @@ def test_an_unexpected_error_answers_in_the_shape_of_its_route(path: str) -> Non
     """A bug's 500 (the app's last handler) is Ollama's ``{"error": "..."}`` under /api/ (an
     Ollama client reads its message there), and OpenAI's error object elsewhere; both say
     ``internal_error`` and carry a request id."""
-    from spillover.http.app import _error_response
+    from spillover.http.app import _unrouted_error
 
-    r = _error_response(RuntimeError("a bug"), path)
+    r = _unrouted_error(RuntimeError("a bug"), path)
     body = json.loads(bytes(r.body))
     assert r.status_code == 500 and r.headers["x-spillover-request-id"]
     if path.startswith("/api/"):

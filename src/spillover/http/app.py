@@ -39,7 +39,6 @@ from spillover.errors import (
 )
 from spillover.http.audio import UploadHold, audio_endpoints, read_audio_form, sweep_uploads
 from spillover.http.embeddings import embedding_endpoints
-from spillover.http.ollama import ollama_error_body
 from spillover.http.ollama_api import OLLAMA_PREFIX, ollama_endpoints, ollama_error, ollama_routes
 from spillover.http.openai import encoding_for
 from spillover.http.origin import HostPolicy, OriginGuard
@@ -57,17 +56,23 @@ log = logging.getLogger("spillover.http")
 OPEN_PATHS = frozenset({"/health"})
 
 
-def _error_response(exc: BaseException, path: str = "") -> JSONResponse:
-    """An error answer made outside a route (a refusal of the origin guard, an unknown route,
-    an unexpected error), with a fresh request id (the id a log line or a bug report names:
-    never an empty header). Under ``/api/`` it is in Ollama's shape, as the Ollama routes'
-    own errors are (``ollama_error``); elsewhere in OpenAI's."""
+def _error_response(exc: BaseException, rid: str | None = None) -> JSONResponse:
+    """An error answer in OpenAI's shape; one refused before any request id was made gets a
+    fresh one (the id a log line or a bug report names: never an empty header)."""
     e = to_http(exc)
     headers = dict(e.headers)
-    headers["X-Spillover-Request-Id"] = new_request_id()
+    headers["X-Spillover-Request-Id"] = rid or new_request_id()
     headers.setdefault("X-Spillover-Route", "none")
-    body = ollama_error_body(exc) if path.startswith(OLLAMA_PREFIX) else e.body
-    return JSONResponse(body, status_code=e.status, headers=headers)
+    return JSONResponse(e.body, status_code=e.status, headers=headers)
+
+
+def _unrouted_error(exc: BaseException, path: str) -> Response:
+    """An error answer made outside a route (a refusal of the origin guard, no such route, a
+    wrong method, an unexpected error), with a fresh request id: in Ollama's shape under
+    ``/api/``, as the Ollama routes' own errors are (``ollama_error``), else OpenAI's."""
+    if path.startswith(OLLAMA_PREFIX):
+        return ollama_error(exc, new_request_id())
+    return _error_response(exc)
 
 
 async def _within(timeout_s: float, reading: Awaitable[Any]) -> Any:
@@ -402,18 +407,18 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         path = request.url.path
         if exc.status_code == 404:  # a trailing slash is not redirected (a 307 with no body): named
             hint = f" (without the trailing slash: {path.rstrip('/')})" if len(path) > 1 and path.endswith("/") else ""
-            return _error_response(NotFound(f"no route {request.method} {path}{hint}"), path)
+            return _unrouted_error(NotFound(f"no route {request.method} {path}{hint}"), path)
         client = 400 <= exc.status_code < 500  # Starlette's own refusals: a code, never internal_error
         code = "method_not_allowed" if exc.status_code == 405 else "invalid_request" if client else None
         err = SpilloverError(str(exc.detail), code=code)
         err.status = exc.status_code
         err.type = "invalid_request_error"
-        response = _error_response(err, path)
+        response = _unrouted_error(err, path)
         response.headers.update(exc.headers or {})  # a 405's Allow, as HTTP asks
         return response
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        return _error_response(exc, request.url.path)
+        return _unrouted_error(exc, request.url.path)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -440,7 +445,7 @@ def create_app(gw: Gateway) -> GatewayLifespan:
             Middleware(
                 OriginGuard,
                 policy=HostPolicy.from_config(cfg.server),
-                refuse=_error_response,
+                refuse=_unrouted_error,
             )
         ],
         exception_handlers={HTTPException: on_http_exception, Exception: on_error},

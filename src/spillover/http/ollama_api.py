@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from spillover.errors import InvalidRequest, NotFound, SpilloverError, to_http
+from spillover.errors import InvalidRequest, NotFound, to_http
 from spillover.http.ollama import (
     NdjsonEncoding,
     created_at,
@@ -56,8 +56,9 @@ FAR_FUTURE = "2999-12-31T23:59:59Z"  # expires_at: spillover does not unload on 
 OLLAMA_PREFIX = "/api/"  # every Ollama route's path begins so: an error there is in Ollama's shape
 
 
-def ollama_error(err: SpilloverError, rid: str) -> Response:
-    """An error in Ollama's shape, with the same status and headers as the OpenAI routes."""
+def ollama_error(err: BaseException, rid: str) -> Response:
+    """An error in Ollama's shape, with the same status and headers as the OpenAI routes (any
+    exception: one that is not a ``SpilloverError`` is an ``internal_error``)."""
     e = to_http(err)
     headers = dict(e.headers) | {"X-Spillover-Request-Id": rid, "X-Spillover-Route": "none"}
     return JSONResponse(ollama_error_body(err), status_code=e.status, headers=headers)
