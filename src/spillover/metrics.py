@@ -128,6 +128,11 @@ class _StateCollector(Collector):
                 "connections aborted for taking no response bytes within send_timeout_s",
                 value=c["send_timeouts"],
             )
+            yield CounterMetricFamily(
+                "spillover_connections_not_http",
+                "requests the listener could not parse as HTTP, answered 400 invalid_http",
+                value=c["not_http"],
+            )
         host = GaugeMetricFamily(
             "spillover_host_memory_bytes", "gateway and workers RSS, and the budget", labels=["kind"]
         )

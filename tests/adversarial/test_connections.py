@@ -298,6 +298,68 @@ def test_a_request_that_is_not_http_gets_a_json_400_naming_the_fault(
         assert fault.lower() in body["error"]["message"].lower(), body
 
 
+def test_what_is_not_http_is_counted_not_logged_line_by_line(gw: GatewayProcess) -> None:
+    """Rules 4 and 7: 30 unparseable requests raise ``connections.not_http`` by 30 and add no
+    line each to the log (uvicorn wrote "Invalid HTTP request received." for every one)."""
+    before = gw.status()["connections"]["not_http"]
+    with open(gw.log_path, "rb") as f:
+        lines_before = f.read().count(b"Invalid HTTP request received")
+    for _ in range(30):
+        with connect(gw) as s:
+            s.sendall(b"BREW /v1/models HTTP/1.1\r\nHost: h\r\n\r\n")
+            assert read_response(s).startswith(b"HTTP/1.1 400 ")
+    assert gw.status()["connections"]["not_http"] == before + 30
+    time.sleep(0.5)  # the log is written by the gateway's own process
+    with open(gw.log_path, "rb") as f:
+        assert f.read().count(b"Invalid HTTP request received") == lines_before
+
+
+def test_a_bad_chunk_in_a_body_refuses_that_request_at_once_with_one_answer(gw: GatewayProcess) -> None:
+    """A chunked body whose chunk size is garbage: the request being read is the one refused,
+    at once (it waited for the body time-out, 30 s, answered 408, and then sent the 400 as a
+    second answer): its only answer is the 400 ``invalid_http``, in Ollama's shape on
+    /api/chat. One the app answered already (415: no JSON Content-Type) before its body broke
+    gets no second answer: the connection closes."""
+    head = b"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+    t0 = time.monotonic()
+    with connect(gw) as s:
+        s.sendall(head + b"Content-Type: application/json\r\n\r\n5\r\n" + b'{"a":' + b"\r\nZZ\r\n")
+        got = b""
+        while chunk := s.recv(4096):  # until the server closes
+            got += chunk
+    assert time.monotonic() - t0 < 5 and got.count(b"HTTP/1.1 ") == 1, got
+    status, _, body = _json_answer(got)
+    assert status == 400 and body["code"] == "invalid_http" and "chunk" in body["error"].lower(), got
+    with connect(gw) as s:
+        s.sendall(head + b"\r\n5\r\n" + b'{"a":' + b"\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 415 ")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(b"ZZ\r\n")
+        rest = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(4096):
+                rest += chunk
+    assert rest == b"", rest
+    assert httpx.get(gw.url + "/health").status_code == 200
+
+
+def test_an_oversized_head_in_one_read_is_answered_in_its_routes_shape(gw: GatewayProcess) -> None:
+    """A head over the bound that arrives in one read (its request line not parsed yet) is
+    answered in the shape of its target's route: Ollama's under /api/ (it was OpenAI's unless
+    the request line came in a read of its own)."""
+    from spillover.http.server import MAX_HEAD_BYTES
+
+    big = b"x" * (MAX_HEAD_BYTES + 1024)
+    for target, ollama in ((b"/api/tags", True), (b"/v1/models", False)):
+        with connect(gw) as s:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + big + b"\r\n\r\n")
+            status, _, body = _json_answer(read_response(s))
+        assert status == 431, body
+        code = body["code"] if ollama else body["error"]["code"]
+        assert code == "request_head_too_large" and isinstance(body["error"], str) is ollama, body
+
+
 def test_a_body_left_unread_by_an_early_answer_is_not_a_head(gw: GatewayProcess) -> None:
     """The app may answer before reading a body (415 here): the body's bytes that follow are
     neither a head (no 431) nor another request; the answer is the only one."""

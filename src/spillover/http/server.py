@@ -25,8 +25,9 @@ Rules:
    most goes uncounted.
    A refusal (this 431, or the 400 for a request llhttp cannot parse) behind pipelined
    requests still being answered waits for their answers, reading nothing more.
-4. Refusals, time-outs and oversized heads are counted (``statistics()``) and logged at most once per
-   ``LOG_EVERY_S``: an attack cannot grow the log.
+4. Refusals, time-outs, oversized heads and requests that are not HTTP (rule 7) are counted
+   (``statistics()``) and logged at most once per ``LOG_EVERY_S``: an attack cannot grow the
+   log (uvicorn's own line for each request it cannot parse is dropped).
 5. uvicorn's listen backlog is ``max_connections``, so one accept burst adds at most that
    many descriptors before rule 1 closes them. ``raise_fd_limit`` raises the soft
    ``RLIMIT_NOFILE`` to the hard limit and refuses to serve unless two bursts' worth of
@@ -42,7 +43,10 @@ Rules:
    ``/api/``), its ``x-should-retry``, a request id, and ``connection: close``. A request llhttp
    cannot parse (a Content-Length beside a Transfer-Encoding, two Content-Lengths, an unknown
    method, a bad header character) is a 400 ``invalid_http`` naming the parser's fault, not
-   uvicorn's plain-text "Invalid HTTP request received.". Nothing of it is accepted.
+   uvicorn's plain-text "Invalid HTTP request received.". Nothing of it is accepted. A fault
+   in the body of the request being read (a bad chunk) is that request's: answered at once
+   (its app sees the client go away), or, when it was answered already, the connection closes
+   with no second answer.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class ConnectionStatistics:
     heads_too_large: int
     send_timeout_s: float
     send_timeouts: int
+    not_http: int  # requests llhttp could not parse (rule 7)
 
 
 def raw_error(exc: SpilloverError, *, rid: str | None = None, ollama: bool = False) -> bytes:
@@ -127,7 +132,8 @@ class ConnectionGuard:
         self.head_timeouts = 0
         self.heads_too_large = 0
         self.send_timeouts = 0
-        self._logged = (0, 0, 0, 0)  # (refused, head_timeouts, heads_too_large, send_timeouts) at the last log line
+        self.not_http = 0
+        self._logged = (0, 0, 0, 0, 0)  # (refused, head_timeouts, heads_too_large, send_timeouts, not_http) logged
         self._last_log_s = float("-inf")
         self.refusal = raw_error(
             CapacityError(
@@ -150,22 +156,23 @@ class ConnectionGuard:
             heads_too_large=self.heads_too_large,
             send_timeout_s=self.send_timeout_s,
             send_timeouts=self.send_timeouts,
+            not_http=self.not_http,
         )
 
     def note(self, now_s: float) -> None:
         """Log what changed since the last line, at most once per ``LOG_EVERY_S`` (rule 4)."""
         if now_s - self._last_log_s < LOG_EVERY_S:
             return
-        now = (self.refused, self.head_timeouts, self.heads_too_large, self.send_timeouts)
-        refused, timeouts, too_large, stalled = (a - b for a, b in zip(now, self._logged, strict=True))
-        if refused == 0 and timeouts == 0 and too_large == 0 and stalled == 0:
+        now = (self.refused, self.head_timeouts, self.heads_too_large, self.send_timeouts, self.not_http)
+        refused, timeouts, too_large, stalled, not_http = (a - b for a, b in zip(now, self._logged, strict=True))
+        if refused == 0 and timeouts == 0 and too_large == 0 and stalled == 0 and not_http == 0:
             return
         self._last_log_s = now_s
         self._logged = now
         log.warning(
             "connections: %d refused (max_connections=%d, open %d), %d closed without a request head "
             "within header_timeout_s=%g, %d heads over %d bytes, %d aborted for taking no response "
-            "bytes within send_timeout_s=%g (counts since the last such line)",
+            "bytes within send_timeout_s=%g, %d requests that are not HTTP (counts since the last such line)",
             refused,
             self.max_connections,
             self.open,
@@ -175,6 +182,7 @@ class ConnectionGuard:
             MAX_HEAD_BYTES,
             stalled,
             self.send_timeout_s,
+            not_http,
         )
 
 
@@ -241,7 +249,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.guard.heads_too_large += 1
                 self.guard.note(time.monotonic())
-                self._refuse(self._send_431)
+                # a head that opens in this read has its request line here, not parsed yet
+                self._refuse(functools.partial(self._send_431, b"" if self._in_head else rest))
                 return
         super().data_received(data)
         self._head_tail = (self._head_tail + data)[-3:] if self._in_head else b""
@@ -299,15 +308,33 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """Rule 7: a request llhttp cannot parse (uvicorn calls this inside its ``except`` for
-        the parser's error, which names the fault), after the answers before it (rule 3)."""
+        the parser's error, which names the fault), after the answers before it (rule 3). A
+        fault in the body of the request being read (a bad chunk) refuses that request: its
+        app stops waiting for the rest (it sees the client go away; nothing was accepted), and
+        one it answered already gets no second answer: the connection just closes."""
+        self.guard.not_http += 1
+        self.guard.note(time.monotonic())
+        cycle = getattr(self, "cycle", None)
+        if self._in_message and not self._in_head and cycle is not None and not cycle.response_complete:
+            if cycle.response_started:  # half an answer is out: nothing can follow it on this connection
+                self.transport.close()
+                return
+            cycle.disconnected = True  # its body will never come whole
+            cycle.message_event.set()
+            self._open_heads = max(0, self._open_heads - 1)  # its answer will never complete
+        elif self._in_message and not self._in_head and cycle is not None:  # answered (say 415) before its body broke
+            self.transport.close()
+            return
         fault = sys.exc_info()[1]
         why = f"the request cannot be read as HTTP: {fault}" if fault is not None else msg.rstrip(".")
         answer = raw_error(InvalidRequest(why, code="invalid_http"), rid=new_request_id(), ollama=self._ollama())
         self._refuse(functools.partial(self._send_raw, answer))
 
-    def _ollama(self) -> bool:
-        """Whether the request being read (its target, as far as llhttp got) is an Ollama route's."""
-        return bytes(getattr(self, "url", b"") or b"").startswith(OLLAMA_PREFIX.encode())
+    def _ollama(self, opening: bytes = b"") -> bool:
+        """Whether the request being read is an Ollama route's: its target in ``opening`` (a
+        read that opens a head, not parsed yet), else as far as llhttp parsed it."""
+        target = opening.split(b"\r\n", 1)[0].split(b" ")[1:2] if opening else [bytes(getattr(self, "url", b"") or b"")]
+        return bool(target) and target[0].startswith(OLLAMA_PREFIX.encode())
 
     def _send_raw(self, answer: bytes) -> None:
         self.transport.write(answer)
@@ -322,13 +349,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._disarm_head_deadline()
         self.flow.pause_reading()
 
-    def _send_431(self) -> None:
+    def _send_431(self, opening: bytes = b"") -> None:
         err = InvalidRequest(
             f"the request head (its request line and headers) is larger than {MAX_HEAD_BYTES} bytes",
             code="request_head_too_large",
         )
         err.status = 431
-        self._send_raw(raw_error(err, rid=new_request_id(), ollama=self._ollama()))
+        self._send_raw(raw_error(err, rid=new_request_id(), ollama=self._ollama(opening)))
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
@@ -351,10 +378,24 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.guard.note(time.monotonic())
 
 
+class _NoParseWarnings(logging.Filter):
+    """Drops uvicorn's own line for each request it cannot parse: rule 7 counts them and rule 4
+    logs the count, so an attack cannot grow the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != UVICORN_PARSE_WARNING
+
+
+UVICORN_PARSE_WARNING = "Invalid HTTP request received."  # uvicorn's httptools_impl: logged before send_400_response
+
+
 def bounded_protocol(max_connections: int, header_timeout_s: float, send_timeout_s: float) -> type[BoundedHttpProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` enforcing these bounds; its
     ``guard`` holds the counters of every connection it serves."""
     shared = ConnectionGuard(max_connections, header_timeout_s, send_timeout_s)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _NoParseWarnings) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_NoParseWarnings())
 
     class Configured(BoundedHttpProtocol):
         guard = shared
