@@ -66,3 +66,15 @@ def test_a_real_profile_and_its_threads_file_are_read_whole(tmp_path: Path) -> N
     assert found.shares["JSON"] > 0.5  # what the loop above did, whoever called it
     assert 0 < found.seen < 1  # the profiler's Python time over the thread's 10 s
     assert found.threads == {"event loop": 10.0, "journal_0": 2.0}
+
+
+def test_the_journal_alone_is_measured_against_the_same_tasks_without_it() -> None:
+    """``journal_alone``: the journal's writes cost CPU and hand-offs beyond the tasks' own (an
+    accept is fsynced on the journal's thread, so at least one wake-up a request), and its
+    thread's share is part of the total."""
+    from benchmarks.request_cost import journal_alone
+
+    answer = json.dumps({"object": "list", "data": [{"embedding": [0.01] * 384}]}).encode()
+    cost = journal_alone(200, 4, {"model": "bge-small-en", "input": "The cat sits on the mat."}, answer)
+    assert cost.ms > 0 and 0 < cost.thread_ms <= cost.ms + 0.1, cost  # clock ticks: 10 ms over 200 requests
+    assert cost.wakes >= 1, cost
