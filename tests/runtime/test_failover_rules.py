@@ -38,11 +38,10 @@ def worker(fp: dict[str, str]) -> Any:
 
 def execution(sched: FakeScheduler, **kw: Any) -> Execution:
     """An Execution of a 3-token prompt on ``sched`` (no journal)."""
-    base: dict[str, Any] = {"params": {}, "incremental": False}
+    base: dict[str, Any] = {"params": {}, "incremental": False, "max_tokens": 8}
     return Execution(
         rid="r1",
         tokens=[1, 2, 3],
-        max_tokens=8,
         allow_shrink=False,
         scheduler=sched,  # type: ignore[arg-type]
         journal=None,
@@ -60,6 +59,7 @@ def failover(
     delivered: int = 0,
     temperature: float = 0.0,
     shown: bool = True,
+    max_tokens: int = 8,
 ) -> tuple[FakeScheduler, Execution]:
     """Fail a first GPU attempt (an allocation failure) and run the failover decision; a
     stream's ``delivered`` tokens were sent to the client unless ``shown`` is False (their
@@ -72,6 +72,7 @@ def failover(
         attempt=1,
         delivered=list(range(delivered)),
         shown=shown and delivered > 0,
+        max_tokens=max_tokens,
         cpu_tokens=[9, 9] if fallback else None,
         cpu_fallback=fallback,
     )
@@ -197,3 +198,18 @@ def test_a_stream_whose_tokens_were_all_held_back_is_replayed_from_its_start(tem
     assert exe.delivered == [] and exe._restart  # the CPU attempt's prefix is empty (``_msg``)
     with pytest.raises(FailoverInterrupted):
         failover(GPU_FP, delivered=3, temperature=0.8, shown=True)
+
+
+def test_a_continuations_delivered_tokens_are_in_its_max_tokens_not_more_prompt() -> None:
+    """The worker counts a continuation's prefix in ``max_tokens``, so the CPU lane (cap 1024)
+    takes a 3-token prompt with ``max_tokens`` 1020 however many tokens were delivered: a
+    greedy stream 30 tokens in is continued (it was refused as needing 1053), and one whose
+    30 tokens were all held back is replayed from its start (sampled too), reported as
+    having sent none."""
+    sched, exe = failover(GPU_FP, delivered=30, max_tokens=1020)
+    assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.delivered == list(range(30))
+    assert exe.sent_tokens() == 30
+    sched, exe = failover(GPU_FP, delivered=30, max_tokens=1020, temperature=0.8, shown=False)
+    assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.delivered == [] and exe.sent_tokens() == 0
+    with pytest.raises(WorkerFailed, match="needs 1025 tokens"):  # one more than the cap: still refused
+        failover(GPU_FP, delivered=30, max_tokens=1022)

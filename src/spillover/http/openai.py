@@ -277,7 +277,7 @@ class SseEncoding(AnswerShapes):
         if not committed:
             return self.json_error(err)
         body = to_http(err, self.run.rid).body
-        body["error"]["tokens_delivered"] = len(self.run.exe.delivered)
+        body["error"]["tokens_delivered"] = self.run.exe.sent_tokens()
         return Encoded(200, [sse(body), DONE], self.headers() | {"Cache-Control": "no-cache"}, EVENT_STREAM, body)
 
 

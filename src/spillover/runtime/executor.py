@@ -47,7 +47,6 @@ from spillover.core.routing import (
     FailoverFacts,
     FailoverReason,
     Reason,
-    Replay,
     fits_lane,
     lane_max_tokens,
     plan_failover,
@@ -181,8 +180,10 @@ class Execution:
 
     def fits_cpu(self) -> bool:
         """Whether the CPU lane's context cap takes this request (routing rule 1): all of its
-        ``max_tokens``, or, when it may be shrunk, at least ``MIN_SHRUNK_TOKENS`` of them."""
-        prompt = len(self._prompt("cpu")) + len(self.delivered)
+        ``max_tokens``, or, when it may be shrunk, at least ``MIN_SHRUNK_TOKENS`` of them. A
+        continuation's delivered tokens are part of its ``max_tokens`` (the worker counts its
+        prefix in them), not more prompt."""
+        prompt = len(self._prompt("cpu"))
         return fits_lane(prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens(), shrinkable=self._shrinkable())
 
     def _shrinkable(self) -> bool:
@@ -191,8 +192,9 @@ class Execution:
         return self.open_ended or (self.allow_shrink and not self.delivered)
 
     def _cpu_max_tokens(self) -> int:
-        """``max_tokens`` on the CPU lane: shrunk to its context cap when allowed."""
-        prompt = len(self._prompt("cpu")) + len(self.delivered)
+        """``max_tokens`` on the CPU lane (a continuation's delivered tokens counted in it, as in
+        ``fits_cpu``): shrunk to its context cap when allowed."""
+        prompt = len(self._prompt("cpu"))
         return lane_max_tokens(
             prompt, self.max_tokens, self.scheduler.cpu_ctx_cap_tokens(), shrinkable=self._shrinkable()
         )
@@ -478,7 +480,7 @@ class Execution:
             cancelled=self._cancelled,
             attempt=self.attempt - self._earlier_attempts,  # this run's (rule 1)
             max_attempts=self.failover.max_attempts,
-            delivered_tokens=self._delivered_n(),
+            delivered_tokens=self.sent_tokens(),
             incremental=self.incremental,
             continue_mid_stream=self.failover.continue_mid_stream,
             greedy=float(self.params.get("temperature", 1.0)) <= 0,
@@ -491,15 +493,15 @@ class Execution:
 
     async def _failover(self, d: Dispatch, f: _Failure) -> None:
         """Execute ``core.routing.plan_failover``: replay, continuation, or a typed error."""
+        if self.delivered and not self.shown:  # held back, never sent (rule 3): wherever it goes, it starts again
+            self.delivered.clear()
+            self._restart = True
         plan = plan_failover(self._facts(d, f))
         where = f"{f.kind} on the {d.route} worker ({f.message})"
         if isinstance(plan, Fail):
             raise self._fail_error(plan.kind, where, f)
         if not self.budget.take():
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
-        if isinstance(plan, Replay) and self.delivered:  # tokens held back, none shown: start again
-            self.delivered.clear()
-            self._restart = True
         self._cause = f.kind
         self._fault_at = time.monotonic()
         self._next_lane = "cpu"
@@ -513,8 +515,9 @@ class Execution:
                 retry_after_s=exc.retry_after_s,
             ) from exc
 
-    def _delivered_n(self) -> int:
-        """Tokens the client was sent (rule 3): none while every token's text was held back."""
+    def sent_tokens(self) -> int:
+        """Tokens of this answer the client was sent (rule 3): none while every token's text
+        was held back. What an error and the journal report as ``tokens_delivered``."""
         return len(self.delivered) if self.shown else 0
 
     def _fail_error(self, kind: FailKind, where: str, f: _Failure) -> SpilloverError:
@@ -526,8 +529,8 @@ class Execution:
             fault=f.kind,
             message=f.message,
             attempts=self.attempt,
-            delivered=self._delivered_n(),
-            needs_tokens=len(self._prompt("cpu")) + len(self.delivered) + self.max_tokens,
+            delivered=self.sent_tokens(),
+            needs_tokens=len(self._prompt("cpu")) + self.max_tokens,  # a continuation's prefix is in max_tokens
             cpu_cap_tokens=self.scheduler.cpu_ctx_cap_tokens(),
         )
 

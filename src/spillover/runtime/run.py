@@ -319,5 +319,5 @@ class Run:
             route=i.route if i else None,
             attempts=self.exe.attempt,
             reason=reason,
-            tokens_delivered=len(self.exe.delivered) if self.req.stream else self.completion_tokens,
+            tokens_delivered=self.exe.sent_tokens() if self.req.stream else self.completion_tokens,
         )
