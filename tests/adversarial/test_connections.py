@@ -318,8 +318,9 @@ def test_a_bad_chunk_in_a_body_refuses_that_request_at_once_with_one_answer(gw: 
     """A chunked body whose chunk size is garbage: the request being read is the one refused,
     at once (it waited for the body time-out, 30 s, answered 408, and then sent the 400 as a
     second answer): its only answer is the 400 ``invalid_http``, in Ollama's shape on
-    /api/chat. One the app answered already (415: no JSON Content-Type) before its body broke
-    gets no second answer: the connection closes."""
+    /api/chat, and nothing is logged for it (its app saw the client go away: that was a
+    traceback each). One the app answered already (415: no JSON Content-Type) before its body
+    broke gets no second answer: the connection closes."""
     head = b"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
     t0 = time.monotonic()
     with connect(gw) as s:
@@ -330,6 +331,20 @@ def test_a_bad_chunk_in_a_body_refuses_that_request_at_once_with_one_answer(gw: 
     assert time.monotonic() - t0 < 5 and got.count(b"HTTP/1.1 ") == 1, got
     status, _, body = _json_answer(got)
     assert status == 400 and body["code"] == "invalid_http" and "chunk" in body["error"].lower(), got
+    with open(gw.log_path, "rb") as f:
+        log_before = f.read().count(b"\n")
+    for path in (b"/v1/chat/completions", b"/api/chat"):  # its app sees the client gone: no traceback logged
+        for _ in range(10):
+            with connect(gw) as s:
+                s.sendall(
+                    b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+                    b"Content-Type: application/json\r\n\r\na\r\n" + b'{"model":"' + b"\r\nZZ\r\n"
+                )
+                assert read_response(s).startswith(b"HTTP/1.1 400 ")
+    time.sleep(0.5)
+    with open(gw.log_path, "rb") as f:
+        grown = f.read().split(b"\n")[log_before:]
+    assert len(grown) < 5 and not any(b"Traceback" in line or b"ClientDisconnect" in line for line in grown), grown
     with connect(gw) as s:
         s.sendall(head + b"\r\n5\r\n" + b'{"a":' + b"\r\n")
         assert read_response(s).startswith(b"HTTP/1.1 415 ")
@@ -344,20 +359,25 @@ def test_a_bad_chunk_in_a_body_refuses_that_request_at_once_with_one_answer(gw: 
 
 
 def test_an_oversized_head_in_one_read_is_answered_in_its_routes_shape(gw: GatewayProcess) -> None:
-    """A head over the bound that arrives in one read (its request line not parsed yet) is
-    answered in the shape of its target's route: Ollama's under /api/ (it was OpenAI's unless
-    the request line came in a read of its own)."""
+    """A head over the bound is answered in the shape of its target's route, Ollama's under
+    /api/, however its bytes were split: in one read (its request line not parsed yet), or cut
+    inside its request line, its method included (both were OpenAI's)."""
     from spillover.http.server import MAX_HEAD_BYTES
 
     big = b"x" * (MAX_HEAD_BYTES + 1024)
     for target, ollama in ((b"/api/tags", True), (b"/v1/models", False)):
-        with connect(gw) as s:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + big + b"\r\n\r\n")
-            status, _, body = _json_answer(read_response(s))
-        assert status == 431, body
-        code = body["code"] if ollama else body["error"]["code"]
-        assert code == "request_head_too_large" and isinstance(body["error"], str) is ollama, body
+        head = b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + big + b"\r\n\r\n"
+        for cut in (0, 1, 3, 5, 9):  # whole, or its request line split (inside the method too)
+            with connect(gw) as s:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    if cut:
+                        s.sendall(head[:cut])
+                        time.sleep(0.1)
+                    s.sendall(head[cut:])
+                status, _, body = _json_answer(read_response(s))
+            assert status == 431, (cut, body)
+            code = body["code"] if ollama else body["error"]["code"]
+            assert code == "request_head_too_large" and isinstance(body["error"], str) is ollama, (cut, body)
 
 
 def test_a_body_left_unread_by_an_early_answer_is_not_a_head(gw: GatewayProcess) -> None:

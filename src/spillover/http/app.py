@@ -21,13 +21,14 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from spillover.errors import (
     BodyTimeout,
+    ClientDisconnected,
     ConfigError,
     InvalidRequest,
     NotFound,
@@ -145,11 +146,14 @@ async def _read_json(request: Request, limit: int) -> Any:
     inflater = _inflater(request, limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk if inflater is None else inflater.feed(chunk))
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+            chunks.append(chunk if inflater is None else inflater.feed(chunk))
+    except ClientDisconnect as exc:  # gone mid-body (or its body broke: http/server.py rule 7): no traceback
+        raise ClientDisconnected("the client went away before its request body ended") from exc
     if inflater is not None:
         inflater.end()
     try:

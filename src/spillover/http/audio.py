@@ -52,10 +52,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
-from spillover.errors import InvalidRequest, PayloadTooLarge, SpilloverError, UnsupportedMediaType, to_http
+from spillover.errors import (
+    ClientDisconnected,
+    InvalidRequest,
+    PayloadTooLarge,
+    SpilloverError,
+    UnsupportedMediaType,
+    to_http,
+)
 from spillover.http.routes import content_codings, signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
@@ -174,6 +181,8 @@ async def read_audio_form(request: Request, gw: Gateway, task: str, hold: Upload
 
     try:
         form = await Request(request.scope, receive).form(max_files=1, max_fields=32, max_part_size=64 * 1024)
+    except ClientDisconnect as exc:  # gone mid-upload (or its body broke: http/server.py rule 7): no traceback
+        raise ClientDisconnected("the client went away before its upload ended", param="file") from exc
     except MultiPartException as exc:
         raise InvalidRequest(f"the multipart body cannot be read: {exc.message}") from exc
     except HTTPException as exc:  # Starlette's own 400 for the same, inside an app: it had no code

@@ -89,6 +89,7 @@ log = logging.getLogger("spillover.http.server")
 FD_RESERVE = 128  # descriptors kept for worker pipes, the journal, the sim ledger, logs, the listener
 LOG_EVERY_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024  # a request line and headers (rule 3)
+HEAD_FIRST_BYTES = 64  # kept of a head's start, for its target's route (rule 7): "GET /api/..." is in them
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_tail = b""  # the last bytes of a head not yet complete: its end may be split
         self._open_heads = 0  # complete heads whose responses are not complete
         self._refusal: Callable[[], None] | None = None  # waits for the answers before it (rule 3)
+        self._head_first = b""  # the first bytes of the head being read, when it opened at a read's start
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         g = self.guard
@@ -246,11 +248,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             end = probe.find(b"\r\n\r\n")
             used = len(rest) if end < 0 else max(0, end + 4 - len(self._head_tail))
             self._head_bytes += len(data) - len(rest) + used
+            if not self._in_head:  # a head opens with this read: its first bytes name its target
+                self._head_first = rest[:HEAD_FIRST_BYTES]
+            elif 0 < len(self._head_first) < HEAD_FIRST_BYTES:
+                self._head_first += data[: HEAD_FIRST_BYTES - len(self._head_first)]
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.guard.heads_too_large += 1
                 self.guard.note(time.monotonic())
-                # a head that opens in this read has its request line here, not parsed yet
-                self._refuse(functools.partial(self._send_431, b"" if self._in_head else rest))
+                # its request line may not be parsed yet: its target is read from the head's first bytes
+                self._refuse(functools.partial(self._send_431, self._head_first))
                 return
         super().data_received(data)
         self._head_tail = (self._head_tail + data)[-3:] if self._in_head else b""
@@ -268,6 +274,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        self._head_first = b""  # a head that opens later in this read is named by what llhttp parses
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
