@@ -322,16 +322,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.guard.not_http += 1
         self.guard.note(time.monotonic())
         cycle = getattr(self, "cycle", None)
-        if self._in_message and not self._in_head and cycle is not None and not cycle.response_complete:
-            if cycle.response_started:  # half an answer is out: nothing can follow it on this connection
+        if self._in_message and not self._in_head and cycle is not None:  # the body of the request being read
+            if cycle.response_started:  # answered (say 415), or half an answer is out: nothing may follow it
                 self.transport.close()
                 return
             cycle.disconnected = True  # its body will never come whole
             cycle.message_event.set()
             self._open_heads = max(0, self._open_heads - 1)  # its answer will never complete
-        elif self._in_message and not self._in_head and cycle is not None:  # answered (say 415) before its body broke
-            self.transport.close()
-            return
         fault = sys.exc_info()[1]
         why = f"the request cannot be read as HTTP: {fault}" if fault is not None else msg.rstrip(".")
         answer = raw_error(InvalidRequest(why, code="invalid_http"), rid=new_request_id(), ollama=self._ollama())

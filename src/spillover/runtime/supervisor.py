@@ -230,20 +230,21 @@ class Supervisor:
         assert self.device is not None
         deadline = time.monotonic() + self.cfg.release_wait_s
         failure: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                held = await asyncio.to_thread(self.device.held_by, pid)
-            except Exception as exc:  # unknown counts as not released (rule 5)
-                if failure is None:
-                    log.warning("worker %s: cannot read the device: %r", self.worker.spec.worker_id, exc)
-                failure = exc
-            else:
-                if held == 0:
-                    self.worker.waiting = None
-                    return
-            self.worker.waiting = f"the device to release the memory of its last process (pid {pid})"
-            await asyncio.sleep(0.05)
-        self.worker.waiting = None
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    held = await asyncio.to_thread(self.device.held_by, pid)
+                except Exception as exc:  # unknown counts as not released (rule 5)
+                    if failure is None:
+                        log.warning("worker %s: cannot read the device: %r", self.worker.spec.worker_id, exc)
+                    failure = exc
+                else:
+                    if held == 0:
+                        return
+                self.worker.waiting = f"the device to release the memory of its last process (pid {pid})"
+                await asyncio.sleep(0.05)
+        finally:
+            self.worker.waiting = None  # released, given up on, or the supervisor stops
         why = f" (device unreadable: {failure!r})" if failure is not None else ""
         self._event(K.NOT_RELEASED, f"device memory of pid {pid} not released after {self.cfg.release_wait_s}s{why}")
 
