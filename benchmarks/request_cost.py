@@ -45,7 +45,6 @@ per request are the first gateway's, which runs without it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pstats
@@ -93,15 +92,20 @@ def wakeups(gw: GatewayProcess) -> tuple[int, int]:
     """Voluntary context switches so far: of all the gateway's threads, and of its main thread
     (the event loop) alone (psutil's figure is the main thread's only)."""
     assert gw.proc is not None
+    return process_wakeups(gw.proc.pid)
+
+
+def process_wakeups(pid: int) -> tuple[int, int]:
+    """``wakeups`` of any process: all its threads', and its main thread's."""
     total = main = 0
-    for tid in os.listdir(f"/proc/{gw.proc.pid}/task"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{gw.proc.pid}/task/{tid}/status") as f:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
                 n = int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
         except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             continue
         total += n
-        main += n if int(tid) == gw.proc.pid else 0
+        main += n if int(tid) == pid else 0
     return total, main
 
 
@@ -415,16 +419,11 @@ def journal_alone(n: int, conc: int, body: dict[str, Any], answer: bytes) -> Jou
     text = json.dumps({"endpoint": "embeddings", "body": body})
 
     def counters() -> tuple[float, float, int]:
-        total = loop = 0.0
-        wakes = 0
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(FileNotFoundError):
-                cpu = thread_cpu_s("self", tid)
-                total += cpu
-                loop += cpu if int(tid) == os.getpid() else 0.0
-                with open(f"/proc/self/task/{tid}/status") as f:
-                    wakes += int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
-        return total, total - loop, wakes
+        """This process's CPU, its threads' but the event loop's, and its wake-ups, as the
+        gateway's are read (``gateway_cpu_s``, ``loop_cpu_s``, ``wakeups``)."""
+        pid = os.getpid()
+        total = cpu_s(psutil.Process(pid))
+        return total, total - thread_cpu_s(pid, pid), process_wakeups(pid)[0]
 
     async def one(j: Journal | None) -> None:
         rid = uuid.uuid4().hex
