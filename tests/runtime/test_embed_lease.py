@@ -109,3 +109,70 @@ def test_a_transcriptions_stall_bound_covers_the_audio_after_its_last_segment() 
     steps.after(Segment({"text": " no end"}))
     assert steps.units == 30.0
     assert TranscriptionService.stall_units(None, {}, 1.0) == 30.0  # type: ignore[arg-type]
+
+
+FAKE_EMBED_WORKER = r"""
+import base64, json, os, sys, time
+print(json.dumps({"ev": "ready", "info": {"pid": os.getpid()}}), flush=True)
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("op") != "embed":
+        continue
+    rid = msg["rid"]
+    print(json.dumps({"ev": "started", "rid": rid}), flush=True)
+    for i in range(60):  # a chunk every 20 ms
+        time.sleep(0.02)
+        print(json.dumps({"ev": "progress", "rid": rid, "done": i + 1}), flush=True)
+    data = base64.b64encode(b"\0" * 16).decode()
+    print(json.dumps({"ev": "vectors", "rid": rid, "n": 1, "dim": 4, "data": data}), flush=True)
+    print(json.dumps({"ev": "done", "rid": rid, "finish_reason": "stop", "completion_tokens": 0}), flush=True)
+"""
+
+
+def test_progress_that_came_in_time_while_the_loop_was_busy_is_no_stall() -> None:
+    """A GPU embeddings attempt whose worker reports a chunk every 20 ms, while the gateway's
+    loop is busy past the attempt's stall bound (0.3 s). Those lines came in time: the attempt
+    ends with its vectors and the worker is not killed. Before the service's bound was a
+    ``Watchdog`` (rule 4), ``asyncio.timeout``'s expired timer ran first in the turn that read
+    them: a stall, and a healthy worker killed."""
+    import sys
+    import time
+    from dataclasses import dataclass
+
+    from spillover.core.reasons import Reason
+    from spillover.runtime.events import Done
+    from spillover.runtime.service import _Dispatch
+
+    @dataclass(frozen=True)
+    class FakeSpec(WorkerSpec):
+        def argv(self) -> list[str]:
+            return [sys.executable, "-c", FAKE_EMBED_WORKER]
+
+    async def main() -> tuple[object, list[str]]:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        svc = embeddings_service(ledger)
+        killed: list[str] = []
+
+        async def kill_worker(w: WorkerClient, why: str) -> None:
+            killed.append(why)
+            await w.kill()
+
+        svc.gw.kill_worker = kill_worker  # type: ignore[attr-defined]
+        svc.stall_bound_s = lambda units, slots: 0.3  # type: ignore[method-assign]
+        worker = WorkerClient(FakeSpec("emb-gpu", "gpu", "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
+        await worker.start(20)
+        try:
+
+            async def on_move(state: str, fields: dict[str, object]) -> None:
+                if state == "running":  # while the attempt waits for its next chunk
+                    asyncio.get_running_loop().call_later(0.1, time.sleep, 1.0)
+
+            d = _Dispatch(worker, "gpu", Reason.FITS, 0)
+            msg = {"inputs": [[101, 7, 102]] * 61, "batch_size": 1}  # 61 chunks: 60 progress lines, the last
+            out = await svc._run_on(d, "r1", msg, 1.0, on_move)
+        finally:
+            await worker.stop()
+        return out, killed
+
+    out, killed = asyncio.run(main())
+    assert not killed and isinstance(out, tuple) and isinstance(out[1], Done), out

@@ -219,3 +219,35 @@ def test_a_request_whose_time_runs_out_in_the_queue_leaves_it() -> None:
             await first_events.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_tokens_that_came_in_time_while_the_loop_was_busy_are_no_stall(loop_name: str) -> None:
+    """The gateway's loop is busy past a stream's stall bound while its worker goes on writing
+    tokens (every 20 ms). Those lines came in time: the next turn reads them, and the attempt
+    goes on on the same worker. Before ``Watchdog`` rule 4 the expired timer ran first in that
+    turn: a stall, the healthy worker killed (and, on a CPU lane, the request ended)."""
+    import time
+
+    import uvloop
+
+    async def main() -> tuple[int, list[WorkerClient]]:
+        async with lane() as (sched, _worker, killed):
+            exe = execution(sched, killed, stall_s=0.1)  # the CPU lane's steady bound: 0.4 s
+            events = exe.events()
+            await first_tokens(events, 3)
+            # While the attempt waits for its next token, the loop is busy past the bound (as a
+            # loop under load can be: here one long callback).
+            asyncio.get_running_loop().call_later(0.05, time.sleep, 1.0)
+            seen = 0
+            async for ev in events:
+                seen += isinstance(ev, TokenOut)
+                if seen >= 20:
+                    break
+            await events.aclose()
+            return seen, killed
+
+    factory = uvloop.new_event_loop if loop_name == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        seen, killed = runner.run(main())
+    assert seen >= 20 and not killed

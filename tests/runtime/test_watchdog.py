@@ -141,3 +141,65 @@ def test_a_bound_already_spent_guards_again_without_a_loop_turn_between(loop_nam
     factory = uvloop.new_event_loop if loop_name == "uvloop" else asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         assert runner.run(body()) == "ok"
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_an_event_read_in_the_turn_its_bound_runs_out_is_not_lost(loop_name: str) -> None:
+    """Rule 4: the loop was busy past the deadline, and the awaited event is read in the turn
+    the expired timer fires (a worker's line that came in time). The block gets it; without
+    the rule the timer ran first (uvloop: timers before the turn's callbacks; asyncio: before
+    the block's wake-up) and the block timed out: a token read as a stall."""
+    import uvloop
+
+    async def body() -> int:
+        w, q = Watchdog(), asyncio.Queue[int]()
+        loop = asyncio.get_running_loop()
+
+        async def consumer() -> int:
+            async with w.guard(0.05):
+                return await q.get()
+
+        task = asyncio.create_task(consumer())
+        await asyncio.sleep(0)  # it waits, its bound set
+        time.sleep(0.1)  # the loop is busy past the deadline
+        loop.call_soon(q.put_nowait, 7)  # the line read in the turn the timer fires
+        try:
+            return await task
+        finally:
+            w.close()
+
+    factory = uvloop.new_event_loop if loop_name == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(body()) == 7
+
+
+def test_an_event_queued_at_the_second_look_holds_the_bound_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 4's ``pending``: the first look passed with nothing; the event is read in the
+    turn of the second look, queued behind it (asyncio runs the turn's timers beside its I/O
+    callbacks, before the block's wake-up). ``pending`` says it has come: no time-out. The
+    same without ``pending`` times out (what the rule prevents is real)."""
+    from spillover.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "PENDING_GRACE_S", 0.3)  # the looks at 0.05 s and 0.35 s
+
+    async def body(with_pending: bool) -> int:
+        w, q = Watchdog(), asyncio.Queue[int]()
+        loop = asyncio.get_running_loop()
+
+        async def consumer() -> int:
+            async with w.guard(0.05, (lambda: not q.empty()) if with_pending else None):
+                return await q.get()
+
+        task = asyncio.create_task(consumer())
+        await asyncio.sleep(0.15)  # after the first look, before the second
+        assert not task.done()
+        time.sleep(0.4)  # busy past the second look
+        loop.call_soon(q.put_nowait, 7)  # read in the second look's turn, ahead of its timer
+        try:
+            return await task
+        finally:
+            w.close()
+
+    assert run(body(True)) == 7
+    with pytest.raises(TimeoutError):
+        run(body(False))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -373,15 +374,20 @@ class Execution:
         most two windows)."""
         return self._bound(d, prefill) + 2 * self._coalesce_s(d)
 
-    async def _next(self, it: AsyncIterator[RequestEvent], d: Dispatch, bound: float) -> Started | Token | Done:
+    async def _next(
+        self, it: AsyncIterator[RequestEvent], d: Dispatch, bound: float, pending: Callable[[], bool] | None = None
+    ) -> Started | Token | Done:
         """The next worker event within ``bound`` seconds (``_stall_s``: an attempt computes
         its steady bound once, not per token); a stall, a worker's death or error raise
-        ``_Failure``, an interruption (cancel, time limit) raises ``_Stopped``."""
+        ``_Failure``, an interruption (cancel, time limit) raises ``_Stopped``. ``pending``
+        says whether the event has come (``Watchdog`` rule 4: one that came in the bound's
+        last loop turn is no stall)."""
         if self._cancelled or self._timed_out:
             raise _Stopped
         left = None if self.timeout_at_s is None else self.timeout_at_s - time.monotonic()
         try:
-            async with self._watchdog.guard(bound if left is None else max(0.0, min(bound, left))):
+            delay = bound if left is None else max(0.0, min(bound, left))
+            async with self._watchdog.guard(delay, pending):
                 item = await anext(it)
         except TimeoutError as exc:
             if left is not None and left <= bound:
@@ -405,10 +411,11 @@ class Execution:
             raise self._stopped_error()
         job.running = True
         it = d.worker.generate(self._msg(d))
+        pending = functools.partial(d.worker.has_event, self.rid)
         steady_s = self._stall_s(d, prefill=False)
         outcome = "failed"
         try:
-            first = await self._next(it, d, steady_s)
+            first = await self._next(it, d, steady_s, pending)
             if not isinstance(first, Started):
                 raise _Failure("engine", f"unexpected worker event {first!r} before the start")
             self.scheduler.confirmed(self.rid)
@@ -430,7 +437,7 @@ class Execution:
             self._restart = False
             first_token = True
             while True:
-                ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s)
+                ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s, pending)
                 if isinstance(ev, Token):
                     if first_token and self._fault_at is not None and d.route == "cpu":
                         self.on_recovered((time.monotonic() - self._fault_at) * 1000)

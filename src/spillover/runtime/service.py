@@ -99,6 +99,7 @@ from spillover.runtime.hostmem import CpuLaneHost
 from spillover.runtime.lanes import places_promised
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.supervisor import Supervisor, cannot_start
+from spillover.runtime.watchdog import Watchdog
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
@@ -489,11 +490,12 @@ class DeviceService(abc.ABC):
         parts: list[RequestEvent] = []
         steps = self.stall_steps(msg, work) if d.lane == "gpu" else None  # no stall bound on the CPU
         events = d.worker.request(self.op, {"rid": rid, **msg, "reserve_bytes": d.nbytes})
+        watchdog, pending = Watchdog(), functools.partial(d.worker.has_event, rid)  # its rule 4: no lost event
         try:
             while True:
                 bound = None if steps is None else self.stall_bound_s(steps.units, d.worker.spec.slots)
                 try:
-                    async with asyncio.timeout(bound):
+                    async with watchdog.guard(bound, pending) if bound is not None else contextlib.nullcontext():
                         ev = await anext(events)
                 except StopAsyncIteration:
                     break
@@ -532,6 +534,7 @@ class DeviceService(abc.ABC):
             self._note(d, "cancelled", 0.0)
             raise
         finally:
+            watchdog.close()
             await events.aclose()
 
     async def _stalled(self, d: _Dispatch, rid: str, bound: float | None) -> tuple[str, str]:

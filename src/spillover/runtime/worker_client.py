@@ -446,6 +446,11 @@ class WorkerClient:
             self._streams.pop(rid, None)
             self._cancel_nowait(rid)  # the consumer left early: the worker stops it (a no-op when it ended)
 
+    def has_event(self, rid: str) -> bool:
+        """Whether an event of ``rid``'s is queued, not yet taken by its ``request``."""
+        q = self._streams.get(rid)
+        return q is not None and not q.empty()
+
     def when_stopped(self, rid: str) -> asyncio.Future[None] | None:
         """A future resolved once the worker has stopped working on ``rid`` (its last event,
         or its exit); None when it is not working on it."""
