@@ -130,13 +130,32 @@ def test_json_shape() -> None:
     assert d["device"]["total_bytes"] + d["host"]["total_bytes"] == d["total_bytes"]
 
 
+def _bytes(n: int, per_cell: int = 10, per_ubatch: int = 3, ubatch: int = 512) -> int:
+    """A model's bytes as llama.cpp's: KV per whole 256-token cell, compute per micro-batch
+    token (the micro-batch clamped to a shorter context)."""
+    return -(-max(1, n) // 256) * 256 * per_cell + min(ubatch, n) * per_ubatch
+
+
 def test_largest_context_in_whole_cells() -> None:
     """Binary search over 256-token cells up to the limit; a context one token past a cell costs
-    the next cell, so the answer is a whole number of cells."""
-    assert largest_context(lambda n: n <= 1000, limit=4096) == 768
-    assert largest_context(lambda n: n <= 5000, limit=4096) == 4096
+    the next cell, so past the micro-batch the answer is a whole number of cells."""
+    for budget_ctx in (1000, 2048, 3000):
+        budget = _bytes(budget_ctx)
+        found = largest_context(lambda n, b=budget: _bytes(n) <= b, limit=4096)  # type: ignore[misc]
+        assert found % 256 == 0 and _bytes(found) <= budget < _bytes(found + 1)
+    assert largest_context(lambda n: True, limit=4096) == 4096
     assert largest_context(lambda n: False, limit=4096) == 0
-    assert largest_context(lambda n: n <= 2048, limit=4096) == 2048
+
+
+def test_largest_context_inside_a_cell_where_the_micro_batch_clamps() -> None:
+    """A context shorter than the micro-batch clamps it: one that does not fill its cell can fit
+    where the whole cell does not (round 15: a 100 MiB device said "no context fits" for
+    SmolLM2, which fits at a context of 10). The answer is exact: it fits, one more does not."""
+    heavy = {"per_cell": 1, "per_ubatch": 100}  # compute dominates, as on a small model
+    for budget in (_bytes(10, **heavy), _bytes(300, **heavy), _bytes(257, **heavy) - 1):
+        found = largest_context(lambda n, b=budget: _bytes(n, **heavy) <= b, limit=4096)  # type: ignore[misc]
+        assert found > 0 and _bytes(found, **heavy) <= budget < _bytes(found + 1, **heavy)
+    assert largest_context(lambda n: _bytes(n, **heavy) <= _bytes(1, **heavy) - 1, limit=4096) == 0
 
 
 def test_largest_gpu_layers() -> None:
@@ -222,14 +241,14 @@ def test_a_split_places_each_layers_own_cache_and_state() -> None:
 
 def test_search_edges() -> None:
     """A limit that is not a whole number of cells (a training context of 1000, or of 100, below one
-    cell) is itself the answer when it fits, else the whole cells below it; the default cell of
-    256; only zero layers."""
+    cell) is itself the answer when it fits, else the largest below it that does; a step other
+    than 256; only zero layers."""
     assert largest_context(lambda n: True, limit=1000) == 1000
-    assert largest_context(lambda n: n <= 900, limit=1000) == 768
-    assert largest_context(lambda n: n <= 600, limit=4096) == 512
+    assert largest_context(lambda n: n <= 900, limit=1000) == 900
     assert largest_context(lambda n: n <= 300, limit=4096, step=100) == 300
     assert largest_context(lambda n: True, limit=100) == 100
-    assert largest_context(lambda n: n < 100, limit=100) == 0
+    assert largest_context(lambda n: n < 100, limit=100) == 99
+    assert largest_context(lambda n: False, limit=100) == 0
     assert largest_gpu_layers(lambda n: n == 0, 4) == 0
     assert largest_gpu_layers(lambda n: n <= 5, 4) == 5
 

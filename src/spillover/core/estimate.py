@@ -208,8 +208,13 @@ def estimate(
 
 
 def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256) -> int:
-    """The largest context of whole ``step``-token cells, or ``limit`` itself, up to ``limit``,
-    for which ``fits`` holds (0 when even one cell does not). ``fits`` must be monotone (more context, more bytes)."""
+    """The largest context up to ``limit`` for which ``fits`` holds (0 when not even one token
+    does). ``fits`` must be monotone (more context, no fewer bytes). llama.cpp pads a context to
+    whole ``step``-token cells, so the search first takes whole cells (``fits`` is asked at the
+    cells a context ends in, the most any context in them costs), then the contexts inside the
+    next cell: they cost that cell's KV, which did not fit, but a context shorter than the
+    micro-batch clamps it (``MemoryModel.ubatch``), and a smaller compute buffer can make one
+    of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at 256)."""
     lo, hi = 0, max(0, limit // step)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -217,11 +222,15 @@ def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256)
             lo = mid
         else:
             hi = mid - 1
-    # llama.cpp pads a context to whole cells: one more token than lo cells costs a cell more.
-    # A limit between two whole cells (a training context of 1000) is itself the next answer.
-    if lo == limit // step and limit % step and fits(limit):
-        return limit
-    return lo * step
+    # Inside the next cell (or up to a limit between two whole cells, a training context of 1000).
+    lo, hi = lo * step, min((lo + 1) * step - 1, limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:

@@ -356,9 +356,17 @@ class MemoryModel:
         cast = (
             2 * n_kv * s.n_head_kv * (s.head_dim_k + s.head_dim_v) if self.flash_attn and self.kv_type == "f32" else 0
         )
+        # Multi-head latent attention (no V cache) without flash attention reads V from the K
+        # cache, where it is not stored transposed as a V cache is: each layer makes a transposed
+        # copy, ``n_kv`` cells of ``head_dim_v`` values in the cache's type, beside the scores
+        # (measured on a deepseek2 MLA: up to 244 bytes a cell more with an f32 cache, 116 with
+        # f16; round 15, where the envelope was 9 % under at 64k cells).
+        mla_v = (
+            n_kv * s.n_head_kv * kv_row_bytes(self.kv_type, s.head_dim_v) if not (self.flash_attn or s.v_cache) else 0
+        )
         # A fused Q/K/V projection with a bias adds its biased copy beside them (measured on
         # gpt2 and phi2: up to 1.5 KiB a micro-batch row more; the copy's row is 3 KiB there).
-        attn_path = scores + mask + rows + cast + ub * s.qkv_bias_width * 4
+        attn_path = scores + mask + rows + cast + mla_v + ub * s.qkv_bias_width * 4
         # A hybrid's Mamba layer instead: its projections, conv input and output, the scan's
         # output, gate and product and the layer's output for every row (``ssm_row_floats``),
         # beside the state the scan writes back and the mask (measured: 32.6 KiB a row and

@@ -58,7 +58,14 @@ class PlannedBuffers:
 
 
 class PlanRefused(ValueError):
-    """llama.cpp loaded the model but refused to create a context with these settings."""
+    """llama.cpp loaded the model but refused to create a context with these settings, or it
+    cannot load the file because the file is damaged (``DAMAGED``): no plan can be made."""
+
+
+# llama.cpp's load errors that say the file itself is wrong (its tensors against its own
+# metadata), for any build; its other load errors (an unknown architecture or pre-tokenizer)
+# say this build does not know the file, which a newer one may: the envelope answers those.
+DAMAGED = ("check_tensor_dims", "wrong number of tensors", "not within the file bounds")
 
 
 def plan_buffers(
@@ -107,8 +114,11 @@ def plan_buffers(
         try:
             model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
             if not model:
+                errors = _errors(lines) or "no reason given"
+                if any(mark in errors for mark in DAMAGED):
+                    raise PlanRefused(f"llama.cpp cannot load the file, it is damaged or inconsistent: {errors}")
                 if why is not None:
-                    why.append(f"this llama.cpp build cannot load the file ({_errors(lines) or 'no reason given'})")
+                    why.append(f"this llama.cpp build cannot load the file ({errors})")
                 return None
             try:
                 ctx = llama_cpp.llama_init_from_model(model, cp)
