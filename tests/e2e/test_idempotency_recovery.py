@@ -78,6 +78,39 @@ def test_stream_replay_is_the_same_transcript(gw: GatewayProcess) -> None:
         assert replay.content == original and original.endswith(b"data: [DONE]\n\n")
 
 
+def test_the_journal_keeps_a_body_as_sent_its_keys_in_order(gw: GatewayProcess) -> None:
+    """Round 16: the journal stored a body with its keys sorted, and a replay after a restart
+    ran that copy: a json_schema's properties (``zeta_reasoning`` before ``alpha_answer``) came
+    back alphabetised, so the model was asked to write them in the other order and answered
+    differently. The stored body keeps the client's order; the key's hash still ignores it."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta_reasoning": {"type": "string"}, "alpha_answer": {"type": "string"}},
+        "required": ["zeta_reasoning", "alpha_answer"],
+    }
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    }
+    with httpx.Client(base_url=gw.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": "order-1"})
+        assert r.status_code == 200, r.text
+        reordered = {k: body[k] for k in reversed(list(body))}  # the same JSON, keys in another order
+        again = c.post("/v1/chat/completions", json=reordered, headers={"Idempotency-Key": "order-1"})
+        assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    db = sqlite3.connect(Path(gw.state_dir) / "journal.sqlite3")
+    try:
+        rid = r.headers["x-spillover-request-id"]
+        (text,) = db.execute("SELECT body FROM requests WHERE id = ?", (rid,)).fetchone()
+    finally:
+        db.close()
+    stored = json.loads(text)["body"]
+    assert list(stored["response_format"]["json_schema"]["schema"]["properties"]) == ["zeta_reasoning", "alpha_answer"]
+    assert [k for k in stored if k in body] == list(body)
+
+
 def journal_rows(state_dir: str) -> list[dict[str, Any]]:
     db = sqlite3.connect(Path(state_dir) / "journal.sqlite3")
     try:

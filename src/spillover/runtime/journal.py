@@ -98,6 +98,7 @@ from spillover.runtime.journal_records import (
     KeyConflict,
     dumps,
     record,
+    stored_json,
 )
 
 __all__ = [
@@ -110,6 +111,7 @@ __all__ = [
     "disk_full_marker",
     "dumps",
     "set_disk_full",
+    "stored_json",
 ]
 
 log = logging.getLogger("spillover.journal")

@@ -24,6 +24,7 @@ __all__ = [
     "KeyConflict",
     "dumps",
     "record",
+    "stored_json",
 ]
 
 SCHEMA = """
@@ -140,5 +141,13 @@ def record(row: tuple[Any, ...]) -> JournalRecord:
 
 
 def dumps(obj: Any) -> str:
-    """Canonical JSON used for body hashes and stored bodies."""
+    """Canonical JSON (keys sorted), for body hashes: a body sent again with its keys in
+    another order is the same request."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def stored_json(obj: Any) -> str:
+    """A stored body as JSON, compact, its keys in the client's order: a replay runs exactly
+    what was sent (a JSON schema's or a tool's property order is the order a model is asked to
+    write them in; sorted, a replay after a restart answered differently: round 16)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

@@ -41,7 +41,7 @@ from spillover.errors import (
     ServerStopping,
     SpilloverError,
 )
-from spillover.runtime.journal import JournalRecord, KeyConflict, dumps
+from spillover.runtime.journal import JournalRecord, KeyConflict, dumps, stored_json
 from spillover.runtime.prepare import GenerationRequest, Prepared, new_request_id, prepare
 from spillover.runtime.recovery import end_orphan, orphan_lock
 from spillover.runtime.run import Answer, Encoded, Encoding, Run, Streaming, as_error
@@ -148,7 +148,7 @@ class RequestService:
                     prep = await prepare(self.gw, req, rid)
                     # The seed it runs with is journaled beside its body (any endpoint's shape): a
                     # replay after a restart, or a resume with its key, samples exactly the same way.
-                    body_json = dumps({"endpoint": endpoint, "body": stored, "seed": prep.seed})
+                    body_json = stored_json({"endpoint": endpoint, "body": stored, "seed": prep.seed})
                     return await self._begin(
                         ep,
                         prep,
@@ -223,7 +223,7 @@ class RequestService:
                                 body_hash=body_hash,
                                 kind=ep.kind,
                                 stream=False,
-                                body=dumps({"endpoint": ep.name, "body": stored}),
+                                body=stored_json({"endpoint": ep.name, "body": stored}),
                                 model=str(req.model),
                                 queued={"attempts": run.attempt + 1},
                             )
