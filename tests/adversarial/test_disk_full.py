@@ -16,7 +16,7 @@ import pytest
 from spillover.runtime.journal import set_disk_full
 from spillover.testing import GatewayProcess
 from spillover.testing.invariants import wait_quiescent
-from tests.e2e.helpers import COUNT_PROMPT, healthy_client, wait_for
+from tests.e2e.helpers import COUNT_PROMPT, healthy_client, stream, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -53,11 +53,13 @@ def test_a_full_disk_refuses_new_requests_without_binding_their_key(gw: GatewayP
 
 
 def test_requests_in_flight_when_the_disk_fills_end_and_their_outcomes_are_kept(gw: GatewayProcess) -> None:
-    """A running CPU request and one queued behind it when the disk fills: both answer their
-    clients (200; the queued one's ADMITTED and RUNNING moves are not waited for and wait
-    for the disk: journal rule 7); both outcomes wait in memory and reach the journal, every
-    move in order, once the disk has room, and the queued one's key then answers from the
-    journal (no 409 forever, no slot leaked)."""
+    """A running CPU request and one queued behind it when the disk fills: both run to their
+    end (the queued one's ADMITTED and RUNNING moves are not waited for and wait for the disk:
+    journal rule 7), but neither answer is sent while it is not durable (round 16: a gateway
+    killed then re-ran requests whose answers their clients had, and a key gave a different
+    answer): each client gets 503 ``journal_unavailable``, resumable, with its request id; the
+    key answers 409 meanwhile. Both outcomes wait in memory and reach the journal, every move
+    in order, once the disk has room; the key then answers from the journal."""
     out: dict[str, Any] = {}
     key = uuid.uuid4().hex
     running = {"prompt": COUNT_PROMPT, "max_tokens": 120, "temperature": 0, "spillover": {"prefer": "cpu"}}
@@ -78,9 +80,13 @@ def test_requests_in_flight_when_the_disk_fills_end_and_their_outcomes_are_kept(
         try:
             a.join(120)
             b.join(120)
-            assert out["running"].status_code == 200, out["running"].text
-            assert out["queued"].status_code == 200, out["queued"].text
+            for r in (out["running"], out["queued"]):
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "journal_unavailable" and int(r.headers["retry-after"]) >= 1
+                assert "could not be made durable" in r.json()["error"]["detail"]
             assert wait_for(lambda: gw.status()["journal_pending_outcomes"] == 2, 10, "outcomes kept")
+            early = c.post("/v1/completions", json=queued, headers={"Idempotency-Key": key})
+            assert early.status_code == 409 and int(early.headers["retry-after"]) >= 1, early.text
         finally:
             set_disk_full(journal(gw), False)
         wait_for(lambda: gw.status()["journal_pending_outcomes"] == 0, 20, "outcomes written")
@@ -93,5 +99,36 @@ def test_requests_in_flight_when_the_disk_fills_end_and_their_outcomes_are_kept(
             assert moves == ["accepted", "queued", "admitted", "running", "completed"], (rid, moves)
         again = c.post("/v1/completions", json=queued, headers={"Idempotency-Key": key})
         assert again.status_code == 200 and again.headers["x-spillover-request-id"] == rid_b, again.text
-        assert again.json()["choices"] == out["queued"].json()["choices"]
+        assert again.headers["idempotent-replayed"] == "true" and again.json()["choices"][0]["text"]
+    assert wait_quiescent(gw.status, journal(gw)) == []
+
+
+def test_a_stream_that_ends_while_the_disk_is_full_ends_resumable_and_its_key_gets_it_after(
+    gw: GatewayProcess,
+) -> None:
+    """The disk fills while a stream runs (its first token's delivery was journaled): its
+    tokens go on, but its end is not sent as a finish while it is not durable: the last frame
+    is ``journal_unavailable`` (resumable), then ``[DONE]``. Once the disk has room the kept
+    outcome is journaled, and the key answers the whole stream as it ran, its finish included."""
+    key = uuid.uuid4().hex
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 60, "temperature": 0, "spillover": {"prefer": "cpu"}}
+    filled: list[bool] = []
+
+    def on_token(n: int) -> None:
+        if n == 3 and not filled:
+            filled.append(True)
+            set_disk_full(journal(gw), True)
+
+    with healthy_client(gw) as c:
+        try:
+            got = stream(c, "/v1/completions", body, headers={"Idempotency-Key": key}, on_token=on_token)
+            assert filled and got["done"] and got["text"], got
+            assert got["error"] is not None and got["error"]["code"] == "journal_unavailable", got
+            assert got["finish"] is None  # no finish went out before the error
+        finally:
+            set_disk_full(journal(gw), False)
+        wait_for(lambda: gw.status()["journal_pending_outcomes"] == 0, 20, "outcome written")
+        again = stream(c, "/v1/completions", body, headers={"Idempotency-Key": key})
+        assert again["headers"]["idempotent-replayed"] == "true", again
+        assert again["error"] is None and again["finish"] == "length" and again["text"].startswith(got["text"])
     assert wait_quiescent(gw.status, journal(gw)) == []

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -223,6 +224,40 @@ def test_delete_of_a_running_embeddings_request_ends_it_cancelled(gw: GatewayPro
     wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
     time.sleep(6)  # past the gateway's wait for a cancelled request's end: the worker was never killed
     assert _service_worker(gw, "gpu")["pid"] == pid and _service_worker(gw, "gpu")["state"] == "ready"
+
+
+def test_an_answer_the_journal_cannot_take_is_not_sent_and_its_key_gets_it_after(gw: GatewayProcess) -> None:
+    """The disk fills while an embeddings request runs: its vectors are ready but not durable,
+    so they are not sent (round 16: a gateway killed before the write re-ran it, and its key
+    gave a second answer): 503 ``journal_unavailable``, resumable; once the disk has room the
+    kept answer is journaled and its Idempotency-Key answers it."""
+    from spillover.runtime.journal import set_disk_full
+
+    journal = Path(gw.state_dir) / "journal.sqlite3"
+    body = {"model": "bge-small-en", "input": [MEDIUM_TEXT * 2] * 48}
+    out: dict[str, httpx.Response] = {}
+    headers = {"Idempotency-Key": "embed-not-durable"}
+    with httpx.Client(base_url=gw.url, timeout=300) as c:
+        t = threading.Thread(
+            target=lambda: out.setdefault(
+                "r", httpx.post(gw.url + "/v1/embeddings", json=body, headers=headers, timeout=120)
+            )
+        )
+        t.start()
+        wait_for(lambda: _service(gw)["running"] >= 1, 30, "running")
+        set_disk_full(journal, True)
+        try:
+            t.join(120)
+            r = out["r"]
+            assert r.status_code == 503 and r.json()["error"]["code"] == "journal_unavailable", r.text[:300]
+            assert "could not be made durable" in r.json()["error"]["detail"]
+        finally:
+            set_disk_full(journal, False)
+        wait_for(lambda: gw.status()["journal_pending_outcomes"] == 0, 20, "outcome written")
+        again = c.post("/v1/embeddings", json=body, headers=headers)
+        assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true", again.text[:300]
+        assert len(again.json()["data"]) == 48
+        assert again.headers["x-spillover-request-id"] == r.headers["x-spillover-request-id"]
 
 
 def test_a_client_that_goes_away_stops_its_request_resumable(gw: GatewayProcess) -> None:

@@ -292,15 +292,18 @@ class Gateway:
                 log.warning("device reading failed: %s", exc)
             await ticks.sleep(OBSERVE_INTERVAL_S)
 
-    async def store_outcome(self, rid: str, state: State, **fields: Any) -> None:
-        """Journal a request's terminal state. When the journal cannot take it now (a full
-        disk), the outcome is kept (bounded) and written again by the journal loop, so an
-        answered request does not stay RUNNING and get re-run after a restart. A move the
-        lifecycle does not allow (a bug) still ends the request, as RESUMABLE_ERROR."""
+    async def store_outcome(self, rid: str, state: State, **fields: Any) -> bool:
+        """Journal a request's terminal state; False when it is not durable yet. When the
+        journal cannot take it now (a full disk), the outcome is kept (bounded) and written
+        again by the journal loop, so the request does not stay RUNNING and get re-run after a
+        restart; its answer is not sent meanwhile (``not_durable``): a gateway killed before
+        the write re-runs it, and its client must not have acted on the first run's answer. A
+        move the lifecycle does not allow (a bug) still ends the request, as RESUMABLE_ERROR."""
         if self.journal is None:
-            return
+            return True
         try:
             await self.journal.move(rid, state, **fields)
+            return True
         except JournalUnavailable as exc:
             log.warning("journal: outcome of %s kept in memory until the journal takes it: %s", rid, exc)
             self.pending_outcomes[rid] = (state, fields)
@@ -308,10 +311,12 @@ class Gateway:
                 del self.pending_outcomes[next(iter(self.pending_outcomes))]
                 self.outcomes_dropped += 1
             self._journal_wake.set()
+            return False
         except IllegalTransition:
             log.exception("journal: %s cannot move to %s; ending it as resumable_error", rid, state.value)
             if state is not State.RESUMABLE_ERROR:
-                await self.store_outcome(rid, State.RESUMABLE_ERROR, **fields)
+                return await self.store_outcome(rid, State.RESUMABLE_ERROR, **fields)
+            return True
 
     async def _flush_outcomes(self) -> None:
         """Write the kept outcomes, each independently. One the journal still refuses after

@@ -26,7 +26,17 @@ from spillover.errors import (
 )
 from spillover.runtime.events import Token
 
-__all__ = ["Event", "Finished", "RetryBudget", "RouteInfo", "TokenOut", "classify_error", "final_error"]
+__all__ = [
+    "Event",
+    "Finished",
+    "RetryBudget",
+    "RouteInfo",
+    "TokenOut",
+    "classify_error",
+    "final_error",
+    "not_durable",
+    "stopped",
+]
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,18 @@ def stopped(rid: str, *, server_stopping: bool) -> SpilloverError:
     if server_stopping:
         return ServerStopping(f"request {rid} was stopped: the gateway is stopping")
     return ClientDisconnected(f"request {rid}: the client went away before its answer ended")
+
+
+def not_durable(rid: str) -> JournalUnavailable:
+    """What a finished request's client is told instead of its answer while the journal cannot
+    take the answer (``Gateway.store_outcome``): the answer is kept, and journaled once the
+    journal takes it; the Idempotency-Key (or ``GET /v1/requests/{id}``) gets it then."""
+    return JournalUnavailable(
+        f"request {rid} finished, but its answer could not be made durable (the journal cannot write: "
+        "a full disk?); it is kept and journaled once the journal can: send the request again with its "
+        f"Idempotency-Key, or GET /v1/requests/{rid}, after Retry-After",
+        retry_after_s=2.0,
+    )
 
 
 def classify_error(exc: SpilloverError) -> State:

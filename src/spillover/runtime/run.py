@@ -27,7 +27,7 @@ from spillover.core.lifecycle import State
 from spillover.core.reasons import FailoverReason
 from spillover.errors import RequestCancelled, SpilloverError
 from spillover.runtime.executor import Execution, Finished, RouteInfo, TokenOut, classify_error
-from spillover.runtime.outcomes import stopped
+from spillover.runtime.outcomes import not_durable, stopped
 from spillover.runtime.prepare import GenerationRequest, Prepared
 
 if TYPE_CHECKING:
@@ -255,7 +255,12 @@ class Run:
             # One shielded task: under a cancelled (anyio) scope every later await raises again.
             await asyncio.shield(self._end_abandoned(committed=self.req.stream))
             raise
-        await asyncio.shield(self._end(outcome, failed=failed))
+        durable = await asyncio.shield(self._end(outcome, failed=failed))
+        if not durable and failed is None:  # an answer is sent only once it is durable
+            outcome = self._error(not_durable(self.rid), committed=self.req.stream)
+            self._outcome = outcome
+            if not self.req.stream:  # nothing went out yet: the error is the whole answer
+                self._kept = list(outcome.frames)
         for f in outcome.frames:
             yield f
 
@@ -274,16 +279,18 @@ class Run:
         outcome = self._error(RequestCancelled(f"request {self.rid} was cancelled"), committed=committed)
         await self._end(outcome, failed=RequestCancelled(self.rid))
 
-    async def _end(self, outcome: Encoded, *, failed: BaseException | None) -> None:
-        """End the Execution (a no-op when its events ended) and journal the outcome."""
+    async def _end(self, outcome: Encoded, *, failed: BaseException | None) -> bool:
+        """End the Execution (a no-op when its events ended) and journal the outcome; False
+        when the outcome is not durable yet (``Gateway.store_outcome``)."""
         self._keep(outcome.frames)
         self._outcome = outcome
         try:
             await self.events.aclose()
         finally:
             state = State.COMPLETED if failed is None else self._error_state
-            await self._store(state, outcome)
+            durable = await self._store(state, outcome)
             self.ended.set()
+        return durable
 
     def _note_token(self) -> None:
         if self.first_token_s is None and self.info is not None:
@@ -297,8 +304,9 @@ class Run:
             self._delivery_noted = True
             await self.gw.journal.update(self.rid, tokens_delivered=1)
 
-    async def _store(self, state: State, outcome: Encoded) -> None:
-        """Write the outcome to the journal (terminal state) and count it."""
+    async def _store(self, state: State, outcome: Encoded) -> bool:
+        """Write the outcome to the journal (terminal state) and count it; False when it is
+        not durable yet."""
         i = self.info
         # A request refused before it ran has no route: its reason is its answer's (why there
         # was no room), as the client read it, in the journal and /metrics alike.
@@ -312,7 +320,7 @@ class Run:
             time.monotonic() - self.started_s,
             self.completion_tokens,
         )
-        await self.gw.store_outcome(
+        return await self.gw.store_outcome(
             self.rid,
             state,
             **outcome.journaled(b"".join(self._kept)),

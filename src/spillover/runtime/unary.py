@@ -20,6 +20,11 @@ Rules:
    goes away stops the request (resumable: ``outcomes.stopped``). What was sent, the last
    frame included, is journaled as its answer, so a retry with its Idempotency-Key gets the
    same bytes; one that ended resumable runs again.
+6. An answer the journal cannot take now (a full disk: ``Gateway.store_outcome`` keeps it, and
+   writes it once it can) is not sent: the client gets ``journal_unavailable`` (503, or a
+   stream's last frame), resumable, and its Idempotency-Key gets the answer once it is
+   journaled. A gateway killed before that runs the request again, and no client acted on a
+   first answer.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from spillover.core.lifecycle import State
 from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.journal import NOTED
-from spillover.runtime.outcomes import classify_error, stopped
+from spillover.runtime.outcomes import classify_error, not_durable, stopped
 from spillover.runtime.run import Answer, Encoded, Streaming, as_error
 
 if TYPE_CHECKING:
@@ -195,7 +200,8 @@ class UnaryRun:
         except Exception as exc:  # the request's own error, or (a bug) a 500: journaled too
             err = RequestCancelled(f"request {self.rid} was cancelled") if self.cancelled_by_user else None
             return _answer(await asyncio.shield(self._settle(err or as_error(exc, self.rid))))
-        await asyncio.shield(self._store(State.COMPLETED, outcome))
+        if not await asyncio.shield(self._store(State.COMPLETED, outcome)):  # sent only once durable
+            return _answer(self.ep.error(not_durable(self.rid), self.rid))
         return _answer(outcome)
 
     async def _stream(self) -> AsyncGenerator[bytes, None]:
@@ -223,19 +229,24 @@ class UnaryRun:
                 err = err or as_error(exc, self.rid)
             if err is not None:
                 state = classify_error(err)
-                body = self.ep.error(err, self.rid).error or {"error": {"message": err.message}}  # OpenAI's shape
-                last = Encoded(200, [b"data: " + json.dumps(body).encode() + b"\n\n", DONE], {}, SSE, body)
+                last = self._error_frames(err)
             if not self._first.is_set():  # nothing was sent: the whole answer goes as usual
                 await self._store(state, last)
                 return
             whole = Encoded(200, [*self._sent, *last.frames], self._head or {}, SSE, last.error)
+            if not await self._store(state, whole) and err is None:  # its end is sent only once durable
+                last = self._error_frames(not_durable(self.rid))
             for frame in last.frames:
                 self._frames.put_nowait(frame)
-            await self._store(state, whole)
         finally:
             self._frames.put_nowait(None)
             if self.on_end is not None:
                 self.on_end()
+
+    def _error_frames(self, err: SpilloverError) -> Encoded:
+        """A stream's last frames for ``err``: its error in OpenAI's shape, then ``[DONE]``."""
+        body = self.ep.error(err, self.rid).error or {"error": {"message": err.message}}
+        return Encoded(200, [b"data: " + json.dumps(body).encode() + b"\n\n", DONE], {}, SSE, body)
 
     async def _bounded(self, timeout_s: float) -> Encoded:
         """The work, within ``[server].request_timeout_s`` (a hung worker cannot hold it forever)."""
@@ -265,7 +276,8 @@ class UnaryRun:
         await self._store(classify_error(err), outcome)
         return outcome
 
-    async def _store(self, state: State, outcome: Encoded) -> None:
+    async def _store(self, state: State, outcome: Encoded) -> bool:
+        """Journal the outcome and count it; False when it is not durable yet."""
         try:
             self.gw.metrics.request_done(
                 self.route or "none", state.value, outcome.headers.get("X-Spillover-Reason", "none"),
@@ -273,7 +285,7 @@ class UnaryRun:
             )  # fmt: skip
             if state is State.COMPLETED and self.route is not None:
                 self.gw.degraded.note(time.monotonic(), self.route, outcome.headers.get("X-Spillover-Reason"))
-            await self.gw.store_outcome(
+            return await self.gw.store_outcome(
                 self.rid,
                 state,
                 **outcome.journaled(b"".join(outcome.frames)),
