@@ -115,3 +115,42 @@ def test_a_worker_that_does_not_come_in_time_ends_the_wait(memory: MemoryModel) 
         assert got.value.code == "queue_timeout"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("cpu", "allow_cpu_route"), [(DEAD, True), (READY, False)])
+def test_a_job_that_fits_a_busy_gpu_the_cpu_cannot_take_waits_for_a_slot(
+    memory: MemoryModel, cpu: WorkerState, allow_cpu_route: bool
+) -> None:
+    """Round 16: every GPU slot taken past ``delay_max_s``, and the CPU path cannot take the job
+    (its worker waits out a restart's back-off, or the job is too long for it): it was refused
+    ``gpu_busy+cpu_unavailable`` while the GPU was healthy (and so with no CPU path at all,
+    ``cpu = "none"`` or ``allow_cpu_route`` off, whose requests wait or are refused). It now
+    waits for the slot, which comes back when the running request ends, and runs on the GPU;
+    still bounded by the GPU lane's queue age."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, _ = _scheduler(memory, clock, READY, cpu, allow_cpu_route=allow_cpu_route)
+        first, second = _job(clock, "a"), _job(clock, "b")
+        s.submit_nowait(first)
+        d1 = await asyncio.wait_for(first.future, 1)
+        assert d1.worker is gpu and gpu.free_slots == 0
+        s.submit_nowait(second)
+        clock.advance(5.0)  # past delay_max_s: its slot is still taken
+        s.pump_once()
+        assert not second.future.done(), second.future
+        assert s._due(s.clock()) <= second.enqueued_s + 30.0  # bounded: the lane's queue age
+        gpu.release_slot("a")  # the running request ends; its release kicks a pass
+        s.pump_once()
+        d2 = await asyncio.wait_for(second.future, 1)
+        assert (d2.route, d2.worker) == ("gpu", gpu)
+        clock.advance(40.0)  # a job that waits past the queue's age is still refused
+        late = _job(clock, "c")
+        s.submit_nowait(late)
+        clock.advance(31.0)
+        s.pump_once()
+        with pytest.raises(CapacityError) as got:
+            await asyncio.wait_for(late.future, 1)
+        assert got.value.code == "queue_timeout"
+
+    asyncio.run(main())

@@ -398,7 +398,7 @@ class Scheduler:
             if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
             d = self._by_plan(d)
-        if isinstance(d, Reject) and self._coming(d):  # a worker that could take it is loading: it waits
+        if isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d)):  # what could take it comes: it waits
             self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
         self._record(job, d, now)
@@ -477,6 +477,15 @@ class Scheduler:
         cpu_ready = any(w.state is WorkerState.READY for w in self.cpu_workers)
         cpu = self.policy is not None and self.policy.allow_cpu_route and not cpu_ready and starting(self.cpu_workers)
         return device or cpu
+
+    def _slot_coming(self, d: Reject) -> bool:
+        """A refusal of a job that fits the device and found every GPU slot taken past
+        ``delay_max_s``, which the CPU path cannot take (its worker down or restarting, its
+        queue full, the job too long for it): a slot comes back when a running request ends
+        (a pass follows), so the job waits for one up to the GPU lane's ``queue_max_age_s``.
+        It was refused ``gpu_busy+cpu_unavailable`` while the GPU was healthy and the CPU
+        worker waited out a restart's back-off (round 16)."""
+        return d.cause is Reason.GPU_BUSY and any(w.state is WorkerState.READY for w in self.gpu_workers)
 
     def _by_plan(self, d: Route | Reject) -> Route | Reject:
         """The cpu profile (``core.profiles``): no worker runs on the device, by plan, so a job
