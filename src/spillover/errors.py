@@ -51,6 +51,7 @@ from typing import Any
 
 __all__ = [
     "AllocationFailed",
+    "AnswerNotKept",
     "BodyTimeout",
     "CapacityError",
     "ClientError",
@@ -195,6 +196,15 @@ class IdempotencyMismatch(IdempotencyError):
     code = "idempotency_key_reused"
 
 
+class AnswerNotKept(IdempotencyError):
+    """The key's request finished and its answer was sent, but the answer was too large for the
+    journal to keep (``Gateway.store_outcome``): a replay cannot give it, and running it again
+    under the same key could give another. A new key runs it again."""
+
+    status = 410
+    code = "answer_not_kept"
+
+
 class PayloadTooLarge(ClientError):
     """The body exceeds the configured limit; it was not buffered."""
 
@@ -325,6 +335,10 @@ _FOR_PEOPLE: dict[str, str] = {
     "context_length_exceeded": "This conversation is too long for the model. Shorten it or start a new one.",
     "context_length_exceeded:input": "This text is too long for the embeddings model. Split it into shorter pieces.",
     "idempotency_key_in_flight": "This request is still being answered. Wait for it to finish.",
+    "answer_not_kept": (
+        "This request's answer was sent once but was too large to keep. Send it with a new Idempotency-Key "
+        "to run it again."
+    ),
     "too_many_connections": "The server has too many open connections right now. Please try again in {s}.",
     "body_timeout": "The request arrived too slowly and was dropped. Please send it again.",
 }

@@ -260,6 +260,34 @@ def test_an_answer_the_journal_cannot_take_is_not_sent_and_its_key_gets_it_after
         assert again.headers["x-spillover-request-id"] == r.headers["x-spillover-request-id"]
 
 
+def test_an_answer_too_large_for_the_journal_is_sent_and_its_key_says_it_was_not_kept() -> None:
+    """Round 17: an answer larger than the journal keeps in one row (a 1 MiB journal, 256
+    vectors as JSON floats, 2 MB) could never be made durable: its client got 503 and the answer
+    never came, and its key, once the outcome was written without it, replayed an empty 200.
+    It is sent (its state is journaled, with why the answer was not kept), and its key answers
+    410 ``answer_not_kept``: not a second run, not an empty answer."""
+    with GatewayProcess(
+        ["--gpu", "sim:1024"], services=("chat", "embeddings"), config={"journal": {"max_mib": 1}}
+    ) as g:
+        body = {"model": "bge-small-en", "input": [f"text number {i}" for i in range(256)]}
+        headers = {"Idempotency-Key": "too-large"}
+        with httpx.Client(base_url=g.url, timeout=120) as c:
+            r = c.post("/v1/embeddings", json=body, headers=headers)
+            assert r.status_code == 200 and len(r.json()["data"]) == 256, r.text[:300]
+            assert len(r.content) > 1024 * 1024  # more than the whole journal
+            rid = r.headers["x-spillover-request-id"]
+            rec = c.get(f"/v1/requests/{rid}").json()
+            assert rec["state"] == "completed" and "answer not kept" in rec["reason"], rec
+            again = c.post("/v1/embeddings", json=body, headers=headers)
+            assert again.status_code == 410 and again.json()["error"]["code"] == "answer_not_kept", again.text
+            assert again.headers["x-spillover-request-id"] == rid and again.headers["x-should-retry"] == "false"
+            small = c.post("/v1/embeddings", json={**body, "input": "one"}, headers={"Idempotency-Key": "small"})
+            assert (
+                c.post("/v1/embeddings", json={**body, "input": "one"}, headers={"Idempotency-Key": "small"}).content
+                == small.content
+            )
+
+
 def test_a_client_that_goes_away_stops_its_request_resumable(gw: GatewayProcess) -> None:
     """A non-streamed request whose client leaves (a read timeout) is stopped, not run to
     its end for nobody: journaled resumable with 499 client_disconnected, its lease back."""

@@ -301,6 +301,13 @@ class Gateway:
         move the lifecycle does not allow (a bug) still ends the request, as RESUMABLE_ERROR."""
         if self.journal is None:
             return True
+        sent_anyway = False
+        answer = fields.get("response")
+        if state is State.COMPLETED and answer is not None and not self.journal.keeps(len(answer)):
+            # It can never be kept: sent anyway (its state is what is journaled), and its key
+            # then says so (``AnswerNotKept``) instead of replaying an empty answer.
+            reason = f"answer not kept: {len(answer)} bytes, more than the journal keeps in one row"
+            fields, sent_anyway = fields | {"response": None, "reason": reason}, True
         try:
             await self.journal.move(rid, state, **fields)
             return True
@@ -311,7 +318,7 @@ class Gateway:
                 del self.pending_outcomes[next(iter(self.pending_outcomes))]
                 self.outcomes_dropped += 1
             self._journal_wake.set()
-            return False
+            return sent_anyway
         except IllegalTransition:
             log.exception("journal: %s cannot move to %s; ending it as resumable_error", rid, state.value)
             if state is not State.RESUMABLE_ERROR:
@@ -320,13 +327,16 @@ class Gateway:
 
     async def _flush_outcomes(self) -> None:
         """Write the kept outcomes, each independently. One the journal still refuses after
-        ``OUTCOME_TRIES`` tries (e.g. a stored answer larger than the journal can ever hold) is
-        written without its stored answer: its state is what must not be lost."""
+        ``OUTCOME_TRIES`` tries is written without its stored answer: its state is what must
+        not be lost. A completed one's answer was not sent (``store_outcome``), so it ends
+        resumable instead: its key runs it again."""
         assert self.journal is not None
         for rid, (state, fields) in list(self.pending_outcomes.items()):
             tries = self._outcome_tries.get(rid, 0) + 1
             if tries > OUTCOME_TRIES and fields.get("response") is not None:
                 fields = fields | {"response": None, "reason": "stored answer dropped: the journal had no room for it"}
+                if state is State.COMPLETED:
+                    state, fields = State.RESUMABLE_ERROR, fields | {"status_code": 503}
             try:
                 await self.journal.move(rid, state, **fields)
             except JournalUnavailable:

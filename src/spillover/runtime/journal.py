@@ -752,6 +752,11 @@ class Journal:
         return int(self._db_().execute("SELECT COUNT(*) FROM requests").fetchone()[0])
 
     # -- async API -------------------------------------------------------------------
+    def keeps(self, nbytes: int) -> bool:
+        """Whether an answer of ``nbytes`` can be stored: a move rewrites its row, and only the
+        headroom above the high-water mark is sure to hold one (rule 4)."""
+        return nbytes <= self._bounds.headroom
+
     async def open(self) -> None:
         await self._run(self._open)
 

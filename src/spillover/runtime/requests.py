@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from spillover.core.lifecycle import RESUMABLE, State
 from spillover.core.reasons import Reason
 from spillover.errors import (
+    AnswerNotKept,
     IdempotencyInFlight,
     IdempotencyMismatch,
     InvalidRequest,
@@ -207,10 +208,10 @@ class RequestService:
                 stored = ep.stored(body)
                 async with self.gw.keys.hold(idem_key):
                     rec = await self._keyed(idem_key, body_hash)
-                    if rec is not None and rec.state not in RESUMABLE:
-                        return stored_answer(rec)
                     if rec is not None:
-                        rid = rec.id
+                        rid = rec.id  # errors about this key name the request it is bound to
+                        if rec.state not in RESUMABLE:
+                            return stored_answer(rec)
                     deadline_s = deadline_ms / 1000 if deadline_ms is not None else None
                     ep.hold_place(req, rid, deadline_s)  # rule 3: a full queue answers at once, nothing journaled
                     held = (req, rid)
@@ -461,7 +462,13 @@ def _with_stored_seed(req: GenerationRequest, doc: dict[str, Any]) -> Generation
 
 
 def stored_answer(rec: JournalRecord) -> Answer:
-    """A finished request's journaled answer, as it was sent (an Idempotency-Key's replay)."""
+    """A finished request's journaled answer, as it was sent (an Idempotency-Key's replay).
+    A completed one whose answer was too large to keep raises ``AnswerNotKept``."""
+    if rec.state is State.COMPLETED and rec.response is None:
+        raise AnswerNotKept(
+            f"request {rec.id} finished and its answer was sent, but the journal did not keep it "
+            f"({rec.reason or 'no room'}); send it with a new Idempotency-Key to run it again"
+        )
     headers = json.loads(rec.headers or "{}")
     headers["Idempotent-Replayed"] = "true"
     return Answer(rec.status_code or 200, rec.response or b"", headers, rec.content_type or "application/json")
