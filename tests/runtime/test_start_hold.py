@@ -145,12 +145,15 @@ def test_a_job_that_fits_a_busy_gpu_the_cpu_cannot_take_waits_for_a_slot(
         d2 = await asyncio.wait_for(second.future, 1)
         assert (d2.route, d2.worker) == ("gpu", gpu)
         clock.advance(40.0)  # a job that waits past the queue's age is still refused
-        late = _job(clock, "c")
+        late = Job(rid="c", prompt_tokens=100, max_tokens=400, arrived_s=clock())  # seconds of work
         s.submit_nowait(late)
         clock.advance(31.0)
         s.pump_once()
         with pytest.raises(CapacityError) as got:
             await asyncio.wait_for(late.future, 1)
         assert got.value.code == "queue_timeout"
+        # Its Retry-After counts its own work (it was the only job queued): not "a second".
+        assert s.gpu is not None
+        assert got.value.retry_after_s == s.gpu.job_seconds(late.prompt_tokens, late.max_tokens) > 1.0
 
     asyncio.run(main())

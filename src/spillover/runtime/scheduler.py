@@ -329,6 +329,7 @@ class Scheduler:
             if lane is None:
                 continue
             for job in [j for j in lane.queue if now - j.enqueued_s > lane.cfg.queue_max_age_s]:
+                retry_after_s = self._retry_after_s(lane)  # with itself still queued: what a retry waits behind
                 lane.queue.remove(job)
                 lane.expired_total += 1
                 held = f" (held: {self.cpu_blocked})" if lane is self.cpu and self.cpu_blocked else ""
@@ -336,7 +337,7 @@ class Scheduler:
                     job,
                     CapacityError(
                         f"waited {lane.cfg.queue_max_age_s:.0f}s in the {lane.name} queue{held}",
-                        retry_after_s=self._retry_after_s(lane),
+                        retry_after_s=retry_after_s,
                         code="queue_timeout",
                     ),
                 )
