@@ -45,10 +45,14 @@ def test_a_full_disk_refuses_new_requests_without_binding_their_key(gw: GatewayP
             assert r.json()["error"]["code"] == "journal_unavailable"
             assert int(r.headers["retry-after"]) >= 1
             assert c.get(f"/v1/requests/{r.headers['x-spillover-request-id']}").status_code == 404
+            status = gw.status()  # round 18: it said normal, with no reason, while it refused everything
+            assert status["mode"] == "unavailable", status["reasons"]
+            assert any("journal cannot write" in why for why in status["reasons"])
         finally:
             set_disk_full(journal(gw), False)
         r = c.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
         assert r.status_code == 200 and "idempotent-replayed" not in r.headers, r.text
+        assert not any("journal" in why for why in gw.status()["reasons"])
     assert wait_quiescent(gw.status, journal(gw)) == []
 
 

@@ -24,7 +24,14 @@ def _gateway(*, resident: bool, cannot_start: NoWorkerReady | None = None) -> An
     )
     chat = SimpleNamespace(profile=plan, split=None if resident else object(), scheduler=scheduler)
     return SimpleNamespace(
-        chat=chat, chats=[chat], device=object(), degraded=DegradedAnswers(), loops=SimpleNamespace(fatal=None)
+        chat=chat,
+        chats=[chat],
+        device=object(),
+        degraded=DegradedAnswers(),
+        loops=SimpleNamespace(fatal=None),
+        device_hang=False,
+        journal=SimpleNamespace(failing=False),
+        pending_outcomes={},
     )
 
 
@@ -56,3 +63,28 @@ def test_a_second_chat_model_that_cannot_start_is_named_while_the_primary_serves
     gw.chats = [gw.chat, second]
     workers = [{"lane": "gpu", "state": "ready"}, {"lane": "cpu", "state": "ready"}]
     assert serving_mode(gw, workers, "closed") == ("degraded", [why.message])
+
+
+def test_a_journal_that_cannot_write_makes_the_gateway_unavailable_and_says_why() -> None:
+    """Round 18: with the journal's disk full every new request got 503, and the mode said
+    normal with no reason; answers held back (not durable yet) were not named either."""
+    gw = _gateway(resident=True)
+    workers = [{"lane": "gpu", "state": "ready"}, {"lane": "cpu", "state": "ready"}]
+    gw.journal.failing = True
+    mode, reasons = serving_mode(gw, workers, "closed")
+    assert mode == "unavailable" and reasons == ["the journal cannot write (a full disk?): new requests are refused"]
+    gw.journal.failing, gw.pending_outcomes = False, {"r1": None, "r2": None}  # a write went through; two wait
+    mode, reasons = serving_mode(gw, workers, "closed")
+    assert mode == "degraded" and "2 answers held until it can" in reasons[0]
+    gw.pending_outcomes = {}
+    assert serving_mode(gw, workers, "closed") == ("normal", [])
+
+
+def test_a_hung_device_makes_the_mode_degraded() -> None:
+    """Round 18: ``device.hang`` was true in the same document whose mode said normal, while
+    every GPU request stalled (16 s) before it went to the CPU."""
+    gw = _gateway(resident=True)
+    gw.device_hang = True
+    workers = [{"lane": "gpu", "state": "ready"}, {"lane": "cpu", "state": "ready"}]
+    mode, reasons = serving_mode(gw, workers, "closed")
+    assert mode == "degraded" and "hung" in reasons[0]

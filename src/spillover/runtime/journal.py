@@ -209,6 +209,7 @@ class Journal:
         self._rows = 0
         self.writes = 0
         self.write_errors = 0
+        self.failing = False  # the last write failed (a full disk, an I/O error); a write that commits clears it
 
     def __repr__(self) -> str:
         mib = 1024 * 1024
@@ -399,6 +400,7 @@ class Journal:
                     results.append((None, exc))
             self._grouped = False
             db.execute("COMMIT")
+            self.failing = False
         except (_RunAlone, sqlite3.Error, OSError):
             self._grouped = False
             self._states.clear()  # the group's states are rolled back
@@ -440,9 +442,12 @@ class Journal:
     def _counted(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6
-            return fn(*args)
+            out = fn(*args)
+            self.failing = False
+            return out
         except (sqlite3.Error, OSError):
             self.write_errors += 1
+            self.failing = True
             raise
         finally:
             self._measure_if_due()

@@ -75,9 +75,15 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
     n, why = gw.degraded.recent(time.monotonic())
     if n:
         reasons.append(f"{n} answers served degraded in the last {gw.degraded.window_s:.0f}s (latest: {why})")
+    if gw.device_hang:
+        reasons.append("the device reports no progress (hung): its requests stall and go to the CPU")
+    journal_down = gw.journal is not None and gw.journal.failing
+    if journal_down or gw.pending_outcomes:  # a new request cannot be accepted; an answer not sent
+        held = f"; {len(gw.pending_outcomes)} answers held until it can" if gw.pending_outcomes else ""
+        reasons.append(f"the journal cannot write (a full disk?): new requests are refused{held}")
     if gw.loops.fatal is not None:
         reasons.append(gw.loops.fatal)
-    if gw.loops.fatal is not None or not (gpu_ready or cpu_ready):
+    if gw.loops.fatal is not None or journal_down or not (gpu_ready or cpu_ready):
         mode = "unavailable"
     elif reasons:
         mode = "degraded"
