@@ -215,22 +215,9 @@ def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256)
     next cell: they cost that cell's KV, which did not fit, but a context shorter than the
     micro-batch clamps it (``MemoryModel.ubatch``), and a smaller compute buffer can make one
     of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at 256)."""
-    lo, hi = 0, max(0, limit // step)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid - 1
+    cells = _last_true(lambda n: fits(n * step), 0, max(0, limit // step))
     # Inside the next cell (or up to a limit between two whole cells, a training context of 1000).
-    lo, hi = lo * step, min((lo + 1) * step - 1, limit)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return _last_true(fits, cells * step, min((cells + 1) * step - 1, limit))
 
 
 def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:
@@ -241,7 +228,12 @@ def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:
     only all gets). Below that, a binary search, since each estimate sums over the layers."""
     if fits(n_layers + 1):
         return n_layers + 1
-    lo, hi = -1, n_layers
+    return _last_true(fits, -1, n_layers)
+
+
+def _last_true(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Binary search: the largest ``n`` in ``(lo, hi]`` for which ``fits`` holds, else ``lo``
+    (``fits`` monotone: true up to a point, false after; ``lo`` itself is not asked)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):

@@ -562,7 +562,7 @@ class Journal:
         return used
 
     def _accept(self, rec: dict[str, Any]) -> None:
-        if (need := len(rec["body"].encode())) > self._bounds.headroom:  # its moves could not rewrite it
+        if not self.keeps(need := len(rec["body"].encode())):  # its moves could not rewrite it
             self.write_errors += 1
             raise JournalUnavailable(f"the request ({need} bytes) does not fit the journal ({self.max_bytes} bytes)")
         if (used := self._make_room(keep=None, need=need)) + need > self._bounds.high_water:
@@ -758,8 +758,8 @@ class Journal:
 
     # -- async API -------------------------------------------------------------------
     def keeps(self, nbytes: int) -> bool:
-        """Whether an answer of ``nbytes`` can be stored: a move rewrites its row, and only the
-        headroom above the high-water mark is sure to hold one (rule 4)."""
+        """Whether a body or an answer of ``nbytes`` can be stored: a move rewrites its row, and
+        only the headroom above the high-water mark is sure to hold one (rule 4)."""
         return nbytes <= self._bounds.headroom
 
     async def open(self) -> None:
