@@ -242,6 +242,12 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         raise ConfigError("estimate: --device-mib must be at least 1")
     if not 0 <= a.margin < 1:
         raise ConfigError("estimate: --margin is a share, from 0 to below 1")
+    if a.placement == "cpu" and (a.gpu_layers is not None or a.device_mib is not None):
+        # round 20: the fit was searched on the device at --gpu-layers, beside a table of none there
+        raise ConfigError(
+            "estimate: --placement cpu keeps nothing on the device: --gpu-layers and --device-mib are "
+            "for --placement gpu (or auto)"
+        )
     if not os.path.isfile(a.model):
         raise ConfigError(f"estimate: {a.model!r} is not a file")
     with open(a.model, "rb") as f:
@@ -385,7 +391,7 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
         return f"{n / MIB:{width}.1f}"
 
     lines = [
-        f"{out['name']} ({out['arch']}, {out['n_layers']} layers): context {out['n_ctx']} "
+        f"{_shown(out['name'])} ({_shown(out['arch'])}, {out['n_layers']} layers): context {out['n_ctx']} "
         f"({out['cells']} cells), batch {out['n_batch']}, micro-batch {out['n_ubatch']}, "
         f"KV {out['kv_type']}, flash attention {'on' if out['flash_attn'] else 'off'}"
         + (f" ({out['flash_attn_source']})" if "flash_attn_source" in out else ""),
@@ -420,6 +426,12 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
             f"{ctx}, largest --gpu-layers {fit['largest_gpu_layers']} (at context {out['n_ctx']})"
         )
     return "\n".join(lines)
+
+
+def _shown(text: str) -> str:
+    """A file's own text (a model's name) as a terminal shows it: its control and format
+    characters (a newline, an escape sequence, a right-to-left override) escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def cmd_config(a: argparse.Namespace) -> int:
@@ -619,8 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--placement",
         choices=("auto", "cpu", "gpu"),
         default="auto",
-        help="cpu: everything in host memory (a llama.cpp build without a GPU backend); gpu: llama.cpp's "
-        "offload rules; auto (default): gpu when this build offloads or --gpu-layers / --device-mib is given",
+        help="cpu: everything in host memory (a llama.cpp build without a GPU backend; takes no --gpu-layers "
+        "or --device-mib); gpu: llama.cpp's offload rules; auto (default): gpu when this build offloads or "
+        "--gpu-layers / --device-mib is given",
     )
     e.add_argument("--margin", type=float, default=0.02, help="margin as a share of KV+compute+output (default 0.02)")
     e.add_argument("--no-plan", action="store_true", help="the memory model's compute envelope, not llama.cpp's plan")

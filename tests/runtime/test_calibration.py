@@ -212,6 +212,58 @@ def test_a_file_llama_cpp_finds_damaged_is_an_error_not_an_estimate(
     assert main(["estimate", str(path), "--ctx", "1000", "--device-mib", "100"]) == 0
 
 
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        ((b"tokenizer.ggml.tokens", b"tokenizer.ggml.tokenz"), "cannot find tokenizer vocab"),
+        ((b"llama.context_length", b"llama.context_lengtz"), "key not found in model: llama.context_length"),
+        ("context_length as i32", "llama.context_length has wrong type i32"),
+    ],
+)
+def test_metadata_llama_cpp_refuses_is_an_error_not_an_estimate(
+    tmp_path: Path, model_path: str, capsys: pytest.CaptureFixture[str], edit: Any, reason: str
+) -> None:
+    """Round 20: a file llama.cpp refuses for its metadata (no vocabulary, a key its
+    architecture needs missing, a key of the wrong type) took the envelope's fallback as if this
+    build did not know it, with "fits" and exit 0 (a missing context_length as a training context
+    of 2048). It is damaged for any build: exit 2, quoting llama.cpp."""
+    import struct
+
+    from spillover.cli import main
+
+    path = write_tiny_llama(tmp_path / "ok.gguf", model_path, replace(OFF_GRID, n_layers=2))
+    data = bytearray(path.read_bytes())
+    if isinstance(edit, tuple):  # a key renamed, same length: offsets hold
+        assert data.count(edit[0]) == 1
+        data = bytearray(data.replace(*edit))
+    else:  # the value's type u32 (4) said to be i32 (5): same bytes
+        at = data.index(b"llama.context_length") + len(b"llama.context_length")
+        assert struct.unpack_from("<I", data, at) == (4,)
+        struct.pack_into("<I", data, at, 5)
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bytes(data))
+    assert main(["estimate", str(damaged), "--ctx", "512", "--device-mib", "300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "damaged" in err and reason in err and "\n" not in err
+
+
+def test_estimate_cli_says_what_it_cannot_answer(
+    tmp_path: Path, model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Round 20: ``--placement cpu`` with ``--device-mib`` printed a fit searched on the device at
+    ``--gpu-layers`` beside a table with nothing there (and dropped ``--gpu-layers``): refused.
+    A model's name from the file reaches the terminal with its control characters escaped."""
+    from spillover.cli import main
+
+    for extra in (["--device-mib", "200"], ["--gpu-layers", "5"]):
+        assert main(["estimate", model_path, "--ctx", "2048", "--placement", "cpu", *extra]) == 2
+        assert "--placement cpu keeps nothing on the device" in capsys.readouterr().err
+    named = write_tiny_llama(tmp_path / "n.gguf", model_path, replace(OFF_GRID, name="evil\n\x1b[31m\u202ename"))
+    assert main(["estimate", str(named), "--ctx", "512"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("evil\\n\\x1b[31m\\u202ename (llama,")
+
+
 def test_estimate_makes_no_dry_run_past_plan_cells_max(
     tmp_path: Path, model_path: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,16 +91,20 @@ def read_model_spec(path: str | Path, *, cpu_repack: bool | None = None) -> Mode
     ``cpu_repack``: whether llama.cpp's CPU backend repacks weights (the repack fields and
     ``cpu_model_bytes``, by this machine's CPU's rules: ``engine.llamacpp.cpu_repack_rules``);
     None: as this machine's llama.cpp loads models (``engine.llamacpp.cpu_backend_repacks``).
-    The header is read by ``engine.gguf_header``;
-    a file it refuses is read by ``gguf``'s ``GGUFReader``, whose error a damaged file raises."""
+    The header is read by ``engine.gguf_header``; a file it refuses is read by ``gguf``'s
+    ``GGUFReader``, and a file both refuse (a damaged one) raises the first's error, which names
+    the fault in the file's terms (the second's are about numpy arrays)."""
     from spillover.engine.llamacpp import cpu_backend_repacks, cpu_repack_rules
 
     if cpu_repack is None:
         cpu_repack = cpu_backend_repacks()
     try:
         header = read_header(path)
-    except (ValueError, OSError, struct.error):
-        header = header_by_reader(path)
+    except (ValueError, OSError, struct.error) as refused:
+        try:
+            header = header_by_reader(path)
+        except Exception:
+            raise refused from None
     return spec_of(header, path, cpu_repack_rules() if cpu_repack else {})
 
 
@@ -133,26 +137,27 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     def _field(key: str, default: Any = None) -> Any:
         return fields.get(key, default)
 
-    arch = str(_field("general.architecture", "llama"))
-    n_layers = int(_field(f"{arch}.block_count"))
-    if n_layers > len(header.tensors):  # each layer holds tensors: a damaged count (before any list of that size)
+    arch = _field("general.architecture")
+    if not isinstance(arch, str) or not arch:  # llama.cpp refuses such a file: "unknown model architecture: ''"
+        raise ValueError("general.architecture is missing" if arch is None else f"general.architecture is {arch!r}")
+    n_layers = _integer(fields, f"{arch}.block_count")
+    if not 1 <= n_layers <= len(header.tensors):  # each layer holds tensors (checked before any list of that size)
         raise ValueError(f"{arch}.block_count is {n_layers}, but the file holds {len(header.tensors)} tensors")
-    n_embd = int(_field(f"{arch}.embedding_length"))
-    n_head = _n_ff(_field(f"{arch}.attention.head_count", 0))  # the widest layer's, for per-layer lists
+    n_embd = _integer(fields, f"{arch}.embedding_length")
+    # the widest layer's, for per-layer lists
+    n_head = _n_ff(_integer(fields, f"{arch}.attention.head_count", 0, layers=n_layers))
     if n_head <= 0:
         raise UnsupportedModel(
             f"{arch} has no attention heads (a recurrent model): spillover's memory model covers attention models only"
         )
-    n_head_kv_raw = _field(f"{arch}.attention.head_count_kv", n_head)
+    n_head_kv_raw = _integer(fields, f"{arch}.attention.head_count_kv", n_head, layers=n_layers)
     # per-layer counts (some architectures): each layer's KV is its own (0: none there)
     per_layer_kv = [int(x) for x in n_head_kv_raw] if isinstance(n_head_kv_raw, list) else []
     n_head_kv = max(per_layer_kv, default=0) if per_layer_kv else int(n_head_kv_raw)
-    if per_layer_kv and len(per_layer_kv) != n_layers:
-        raise ValueError(f"{arch}.attention.head_count_kv holds {len(per_layer_kv)} counts for {n_layers} layers")
     if per_layer_kv and not 0 <= min(per_layer_kv) <= n_head_kv <= HEADS_MAX:
         raise ValueError(f"{arch}.attention.head_count_kv holds {min(per_layer_kv)} to {n_head_kv}: 0 to {HEADS_MAX}")
-    head_k = int(_field(f"{arch}.attention.key_length", n_embd // n_head))
-    head_v = int(_field(f"{arch}.attention.value_length", n_embd // n_head))
+    head_k = _integer(fields, f"{arch}.attention.key_length", n_embd // n_head)
+    head_v = _integer(fields, f"{arch}.attention.value_length", n_embd // n_head)
     for key, value, top in (
         ("embedding_length", n_embd, WIDTH_MAX),
         ("attention.head_count", n_head, HEADS_MAX),
@@ -161,7 +166,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     ):
         if not 1 <= value <= top:  # a damaged field: the estimate would be negative or absurd
             raise ValueError(f"{arch}.{key} is {value}: a model's is from 1 to {top}")
-    n_ctx_train = int(_field(f"{arch}.context_length", 2048))
+    # 0 when the file gives none: no usable training context (llama.cpp itself refuses such a file)
+    n_ctx_train = _integer(fields, f"{arch}.context_length", 0)
     # A window, or llama4's chunks (8192 unless the file says; a window of 0 turns them off):
     # either way llama.cpp keeps a second mask.
     chunks = int(_field(f"{arch}.attention.chunk_size", 8192 if arch == "llama4" else 0) or 0)
@@ -212,7 +218,7 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         file_bytes=os.path.getsize(path),
         file_type=file_type,
         repack_bytes=sum(layer_repacks),
-        n_ff=_n_ff(_field(f"{arch}.feed_forward_length", 0)),
+        n_ff=_n_ff(_integer(fields, f"{arch}.feed_forward_length", 0, layers=n_layers)),
         last_layer_ffn=_last_ffn(_field(f"{arch}.feed_forward_length", 0)),
         n_expert_used=int(_field(f"{arch}.expert_used_count", 0) or 0),
         n_ff_expert=int(_field(f"{arch}.expert_feed_forward_length", 0) or 0),
@@ -270,6 +276,22 @@ def _hybrid_layers(
     state = 4 * (conv + d_state * d_inner)
     heads = tuple(h if attention[i] else 0 for i, h in enumerate(kv_heads))
     return heads, tuple(state if r else 0 for r in recurrent)
+
+
+def _integer(fields: dict[str, Any], key: str, default: Any = None, *, layers: int = 0) -> Any:
+    """A shape field as llama.cpp reads it: an integer (``layers``: or one for each of that
+    many layers), or ``default`` when the file does not give it (None: a key the model needs).
+    Another type, or a list of another length, is a damaged field that llama.cpp refuses too."""
+    value = fields.get(key, default)
+    if value is None:
+        raise ValueError(f"{key} is missing")
+    items = value if layers and isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise ValueError(f"{key} is {item!r}: llama.cpp reads an integer there")
+    if layers and isinstance(value, list) and len(value) != layers:
+        raise ValueError(f"{key} holds {len(value)} values for {layers} layers")
+    return value
 
 
 def _count(fields: dict[str, Any], key: str) -> int:

@@ -62,10 +62,15 @@ class PlanRefused(ValueError):
     cannot load the file because the file is damaged (``DAMAGED``): no plan can be made."""
 
 
-# llama.cpp's load errors that say the file itself is wrong (its tensors against its own
-# metadata), for any build; its other load errors (an unknown architecture or pre-tokenizer)
-# say this build does not know the file, which a newer one may: the envelope answers those.
-DAMAGED = ("check_tensor_dims", "wrong number of tensors", "not within the file bounds")
+# llama.cpp's load errors that say the file itself is wrong, for any build: its tensors against
+# its own metadata, a key its architecture needs missing or of the wrong type or length, no
+# vocabulary, no architecture at all. Its other load errors (an architecture or pre-tokenizer
+# it does not know) say this build does not know the file, which a newer one may: the envelope
+# answers those.
+DAMAGED = (
+    "check_tensor_dims", "wrong number of tensors", "not within the file bounds", "key not found in model",
+    "has wrong type", "has wrong array length", "cannot find tokenizer vocab", "unknown model architecture: ''",
+)  # fmt: skip
 
 
 def plan_buffers(
