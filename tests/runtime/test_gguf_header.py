@@ -178,6 +178,7 @@ def test_a_block_count_past_the_tensors_is_refused_before_any_list_of_it(tmp_pat
         ({"llama.attention.key_length": True}, "llama.attention.key_length is True"),
         ({"llama.context_length": "1024"}, "llama.context_length is '1024'"),
         ({"llama.feed_forward_length": [128, 128, 128]}, "feed_forward_length holds 3 values for 2 layers"),
+        ({"llama.attention.head_count": 128}, "key_length is 0 (not in the file: embedding_length / head_count)"),
     ],
 )
 def test_a_damaged_or_missing_shape_field_is_refused_by_name(

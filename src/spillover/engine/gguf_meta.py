@@ -165,7 +165,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         ("attention.value_length", head_v, HEAD_SIZE_MAX),
     ):
         if not 1 <= value <= top:  # a damaged field: the estimate would be negative or absurd
-            raise ValueError(f"{arch}.{key} is {value}: a model's is from 1 to {top}")
+            given = "" if f"{arch}.{key}" in fields else " (not in the file: embedding_length / head_count)"
+            raise ValueError(f"{arch}.{key} is {value}{given}: a model's is from 1 to {top}")
     # 0 when the file gives none: no usable training context (llama.cpp itself refuses such a file)
     n_ctx_train = _integer(fields, f"{arch}.context_length", 0)
     # A window, or llama4's chunks (8192 unless the file says; a window of 0 turns them off):
