@@ -214,3 +214,23 @@ def test_the_planner_counts_device_weights_as_spillover_estimate_does(memory: Me
     resident, _ = models(memory)
     plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
     assert plan.profile == "split" and f"{layers} of {layers} layers fit, the output layer on the CPU" in plan.why
+
+
+@pytest.mark.parametrize("short_by", [1, 200_000, 3 * MIB])
+def test_a_need_just_over_the_room_does_not_read_as_equal_to_it(memory: MemoryModel, short_by: int) -> None:
+    """Round 19: "need 243 MiB, the device has 243" for 254,819,665 bytes over 254,803,968, and
+    "one layer ... needs 10 MiB, 10 MiB on the device". The two figures of a refusal are written
+    with as many decimals as tell them apart, else in bytes; apart by MiBs, as before."""
+    resident, split = models(memory)
+    need = device_bytes(resident, 1, GPU_CTX)
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=need - short_by)
+    a, b = plan.why.split(" need ", 1)[1].split(";")[0].split(", the device has ")
+    assert a != b, plan.why
+    if short_by >= MIB:
+        assert (a, b) == (f"{need / MIB:.0f} MiB", f"{(need - short_by) / MIB:.0f} MiB")
+    one = device_bytes(dataclasses.replace(split, n_gpu_layers=1), 1, SPLIT_CTX)
+    tight = plan_profile(
+        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=one - short_by, split=split, split_ctx_tokens=SPLIT_CTX
+    )
+    words = tight.why.split(" needs ", 1)[1].split(" on the device")[0]
+    assert tight.profile == "cpu" and len(set(words.split(", "))) == 2, tight.why

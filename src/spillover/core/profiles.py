@@ -36,6 +36,7 @@ from spillover.core.memory import MemoryModel
 __all__ = ["PROFILES", "ProfilePlan", "device_bytes", "plan_profile", "split_layers"]
 
 PROFILES = ("gpu", "split", "cpu")
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,17 @@ def device_bytes(model: MemoryModel, slots: int, ctx_tokens: int) -> int:
     return model.weights_bytes() + slots * model.request_footprint(ctx_tokens, 0).total_bytes
 
 
+def _apart(a: int, b: int) -> tuple[str, str]:
+    """Two byte counts in MiB with as few decimals as show them apart, else in bytes: a need
+    one byte over the room must not read as equal to it (round 19: "needs 10 MiB, 10 MiB on
+    the device" for 10,939,944 bytes over 10,485,760)."""
+    for places in (0, 1, 2):
+        x, y = f"{a / MIB:.{places}f} MiB", f"{b / MIB:.{places}f} MiB"
+        if x != y or a == b:
+            return x, y
+    return f"{a:,} bytes", f"{b:,} bytes"
+
+
 def _layers(n: int) -> str:
     return "1 layer" if n == 1 else f"{n} layers"
 
@@ -89,7 +101,6 @@ def plan_profile(
 ) -> ProfilePlan:
     """The profile to run (rules 2-4). ``split`` is the split worker's memory model (its batch;
     any ``n_gpu_layers``), None when no split worker is configured."""
-    mib = 1024 * 1024
     need = device_bytes(resident, 1, gpu_ctx_tokens)
     resident_fits = need <= usable_bytes
     n, split_need, split_why = 0, 0, ""
@@ -103,32 +114,27 @@ def plan_profile(
         split_need = device_bytes(replace(split, n_gpu_layers=n), split_slots, split_ctx_tokens) if n > 0 else 0
         if n > 0 and split_need > room:  # configured layers that do not fit: no worker that could never load
             most = split_layers(split, split_slots, split_ctx_tokens, room)
-            split_why = (
-                f"; the configured split of {_layers(n)} needs {split_need / mib:.0f} MiB, "
-                f"{max(0, room) / mib:.0f} MiB {where}: no split worker"
-                + (f" ([split].gpu_layers = {most} would fit)" if most else "")
-            )
+            split_why = f"; the configured split of {_layers(n)} needs %s, %s {where}: no split worker" % _apart(
+                split_need, max(0, room)
+            ) + (f" ([split].gpu_layers = {most} would fit)" if most else "")
             n, split_need = 0, 0
         elif n == 0:  # what even one layer would need: its requests' share may be what does not fit
             one = device_bytes(replace(split, n_gpu_layers=1), split_slots, split_ctx_tokens)
             split_why = (
                 f"; no split of it fits {where}: one layer with {split_slots} request(s) of "
-                f"{split_ctx_tokens} tokens ([split] slots, ctx_cap_tokens) needs {one / mib:.0f} MiB, "
-                f"{max(0, room) / mib:.0f} MiB {where}"
+                f"{split_ctx_tokens} tokens ([split] slots, ctx_cap_tokens) needs %s, %s {where}"
+                % _apart(one, max(0, room))
             )
         elif resident_fits:
-            split_why = f"; a split worker with {_layers(n)} beside it ({split_need / mib:.0f} MiB)"
+            split_why = f"; a split worker with {_layers(n)} beside it ({split_need / MIB:.0f} MiB)"
     if resident_fits:
-        why = f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB of {usable_bytes / mib:.0f}"
+        why = f"all layers and a {gpu_ctx_tokens}-token request need %s of %s" % _apart(need, usable_bytes)
         return ProfilePlan("gpu", need, n, split_need, usable_bytes, why + split_why)
-    short = (
-        f"all layers and a {gpu_ctx_tokens}-token request need {need / mib:.0f} MiB, the device has "
-        f"{usable_bytes / mib:.0f}"
-    )
+    short = f"all layers and a {gpu_ctx_tokens}-token request need %s, the device has %s" % _apart(need, usable_bytes)
     if n > 0:
         of = split.spec.n_layers if split else 0
         every = ", the output layer on the CPU" if n == of else ""  # llama.cpp offloads it only past them
-        why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''}{every} ({split_need / mib:.0f} MiB)"
+        why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''}{every} ({split_need / MIB:.0f} MiB)"
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
     if split is None:  # rule 4: the resident serves the requests that fit, if any does
         longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
