@@ -283,7 +283,11 @@ class AdmissionConfig:
     kv_page_tokens: int = _doc(16, "tokens per KV page; reservations are whole pages")
     fragmentation_ratio: float = _doc(0.02, "allowance added to each reservation for fragmentation")
     observed_freshness_s: float = _doc(2.0, "an observation older than this is not trusted")
-    delay_max_s: float = _doc(2.0, "longest admission may wait for pages to come back")
+    delay_max_s: float = _doc(
+        2.0,
+        "longest admission may wait for pages to come back (and a failover for the CPU lane before the "
+        "device may take it back)",
+    )
     pressure_ratio: float = _doc(0.95, "observed/usable above which the GPU is under pressure")
     allow_cpu_route: bool = _doc(True, "route to the CPU lane when the GPU cannot take a request")
     demote_batch_services: bool = _doc(

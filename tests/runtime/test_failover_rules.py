@@ -91,6 +91,7 @@ def test_a_replica_with_the_same_fingerprint_takes_the_replay() -> None:
     assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.attempt == 2
     job = sched.submitted[0][0]
     assert job.last_reason == FailoverReason("alloc_failed") and str(job.last_reason) == "failover:alloc_failed"
+    assert job.returns  # the device may take it back if the CPU lane does not start it (round 19)
 
 
 def _fail_gpu_attempt(exe: Execution) -> None:
@@ -143,7 +144,7 @@ def test_a_cpu_start_carries_its_reason(reason: Reason | None, expected: Reason)
 
     asyncio.run(go())
     job, lane = sched.submitted[0]
-    assert lane == "cpu" and job.last_reason is expected
+    assert lane == "cpu" and job.last_reason is expected and not job.returns  # pinned there
 
 
 def test_a_cpu_worker_with_another_fingerprint_is_not_a_replica() -> None:
@@ -157,7 +158,7 @@ def test_a_configured_fallback_takes_the_replay_in_its_own_tokens() -> None:
     sched, _ = failover({"compat": "other", "numerics": "n1"}, fallback=True)
     assert len(sched.submitted) == 1
     job, lane = sched.submitted[0]
-    assert lane == "cpu" and job.prompt_tokens == 2
+    assert lane == "cpu" and job.prompt_tokens == 2 and not job.returns  # sized in the fallback's tokens
 
 
 def test_a_gpu_job_is_sized_for_either_lane_with_a_fallback() -> None:
@@ -213,3 +214,25 @@ def test_a_continuations_delivered_tokens_are_in_its_max_tokens_not_more_prompt(
     assert [lane for _, lane in sched.submitted] == ["cpu"] and exe.delivered == [] and exe.sent_tokens() == 0
     with pytest.raises(WorkerFailed, match="needs 1025 tokens"):  # one more than the cap: still refused
         failover(GPU_FP, delivered=30, max_tokens=1022)
+
+
+@pytest.mark.parametrize(("gone", "kind"), [("hung", "stall"), ("exited", "crash"), ("device_lost", "driver_reset")])
+def test_a_worker_killed_for_a_hang_fails_its_attempt_as_a_stall(gone: str, kind: str) -> None:
+    """Round 19: a split worker hung (SIGSTOP) and killed by its health pings failed over as
+    ``failover:crash``; its attempt is a stall (not a severe fault), and the worker is not
+    killed a second time (``gone``)."""
+    from spillover.runtime.worker_client import WorkerGone
+
+    exe = execution(FakeScheduler([]))
+
+    async def events() -> Any:
+        yield WorkerGone(gone, "killed by SIGKILL")
+
+    async def go() -> _Failure:
+        d = SimpleNamespace(route="split", worker=worker(GPU_FP))
+        with pytest.raises(_Failure) as err:
+            await exe._next(events(), d, 5.0)  # type: ignore[arg-type]
+        return err.value
+
+    f = asyncio.run(go())
+    assert (f.kind, f.gone) == (kind, True)

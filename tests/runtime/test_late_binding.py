@@ -69,6 +69,66 @@ def test_a_job_routed_to_a_busy_cpu_lane_goes_back_to_the_gpu_when_it_frees(memo
     asyncio.run(main())
 
 
+def test_a_failover_waiting_on_a_busy_cpu_lane_goes_back_to_the_device_after_the_delay_bound(
+    memory: MemoryModel,
+) -> None:
+    """Round 19: a request that failed over from the GPU waited on a busy CPU lane until its
+    queue_timeout (a 503) while the restarted GPU worker stood ready and idle. A failover's job
+    goes to the CPU replica first, and once the CPU lane has not started it within
+    ``delay_max_s`` the device takes it back through admission; before that it stays, and a
+    job the client pinned to the CPU stays whatever the wait."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _gpu, cpu = _scheduler(memory, clock)
+        cpu.claim_slot("someone")  # the CPU lane is busy
+        failover = Job(rid="f", prompt_tokens=8, max_tokens=8, arrived_s=clock(), returns=True)
+        pinned = Job(rid="p", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(failover, lane="cpu")
+        s.submit_nowait(pinned, lane="cpu")
+        s.pump_once()
+        assert not failover.future.done()  # the replica first, while the GPU is free
+        assert s._delay_due == pytest.approx(clock() + 2.0)  # a pass when the bound is reached
+        clock.advance(1.9)
+        s.pump_once()
+        assert not failover.future.done()
+        clock.advance(0.2)
+        s.pump_once()
+        d = await asyncio.wait_for(failover.future, 1)
+        assert d.route == "gpu" and d.reserve_bytes > 0 and s.rebound_total == 1
+        assert [j.rid for j in s.cpu.queue] == ["p"] and not pinned.future.done()
+        clock.advance(30.0)
+        s.pump_once()
+        assert [j.rid for j in s.cpu.queue] == ["p"] and not pinned.future.done()
+
+    asyncio.run(main())
+
+
+def test_a_chat_rows_why_says_the_host_guard_holds_its_cpu_work(memory: MemoryModel) -> None:
+    """Round 19: while a request waited on the CPU lane held by the host-RAM guard, the chat
+    model's /v1/status row said ``gpu``/``fits`` (where a new one would start), and only the
+    document's reasons said ``host_budget``. The row says it waits and why, as a service's does."""
+    from spillover.config import CpuLaneConfig
+    from spillover.core.routing import Reason
+    from spillover.runtime.chat import ChatModel
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _gpu, cpu = _scheduler(memory, clock)
+        chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(), scheduler=s)
+        row = chat.status_row(None, primary=True)
+        assert (row["where"], row["why"]) == ("gpu", "fits")
+        cpu.claim_slot("someone")  # (the guard holds a free slot; a busy one keeps the job queued here)
+        s.submit_nowait(Job(rid="p", prompt_tokens=8, max_tokens=8, arrived_s=clock()), lane="cpu")
+        s.cpu_blocked = Reason.HOST_BUDGET  # as the last pass found it
+        row = chat.status_row(None, primary=True)
+        assert (row["where"], row["why"], row["queued"]) == ("none", "host_budget", 1)
+        s.cpu_blocked = Reason.CPU_SLOTS_BUSY  # held by its slots: the row is as before
+        assert chat.status_row(None, primary=True)["why"] != "host_budget"
+
+    asyncio.run(main())
+
+
 def test_a_full_queue_says_retry_after_its_eta(memory: MemoryModel) -> None:
     """Retry-After of a full CPU queue is when its queued work is likely done (from the lane's
     measured speed), growing with the backlog, not a constant second."""

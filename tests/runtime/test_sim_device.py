@@ -182,6 +182,29 @@ def test_worker_sees_injected_faults(tmp_path: Path, model_path: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_killed_for_a_hang_says_so_in_its_exit(tmp_path: Path, model_path: str) -> None:
+    """Round 19: a worker its health pings killed (SIGSTOPped) read as any exit, so its requests
+    failed over as a crash; its exit is ``hung`` now. The next start's plain kill is ``exited``."""
+    SimDevice(tmp_path).create(512 * MIB)
+
+    async def main() -> None:
+        exits: list[WorkerGone] = []
+        w = WorkerClient(spec(tmp_path, model_path), lambda _w, g: exits.append(g))
+        for why, kind in (("hung", "hung"), ("", "exited")):
+            await w.start(60)
+            await w.kill(why)
+            for _ in range(200):
+                if exits:
+                    break
+                await asyncio.sleep(0.05)
+            assert [g.kind for g in exits] == [kind]
+            exits.clear()
+        await w.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
 def test_worker_refused_weights_exits(tmp_path: Path, model_path: str) -> None:
     """A worker whose weights do not fit the device fails to load with alloc_failed."""
     dev = SimDevice(tmp_path)

@@ -138,7 +138,7 @@ class Interrupted:
 class WorkerGone:
     """Queued to every in-flight request when the worker process ends."""
 
-    kind: str  # "exited" | "device_lost" | "not_ready" | ...
+    kind: str  # "exited" | "hung" (killed for it) | "device_lost" | "not_ready" | ...
     message: str
 
 

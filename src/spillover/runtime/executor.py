@@ -89,10 +89,11 @@ COALESCE_S = 0.1  # a token the client does not see one by one waits at most thi
 
 
 class _Failure(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, *, gone: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.gone = gone  # the worker is gone already: nothing to kill
 
 
 class _Stopped(Exception):
@@ -166,6 +167,9 @@ class Execution:
         )
         if self._next_lane == "cpu":
             job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
+            # a failover may go back to the device after a wait (``Scheduler._may_move``); with
+            # a fallback model the CPU prompt is another model's, so its job stays on the CPU
+            job.returns = self._cause is not None and self.cpu_tokens is None
         self._job = job
         self.scheduler.submit_nowait(job, lane=self._next_lane)
         return job
@@ -395,9 +399,9 @@ class Execution:
                 d.worker.interrupt(self.rid)
                 raise _Stopped from exc
             raise _Failure("stall", f"no token progress for {bound:.1f}s") from exc
-        if isinstance(item, WorkerGone):
-            kind = "driver_reset" if item.kind == "device_lost" else "crash"
-            raise _Failure(kind, f"{item.kind}: {item.message}")
+        if isinstance(item, WorkerGone):  # killed for a hang (its health pings): a stall, not a crash
+            kind = {"device_lost": "driver_reset", "hung": "stall"}.get(item.kind, "crash")
+            raise _Failure(kind, f"{item.kind}: {item.message}", gone=True)
         if isinstance(item, Interrupted):
             raise _Stopped
         if isinstance(item, Failed):
@@ -439,8 +443,9 @@ class Execution:
             while True:
                 ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s, pending)
                 if isinstance(ev, Token):
-                    if first_token and self._fault_at is not None and d.route == "cpu":
-                        self.on_recovered((time.monotonic() - self._fault_at) * 1000)
+                    if first_token and self._fault_at is not None:  # the replica's recovery, when it recovered
+                        if d.route == "cpu":
+                            self.on_recovered((time.monotonic() - self._fault_at) * 1000)
                         self._fault_at = None
                     first_token = False
                     if self.incremental:
@@ -463,7 +468,7 @@ class Execution:
             raise self._stopped_error() from None
         except _Failure as f:
             outcome = "client" if f.kind in CLIENT_FAULTS else "severe" if f.kind in SEVERE_FAULTS else "failed"
-            if f.kind == "stall":
+            if f.kind == "stall" and not f.gone:
                 await self.kill_worker(d.worker)  # hung: the supervisor restarts it
             raise
         except (GeneratorExit, asyncio.CancelledError):  # the consumer went away, or the gateway stops

@@ -387,7 +387,7 @@ class Gateway:
     async def kill_worker(self, worker: WorkerClient, what: str = "no token progress") -> None:
         """A stalled worker (``what``: no token progress) is killed; its supervisor restarts it."""
         self.worker_event(worker, SupervisorEvent(SupervisorEventKind.STALLED, f"{what}: killing it"))
-        await worker.kill()
+        await worker.kill("hung")
 
     def worker_info(self, worker_id: str) -> dict[str, Any]:
         """The ready-info a worker reported (pid, fingerprint, ...)."""

@@ -39,6 +39,9 @@ class Job:
     deadline_s: float | None = None  # monotonic; the client's deadline for completion
     running: bool = False  # the attempt was sent to its worker
     movable: bool = False  # sent to the CPU lane by admission (not pinned there): the GPU may still take it
+    # a failover's attempt, pinned to the CPU lane: the device may take it back once the CPU lane
+    # has not started it within admission's delay_max_s (``Scheduler._may_move``)
+    returns: bool = False
     released: bool = False  # its lease (slot, reservation) was given back
 
     @property

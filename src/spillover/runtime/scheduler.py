@@ -658,11 +658,11 @@ class Scheduler:
     def _rebind_to_gpu(self, now: float) -> None:
         """Late binding: a job admission sent to the CPU lane that has not started yet runs on
         the GPU when the GPU can take it now (a free slot, and admission admits it there), so
-        the GPU never idles while such work waits on the CPU lane. Jobs pinned to the CPU (a
-        failover, the client's choice, the canary) stay."""
+        the GPU never idles while such work waits on the CPU lane. Jobs pinned to the CPU (the
+        client's choice, the canary) stay; a failover's only after a wait (``_may_move``)."""
         if self.gpu is None or self.ledger is None or self.policy is None:
             return
-        for job in [j for j in self.cpu.queue if j.movable]:
+        for job in [j for j in self.cpu.queue if self._may_move(j, now)]:
             if not any(w.free_slots > 0 for w in self.gpu_workers):
                 return
             self._view = None  # the last job may have taken a slot
@@ -676,12 +676,13 @@ class Scheduler:
         profile for the CPU lane (its wait for a split slot or room past ``delay_max_s``, or
         no split worker ready then) and has not started yet runs on the split worker when it
         has a free slot and the job's reservation fits now, so the split never idles while
-        such work waits on the CPU lane. Jobs pinned to the CPU stay; a job longer than the
-        split's cap runs there shrunk to it when the client allows shrinking, as a new one
-        would (``_split_tokens``), and otherwise stays where it is."""
+        such work waits on the CPU lane. Jobs pinned to the CPU stay (a failover's only until
+        ``_may_move``); a job longer than the split's cap runs there shrunk to it when the
+        client allows shrinking, as a new one would (``_split_tokens``), and otherwise stays
+        where it is."""
         if not self.split_workers or self.ledger is None or self.split_memory is None:
             return
-        for job in [j for j in self.cpu.queue if j.movable]:
+        for job in [j for j in self.cpu.queue if self._may_move(j, now)]:
             if (budget := self._split_tokens(job)) is None:
                 continue
             max_tokens, shrunk = budget
@@ -696,6 +697,24 @@ class Scheduler:
             cause = job.last_reason or Reason.RESIDENT_DOES_NOT_FIT
             self._take_split(job, self.cpu, worker, fp, cause, max_tokens, shrunk, now)
             self.rebound_total += 1
+
+    def _may_move(self, job: Job, now: float) -> bool:
+        """Whether late binding may move a job waiting on the CPU lane to the device: one
+        admission sent there, or a failover's attempt (``Job.returns``) that the CPU lane has not
+        started within ``delay_max_s``. A failover goes to the CPU replica first; but with the
+        CPU lane busy or held by the host guard it waited there until its queue_timeout while
+        the restarted device worker stood idle (round 19), where a resend with its key ran on
+        the device at once. It goes back through admission, its breaker's probe included, and
+        its run's ``max_attempts`` still bounds it."""
+        if job.movable:
+            return True
+        if not job.returns or self.policy is None:
+            return False
+        due = job.enqueued_s + self.policy.delay_max_s
+        if now >= due:
+            return True
+        self._delay_due = min(self._delay_due, due)  # a pass then, if the device can take it before
+        return False
 
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""

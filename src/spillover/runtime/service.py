@@ -518,9 +518,10 @@ class DeviceService(abc.ABC):
                 elif isinstance(ev, Failed):
                     self._note(d, "severe" if ev.kind in ("alloc_failed", "oom") else "failed", 0.0)
                     return (ev.kind, ev.message)
-                elif isinstance(ev, WorkerGone):
-                    self._note(d, "severe", 0.0)
-                    return (ev.kind, ev.message)
+                elif isinstance(ev, WorkerGone):  # killed for a hang: a stall, as chat counts it
+                    hung = ev.kind == "hung"
+                    self._note(d, "failed" if hung else "severe", 0.0)
+                    return ("stall" if hung else ev.kind, ev.message)
                 elif isinstance(ev, Interrupted):
                     raise RequestCancelled(f"request {rid} was cancelled")
                 else:

@@ -272,7 +272,7 @@ class Supervisor:
             if age - late_s > self.cfg.health_timeout_s:
                 held_up = f" ({late_s:.1f}s of it the gateway's own lateness)" if late_s >= 0.1 else ""
                 self._event(K.UNHEALTHY, f"no pong for {age:.1f}s{held_up}: killing")
-                await w.kill()
+                await w.kill("hung")  # its requests' failure is a stall, not a crash (round 19)
                 return
 
     async def stop(self) -> None:

@@ -256,6 +256,7 @@ class WorkerClient:
         # then the worker may still compute for the request, so its lease is not given back.
         self._running: dict[str, asyncio.Future[None]] = {}
         self._killing = False  # killed, exit not yet seen: take no new work
+        self._killed_as = ""  # why it was killed, when it was for a reason (``kill``): its exit's kind
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.info: dict[str, Any] | None = None
         self.starts = 0
@@ -313,6 +314,7 @@ class WorkerClient:
         """Spawn the process and wait (bounded) for its ``ready`` event."""
         self._advance(WorkerState.STARTING)
         self._killing = False
+        self._killed_as = ""
         self.starts += 1
         self._last_fatal = None
         loop = asyncio.get_running_loop()
@@ -352,7 +354,7 @@ class WorkerClient:
             await channel.ended
         finally:
             rc = await proc.wait()
-            gone = self._last_fatal or WorkerGone("exited", exit_words(rc, channel.said))
+            gone = self._last_fatal or WorkerGone(self._killed_as or "exited", exit_words(rc, channel.said))
             if self.state is not WorkerState.STOPPED:
                 self._advance(WorkerState.DEAD)
             self.exits += 1
@@ -486,11 +488,13 @@ class WorkerClient:
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):
             await self._send({"op": "ping", "seq": self._ping_seq})
 
-    async def kill(self) -> None:
+    async def kill(self, why: str = "") -> None:
         """SIGKILL the process (used on stop, load time-outs and hangs); it takes no new work
-        from now on, though its exit is only seen a moment later."""
+        from now on, though its exit is only seen a moment later. ``why`` (``hung``) is the
+        kind its requests' ``WorkerGone`` then carries, in place of ``exited``."""
         if self._proc is not None and self._proc.returncode is None:
             self._killing = True
+            self._killed_as = why or self._killed_as
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
 
