@@ -92,6 +92,8 @@ def test_a_replica_with_the_same_fingerprint_takes_the_replay() -> None:
     job = sched.submitted[0][0]
     assert job.last_reason == FailoverReason("alloc_failed") and str(job.last_reason) == "failover:alloc_failed"
     assert job.returns  # the device may take it back if the CPU lane does not start it (round 19)
+    _fail_gpu_attempt(exe)  # it did go back, and failed there again: it waits for the CPU now
+    assert [lane for _, lane in sched.submitted] == ["cpu", "cpu"] and not sched.submitted[1][0].returns
 
 
 def _fail_gpu_attempt(exe: Execution) -> None:

@@ -136,6 +136,7 @@ class Execution:
     _kill_task: asyncio.Future[Any] | None = None
     _cpu_reason: Reason = Reason.CLIENT_PREFERS_CPU
     _restart: bool = False  # the next attempt starts the answer again (rule 3: nothing was shown)
+    _device_faults: int = 0  # this run's failed attempts on a device worker (gpu, split)
     deadline_s: float | None = None  # the client's deadline (monotonic), for the CPU lane's ETA check
     timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
@@ -167,9 +168,10 @@ class Execution:
         )
         if self._next_lane == "cpu":
             job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
-            # a failover may go back to the device after a wait (``Scheduler._may_move``); with
+            # a failover may go back to the device after a wait (``Scheduler._may_move``), once a
+            # run: one that failed there again waits for the CPU (it may be what fails there); with
             # a fallback model the CPU prompt is another model's, so its job stays on the CPU
-            job.returns = self._cause is not None and self.cpu_tokens is None
+            job.returns = self._cause is not None and self._device_faults == 1 and self.cpu_tokens is None
         self._job = job
         self.scheduler.submit_nowait(job, lane=self._next_lane)
         return job
@@ -515,6 +517,7 @@ class Execution:
         if not self.budget.take():
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
         self._cause = f.kind
+        self._device_faults += d.route != "cpu"
         self._fault_at = time.monotonic()
         self._next_lane = "cpu"
         self.on_failover(f.kind)
