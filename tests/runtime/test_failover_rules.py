@@ -156,11 +156,27 @@ def test_a_cpu_worker_with_another_fingerprint_is_not_a_replica() -> None:
 
 
 def test_a_configured_fallback_takes_the_replay_in_its_own_tokens() -> None:
-    """With a fallback configured the replay goes to the CPU lane, sized by the fallback's tokens."""
+    """With a fallback configured the replay goes to the CPU lane, sized by the fallback's
+    tokens, and stays there (round 21: a fallback whose prompt tokens are the model's, so
+    ``cpu_tokens`` is None, went back to the GPU)."""
     sched, _ = failover({"compat": "other", "numerics": "n1"}, fallback=True)
     assert len(sched.submitted) == 1
     job, lane = sched.submitted[0]
     assert lane == "cpu" and job.prompt_tokens == 2 and not job.returns  # sized in the fallback's tokens
+    sched = FakeScheduler([worker({"compat": "other", "numerics": "n1"})])
+    exe = execution(sched, attempt=1, cpu_fallback=True)  # the same tokens: no cpu_tokens of its own
+    _fail_gpu_attempt(exe)
+    assert not sched.submitted[0][0].returns
+
+
+def test_a_continuation_carries_the_failed_workers_fingerprint() -> None:
+    """A greedy stream that sent tokens continues on a worker of the failed one's fingerprint
+    only (round 21): its job carries it; one whose worker gave none does not go back at all."""
+    sched, _ = failover(GPU_FP, delivered=3)
+    job = sched.submitted[0][0]
+    assert job.returns and job.fingerprint == ("c1", "n1")
+    sched, _ = failover(GPU_FP)  # a replay from the start: any device worker may take it
+    assert sched.submitted[0][0].returns and sched.submitted[0][0].fingerprint is None
 
 
 def test_a_gpu_job_is_sized_for_either_lane_with_a_fallback() -> None:

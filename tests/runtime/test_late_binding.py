@@ -104,27 +104,57 @@ def test_a_failover_waiting_on_a_busy_cpu_lane_goes_back_to_the_device_after_the
     asyncio.run(main())
 
 
+def test_a_continuation_goes_back_only_to_a_worker_of_the_failed_ones_fingerprint(memory: MemoryModel) -> None:
+    """Round 21: a greedy stream that had sent tokens went back to the split worker, whose
+    numerics (its batch) differ from the failed GPU worker's: nothing proved the continuation
+    token-identical. A continuation (``Job.fingerprint``) moves only to device workers with the
+    failed worker's compatibility and numerics, as the CPU replica must have them."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, cpu = _scheduler(memory, clock)
+        cpu.claim_slot("someone")
+        gpu.info = {"fingerprint": {"compat": "c1", "numerics": "n-batch-128"}}
+        job = Job(rid="f", prompt_tokens=8, max_tokens=8, arrived_s=clock(), returns=True)
+        job.fingerprint = ("c1", "n-batch-512")
+        s.submit_nowait(job, lane="cpu")
+        clock.advance(5.0)
+        s.pump_once()
+        assert not job.future.done() and s.rebound_total == 0  # other numerics: it waits for the CPU
+        gpu.info = {"fingerprint": {"compat": "c1", "numerics": "n-batch-512"}}  # the failed one, restarted
+        s.pump_once()
+        assert (await asyncio.wait_for(job.future, 1)).route == "gpu"
+
+    asyncio.run(main())
+
+
 def test_a_chat_rows_why_says_the_host_guard_holds_its_cpu_work(memory: MemoryModel) -> None:
     """Round 19: while a request waited on the CPU lane held by the host-RAM guard, the chat
-    model's /v1/status row said ``gpu``/``fits`` (where a new one would start), and only the
-    document's reasons said ``host_budget``. The row says it waits and why, as a service's does."""
+    model's /v1/status row, where its requests start on the CPU lane, did not say so; only the
+    document's reasons said ``host_budget``. The row says they wait and why, as a service's
+    does; where they start on the device, the row says that (round 21)."""
     from spillover.config import CpuLaneConfig
     from spillover.core.routing import Reason
     from spillover.runtime.chat import ChatModel
 
     async def main() -> None:
         clock = FakeClock(100.0)
-        s, _gpu, cpu = _scheduler(memory, clock)
-        chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(), scheduler=s)
-        row = chat.status_row(None, primary=True)
-        assert (row["where"], row["why"]) == ("gpu", "fits")
-        cpu.claim_slot("someone")  # (the guard holds a free slot; a busy one keeps the job queued here)
-        s.submit_nowait(Job(rid="p", prompt_tokens=8, max_tokens=8, arrived_s=clock()), lane="cpu")
-        s.cpu_blocked = Reason.HOST_BUDGET  # as the last pass found it
-        row = chat.status_row(None, primary=True)
-        assert (row["where"], row["why"], row["queued"]) == ("none", "host_budget", 1)
-        s.cpu_blocked = Reason.CPU_SLOTS_BUSY  # held by its slots: the row is as before
-        assert chat.status_row(None, primary=True)["why"] != "host_budget"
+        gpu_s, _gpu, gpu_cpu = _scheduler(memory, clock)
+        cpu_only = Scheduler(gpu_lane=None, cpu_lane=LaneConfig(slots=1), ledger=None, policy=None, clock=clock)
+        cpu_only.cpu_workers.append(cpu := ready_worker("cpu0", "cpu"))
+        for s, worker, starts in ((gpu_s, gpu_cpu, ("gpu", "fits")), (cpu_only, cpu, ("cpu", "cpu_lane"))):
+            chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(), scheduler=s)
+            row = chat.status_row(None, primary=True)
+            assert (row["where"], row["why"]) == starts
+            worker.claim_slot("someone")  # (the guard holds a free slot; a busy one keeps the job queued here)
+            s.submit_nowait(Job(rid="p", prompt_tokens=8, max_tokens=8, arrived_s=clock()), lane="cpu")
+            s.cpu_blocked = Reason.HOST_BUDGET  # as the last pass found it
+            row = chat.status_row(None, primary=True)
+            # a request that starts on the device does not wait for the guard (round 21)
+            held = ("none", "host_budget") if starts[0] == "cpu" else starts
+            assert (row["where"], row["why"], row["queued"]) == (*held, 1)
+            s.cpu_blocked = Reason.CPU_SLOTS_BUSY  # held by its slots: the row is as before
+            assert chat.status_row(None, primary=True)["why"] != "host_budget"
 
     asyncio.run(main())
 

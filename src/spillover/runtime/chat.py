@@ -343,8 +343,9 @@ class ChatModel:
         queued = sum(x.depth for x in lanes)
         last = self.scheduler.decisions[-1] if self.scheduler.decisions else None
         where, why = (last["route"], last["reason"]) if queued and last else self.scheduler.where_now()
-        if self.scheduler.cpu.queue and self.scheduler.cpu_blocked in HOST_REFUSALS:
-            # what waits on the CPU lane is held by the host-RAM guard, as a service's row says (round 19)
+        if where == "cpu" and self.scheduler.cpu.queue and self.scheduler.cpu_blocked in HOST_REFUSALS:
+            # its requests start on the CPU lane, where the host-RAM guard holds what waits: they
+            # wait too, as a service's row says (round 19; one that starts on the device does not)
             where, why = "none", str(self.scheduler.cpu_blocked)
         if self.scheduler.cannot_start() is not None:  # what its requests are answered now
             where, why = "none", "model_load_failed"

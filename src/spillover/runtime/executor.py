@@ -73,6 +73,7 @@ from spillover.runtime.events import (
     Vectors,
     WorkerGone,
 )
+from spillover.runtime.lanes import fingerprint_of
 from spillover.runtime.outcomes import Event, Finished, RetryBudget, RouteInfo, TokenOut, classify_error, final_error
 from spillover.runtime.scheduler import Dispatch, Job, Scheduler
 from spillover.runtime.watchdog import Watchdog
@@ -137,6 +138,7 @@ class Execution:
     _cpu_reason: Reason = Reason.CLIENT_PREFERS_CPU
     _restart: bool = False  # the next attempt starts the answer again (rule 3: nothing was shown)
     _device_faults: int = 0  # this run's failed attempts on a device worker (gpu, split)
+    _failed_fp: tuple[str, str] | None = None  # the last failed worker's (compat, numerics) fingerprint
     deadline_s: float | None = None  # the client's deadline (monotonic), for the CPU lane's ETA check
     timeout_at_s: float | None = None  # the request's end-to-end limit (monotonic): request_timeout_s
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
@@ -169,9 +171,16 @@ class Execution:
         if self._next_lane == "cpu":
             job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
             # a failover may go back to the device after a wait (``Scheduler._may_move``), once a
-            # run: one that failed there again waits for the CPU (it may be what fails there); with
-            # a fallback model the CPU prompt is another model's, so its job stays on the CPU
-            job.returns = self._cause is not None and self._device_faults == 1 and self.cpu_tokens is None
+            # run: one that failed there again waits for the CPU (it may be what fails there); a
+            # fallback model's stays (the CPU lane serves another model); a continuation only to
+            # a worker of the failed one's fingerprint (round 21: the split's numerics differ)
+            job.fingerprint = self._failed_fp if self.delivered else None
+            job.returns = (
+                self._cause is not None
+                and self._device_faults == 1
+                and not self.cpu_fallback
+                and (job.fingerprint is not None or not self.delivered)
+            )
         self._job = job
         self.scheduler.submit_nowait(job, lane=self._next_lane)
         return job
@@ -518,6 +527,7 @@ class Execution:
             raise WorkerFailed(f"request {self.rid}: {where}; the gateway's retry budget is spent", retry_after_s=5.0)
         self._cause = f.kind
         self._device_faults += d.route != "cpu"
+        self._failed_fp = fingerprint_of(d.worker)
         self._fault_at = time.monotonic()
         self._next_lane = "cpu"
         self.on_failover(f.kind)

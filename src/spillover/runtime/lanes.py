@@ -18,7 +18,14 @@ from spillover.config import LaneConfig
 from spillover.core.reasons import RouteReason
 from spillover.runtime.worker_client import WorkerClient
 
-__all__ = ["Dispatch", "Job", "Lane", "LaneStatistics", "places_promised"]
+__all__ = ["Dispatch", "Job", "Lane", "LaneStatistics", "fingerprint_of", "places_promised"]
+
+
+def fingerprint_of(worker: WorkerClient) -> tuple[str, str] | None:
+    """A worker's (compatibility, numerics) fingerprint from its ready-info, None without one."""
+    fp = (worker.info or {}).get("fingerprint") or {}
+    compat, numerics = fp.get("compat"), fp.get("numerics")
+    return (str(compat), str(numerics)) if compat and numerics else None
 
 
 @dataclass
@@ -42,6 +49,9 @@ class Job:
     # a failover's attempt, pinned to the CPU lane: the device may take it back once the CPU lane
     # has not started it within admission's delay_max_s (``Scheduler._may_move``)
     returns: bool = False
+    # a continuation's (it carries delivered tokens): the fingerprint, compatibility and numerics,
+    # a device worker must have to take it back (the failed worker's), as the CPU replica must
+    fingerprint: tuple[str, str] | None = None
     released: bool = False  # its lease (slot, reservation) was given back
 
     @property

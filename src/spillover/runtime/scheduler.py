@@ -60,7 +60,7 @@ from spillover.core.reasons import Reason, RouteReason
 from spillover.core.routing import DEVICE_ROUTES, MIN_SHRUNK_TOKENS, lane_max_tokens
 from spillover.errors import CapacityError, NoWorkerReady, QueueFull
 from spillover.runtime import ticks
-from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, places_promised
+from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, fingerprint_of, places_promised
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
@@ -662,7 +662,7 @@ class Scheduler:
         client's choice, the canary) stay; a failover's only after a wait (``_may_move``)."""
         if self.gpu is None or self.ledger is None or self.policy is None:
             return
-        for job in [j for j in self.cpu.queue if self._may_move(j, now)]:
+        for job in [j for j in self.cpu.queue if self._may_move(j, now, self.gpu_workers)]:
             if not any(w.free_slots > 0 for w in self.gpu_workers):
                 return
             self._view = None  # the last job may have taken a slot
@@ -682,7 +682,7 @@ class Scheduler:
         where it is."""
         if not self.split_workers or self.ledger is None or self.split_memory is None:
             return
-        for job in [j for j in self.cpu.queue if self._may_move(j, now)]:
+        for job in [j for j in self.cpu.queue if self._may_move(j, now, self.split_workers)]:
             if (budget := self._split_tokens(job)) is None:
                 continue
             max_tokens, shrunk = budget
@@ -698,17 +698,20 @@ class Scheduler:
             self._take_split(job, self.cpu, worker, fp, cause, max_tokens, shrunk, now)
             self.rebound_total += 1
 
-    def _may_move(self, job: Job, now: float) -> bool:
-        """Whether late binding may move a job waiting on the CPU lane to the device: one
-        admission sent there, or a failover's attempt (``Job.returns``) that the CPU lane has not
-        started within ``delay_max_s``. A failover goes to the CPU replica first; but with the
-        CPU lane busy or held by the host guard it waited there until its queue_timeout while
-        the restarted device worker stood idle (round 19), where a resend with its key ran on
-        the device at once. It goes back through admission, its breaker's probe included, and
-        its run's ``max_attempts`` still bounds it."""
+    def _may_move(self, job: Job, now: float, workers: list[WorkerClient]) -> bool:
+        """Whether late binding may move a job waiting on the CPU lane to ``workers`` (the
+        device's): one admission sent there, or a failover's attempt (``Job.returns``) that the
+        CPU lane has not started within ``delay_max_s``. A failover goes to the CPU replica
+        first; but with the CPU lane busy or held by the host guard it waited there until its
+        queue_timeout while the restarted device worker stood idle (round 19), where a resend
+        with its key ran on the device at once. It goes back through admission, its breaker's
+        probe included, and its run's ``max_attempts`` still bounds it; a continuation only to
+        workers of the failed one's fingerprint (``Job.fingerprint``: a token-identical answer)."""
         if job.movable:
             return True
         if not job.returns or self.policy is None:
+            return False
+        if job.fingerprint is not None and any(fingerprint_of(w) != job.fingerprint for w in workers):
             return False
         due = job.enqueued_s + self.policy.delay_max_s
         if now >= due:
