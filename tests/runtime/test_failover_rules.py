@@ -45,7 +45,7 @@ def execution(sched: FakeScheduler, **kw: Any) -> Execution:
         allow_shrink=False,
         scheduler=sched,  # type: ignore[arg-type]
         journal=None,
-        failover=FailoverConfig(),
+        failover=kw.pop("failover", FailoverConfig()),
         budget=RetryBudget(10),
         kill_worker=lambda w: None,
         **(base | kw),
@@ -254,3 +254,27 @@ def test_a_worker_killed_for_a_hang_fails_its_attempt_as_a_stall(gone: str, kind
 
     f = asyncio.run(go())
     assert (f.kind, f.gone) == (kind, True)
+
+
+def test_a_failover_does_not_return_after_a_stall_or_with_its_runs_last_attempt() -> None:
+    """Round 22: a stall may be the request's own doing, and a hang kill leaves the breaker
+    closed, so it would go back beside live traffic; with ``max_attempts`` 2 the return spent
+    the run's last attempt, so the CPU replica never ran. Neither returns."""
+    sched = FakeScheduler([worker(GPU_FP)])
+    exe = execution(sched)
+    exe.attempt += 1  # the first attempt's dispatch
+    d = SimpleNamespace(route="gpu", worker=worker(GPU_FP))
+
+    async def stall() -> None:
+        await exe._failover(d, _Failure("stall", "no token progress"))  # type: ignore[arg-type]
+
+    asyncio.run(stall())
+    assert not sched.submitted[0][0].returns
+    sched = FakeScheduler([worker(GPU_FP)])
+    exe = execution(sched, failover=FailoverConfig(max_attempts=2))
+    _fail_gpu_attempt(exe)
+    assert [lane for _, lane in sched.submitted] == ["cpu"] and not sched.submitted[0][0].returns
+    sched = FakeScheduler([worker(GPU_FP)])
+    exe = execution(sched)  # max_attempts 3: attempt 2 may return, a failure there leaves the third
+    _fail_gpu_attempt(exe)
+    assert sched.submitted[0][0].returns

@@ -5,6 +5,7 @@ full queue's Retry-After is the lane's ETA, not a constant second."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -100,6 +101,41 @@ def test_a_failover_waiting_on_a_busy_cpu_lane_goes_back_to_the_device_after_the
         clock.advance(30.0)
         s.pump_once()
         assert [j.rid for j in s.cpu.queue] == ["p"] and not pinned.future.done()
+
+    asyncio.run(main())
+
+
+def test_a_failover_returns_only_as_sized_and_after_a_cpu_pass(memory: MemoryModel) -> None:
+    """Round 22: a returning failover that admission would shrink stays (sized for the CPU
+    lane, a shrunk continuation could end inside what its client already has), where a job
+    admission routed there moves shrunk; and with ``delay_max_s`` 0 a failover still meets the
+    CPU lane first (it went straight back to the GPU)."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _gpu, cpu = _scheduler(memory, clock)
+        cpu.claim_slot("someone")
+        big = Job(rid="f", prompt_tokens=8, max_tokens=10**6, arrived_s=clock(), allow_shrink=True, returns=True)
+        s.submit_nowait(big, lane="cpu")
+        clock.advance(5.0)
+        s.pump_once()
+        assert not big.future.done() and s.rebound_total == 0
+        big.returns, big.movable = False, True  # the same job, routed there by admission: it moves
+        s.pump_once()
+        assert (await asyncio.wait_for(big.future, 1)).shrunk
+
+        clock2 = FakeClock(100.0)
+        s2, _gpu2, cpu2 = _scheduler(memory, clock2)
+        assert s2.policy is not None
+        s2.policy = dataclasses.replace(s2.policy, delay_max_s=0.0)
+        cpu2.claim_slot("someone")
+        f = Job(rid="f", prompt_tokens=8, max_tokens=8, arrived_s=clock2(), returns=True)
+        s2.submit_nowait(f, lane="cpu")
+        s2.pump_once()
+        assert not f.future.done()  # the CPU lane's pass first
+        clock2.advance(0.5)
+        s2.pump_once()
+        assert (await asyncio.wait_for(f.future, 1)).route == "gpu"
 
     asyncio.run(main())
 

@@ -141,7 +141,9 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     if not isinstance(arch, str) or not arch:  # llama.cpp refuses such a file: "unknown model architecture: ''"
         raise ValueError("general.architecture is missing" if arch is None else f"general.architecture is {arch!r}")
     n_layers = _integer(fields, f"{arch}.block_count")
-    if not 1 <= n_layers <= len(header.tensors):  # each layer holds tensors (checked before any list of that size)
+    if n_layers < 1:
+        raise ValueError(f"{arch}.block_count is {n_layers}: a model has at least one layer")
+    if n_layers > len(header.tensors):  # each layer holds tensors (checked before any list of that size)
         raise ValueError(f"{arch}.block_count is {n_layers}, but the file holds {len(header.tensors)} tensors")
     n_embd = _integer(fields, f"{arch}.embedding_length")
     # the widest layer's, for per-layer lists
@@ -289,7 +291,8 @@ def _integer(fields: dict[str, Any], key: str, default: Any = None, *, layers: i
     items = value if layers and isinstance(value, list) else [value]
     for item in items:
         if isinstance(item, bool) or not isinstance(item, int):
-            raise ValueError(f"{key} is {item!r}: llama.cpp reads an integer there")
+            shown = f"a list of {len(item)}" if isinstance(item, list) else repr(item)[:40]
+            raise ValueError(f"{key} is {shown}: llama.cpp reads an integer there")
     if layers and isinstance(value, list) and len(value) != layers:
         raise ValueError(f"{key} holds {len(value)} values for {layers} layers")
     return value

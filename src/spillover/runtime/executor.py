@@ -174,10 +174,15 @@ class Execution:
             # run: one that failed there again waits for the CPU (it may be what fails there); a
             # fallback model's stays (the CPU lane serves another model); a continuation only to
             # a worker of the failed one's fingerprint (round 21: the split's numerics differ)
+            # ... and not after a stall, which may be the request's own doing (a hang kill is no
+            # severe fault, so the breaker stays closed: it would go back beside live traffic),
+            # nor with its run's last attempt, which a failure there would spend (round 22)
             job.fingerprint = self._failed_fp if self.delivered else None
             job.returns = (
                 self._cause is not None
+                and self._cause != "stall"
                 and self._device_faults == 1
+                and self.attempt - self._earlier_attempts < self.failover.max_attempts
                 and not self.cpu_fallback
                 and (job.fingerprint is not None or not self.delivered)
             )

@@ -67,6 +67,7 @@ __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
+RETURN_AFTER_MIN_S = 0.5  # a failover waits on the CPU lane at least this long before it may return (``_may_move``)
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
 MIN_WAKE_S = 0.001
 
@@ -667,6 +668,8 @@ class Scheduler:
                 return
             self._view = None  # the last job may have taken a slot
             d = self._admission(job, now)
+            if isinstance(d, Shrink) and job.returns:  # sized for the CPU lane; shrunk, a continuation
+                continue  # could end inside what its client has (round 22): it runs as sized, or waits
             if isinstance(d, Admit | Shrink) and self._dispatch_gpu(job, d, now, self.cpu):
                 self._record(job, d, now)
                 self.rebound_total += 1
@@ -683,7 +686,7 @@ class Scheduler:
         if not self.split_workers or self.ledger is None or self.split_memory is None:
             return
         for job in [j for j in self.cpu.queue if self._may_move(j, now, self.split_workers)]:
-            if (budget := self._split_tokens(job)) is None:
+            if (budget := self._split_tokens(job)) is None or (budget[1] and job.returns):  # as on the GPU
                 continue
             max_tokens, shrunk = budget
             fit = self._split_fit(job.prompt_tokens, max_tokens, now)
@@ -713,7 +716,8 @@ class Scheduler:
             return False
         if job.fingerprint is not None and any(fingerprint_of(w) != job.fingerprint for w in workers):
             return False
-        due = job.enqueued_s + self.policy.delay_max_s
+        # a CPU pass first, whatever delay_max_s says (0 would send it straight back: round 22)
+        due = job.enqueued_s + max(self.policy.delay_max_s, RETURN_AFTER_MIN_S)
         if now >= due:
             return True
         self._delay_due = min(self._delay_due, due)  # a pass then, if the device can take it before

@@ -560,7 +560,7 @@ class DeviceService(abc.ABC):
             await asyncio.wait_for(asyncio.shield(stopped), STOP_WAIT_S)
             return
         self.gw.note_event(d.worker.spec.worker_id, f"did not stop {rid} within {STOP_WAIT_S:.0f}s: killing it")
-        await d.worker.kill()
+        await d.worker.kill("hung")
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
 

@@ -354,7 +354,9 @@ class WorkerClient:
             await channel.ended
         finally:
             rc = await proc.wait()
-            gone = self._last_fatal or WorkerGone(self._killed_as or "exited", exit_words(rc, channel.said))
+            # killed for a reason, unless it died of something else first (its own SIGKILL's rc)
+            killed_as = self._killed_as if rc == -signal.SIGKILL else ""
+            gone = self._last_fatal or WorkerGone(killed_as or "exited", exit_words(rc, channel.said))
             if self.state is not WorkerState.STOPPED:
                 self._advance(WorkerState.DEAD)
             self.exits += 1
