@@ -436,6 +436,12 @@ def test_a_gpu_fault_mid_stream_continues_on_cpu_without_repeating_a_segment(gw:
     assert done["text"] == ref["text"]
     assert done["spillover"]["route"] == "cpu" and done["spillover"]["attempts"] == 2
     assert done["spillover"]["reason"] == "failover:oom"
+    # round 23: the journal and /metrics said the stream's first reason ("fits"), and stream false
+    rec = httpx.get(f"{gw.url}/v1/requests/{r.headers['x-spillover-request-id']}", timeout=30).json()
+    assert (rec["route"], rec["reason"], rec["stream"]) == ("cpu", "failover:oom", True), rec
+    assert rec["history"][-1]["reason"] == "failover:oom"
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=30).text
+    assert 'spillover_requests_total{outcome="completed",reason="failover:oom",route="cpu"}' in metrics
 
 
 def test_a_stream_that_ends_in_an_error_has_openais_error_shape_and_done(gw: GatewayProcess) -> None:

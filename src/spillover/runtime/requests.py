@@ -223,7 +223,7 @@ class RequestService:
                                 idem_key=idem_key,
                                 body_hash=body_hash,
                                 kind=ep.kind,
-                                stream=False,
+                                stream=ep.streams(req),  # as told (a unary stream counts no tokens: replayable)
                                 body=stored_json({"endpoint": ep.name, "body": stored}),
                                 model=str(req.model),
                                 queued={"attempts": run.attempt + 1},

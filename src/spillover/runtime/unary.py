@@ -233,7 +233,9 @@ class UnaryRun:
             if not self._first.is_set():  # nothing was sent: the whole answer goes as usual
                 await self._store(state, last)
                 return
-            whole = Encoded(200, [*self._sent, *last.frames], self._head or {}, SSE, last.error)
+            # the stream's end tells its route and reason as the run ended (a failover's), its
+            # first frame's headers as it began (round 23: the journal and /metrics said "fits")
+            whole = Encoded(200, [*self._sent, *last.frames], (self._head or {}) | last.headers, SSE, last.error)
             if not await self._store(state, whole) and err is None:  # its end is sent only once durable
                 last = self._error_frames(not_durable(self.rid))
             for frame in last.frames:
