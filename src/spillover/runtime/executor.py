@@ -170,13 +170,12 @@ class Execution:
         )
         if self._next_lane == "cpu":
             job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
-            # a failover may go back to the device after a wait (``Scheduler._may_move``), once a
-            # run: one that failed there again waits for the CPU (it may be what fails there); a
-            # fallback model's stays (the CPU lane serves another model); a continuation only to
-            # a worker of the failed one's fingerprint (round 21: the split's numerics differ)
-            # ... and not after a stall, which may be the request's own doing (a hang kill is no
-            # severe fault, so the breaker stays closed: it would go back beside live traffic),
-            # nor with its run's last attempt, which a failure there would spend (round 22)
+            # A failover may go back to the device after a wait (``Scheduler._may_move``): once a
+            # run (one that failed there again may be what fails there); not after a stall, which
+            # may be the request's own doing (a hang kill is no severe fault, so the breaker stays
+            # closed and it would go back beside live traffic); not on its run's last attempt,
+            # which a failure there would spend; not with a fallback model (the CPU lane serves
+            # another model); a continuation only to a worker of the failed one's fingerprint.
             job.fingerprint = self._failed_fp if self.delivered else None
             job.returns = (
                 self._cause is not None
