@@ -19,7 +19,7 @@ def _gateway(*, resident: bool, cannot_start: NoWorkerReady | None = None) -> An
         split_workers=[] if resident else ["split0"],
         split_breaker=SimpleNamespace(circuit=SimpleNamespace(value="closed")),
         cpu=SimpleNamespace(queue=deque()),
-        cpu_blocked=None,
+        host_held=None,
         cannot_start=lambda: cannot_start,
     )
     chat = SimpleNamespace(profile=plan, split=None if resident else object(), scheduler=scheduler)

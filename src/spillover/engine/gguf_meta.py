@@ -201,6 +201,7 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
             if _repacked(t, repacks):  # output.weight (token_embd is never repacked in place)
                 output_repack += int(t.n_bytes)
     output_layer_bytes = other_bytes - input_bytes + (0 if has_output else input_bytes)
+    ff_widths = _integer(fields, f"{arch}.feed_forward_length", 0, layers=n_layers)  # one, or one a layer
     kv_heads = per_layer_kv or [n_head_kv] * n_layers
     layer_kv_heads, layer_states = _hybrid_layers(fields, arch, n_embd, kv_heads, recurrent, attention)
     file_type = int(_field("general.file_type", -1))
@@ -221,8 +222,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         file_bytes=os.path.getsize(path),
         file_type=file_type,
         repack_bytes=sum(layer_repacks),
-        n_ff=_n_ff(_integer(fields, f"{arch}.feed_forward_length", 0, layers=n_layers)),
-        last_layer_ffn=_last_ffn(_field(f"{arch}.feed_forward_length", 0)),
+        n_ff=_n_ff(ff_widths),
+        last_layer_ffn=_last_ffn(ff_widths),
         n_expert_used=int(_field(f"{arch}.expert_used_count", 0) or 0),
         n_ff_expert=int(_field(f"{arch}.expert_feed_forward_length", 0) or 0),
         n_ff_shared=_shared_ffn(fields, arch, tensors),

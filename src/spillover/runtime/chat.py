@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from spillover.config import Config, CpuLaneConfig, LaneConfig, ServiceConfig, SplitConfig, default_model_path
 from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
-from spillover.core.hostguard import HOST_REFUSALS
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
 from spillover.core.profiles import ProfilePlan, plan_profile
@@ -343,10 +342,10 @@ class ChatModel:
         queued = sum(x.depth for x in lanes)
         last = self.scheduler.decisions[-1] if self.scheduler.decisions else None
         where, why = (last["route"], last["reason"]) if queued and last else self.scheduler.where_now()
-        if where == "cpu" and self.scheduler.cpu.queue and self.scheduler.cpu_blocked in HOST_REFUSALS:
+        if where == "cpu" and (held := self.scheduler.host_held) is not None:
             # its requests start on the CPU lane, where the host-RAM guard holds what waits: they
             # wait too, as a service's row says (round 19; one that starts on the device does not)
-            where, why = "none", str(self.scheduler.cpu_blocked)
+            where, why = "none", str(held)
         if self.scheduler.cannot_start() is not None:  # what its requests are answered now
             where, why = "none", "model_load_failed"
         row: dict[str, Any] = {

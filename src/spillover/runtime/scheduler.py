@@ -53,7 +53,7 @@ from spillover.core.breaker import (
     attempt_ended,
     probe_started,
 )
-from spillover.core.hostguard import HostView, may_start_cpu
+from spillover.core.hostguard import HOST_REFUSALS, HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import Footprint, MemoryModel
 from spillover.core.reasons import Reason, RouteReason
@@ -217,6 +217,12 @@ class Scheduler:
     def cpu_ctx_cap_tokens(self) -> int:
         """The CPU lane's context cap (prompt + max_tokens)."""
         return self.cpu.cfg.ctx_cap_tokens
+
+    @property
+    def host_held(self) -> Reason | None:
+        """Why the host-RAM guard holds the work queued on the CPU lane (``HOST_REFUSALS``, as
+        the last pass found it), None when it does not: ``/v1/status``'s mode and chat row."""
+        return (self.cpu_blocked or None) if self.cpu.queue and self.cpu_blocked in HOST_REFUSALS else None
 
     def withdraw(self, job: Job) -> None:
         """Remove a job that is still queued (its client went away)."""

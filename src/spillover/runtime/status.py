@@ -12,7 +12,6 @@ from collections import deque
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from spillover.core.hostguard import HOST_REFUSALS
 from spillover.core.routing import DEVICE_ROUTES
 
 if TYPE_CHECKING:
@@ -68,8 +67,8 @@ def serving_mode(gw: Gateway, workers: list[dict[str, Any]], breaker: str) -> tu
         reasons.append(f"gpu breaker {breaker}")
     if sched is not None and sched.split_workers and sched.split_breaker.circuit.value != "closed":
         reasons.append(f"split breaker {sched.split_breaker.circuit.value}")
-    if sched is not None and sched.cpu.queue and sched.cpu_blocked in HOST_REFUSALS:
-        reasons.append(f"cpu lane held by the host-RAM guard ({sched.cpu_blocked})")
+    if sched is not None and (guard := sched.host_held) is not None:
+        reasons.append(f"cpu lane held by the host-RAM guard ({guard})")
     if gw.device is None:
         reasons.append("no gpu lane")
     n, why = gw.degraded.recent(time.monotonic())
