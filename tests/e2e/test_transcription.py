@@ -440,6 +440,8 @@ def test_a_gpu_fault_mid_stream_continues_on_cpu_without_repeating_a_segment(gw:
     rec = httpx.get(f"{gw.url}/v1/requests/{r.headers['x-spillover-request-id']}", timeout=30).json()
     assert (rec["route"], rec["reason"], rec["stream"]) == ("cpu", "failover:oom", True), rec
     assert rec["history"][-1]["reason"] == "failover:oom"
+    running = [(h["route"], h["attempt"]) for h in rec["history"] if h["to"] == "running"]
+    assert running == [("gpu", 1), ("cpu", 2)], rec["history"]  # each attempt's RUNNING names its lane
     metrics = httpx.get(f"{gw.url}/metrics", timeout=30).text
     assert 'spillover_requests_total{outcome="completed",reason="failover:oom",route="cpu"}' in metrics
 

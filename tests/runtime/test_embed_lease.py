@@ -148,6 +148,8 @@ def test_progress_that_came_in_time_while_the_loop_was_busy_is_no_stall() -> Non
         def argv(self) -> list[str]:
             return [sys.executable, "-c", FAKE_EMBED_WORKER]
 
+    moves: list[tuple[str, dict[str, object]]] = []
+
     async def main() -> tuple[object, list[str]]:
         ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
         svc = embeddings_service(ledger)
@@ -164,15 +166,18 @@ def test_progress_that_came_in_time_while_the_loop_was_busy_is_no_stall() -> Non
         try:
 
             async def on_move(state: str, fields: dict[str, object]) -> None:
+                moves.append((state, fields))
                 if state == "running":  # while the attempt waits for its next chunk
                     asyncio.get_running_loop().call_later(0.1, time.sleep, 1.0)
 
             d = _Dispatch(worker, "gpu", Reason.FITS, 0)
             msg = {"inputs": [[101, 7, 102]] * 61, "batch_size": 1}  # 61 chunks: 60 progress lines, the last
-            out = await svc._run_on(d, "r1", msg, 1.0, on_move)
+            out = await svc._run_on(d, "r1", msg, 1.0, on_move, attempt=2)
         finally:
             await worker.stop()
         return out, killed
 
     out, killed = asyncio.run(main())
     assert not killed and isinstance(out, tuple) and isinstance(out[1], Done), out
+    # round 23: a service's RUNNING move said neither its route nor its attempt (chat's says both)
+    assert moves == [("running", {"route": "gpu", "attempts": 2})], moves

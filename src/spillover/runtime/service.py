@@ -431,7 +431,9 @@ class DeviceService(abc.ABC):
             try:  # the lease is ours from here: released once, however the attempt ends (rule 4)
                 await on_move("admitted", {"route": d.lane, "attempts": attempt, "reason": reason})
                 part = functools.partial(on_part, lane=d.lane, reason=reason, attempt=attempt) if on_part else None
-                got = await self._run_on(d, rid, msg, work, on_move, recovery.wrap(part) if recovery else part)
+                got = await self._run_on(
+                    d, rid, msg, work, on_move, recovery.wrap(part) if recovery else part, attempt=attempt
+                )
             finally:
                 self._release(rid, d)
             if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], Done):
@@ -482,8 +484,11 @@ class DeviceService(abc.ABC):
         work: float,
         on_move: Callable[[str, dict[str, Any]], Awaitable[None]],
         on_part: Callable[[RequestEvent], None] | None = None,
+        *,
+        attempt: int = 1,
     ) -> tuple[list[RequestEvent], Done] | tuple[str, str]:
-        """One attempt: its answer events and Done, or the failure (kind, message).
+        """One attempt (number ``attempt`` of its request): its answer events and Done, or the
+        failure (kind, message). Its RUNNING move says its route and attempt, as chat's does.
         Cancellation stops the worker and waits (bounded) until it has let go of the request
         (rule 4)."""
         t0 = time.monotonic()
@@ -508,7 +513,7 @@ class DeviceService(abc.ABC):
                 if isinstance(ev, Started):
                     if d.lane == "gpu" and self.gw.ledger is not None:
                         self.gw.ledger.confirm(rid, time.monotonic())
-                    await on_move("running", {})
+                    await on_move("running", {"route": d.lane, "attempts": attempt})
                 elif isinstance(ev, Done):
                     took = time.monotonic() - t0
                     self._note(d, "ok", took / max(work, 1e-3))
