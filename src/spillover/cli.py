@@ -574,7 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--url", help="target a running gateway instead of starting one")
     d.add_argument("--state-dir", help="the running gateway's state folder (for sim fault injection)")
     d.add_argument(
-        "--gpu", default="sim:1024", help="GPU device of the drill's own gateway (auto uses cuda if present)"
+        "--gpu",
+        default="sim:1024",
+        help="GPU device of the drill's own gateway (default sim:1024, where every fault can be injected; "
+        "auto uses cuda if present)",
     )
     d.add_argument(
         "--fallback-model",

@@ -12,6 +12,7 @@ import dataclasses
 import datetime as _dt
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from spillover.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "AdmissionConfig",
@@ -83,7 +86,7 @@ class ServerConfig:
     max_body_bytes: int = _doc(1_048_576, "largest request body accepted (413 above)")
     state_dir: str = _doc(
         "",
-        "folder for the sim ledger, journal and logs, locked by one gateway at a time; empty = "
+        "folder for the journal, sim ledger, uploads and model digests, locked by one gateway at a time; empty = "
         "$XDG_DATA_HOME/spillover, else ~/.local/share/spillover",
     )
     request_timeout_s: float = _doc(600.0, "longest a single request may run end to end")
@@ -159,18 +162,30 @@ class ModelConfig:
 class ServiceConfig:
     """One more service beside the chat model ([model]): a ``[[services]]`` table."""
 
-    name: str = _doc("bge-small-en", "model id clients send for this service and /v1/models lists")
+    name: str = _doc(
+        "bge-small-en",
+        "model id clients send for this service and /v1/models lists; unset: its path's file or folder name, or "
+        "with no path its kind's packaged model's (bge-small-en, whisper-tiny.en; chat: [model]'s SmolLM2, so a "
+        "second chat entry needs a name or a path)",
+    )
     kind: str = _doc(
         "embeddings",
         "what it serves: embeddings, transcription (speech to text), or chat (a second chat model beside [model])",
     )
-    aliases: tuple[str, ...] = _doc(("bge-small",), "other model ids clients may send for this service")
+    aliases: tuple[str, ...] = _doc(
+        ("bge-small",),
+        "other model ids clients may send for this service; unset: the packaged model's (bge-small, whisper-1, "
+        "smollm2) for an entry with no path (and, but for embeddings, no name), else none",
+    )
     path: str = _doc(
         "",
         "embeddings: model folder (model.onnx, tokenizer.json, config.json); transcription: a CTranslate2 "
         "Whisper folder (model.bin, tokenizer.json); chat: a GGUF file; empty = the packaged default of its kind",
     )
-    priority: str = _doc("batch", "interactive | batch: which work the device is kept for first")
+    priority: str = _doc(
+        "batch",
+        "interactive | batch: which work the device is kept for first; unset: batch for embeddings, else interactive",
+    )
     gpu: bool = _doc(True, "run a worker on the shared GPU device (charged to the one device budget)")
     cpu: str = _doc("replica", "its CPU path: replica (the same model on the CPU) | none")
     gpu_slots: int = _doc(2, "requests its GPU worker runs at once")
@@ -186,7 +201,9 @@ class ServiceConfig:
         "cpu_readiness = auto: longest a GPU fault may take to reach the first CPU result (token, vectors, "
         "segment); 0 = [cpu_lane].recovery_budget_ms",
     )
-    n_threads: int = _doc(1, "threads per worker")
+    n_threads: int = _doc(
+        1, "threads per worker; for a chat entry, llama.cpp threads per slot (as [gpu_lane] and [cpu_lane])"
+    )
     batch_size: int = _doc(32, "inputs per encoder run (a request is computed in chunks of this many)")
     max_inputs: int = _doc(256, "inputs one request may hold (400 above)")
     queue_depth: int = _doc(64, "requests that may wait for a worker; more are shed with 503")
@@ -288,7 +305,6 @@ class AdmissionConfig:
         "longest admission may wait for pages to come back (and a failover for the CPU lane before the "
         "device may take it back)",
     )
-    pressure_ratio: float = _doc(0.95, "observed/usable above which the GPU is under pressure")
     allow_cpu_route: bool = _doc(True, "route to the CPU lane when the GPU cannot take a request")
     demote_batch_services: bool = _doc(
         True,
@@ -315,7 +331,7 @@ class SupervisorConfig:
     restart_backoff_initial_s: float = _doc(0.5, "first restart delay after a worker dies")
     restart_backoff_max_s: float = _doc(10.0, "cap of the exponential restart delay")
     health_interval_s: float = _doc(1.0, "how often each worker is pinged")
-    health_timeout_s: float = _doc(5.0, "a ping unanswered for this long marks the worker unhealthy")
+    health_timeout_s: float = _doc(5.0, "a ping unanswered for this long kills the worker, which is then restarted")
     load_timeout_s: float = _doc(120.0, "longest a worker may take to load its model")
     release_wait_s: float = _doc(10.0, "longest to wait for device memory release before reload")
 
@@ -336,7 +352,11 @@ class FailoverConfig:
 class BreakerConfig:
     """Circuit breaker of the GPU worker (see core.breaker)."""
 
-    failure_threshold: int = _doc(3, "failures within window_s that open the breaker")
+    failure_threshold: int = _doc(
+        3,
+        "failures (stalls, failed attempts) within window_s that open the breaker; an allocation failure, OOM, "
+        "crash or driver reset opens it at once",
+    )
     window_s: float = _doc(30.0, "window in which failures are counted")
     cooldown_s: float = _doc(2.0, "time open before half-open probes")
     cooldown_max_s: float = _doc(30.0, "cap of the cooldown, which doubles on flapping")
@@ -451,6 +471,17 @@ def _toml_type(value: Any) -> str:
     return {dict: "a table", list: "an array", **_TOML_TYPES}.get(type(value), type(value).__name__)
 
 
+# Settings that were once written (``spillover config`` printed them) and no longer exist: a
+# config that still has one starts, with a warning that says why it is gone, not an
+# "unknown setting" refusal.
+RETIRED: dict[tuple[str, str], str] = {
+    ("admission", "pressure_ratio"): (
+        "it never changed a decision (admission names observed_pressure when the device shows more in use than "
+        "it predicted, with no ratio)"
+    ),
+}
+
+
 def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
     """``section``'s table as ``cls``; ``section`` is a table's name (``server``), or a
     ``[[services]]`` entry's ``[[services]] #N``, counted from 1 as the later checks count."""
@@ -461,6 +492,9 @@ def _coerce(section: str, cls: type, raw: dict[str, Any]) -> Any:
         return f"{key} in {section}" if section.startswith("[[") else f"[{section}].{key}"
 
     for key, value in raw.items():
+        if key not in known and (why := RETIRED.get((section, key))) is not None:
+            log.warning("%s is ignored: %s; delete it from the config", name(key), why)
+            continue
         if key not in known:
             if cls is LaneConfig and key in CPU_LANE_ONLY:
                 raise ConfigError(f"{name(key)} is a CPU lane setting (it changes nothing here): set it in [cpu_lane]")
@@ -525,8 +559,6 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[admission] kv_page_tokens >= 1 and 0 <= fragmentation_ratio < 1")
     if a.promote_after_s < 0 or a.promote_headroom_mib < 0:
         raise ConfigError("[admission] promote_after_s and promote_headroom_mib must be >= 0")
-    if not 0 < a.pressure_ratio <= 1:
-        raise ConfigError("[admission].pressure_ratio must be in (0, 1]")
     if cfg.device.margin_mib < 0 or cfg.device.host_budget_mib <= 0:
         raise ConfigError("[device] margin_mib >= 0 and host_budget_mib > 0")
     if cfg.failover.max_attempts < 1 or cfg.failover.stall_timeout_s <= 0:
@@ -627,11 +659,25 @@ def _services(values: Any) -> tuple[ServiceConfig, ...]:
     if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
         raise ConfigError("services must be a list of tables: [[services]]")
     out = []
+    packaged = {s.kind: s for s in Config().services}  # the default entries: each kind's packaged model
     for i, table in enumerate(values):
         defaults = dataclasses.asdict(ServiceConfig())
-        if isinstance(table, dict) and table.get("kind", "embeddings") != "embeddings":
-            defaults["aliases"] = ()  # the default entry's aliases name the default embeddings model
+        kind = table.get("kind", "embeddings")
+        if kind != "embeddings":
             defaults["priority"] = "interactive"  # a chat model answers people unless told otherwise
+            defaults["aliases"] = ()  # the default entry's aliases name the default embeddings model
+        # An entry that names neither itself nor a model file is its kind's packaged model, served
+        # under that model's id and aliases (a chat entry's is [model]'s SmolLM2: the same id twice
+        # is refused by name). One with a file or folder of its own is served under that file's
+        # name, with no alias, as [model] with another path is.
+        path = table.get("path")
+        if isinstance(path, str) and path.strip("/"):
+            defaults["aliases"] = ()
+            defaults["name"] = Path(path.rstrip("/")).name.removesuffix(".gguf")
+        elif "name" not in table and (default := packaged.get(kind)) is not None:
+            defaults["name"], defaults["aliases"] = default.name, default.aliases
+        elif "name" not in table and kind == "chat":
+            defaults["name"], defaults["aliases"] = DEFAULT_MODEL_NAME, DEFAULT_MODEL_ALIASES
         out.append(_coerce(f"[[services]] #{i + 1}", ServiceConfig, {**defaults, **table}))
     return tuple(out)
 

@@ -45,7 +45,7 @@ def test_toml_file_then_flags(tmp_path: Path) -> None:
         '[server]\nport = "80"\n',
         '[device]\ngpu = "tpu:0"\n',
         "[gpu_lane]\nslots = 0\n",
-        "[admission]\npressure_ratio = 2.0\n",
+        "[admission]\npressure_ratio = 0.9\nbogus = 1\n",
         '[model]\nfallback_path = "/nonexistent/fallback.gguf"\n',
         '[model]\nfallback_name = "small"\n',
         '[cpu_lane]\nreadiness = "hot"\n',
@@ -107,6 +107,19 @@ def test_a_bad_setting_is_named_in_toml_words(tmp_path: Path, toml: str, message
     with pytest.raises(ConfigError) as caught:
         load_config(str(f))
     assert message in str(caught.value)
+
+
+def test_a_retired_setting_starts_with_a_warning_that_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``[admission].pressure_ratio`` was printed by ``spillover config`` but read by nothing (a
+    config field nothing reads). It is gone; a config written with it still loads, and the log
+    says it is ignored and why."""
+    f = tmp_path / "c.toml"
+    f.write_text("[admission]\npressure_ratio = 0.95\ndelay_max_s = 1.5\n")
+    with caplog.at_level("WARNING", logger="spillover.config"):
+        cfg = load_config(str(f))
+    assert cfg.admission.delay_max_s == 1.5 and not hasattr(cfg.admission, "pressure_ratio")
+    assert "[admission].pressure_ratio is ignored" in caplog.text and "never changed a decision" in caplog.text
+    assert "pressure_ratio" not in config_sample()
 
 
 def test_a_recovery_budget_is_milliseconds_up_to_a_day(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,40 @@ def test_a_second_chat_model_is_a_chat_service_without_the_embeddings_aliases(tm
     assert reg.resolve("tiny", "chat").id == "tiny"
     with pytest.raises(InvalidRequest, match="/v1/chat/completions"):
         reg.resolve("tiny", "embeddings")
+
+
+@pytest.mark.parametrize(
+    ("table", "name", "aliases", "priority"),
+    [
+        ('kind = "transcription"\n', "whisper-tiny.en", ("whisper-1",), "interactive"),
+        ('kind = "transcription"\nname = "t"\n', "t", (), "interactive"),
+        ("", "bge-small-en", ("bge-small",), "batch"),
+        ('name = "e2"\n', "e2", ("bge-small",), "batch"),
+        ('path = "/models/e5-small/"\n', "e5-small", (), "batch"),
+        ('kind = "chat"\npath = "/models/Qwen2-0.5B.Q4_0.gguf"\n', "Qwen2-0.5B.Q4_0", (), "interactive"),
+        ('kind = "chat"\n', "smollm2-135m-instruct", ("smollm2",), "interactive"),
+    ],
+)
+def test_an_entry_without_a_name_is_served_under_its_models(
+    table: str, name: str, aliases: tuple[str, ...], priority: str
+) -> None:
+    """A [[services]] entry without a name was served as "bge-small-en" whatever its kind or file:
+    a transcription entry beside the default embeddings one was refused as that id served
+    twice, and another embeddings model answered to bge-small's names. Its name is now its own
+    model's: the file's or folder's, else its kind's packaged model's with that model's aliases."""
+    from spillover.config import _services
+
+    svc = _services([tomllib.loads(table)])[0]
+    assert (svc.name, svc.aliases, svc.priority) == (name, aliases, priority)
+
+
+def test_the_default_entries_listed_without_names_start(tmp_path: Path) -> None:
+    """The two default services, written as kinds alone, load as the defaults do; a chat entry
+    without a name or path is SmolLM2, which [model] already serves, and is refused by that id."""
+    cfg = load_config(_write(tmp_path, '[[services]]\nkind = "embeddings"\n[[services]]\nkind = "transcription"\n'))
+    assert [(s.name, s.aliases) for s in cfg.services] == [(s.name, s.aliases) for s in load_config().services]
+    with pytest.raises(ConfigError, match="'smollm2-135m-instruct' is already served by \\[model\\]"):
+        load_config(_write(tmp_path, '[[services]]\nkind = "chat"\n'))
 
 
 @pytest.mark.parametrize(
