@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -416,3 +418,51 @@ def test_an_unseeded_ollama_request_is_replayed_after_a_gateway_sigkill(tmp_path
         assert [(r["state"], r["completions"]) for r in rows] == [("completed", 1), ("completed", 1)], rows
     finally:
         g.stop()
+
+
+def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then_resumes() -> None:
+    """Round 24: a client drops a keyed stream and resends it at once. The dropped run ends
+    resumable (499) at once, but its GPU worker lets go of the request only later (here it is
+    SIGSTOPped), so its slot and device reservation are still out under the request's id. The
+    resend resumed the request under that id beside it: on a second free slot its reservation
+    raised ``KeyError`` (500 ``internal_error``, journaled ``failed``, and every later resend
+    replayed that 500). Until the worker lets go the key is in flight (409 with Retry-After);
+    then the resend resumes the request, and every reservation comes back."""
+    config = {"supervisor": {"health_timeout_s": 60.0}}  # the stopped worker is not killed meanwhile
+    with GatewayProcess(["--gpu", "sim:1024", "--gpu-slots", "2"], config=config) as g:
+        pid = int(ready_worker(g, "gpu")["pid"])
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": COUNT_PROMPT}],
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+        }
+        key = {"Idempotency-Key": "r24-dropped"}
+        with httpx.Client(base_url=g.url, timeout=120) as c:
+            stopped = False
+            try:
+                with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
+                    rid = r.headers["x-spillover-request-id"]
+                    lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                    next(lines), next(lines)  # tokens are coming
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = True
+                wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+                again = c.post("/v1/chat/completions", json=body, headers=key)
+                assert again.status_code == 409, again.text
+                assert again.json()["error"]["code"] == "idempotency_key_in_flight" and "retry-after" in again.headers
+                doc = c.get(f"/v1/requests/{rid}").json()
+                assert (doc["state"], doc["live"]) == ("resumable_error", True), doc
+            finally:
+                if stopped:
+                    os.kill(pid, signal.SIGCONT)
+            resumed = wait_for(
+                lambda: (r := c.post("/v1/chat/completions", json=body, headers=key)).status_code != 409 and r,
+                60,
+                "the worker let go",
+            )
+            assert resumed.status_code == 200 and resumed.headers["x-spillover-request-id"] == rid, resumed.text
+            doc = c.get(f"/v1/requests/{rid}").json()
+            assert doc["state"] == "completed" and doc["attempts"] == 2, doc
+        wait_for(lambda: g.status()["device"]["ledger"]["request_reservations"] == 0, 10, "reservations back")

@@ -146,6 +146,7 @@ class Execution:
     open_ended: bool = False  # no max_tokens asked: up to the serving lane's context limit
     stream_coalesce_s: float = 0.0  # how long a streamed token may wait to go with the next ones
     _watchdog: Watchdog = field(default_factory=Watchdog)  # ``_next``'s bound: one timer for many tokens
+    _returning: set[asyncio.Future[None]] = field(default_factory=set)  # leases whose worker has not stopped yet
 
     def __post_init__(self) -> None:
         self._earlier_attempts = self.attempt  # earlier runs' (a resume's, a replay's): not this run's budget
@@ -360,12 +361,31 @@ class Execution:
             self._give_back(d, outcome)
             return
         deadline = asyncio.get_running_loop().call_later(self._bound(d, prefill=True), self._kill_unstopped, d, pending)
+        self._returning.add(pending)
 
         def stopped(_: asyncio.Future[None]) -> None:
             deadline.cancel()
+            self._returning.discard(pending)
             self._give_back(d, "failed" if self._unstopped else outcome)  # a kill is the device's fault
 
         pending.add_done_callback(stopped)
+
+    def when_released(self, then: Callable[[], None]) -> None:
+        """Call ``then`` once every lease this request took is back: now, or when the last
+        worker still working on it stops (``_release``). Until then the request id is in use:
+        a worker may still send its events under it, and its device reservation is still out."""
+        if not self._returning:
+            then()
+            return
+        left = set(self._returning)
+
+        def one_back(fut: asyncio.Future[None]) -> None:
+            left.discard(fut)
+            if not left:
+                then()
+
+        for fut in left.copy():
+            fut.add_done_callback(one_back)
 
     def _give_back(self, d: Dispatch, outcome: str) -> None:
         d.worker.release_slot(self.rid)

@@ -49,6 +49,7 @@ from spillover.runtime.run import Answer, Encoded, Encoding, Run, Streaming, as_
 from spillover.runtime.unary import UnaryEndpoint, UnaryRun
 
 if TYPE_CHECKING:
+    from spillover.runtime.executor import Execution
     from spillover.runtime.gateway import Gateway
 
 __all__ = ["Answer", "Encoded", "Encoding", "Endpoint", "Refused", "RequestService", "Run", "Streaming"]
@@ -307,7 +308,7 @@ class RequestService:
         if deadline_ms is not None:
             exe.deadline_s = time.monotonic() + deadline_ms / 1000
         exe.check_queue_nowait()  # rule 3: a full queue answers at once, nothing journaled
-        run = Run(gw, prep, exe, self._unregister_when_done(prep.rid, exe.events()))
+        run = Run(gw, prep, exe, self._unregister_when_done(prep.rid, exe))
         run.encoding = ep.encoding(run)
         queued = {"route": chat.scheduler.entry_lane(exe.next_lane), "attempts": exe.attempt + 1}
         if gw.journal is not None and resume_attempts is None:
@@ -338,15 +339,25 @@ class RequestService:
             raise
         return run
 
-    async def _unregister_when_done(self, rid: str, events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    async def _unregister_when_done(self, rid: str, exe: Execution) -> AsyncGenerator[Any, None]:
         """The Execution's events; when they end, or the consumer closes this early, the
-        Execution is closed too (its lease released) and the request leaves ``live``."""
+        Execution is closed too (its lease released), and the request leaves ``live`` once
+        every worker it ran on has stopped working on it (``Execution.when_released``). Until
+        then a resend with its Idempotency-Key is answered 409 in flight: a resumed run under
+        the same id would meet the stopping one's device reservation (a 500 ``KeyError``
+        once) and its worker's events."""
         try:
-            async with contextlib.aclosing(events):
+            async with contextlib.aclosing(exe.events()) as events:
                 async for ev in events:
                     yield ev
         finally:
-            self.live.pop(rid, None)
+            run = self.live.get(rid)
+
+            def leave() -> None:
+                if self.live.get(rid) is run:  # not a later run under the same id
+                    self.live.pop(rid, None)
+
+            exe.when_released(leave)
 
     async def cancel(self, rid: str) -> None:
         """Cancel a live request and wait (bounded) until its end is journaled. An orphan
