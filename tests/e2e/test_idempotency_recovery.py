@@ -465,4 +465,23 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             assert resumed.status_code == 200 and resumed.headers["x-spillover-request-id"] == rid, resumed.text
             doc = c.get(f"/v1/requests/{rid}").json()
             assert doc["state"] == "completed" and doc["attempts"] == 2, doc
+
+            # A DELETE answers once the worker has let go too (bounded): a resend with the key
+            # right after it gets the stored cancellation, not 409 in flight.
+            key = {"Idempotency-Key": "r24-deleted"}
+            with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
+                rid = r.headers["x-spillover-request-id"]
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(lines), next(lines)
+                os.kill(pid, signal.SIGSTOP)
+                resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+                resume.start()
+                try:
+                    deleted = c.delete(f"/v1/requests/{rid}").json()
+                finally:
+                    resume.join()
+            assert (deleted["state"], deleted["live"]) == ("cancelled", False), deleted
+            again = c.post("/v1/chat/completions", json=body, headers=key)
+            assert again.headers.get("idempotent-replayed") == "true", again.text
+            assert '"code":"request_cancelled"' in again.text.replace(" ", ""), again.text  # its stream, as sent
         wait_for(lambda: g.status()["device"]["ledger"]["request_reservations"] == 0, 10, "reservations back")

@@ -66,7 +66,7 @@ RESUMED = {
     "headers": None,
     "error": None,
 }
-CANCEL_WAIT_S = 2.0  # how long DELETE waits for a cancelled run to journal its end
+CANCEL_WAIT_S = 2.0  # how long DELETE waits for a cancelled run to journal its end and leave ``live``
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,9 @@ class RequestService:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.endpoints: dict[str, Endpoint | UnaryEndpoint] = {}
-        self.live: dict[str, Run | UnaryRun] = {}  # request id -> its run, from acceptance until it ends
+        # request id -> its run, from acceptance until it ends and every worker it ran on let go of it
+        self.live: dict[str, Run | UnaryRun] = {}
+        self._leaving: dict[str, asyncio.Future[None]] = {}  # a chat run that ended: resolved as it leaves ``live``
         # Unfinished in the journal at start and not replayed yet (start-up recovery waits for
         # the workers): a DELETE ends one here (``cancel``), and its replay then runs nothing.
         self.orphans: set[str] = set()
@@ -350,17 +352,22 @@ class RequestService:
             async with contextlib.aclosing(exe.events()) as events:
                 async for ev in events:
                     yield ev
-        finally:
+        finally:  # (before ``Run._end`` sets ``ended``: a DELETE then finds ``_leaving``)
             run = self.live.get(rid)
+            gone = self._leaving[rid] = asyncio.get_running_loop().create_future()
 
             def leave() -> None:
                 if self.live.get(rid) is run:  # not a later run under the same id
                     self.live.pop(rid, None)
+                if self._leaving.get(rid) is gone:
+                    del self._leaving[rid]
+                gone.set_result(None)
 
             exe.when_released(leave)
 
     async def cancel(self, rid: str) -> None:
-        """Cancel a live request and wait (bounded) until its end is journaled. An orphan
+        """Cancel a live request and wait (bounded) until its end is journaled and it has left
+        ``live`` (a resend with its key then gets its stored answer, not 409). An orphan
         whose replay has not begun is ended CANCELLED at once, under the lock its replay
         takes (``orphan_lock``), so it never runs."""
         run = self.live.get(rid)
@@ -378,7 +385,10 @@ class RequestService:
             return
         run.cancel()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(run.ended.wait(), CANCEL_WAIT_S)
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                await run.ended.wait()
+                if (gone := self._leaving.get(rid)) is not None:  # and every worker it ran on lets go of it
+                    await asyncio.shield(gone)
 
     def cancel_all(self) -> None:
         """The server is stopping: every live request stops, each journaling its end as
