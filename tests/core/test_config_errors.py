@@ -109,7 +109,9 @@ def test_a_bad_setting_is_named_in_toml_words(tmp_path: Path, toml: str, message
     assert message in str(caught.value)
 
 
-def test_a_retired_setting_starts_with_a_warning_that_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_retired_setting_starts_with_a_warning_that_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """``[admission].pressure_ratio`` was printed by ``spillover config`` but read by nothing (a
     config field nothing reads). It is gone; a config written with it still loads, and the log
     says it is ignored and why."""

@@ -484,4 +484,20 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             again = c.post("/v1/chat/completions", json=body, headers=key)
             assert again.headers.get("idempotent-replayed") == "true", again.text
             assert '"code":"request_cancelled"' in again.text.replace(" ", ""), again.text  # its stream, as sent
+
+            # Round 25: a DELETE of a request that already ended resumable (its client went away)
+            # cancelled nothing, and a resend with its key then ran it. It now ends it CANCELLED
+            # for good, and the key answers the cancellation.
+            key = {"Idempotency-Key": "r25-dropped-then-deleted"}
+            with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
+                rid = r.headers["x-spillover-request-id"]
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(lines), next(lines)
+            wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+            deleted = c.delete(f"/v1/requests/{rid}").json()
+            assert deleted["state"] == "cancelled" and deleted["history"][-1]["from"] == "resumable_error", deleted
+            again = c.post("/v1/chat/completions", json=body, headers=key)
+            assert again.status_code == 409 and again.headers.get("idempotent-replayed") == "true", again.text
+            assert again.json()["error"]["code"] == "request_cancelled"
+            assert c.get(f"/v1/requests/{rid}").json()["attempts"] == 1  # it never ran again
         wait_for(lambda: g.status()["device"]["ledger"]["request_reservations"] == 0, 10, "reservations back")

@@ -9,7 +9,8 @@ Rules:
 4. A fault while RUNNING either re-queues (replayable) or ends as RESUMABLE_ERROR.
    A request may also fail before it runs (its time limit passes while it waits).
 5. RESUMABLE_ERROR and REJECTED end a request, but a retry with the same Idempotency-Key
-   resumes it (back to QUEUED, same id, next attempt): ``RESUMABLE``.
+   resumes it (back to QUEUED, same id, next attempt): ``RESUMABLE``. A DELETE of one ends
+   it CANCELLED for good: its key then answers the cancellation, and it never runs again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ TRANSITIONS: frozenset[tuple[State, State]] = frozenset(
         (S.ADMITTED, S.RESUMABLE_ERROR),
         (S.RESUMABLE_ERROR, S.QUEUED),  # resumed with the same Idempotency-Key
         (S.REJECTED, S.QUEUED),  # retried with the same Idempotency-Key
+        (S.RESUMABLE_ERROR, S.CANCELLED),  # a DELETE: never resumed
+        (S.REJECTED, S.CANCELLED),
     }
 )
 

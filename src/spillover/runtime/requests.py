@@ -368,21 +368,29 @@ class RequestService:
     async def cancel(self, rid: str) -> None:
         """Cancel a live request and wait (bounded) until its end is journaled and it has left
         ``live`` (a resend with its key then gets its stored answer, not 409). An orphan
-        whose replay has not begun is ended CANCELLED at once, under the lock its replay
-        takes (``orphan_lock``), so it never runs."""
-        run = self.live.get(rid)
-        if run is None and rid in self.orphans and self.gw.journal is not None:
-            rec = await self.gw.journal.get(rid)
-            if rec is None:
-                return
-            async with self.gw.keys.hold(orphan_lock(rec)):
-                run = self.live.get(rid)  # its replay began meanwhile
-                if run is None and rid in self.orphans:
-                    self.orphans.discard(rid)
-                    if (now := await self.gw.journal.get(rid)) is not None and not now.terminal:
-                        await end_orphan(self.gw, now, RequestCancelled(f"request {rid} was cancelled"))
-        if run is None:
+        whose replay has not begun, and a request that ended resumable (``RESUMABLE``: a
+        resend with its key would run it again; it may have ended so just before this
+        cancel reached it), is then ended CANCELLED, under the lock a replay or resume takes
+        (``orphan_lock``: its key's), so it never runs."""
+        if (run := self.live.get(rid)) is not None:
+            await self._cancel_run(rid, run)
+        if self.gw.journal is None or rid in self.live:
             return
+        rec = await self.gw.journal.get(rid)
+        if rec is None or (rid not in self.orphans and rec.state not in RESUMABLE):
+            return
+        async with self.gw.keys.hold(orphan_lock(rec)):
+            run = self.live.get(rid)
+            if run is None:
+                now = await self.gw.journal.get(rid)
+                orphan = rid in self.orphans
+                self.orphans.discard(rid)
+                if now is not None and ((orphan and not now.terminal) or now.state in RESUMABLE):
+                    await end_orphan(self.gw, now, RequestCancelled(f"request {rid} was cancelled"))
+                return
+        await self._cancel_run(rid, run)  # its replay or resume began meanwhile: that run is cancelled
+
+    async def _cancel_run(self, rid: str, run: Run | UnaryRun) -> None:
         run.cancel()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CANCEL_WAIT_S):
