@@ -671,10 +671,12 @@ def _services(values: Any) -> tuple[ServiceConfig, ...]:
         # is refused by name). One with a file or folder of its own is served under that file's
         # name, with no alias, as [model] with another path is.
         path = table.get("path")
-        if isinstance(path, str) and path.strip("/"):
+        if isinstance(path, str) and path.strip():
             defaults["aliases"] = ()
-            defaults["name"] = Path(path.rstrip("/")).name.removesuffix(".gguf")
-        elif "name" not in table and (default := packaged.get(kind)) is not None:
+            defaults["name"] = Path(path.strip()).resolve().name.removesuffix(".gguf")
+            if not defaults["name"] and "name" not in table:
+                raise ConfigError(f"[[services]] #{i + 1}: its path {path!r} gives it no name: set name")
+        elif "name" not in table and isinstance(kind, str) and (default := packaged.get(kind)) is not None:
             defaults["name"], defaults["aliases"] = default.name, default.aliases
         elif "name" not in table and kind == "chat":
             defaults["name"], defaults["aliases"] = DEFAULT_MODEL_NAME, DEFAULT_MODEL_ALIASES

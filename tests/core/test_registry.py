@@ -138,6 +138,8 @@ def test_the_default_entries_listed_without_names_start(tmp_path: Path) -> None:
     ("toml", "match"),
     [
         ('[[services]]\nname = "smollm2"\n', "already served"),
+        ('[[services]]\nkind = ["chat"]\n', "kind in \\[\\[services\\]\\] #1 must be a string"),
+        ('[[services]]\npath = "/"\n', "gives it no name: set name"),
         ('[[services]]\nname = "a"\n[[services]]\nname = "b"\naliases = ["a"]\n', "already served"),
         ('[[services]]\nkind = "chat"\nname = "x"\npath = "/nonexistent.gguf"\n', "no GGUF file"),
         ('[[services]]\nkind = "chat"\nname = "x"\naliases = ["smollm2"]\n', "already served"),

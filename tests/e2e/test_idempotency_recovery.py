@@ -500,4 +500,29 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             assert again.status_code == 409 and again.headers.get("idempotent-replayed") == "true", again.text
             assert again.json()["error"]["code"] == "request_cancelled"
             assert c.get(f"/v1/requests/{rid}").json()["attempts"] == 1  # it never ran again
+
+            # The same DELETE while the dropped run's worker holds on past the DELETE's 2 s wait
+            # (round 26: it returned before ending the request, which the key then ran again).
+            key = {"Idempotency-Key": "r26-held-then-deleted"}
+            try:
+                with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
+                    rid = r.headers["x-spillover-request-id"]
+                    lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                    next(lines), next(lines)
+                    os.kill(pid, signal.SIGSTOP)
+                wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+                deleted = c.delete(f"/v1/requests/{rid}").json()
+                assert (deleted["state"], deleted["live"]) == ("cancelled", True), deleted
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            again = wait_for(
+                lambda: (
+                    (r := c.post("/v1/chat/completions", json=body, headers=key)).headers.get("idempotent-replayed")
+                    and r
+                ),
+                30,
+                "the worker let go",
+            )
+            assert again.json()["error"]["code"] == "request_cancelled", again.text
+            assert c.get(f"/v1/requests/{rid}").json()["attempts"] == 1
         wait_for(lambda: g.status()["device"]["ledger"]["request_reservations"] == 0, 10, "reservations back")

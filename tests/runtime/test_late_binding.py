@@ -212,3 +212,30 @@ def test_a_full_queue_says_retry_after_its_eta(memory: MemoryModel) -> None:
         assert eta > 10 and e.value.retry_after_s == pytest.approx(eta)
 
     asyncio.run(main())
+
+
+def test_a_job_waits_while_an_earlier_attempt_of_its_request_still_holds_its_reservation(
+    memory: MemoryModel,
+) -> None:
+    """Round 26: a failover's return to the device, while the failed attempt's worker had not
+    let go of the request yet (its reservation still out under the request's id), raised
+    ``KeyError`` from the ledger inside the pass: a 500. The job now waits until that
+    reservation is back, then takes the device."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _gpu, cpu = _scheduler(memory, clock)
+        assert s.ledger is not None
+        s.ledger.force_reserve("f", 8 * MIB, clock(), "request")  # the failed attempt's, not back yet
+        cpu.claim_slot("someone")  # the CPU lane is busy
+        failover = Job(rid="f", prompt_tokens=8, max_tokens=8, arrived_s=clock(), returns=True)
+        s.submit_nowait(failover, lane="cpu")
+        clock.advance(2.1)  # past the delay bound: it may return
+        s.pump_once()
+        assert not failover.future.done() and [j.rid for j in s.cpu.queue + s.gpu.queue] == ["f"]
+        s.ledger.release("f", clock())  # its worker let go
+        s.pump_once()
+        d = await asyncio.wait_for(failover.future, 1)
+        assert d.route == "gpu" and s.ledger.holds("f")
+
+    asyncio.run(main())

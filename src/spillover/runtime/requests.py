@@ -363,29 +363,31 @@ class RequestService:
                     del self._leaving[rid]
                 gone.set_result(None)
 
-            exe.when_released(leave)
+            # It leaves once its end is journaled too: a DELETE meanwhile finds it live, not a
+            # request that is neither live nor ended.
+            exe.when_released(leave if not isinstance(run, Run) else lambda: run.after_end(leave))
 
     async def cancel(self, rid: str) -> None:
         """Cancel a live request and wait (bounded) until its end is journaled and it has left
         ``live`` (a resend with its key then gets its stored answer, not 409). An orphan
-        whose replay has not begun, and a request that ended resumable (``RESUMABLE``: a
-        resend with its key would run it again; it may have ended so just before this
-        cancel reached it), is then ended CANCELLED, under the lock a replay or resume takes
-        (``orphan_lock``: its key's), so it never runs."""
+        whose replay has not begun, and a keyed request that ended resumable (``RESUMABLE``:
+        a resend with its key would run it again; it may have ended so just before this
+        cancel reached it, its worker perhaps still letting go), is then ended CANCELLED,
+        under the lock a replay or resume takes (``orphan_lock``: its key's), so it never runs."""
         if (run := self.live.get(rid)) is not None:
             await self._cancel_run(rid, run)
-        if self.gw.journal is None or rid in self.live:
+        if self.gw.journal is None or ((run := self.live.get(rid)) is not None and not run.ended.is_set()):
             return
         rec = await self.gw.journal.get(rid)
-        if rec is None or (rid not in self.orphans and rec.state not in RESUMABLE):
+        if rec is None or not (rid in self.orphans or (rec.idem_key and rec.state in RESUMABLE)):
             return
         async with self.gw.keys.hold(orphan_lock(rec)):
             run = self.live.get(rid)
-            if run is None:
+            if run is None or run.ended.is_set():  # none, or one whose end is journaled
                 now = await self.gw.journal.get(rid)
                 orphan = rid in self.orphans
                 self.orphans.discard(rid)
-                if now is not None and ((orphan and not now.terminal) or now.state in RESUMABLE):
+                if now is not None and ((orphan and not now.terminal) or (now.idem_key and now.state in RESUMABLE)):
                     await end_orphan(self.gw, now, RequestCancelled(f"request {rid} was cancelled"))
                 return
         await self._cancel_run(rid, run)  # its replay or resume began meanwhile: that run is cancelled

@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -122,6 +122,7 @@ class Run:
     started_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set once the outcome is journaled
+    _after_end: list[Callable[[], None]] = field(default_factory=list)
     _kept: list[bytes] = field(default_factory=list)
     _delivery_noted: bool = False
     _outcome: Encoded | None = None
@@ -290,7 +291,17 @@ class Run:
             state = State.COMPLETED if failed is None else self._error_state
             durable = await self._store(state, outcome)
             self.ended.set()
+            for then in self._after_end:
+                then()
+            self._after_end.clear()
         return durable
+
+    def after_end(self, then: Callable[[], None]) -> None:
+        """Call ``then`` once the outcome is journaled (``ended``): now, or then."""
+        if self.ended.is_set():
+            then()
+        else:
+            self._after_end.append(then)
 
     def _note_token(self) -> None:
         if self.first_token_s is None and self.info is not None:

@@ -440,12 +440,19 @@ class Scheduler:
             self.demote(d.service, d.reason)
             self._delay_due = min(self._delay_due, d.until_s)
 
+    def _reserve(self, rid: str, nbytes: int, now: float) -> bool:
+        """Reserve a job's device bytes; False when they do not fit, or when an earlier
+        attempt of the same request still holds its reservation: that attempt's worker has not
+        let go of the request yet (``Execution._release``), so the job waits for its release."""
+        assert self.ledger is not None
+        return not self.ledger.holds(rid) and self.ledger.reserve_nowait(rid, nbytes, now) is not None
+
     def _dispatch_gpu(self, job: Job, d: Admit | Shrink, now: float, lane: Lane) -> bool:
         """Reserve the admitted job's pages and hand it a GPU slot (taking it off ``lane``);
         False when no slot or the pages are no longer there (it stays queued)."""
         assert self.gpu is not None and self.ledger is not None and self.policy is not None
         worker = next((w for w in self.gpu_workers if w.free_slots > 0), None)
-        if worker is None or self.ledger.reserve_nowait(job.rid, d.nbytes, now) is None:
+        if worker is None or not self._reserve(job.rid, d.nbytes, now):
             return False
         self.breaker, probe_round = probe_started(self.breaker, now, self.policy.breaker)
         lane.queue.remove(job)
@@ -550,7 +557,7 @@ class Scheduler:
         if isinstance(fit, str):
             return "wait" if waiting and fit in ("busy", "room") else fit
         worker, fp = fit
-        if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:  # as _split_fit found: never
+        if not self._reserve(job.rid, fp.total_bytes, now):  # as _split_fit found, unless a lease is still out
             return "wait" if waiting else "room"
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
         self._take_split(job, self.gpu, worker, fp, cause, max_tokens, shrunk, now)
@@ -701,7 +708,7 @@ class Scheduler:
             if isinstance(fit, str):  # too long for it, or no room for this one: a smaller one may fit
                 continue
             worker, fp = fit
-            if self.ledger.reserve_nowait(job.rid, fp.total_bytes, now) is None:
+            if not self._reserve(job.rid, fp.total_bytes, now):
                 continue
             cause = job.last_reason or Reason.RESIDENT_DOES_NOT_FIT
             self._take_split(job, self.cpu, worker, fp, cause, max_tokens, shrunk, now)
