@@ -122,7 +122,8 @@ class Run:
     started_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set once the outcome is journaled
-    _after_end: list[Callable[[], None]] = field(default_factory=list)
+    _after_end: list[Callable[[], None]] = field(default_factory=list)  # ``after_end``'s, until ``_over``
+    _over: bool = False
     _kept: list[bytes] = field(default_factory=list)
     _delivery_noted: bool = False
     _outcome: Encoded | None = None
@@ -289,16 +290,20 @@ class Run:
             await self.events.aclose()
         finally:
             state = State.COMPLETED if failed is None else self._error_state
-            durable = await self._store(state, outcome)
-            self.ended.set()
-            for then in self._after_end:
-                then()
-            self._after_end.clear()
+            try:
+                durable = await self._store(state, outcome)
+                self.ended.set()
+            finally:  # its journal write may fail or be cancelled: what waits for the end still runs
+                self._over = True
+                for then in self._after_end:
+                    then()
+                self._after_end.clear()
         return durable
 
     def after_end(self, then: Callable[[], None]) -> None:
-        """Call ``then`` once the outcome is journaled (``ended``): now, or then."""
-        if self.ended.is_set():
+        """Call ``then`` once its end is over (``_end``: the outcome journaled, or its write
+        failed): now, or then."""
+        if self._over:
             then()
         else:
             self._after_end.append(then)
