@@ -379,18 +379,22 @@ class RequestService:
         if self.gw.journal is None or ((run := self.live.get(rid)) is not None and not run.ended.is_set()):
             return
         rec = await self.gw.journal.get(rid)
-        if rec is None or not (rid in self.orphans or (rec.idem_key and rec.state in RESUMABLE)):
+        if rec is None or not self._cancellable(rec):
             return
         async with self.gw.keys.hold(orphan_lock(rec)):
             run = self.live.get(rid)
             if run is None or run.ended.is_set():  # none, or one whose end is journaled
                 now = await self.gw.journal.get(rid)
-                orphan = rid in self.orphans
-                self.orphans.discard(rid)
-                if now is not None and ((orphan and not now.terminal) or (now.idem_key and now.state in RESUMABLE)):
+                if now is not None and self._cancellable(now):  # still, under the lock
+                    self.orphans.discard(rid)
                     await end_orphan(self.gw, now, RequestCancelled(f"request {rid} was cancelled"))
                 return
         await self._cancel_run(rid, run)  # its replay or resume began meanwhile: that run is cancelled
+
+    def _cancellable(self, rec: JournalRecord) -> bool:
+        """Whether a DELETE ends this request that is not running: an orphan whose replay has
+        not begun, or a keyed request that ended resumable (its key would run it again)."""
+        return (rec.id in self.orphans and not rec.terminal) or bool(rec.idem_key and rec.state in RESUMABLE)
 
     async def _cancel_run(self, rid: str, run: Run | UnaryRun) -> None:
         run.cancel()
