@@ -438,17 +438,26 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             "temperature": 0,
             "stream": True,
         }
-        key = {"Idempotency-Key": "r24-dropped"}
         with httpx.Client(base_url=g.url, timeout=120) as c:
-            stopped = False
-            try:
+
+            @contextlib.contextmanager
+            def streaming(key: dict[str, str]) -> Iterator[str]:
+                """A keyed stream with two tokens read, open for the block; dropped after it."""
                 with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
-                    rid = r.headers["x-spillover-request-id"]
                     lines = (line for line in r.iter_lines() if line.startswith("data: "))
                     next(lines), next(lines)  # tokens are coming
+                    yield r.headers["x-spillover-request-id"]
+
+            def dropped(rid: str) -> None:
+                wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+
+            key = {"Idempotency-Key": "r24-dropped"}
+            stopped = False
+            try:
+                with streaming(key) as rid:
                     os.kill(pid, signal.SIGSTOP)
                     stopped = True
-                wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+                dropped(rid)
                 again = c.post("/v1/chat/completions", json=body, headers=key)
                 assert again.status_code == 409, again.text
                 assert again.json()["error"]["code"] == "idempotency_key_in_flight" and "retry-after" in again.headers
@@ -469,10 +478,7 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             # A DELETE answers once the worker has let go too (bounded): a resend with the key
             # right after it gets the stored cancellation, not 409 in flight.
             key = {"Idempotency-Key": "r24-deleted"}
-            with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
-                rid = r.headers["x-spillover-request-id"]
-                lines = (line for line in r.iter_lines() if line.startswith("data: "))
-                next(lines), next(lines)
+            with streaming(key) as rid:
                 os.kill(pid, signal.SIGSTOP)
                 resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
                 resume.start()
@@ -489,11 +495,9 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             # cancelled nothing, and a resend with its key then ran it. It now ends it CANCELLED
             # for good, and the key answers the cancellation.
             key = {"Idempotency-Key": "r25-dropped-then-deleted"}
-            with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
-                rid = r.headers["x-spillover-request-id"]
-                lines = (line for line in r.iter_lines() if line.startswith("data: "))
-                next(lines), next(lines)
-            wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+            with streaming(key) as rid:
+                pass
+            dropped(rid)
             deleted = c.delete(f"/v1/requests/{rid}").json()
             assert deleted["state"] == "cancelled" and deleted["history"][-1]["from"] == "resumable_error", deleted
             again = c.post("/v1/chat/completions", json=body, headers=key)
@@ -505,12 +509,9 @@ def test_a_resend_while_the_dropped_run_still_holds_its_worker_is_in_flight_then
             # (round 26: it returned before ending the request, which the key then ran again).
             key = {"Idempotency-Key": "r26-held-then-deleted"}
             try:
-                with c.stream("POST", "/v1/chat/completions", json=body, headers=key) as r:
-                    rid = r.headers["x-spillover-request-id"]
-                    lines = (line for line in r.iter_lines() if line.startswith("data: "))
-                    next(lines), next(lines)
+                with streaming(key) as rid:
                     os.kill(pid, signal.SIGSTOP)
-                wait_for(lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "resumable_error", 10, "the drop")
+                dropped(rid)
                 deleted = c.delete(f"/v1/requests/{rid}").json()
                 assert (deleted["state"], deleted["live"]) == ("cancelled", True), deleted
             finally:
