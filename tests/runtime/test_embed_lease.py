@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from spillover.core.ledger import DeviceLedger
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 from tests.runtime.fakes import embeddings_service
@@ -181,3 +183,148 @@ def test_progress_that_came_in_time_while_the_loop_was_busy_is_no_stall() -> Non
     assert not killed and isinstance(out, tuple) and isinstance(out[1], Done), out
     # round 23: a service's RUNNING move said neither its route nor its attempt (chat's says both)
     assert moves == [("running", {"route": "gpu", "attempts": 2})], moves
+
+
+def test_a_second_cancel_while_the_worker_stops_the_first_does_not_kill_the_worker() -> None:
+    """A DELETE, then a second DELETE (or the client leaving, or the request's timeout) while
+    the attempt waits for its worker to let go of the first cancel: the wait goes on (rule 4's
+    bound, ``STOP_WAIT_S``), the worker is not killed as hung (its other requests would fail),
+    and the lease comes back once the worker has stopped the request."""
+    from spillover.core.reasons import Reason
+    from spillover.runtime.events import Started
+    from spillover.runtime.service import _Dispatch
+
+    async def main() -> None:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        ledger.observe(0, 0.0)
+        svc = embeddings_service(ledger)
+        loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = loop.create_future()
+        kills: list[str] = []
+        interrupts: list[str] = []
+
+        async def request(_op: str, _msg: dict[str, object]):  # type: ignore[no-untyped-def]
+            yield Started()
+            await asyncio.Event().wait()  # the worker works on; only its stop ends this attempt
+            yield Started()  # pragma: no cover
+
+        async def kill(why: str) -> None:
+            kills.append(why)
+
+        worker = SimpleNamespace(
+            request=request,
+            has_event=lambda rid: False,
+            interrupt=interrupts.append,
+            when_stopped=lambda rid: None if stopped.done() else stopped,
+            kill=kill,
+            spec=SimpleNamespace(worker_id="emb-cpu", slots=1),
+        )
+        d = _Dispatch(worker, "cpu", Reason.CPU_LANE, 0)  # type: ignore[arg-type]
+
+        async def on_move(_state: str, _fields: dict[str, object]) -> None:
+            return None
+
+        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]]}, 1.0, on_move))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the first DELETE: the worker is told to stop
+        await asyncio.sleep(0.01)
+        assert interrupts == ["r1"] and not task.done()
+        task.cancel()  # the second, while the attempt waits for the worker
+        await asyncio.sleep(0.05)
+        assert not task.done() and kills == []  # still waiting: nothing is killed
+        stopped.set_result(None)  # the worker lets go
+        try:
+            await asyncio.wait_for(task, 1.0)
+        except asyncio.CancelledError:
+            pass
+        else:  # pragma: no cover - the cancel must win
+            raise AssertionError("the attempt was not cancelled")
+        assert kills == []
+
+    asyncio.run(main())
+
+
+def test_a_failover_the_busy_cpu_lane_does_not_start_goes_back_to_the_restarted_gpu_once() -> None:
+    """Rule 3 (round 28): a failover waits for the CPU lane (its slot busy); once it has waited
+    ``delay_max_s`` there, the restarted GPU worker, idle, takes it rather than let it wait
+    for its queue_timeout. Not sooner, and not when it may not return (after a stall, a
+    second time in its run, or on the run's last attempt: ``returns``)."""
+    from spillover.runtime.scheduler import RETURN_AFTER_MIN_S
+
+    async def main() -> None:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        ledger.observe(0, 0.0)
+        svc = embeddings_service(ledger)
+        gpu, cpu = _ready_worker("emb-gpu", "gpu"), _ready_worker("emb-cpu", "cpu")
+        svc.gpu = SimpleNamespace(worker=gpu, parked=False, start_failure=None)  # type: ignore[assignment]
+        svc.cpu = SimpleNamespace(worker=cpu, parked=False, start_failure=None)  # type: ignore[assignment]
+        cpu.claim_slot("someone")  # the CPU lane is busy
+        wait = max(svc.gw.cfg.admission.delay_max_s, RETURN_AFTER_MIN_S)
+        for returns in (False, True):
+            task = asyncio.create_task(svc._dispatch("r1", MIB, 1.0, avoid_gpu=True, returns=returns))
+            await asyncio.sleep(0)
+            assert [j.rid for j in svc.queue] == ["r1"] and not task.done()  # the GPU is not for it yet
+            svc.queue[0].enqueued_s -= wait - 0.05  # not yet
+            svc.pump_once()
+            await asyncio.sleep(0)
+            assert not task.done()
+            svc.queue[0].enqueued_s -= 0.1  # past it
+            svc.pump_once()
+            await asyncio.sleep(0)
+            if not returns:
+                assert not task.done() and gpu.busy == 0  # it waits for the CPU lane
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                continue
+            d = await task
+            assert d.lane == "gpu" and gpu.busy == 1 and ledger.holds("r1")
+            svc._release("r1", d)
+        assert gpu.busy == 0 and not ledger.holds("r1") and not svc.queue
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("faults", "asked"),
+    [
+        # each attempt's lane and how it fails (None: done); what each dispatch may do (avoid_gpu, returns)
+        ([("gpu", "crash"), ("gpu", "oom"), ("cpu", None)], [(False, False), (True, True), (True, False)]),
+        ([("gpu", "stall"), ("cpu", None)], [(False, False), (True, False)]),  # a stall: never back
+        ([("gpu", "crash"), ("cpu", None)], [(False, False), (True, True)]),
+    ],
+)
+def test_a_run_lets_a_failover_return_to_the_gpu_once_never_after_a_stall_nor_on_its_last_attempt(
+    faults: list[tuple[str, str | None]], asked: list[tuple[bool, bool]]
+) -> None:
+    from spillover.core.reasons import Reason
+    from spillover.runtime.events import Done
+    from spillover.runtime.service import _Dispatch
+
+    async def main() -> None:
+        svc = embeddings_service(DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9))
+        svc.gw.budget = SimpleNamespace(take=lambda: True)  # type: ignore[attr-defined]
+        svc.gw.metrics = SimpleNamespace(failovers=SimpleNamespace(labels=lambda k: SimpleNamespace(inc=lambda: 0)))  # type: ignore[attr-defined]
+        svc.cpu = SimpleNamespace(worker=_ready_worker("emb-cpu", "cpu"))  # type: ignore[assignment]
+        script = iter(faults)
+        seen: list[tuple[bool, bool]] = []
+
+        async def dispatch(rid: str, nbytes: int, work: float, *, avoid_gpu: bool, returns: bool) -> _Dispatch:
+            seen.append((avoid_gpu, returns))
+            lane, fault = next(script)
+            dispatch.fault = fault  # type: ignore[attr-defined]
+            return _Dispatch(_ready_worker(f"emb-{lane}", lane), lane, Reason.FITS, 0)
+
+        async def run_on(d: _Dispatch, *a: object, **k: object) -> object:
+            fault = dispatch.fault  # type: ignore[attr-defined]
+            return ([], Done("stop", 0, 0.0, 0.0)) if fault is None else (fault, "it failed")
+
+        async def on_move(_state: str, _fields: dict[str, object]) -> None:
+            return None
+
+        svc._dispatch = dispatch  # type: ignore[method-assign]
+        svc._run_on = run_on  # type: ignore[assignment,method-assign]
+        got = await svc.serve("r1", {}, nbytes=MIB, work=1.0, attempt=0, on_move=on_move)
+        assert got.lane == "cpu" and got.attempts == len(faults)
+        assert seen == asked
+
+    asyncio.run(main())

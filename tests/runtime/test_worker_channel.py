@@ -1,18 +1,21 @@
-"""The worker channel's reading side (``worker_client._Channel``): JSON lines dispatched as
-their bytes arrive, however the pipe cuts them; junk skipped; an endless line stopped."""
+"""The worker channel (``worker_client``): on its reading side, JSON lines dispatched as their
+bytes arrive, however the pipe cuts them; junk skipped; an endless line stopped. On its
+writing side, a worker that does not read its channel is killed as hung."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import signal
+import sys
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from spillover.runtime import worker_client
-from spillover.runtime.worker_client import _Channel
+from spillover.runtime.worker_client import WorkerClient, WorkerGone, WorkerSpec, _Channel
 
 
 def feed(chunks: list[bytes], *, end: bool = True) -> tuple[list[dict[str, Any]], int, bool]:
@@ -129,3 +132,33 @@ def test_exit_words_name_the_signal_and_what_a_worker_said_only_when_it_failed_o
     assert worker_client.exit_words(0, why) == "worker exited with code 0"
     assert worker_client.exit_words(-11, None) == "worker exited with code -11 (SIGSEGV)"
     assert worker_client.exit_words(-99, None) == "worker exited with code -99"  # no such signal
+
+
+class _DeafSpec(WorkerSpec):
+    """A worker that says it is ready and then never reads its channel (a hang)."""
+
+    def argv(self) -> list[str]:
+        ready = json.dumps({"ev": "ready", "info": {}})
+        return [sys.executable, "-c", f"import sys, time; print({ready!r}, flush=True); time.sleep(60)"]
+
+
+def test_a_request_the_worker_does_not_read_kills_it_as_hung_and_ends_with_its_exit(monkeypatch: Any) -> None:
+    """A request op that cannot be written within ``DRAIN_TIMEOUT_S`` (the worker does not
+    read its channel): it may still be in the pipe and run later, so the worker has not let go
+    of it. The worker is killed as hung, and the request ends with its exit (``WorkerGone``
+    "hung"); it is not taken as stopped while the process lives."""
+    monkeypatch.setattr(worker_client, "DRAIN_TIMEOUT_S", 0.3)
+
+    async def main() -> None:
+        w = WorkerClient(_DeafSpec("deaf", "cpu", "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
+        await w.start(10.0)
+        assert w._proc is not None
+        events = w.request("embed", {"rid": "r1", "inputs": "x" * (1 << 20)})  # past the pipe's room
+        ev = await asyncio.wait_for(anext(events), 10.0)
+        assert isinstance(ev, WorkerGone) and ev.kind == "hung", ev
+        assert w._proc.returncode == -signal.SIGKILL  # exited: killed, not left running with the op
+        assert w.when_stopped("r1") is None
+        await events.aclose()
+        await w.stop()
+
+    asyncio.run(main())

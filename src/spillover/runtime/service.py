@@ -19,7 +19,10 @@ Rules:
    is replayed on the CPU path at its request boundary: nothing of it was delivered, and the
    same inputs give the same answer (each kind's worker decodes deterministically).
    Attempts are bounded by ``[failover].max_attempts`` a run (a resume starts a new one, as
-   ``runtime.executor`` rule 1 says) and the gateway's retry budget. A GPU
+   ``runtime.executor`` rule 1 says) and the gateway's retry budget. A failover that the CPU
+   lane has not started within ``[admission].delay_max_s`` (at least ``RETURN_AFTER_MIN_S``)
+   may go back to the GPU (the restarted worker) as chat's does: once a run, not after a
+   stall (which may be the request's own doing) and not on the run's last attempt. A GPU
    attempt stalls when its next event does not come within ``STALL_FACTOR`` times the
    expected time of what the worker computes before it (its kind's ``StallSteps``: an
    embeddings chunk, a transcription's audio left; at the GPU's seconds a unit: the first
@@ -98,6 +101,7 @@ from spillover.runtime.events import (
 from spillover.runtime.hostmem import CpuLaneHost
 from spillover.runtime.lanes import places_promised
 from spillover.runtime.readiness import ReplicaReadiness
+from spillover.runtime.scheduler import RETURN_AFTER_MIN_S
 from spillover.runtime.supervisor import Supervisor, cannot_start
 from spillover.runtime.watchdog import Watchdog
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
@@ -113,6 +117,22 @@ IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an
 HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
 STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
 STALL_FACTOR = 4.0  # a GPU attempt stalls past this many times its expected time (rule 3)
+
+
+async def _settles(fut: asyncio.Future[None], within_s: float) -> bool:
+    """Wait up to ``within_s`` for ``fut``; whether it is done. A cancel of the waiting task
+    (a second DELETE, the client leaving or the request's timeout while the first cancel's
+    stop is awaited) does not cut the wait short: the caller is already on its way out, and
+    only the worker's stop, or the bound, may end it (rule 4)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not fut.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(fut), left)
+    return fut.done()
 
 
 class StallSteps:
@@ -134,6 +154,7 @@ class _Job:
     future: asyncio.Future[_Dispatch]
     avoid_gpu: bool = False
     work: float = 1.0  # in its kind's unit (a request, seconds of audio), for the ETA
+    returns: bool = False  # a failover that may go back to the GPU if the CPU lane does not start it (rule 3)
 
 
 @dataclass(frozen=True)
@@ -422,10 +443,13 @@ class DeviceService(abc.ABC):
         that is the request's own (``bad_audio``) is raised at once as ``request_error`` makes it."""
         fault: str | None = None
         fault_at = 0.0
+        returned = False  # a failover went back to the GPU this run (rule 3: once)
         max_attempts = self.gw.cfg.failover.max_attempts + attempt  # this run's, after the earlier runs'
         while True:
             attempt += 1
-            d = await self._dispatch(rid, nbytes, work, avoid_gpu=fault is not None)
+            returns = fault is not None and fault != "stall" and not returned and attempt < max_attempts
+            d = await self._dispatch(rid, nbytes, work, avoid_gpu=fault is not None, returns=returns)
+            returned = returned or (fault is not None and d.lane == "gpu")
             reason = str(FailoverReason(fault)) if fault else str(d.reason)
             recovery = self._recovery(fault_at) if fault is not None and d.lane == "cpu" else None
             try:  # the lease is ours from here: released once, however the attempt ends (rule 4)
@@ -458,8 +482,11 @@ class DeviceService(abc.ABC):
         no failover would help); return for the rest. Every failure is the lane's by default."""
         return None
 
-    async def _dispatch(self, rid: str, nbytes: int, work: float, *, avoid_gpu: bool) -> _Dispatch:
-        job = _Job(rid, nbytes, time.monotonic(), asyncio.get_running_loop().create_future(), avoid_gpu, work)
+    async def _dispatch(
+        self, rid: str, nbytes: int, work: float, *, avoid_gpu: bool, returns: bool = False
+    ) -> _Dispatch:
+        loop = asyncio.get_running_loop()
+        job = _Job(rid, nbytes, time.monotonic(), loop.create_future(), avoid_gpu, work, returns)
         self.release_place(rid)  # its job takes the place it was promised
         self.queue.append(job)
         self.pump_once()
@@ -559,15 +586,11 @@ class DeviceService(abc.ABC):
         """Rule 4: the lease goes back only once the worker has let go of the request. One that
         does not stop within ``STOP_WAIT_S`` (a hang) is killed, and its exit is awaited."""
         stopped = d.worker.when_stopped(rid)
-        if stopped is None:
-            return
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(stopped), STOP_WAIT_S)
+        if stopped is None or await _settles(stopped, STOP_WAIT_S):
             return
         self.gw.note_event(d.worker.spec.worker_id, f"did not stop {rid} within {STOP_WAIT_S:.0f}s: killing it")
         await d.worker.kill("hung")
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
+        await _settles(stopped, self.gw.cfg.supervisor.health_timeout_s)
 
     def _note(self, d: _Dispatch, outcome: str, rate: float) -> None:
         """Feed the breaker (GPU) and the ETA (``rate``: seconds per unit of work)."""
@@ -733,7 +756,7 @@ class DeviceService(abc.ABC):
                     job.future.exception()
             self.queue.clear()
         for job in list(self.queue):
-            choice = place(self._view(job.nbytes, job.avoid_gpu, now))
+            choice = place(self._view(job.nbytes, job.avoid_gpu and not self._may_return(job, now), now))
             self.last_choice = (choice.lane, str(choice.reason))
             if choice.lane == "wait":
                 continue
@@ -752,6 +775,13 @@ class DeviceService(abc.ABC):
             self.queue.remove(job)
             nbytes = job.nbytes if choice.lane == "gpu" else 0
             job.future.set_result(_Dispatch(worker, choice.lane, choice.reason, nbytes, probe_round))
+
+    def _may_return(self, job: _Job, now: float) -> bool:
+        """Rule 3: whether a failover the CPU lane has not started within admission's
+        ``delay_max_s`` (at least ``RETURN_AFTER_MIN_S``) may go back to the GPU, as chat's
+        does (``Scheduler._may_move``): its slots busy or the host guard holding it, it waited
+        there until its queue_timeout while the restarted GPU worker stood idle (round 28)."""
+        return job.returns and now - job.enqueued_s >= max(self.gw.cfg.admission.delay_max_s, RETURN_AFTER_MIN_S)
 
     def _free_slots(self) -> int:
         return sum(s.worker.free_slots for s in self.supervisors())

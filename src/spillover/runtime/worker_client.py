@@ -33,6 +33,7 @@ __all__ = ["WORKER_TRANSITIONS", "WorkerClient", "WorkerGone", "WorkerSpec", "Wo
 log = logging.getLogger("spillover.worker_client")
 _LINE_LIMIT = 8 * 1024 * 1024
 _SAID_LIMIT = 4096  # bytes of one standard-error line kept (the rest passes through unread)
+DRAIN_TIMEOUT_S = 5.0  # longest a message to a worker may wait for room in its channel: past it, the worker is hung
 _ABORT = re.compile(rb"GGML_ASSERT|GGML_ABORT|terminate called|Assertion .* failed")
 _ERROR = re.compile(rb"error|fatal|exception", re.IGNORECASE)
 
@@ -417,7 +418,7 @@ class WorkerClient:
         if proc is None or proc.stdin is None or proc.stdin.is_closing():
             raise ConnectionError("worker channel closed")
         proc.stdin.write((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        async with asyncio.timeout(5.0):  # not wait_for: it makes a task for every message
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):  # not wait_for: it makes a task for every message
             await proc.stdin.drain()
 
     def generate(self, job: dict[str, Any]) -> AsyncGenerator[RequestEvent, None]:
@@ -437,7 +438,16 @@ class WorkerClient:
         try:
             try:
                 await self._send({"op": op, **job})
-            except (ConnectionError, OSError, TimeoutError) as exc:
+            except TimeoutError:
+                # It has not read its channel for DRAIN_TIMEOUT_S: hung. The op may still be in
+                # the pipe, and run once it reads again, so the worker has not let go of the
+                # request: it is killed, and its exit ends this request (``WorkerGone`` "hung")
+                # as it ends every other one it holds, and gives the request back.
+                log.warning(
+                    "worker %s did not read its channel within %.0fs: killing it", self.spec.worker_id, DRAIN_TIMEOUT_S
+                )
+                await self.kill("hung")
+            except (ConnectionError, OSError) as exc:  # the channel is closed: the op was not sent
                 self._stopped(rid)
                 yield WorkerGone("exited", f"cannot reach worker: {exc}")
                 return
