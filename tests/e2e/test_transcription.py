@@ -401,6 +401,8 @@ def test_stream_sends_segments_as_decoded_and_replays_the_same_bytes(gw: Gateway
     assert evs[-1] == "[DONE]" and evs[-2]["type"] == "transcript.text.done"
     assert evs[-2]["spillover"]["route"] == "gpu" and evs[-2]["usage"]["seconds"] >= 20
     assert [e["segment"]["id"] for e in evs[:-2]] == list(range(len(evs) - 2))
+    # the first delta carries the spillover object (DESIGN: in the first chunk), the others do not
+    assert evs[0]["spillover"] == evs[-2]["spillover"] and not any("spillover" in e for e in evs[1:-2])
     r = _post(gw, {"stream": "true", "response_format": "srt"}, audio)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
@@ -436,6 +438,10 @@ def test_a_gpu_fault_mid_stream_continues_on_cpu_without_repeating_a_segment(gw:
     assert done["text"] == ref["text"]
     assert done["spillover"]["route"] == "cpu" and done["spillover"]["attempts"] == 2
     assert done["spillover"]["reason"] == "failover:oom"
+    # the spillover object in the first delta, and again in the first one after the failover
+    told = [(i, e["spillover"]) for i, e in enumerate(deltas) if "spillover" in e]
+    assert [(sp["route"], sp["attempts"], sp["degraded"]) for _, sp in told] == [("gpu", 1, False), ("cpu", 2, True)]
+    assert told[0][0] == 0 and told[1][1] == done["spillover"], told
     # round 23: the journal and /metrics said the stream's first reason ("fits"), and stream false
     rec = httpx.get(f"{gw.url}/v1/requests/{r.headers['x-spillover-request-id']}", timeout=30).json()
     assert (rec["route"], rec["reason"], rec["stream"]) == ("cpu", "failover:oom", True), rec

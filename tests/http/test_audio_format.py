@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from spillover.http.audio import delta_frame, subtitles
 
 SEGS = [
@@ -30,3 +32,6 @@ def test_a_delta_frame_is_one_sse_event() -> None:
     frame = delta_frame(SEGS[0])
     assert frame.startswith(b"data: {") and frame.endswith(b"}\n\n")
     assert b'"type":"transcript.text.delta"' in frame and b'"segment":{"id":0,"start":0.0,"end":2.5}' in frame
+    assert b'"spillover"' not in frame
+    told = json.loads(delta_frame(SEGS[0], {"route": "cpu"})[len(b"data: ") :])
+    assert told["spillover"] == {"route": "cpu"} and told["delta"] == SEGS[0]["text"]

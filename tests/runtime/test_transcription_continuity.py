@@ -54,3 +54,55 @@ def test_a_replay_before_anything_was_sent_hands_everything_on() -> None:
     for i in range(2):
         c(_seg(i), lane="cpu", reason="failover:exited", attempt=2)
     assert [(s[0], s[3]) for s in sent] == [(0, 2), (1, 2)]
+
+
+def _transcribe(replays: list[list[Segment]]) -> Any:
+    """``TranscriptionService.transcribe`` over a stand-in ``serve`` whose attempts decode
+    ``replays`` (each attempt's segments, the last one's the answer); what it returns or raises."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from spillover.runtime.events import Done
+    from spillover.runtime.service import Served
+    from spillover.runtime.transcription import TranscriptionService
+
+    streamed: list[str] = []
+
+    async def serve(rid: str, msg: dict[str, Any], *, on_part: Any, **_: Any) -> Served:
+        parts: list[Any] = []
+        for n, segments in enumerate(replays, start=1):
+            lane = "gpu" if n == 1 else "cpu"
+            parts = [AudioInfo("en", 10.0), *segments]
+            for p in parts:
+                on_part(p, lane=lane, reason="fits", attempt=n)
+        return Served(parts, Done("stop", 0, 0.0, 0.0), "cpu" if len(replays) > 1 else "gpu", "fits", len(replays))
+
+    svc = SimpleNamespace(cfg=SimpleNamespace(beam_size=1, max_audio_s=60), predicted_bytes=lambda s: 0, serve=serve)
+
+    async def main() -> Any:
+        return await TranscriptionService.transcribe(
+            svc,  # type: ignore[arg-type]
+            "r1",
+            {},
+            10.0,
+            attempt=0,
+            on_move=lambda *a: None,  # type: ignore[arg-type,return-value]
+            on_segment=lambda seg, *a: streamed.append(seg["text"]),
+        )
+
+    return asyncio.run(main()), streamed
+
+
+@pytest.mark.parametrize("replayed", [0, 1, 2])
+def test_a_replay_that_ends_before_what_was_sent_ends_the_stream(replayed: int) -> None:
+    """The GPU streamed three segments and died; the CPU replay decodes the same first ones
+    and then ends (it took the tail for silence): the answer would lack text the client has."""
+    with pytest.raises(FailoverInterrupted, match=f"ended after {replayed} segments, and 3 were already sent"):
+        _transcribe([[_seg(0), _seg(1), _seg(2)], [_seg(i) for i in range(replayed)]])
+
+
+def test_a_replay_as_long_as_what_was_sent_or_longer_is_the_answer() -> None:
+    for replay in ([_seg(0), _seg(1)], [_seg(0), _seg(1), _seg(2)]):
+        transcript, streamed = _transcribe([[_seg(0), _seg(1)], replay])
+        assert [s["text"] for s in transcript.segments] == [s.data["text"] for s in replay]
+        assert streamed == [s.data["text"] for s in replay]

@@ -30,8 +30,9 @@ Rules:
    ``model_not_supported`` for an English-only model (``*.en``), which cannot.
 7. ``stream=true`` (with ``json`` or ``text``) answers in OpenAI's streamed transcription
    events: a ``transcript.text.delta`` per segment as it is decoded (with the segment's id
-   and times), then ``transcript.text.done`` with the whole text, usage and the
-   ``spillover`` object, then ``[DONE]``. A failover mid-stream continues only where the
+   and times; the first, and the first after a failover, with the ``spillover`` object),
+   then ``transcript.text.done`` with the whole text, usage and the ``spillover`` object,
+   then ``[DONE]``. A failover mid-stream continues only where the
    replay is provably the same (``runtime.transcription`` rule 5); the stream is journaled
    whole, so an Idempotency-Key retry gets the same bytes.
 """
@@ -395,10 +396,12 @@ def _event(doc: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
-def delta_frame(seg: dict[str, Any]) -> bytes:
-    """Rule 7: one decoded segment as a ``transcript.text.delta`` event."""
-    return _event({"type": "transcript.text.delta", "delta": seg["text"],
-                   "segment": {"id": seg["id"], "start": seg["start"], "end": seg["end"]}})  # fmt: skip
+def delta_frame(seg: dict[str, Any], sp: dict[str, Any] | None = None) -> bytes:
+    """Rule 7: one decoded segment as a ``transcript.text.delta`` event, with the ``spillover``
+    object ``sp`` when given (the stream's first delta, and one whose route or attempt changed)."""
+    doc = {"type": "transcript.text.delta", "delta": seg["text"],
+           "segment": {"id": seg["id"], "start": seg["start"], "end": seg["end"]}}  # fmt: skip
+    return _event(doc if sp is None else {**doc, "spillover": sp})
 
 
 def encode_answer(rid: str, req: TranscribeRequest, res: Transcript) -> Encoded:
@@ -441,9 +444,15 @@ async def _execute(
 ) -> Encoded:
     svc = _service(gw, req.model)
 
+    told: list[dict[str, Any]] = []  # the spillover object the stream carries now (rule 7)
+
     def on_segment(seg: dict[str, Any], lane: str, reason: str, attempts: int) -> None:
         assert emit is not None
-        emit(delta_frame(seg), signal_headers(_spillover(rid, req, lane, reason, attempts)))
+        sp = _spillover(rid, req, lane, reason, attempts)
+        changed = not told or told[-1] != sp
+        if changed:
+            told.append(sp)
+        emit(delta_frame(seg, sp if changed else None), signal_headers(sp))
 
     fields = {
         "path": str(uploads_dir(gw) / req.upload),

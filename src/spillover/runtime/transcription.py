@@ -135,6 +135,7 @@ class TranscriptionService(DeviceService):
     ) -> Transcript:
         """Transcribe a stored upload (``fields``: the worker op's) on whichever lane takes it;
         ``on_segment(segment, lane, reason, attempt)`` sees each new segment (rule 5)."""
+        continuity = _Continuity(on_segment) if on_segment is not None else None
         got = await self.serve(
             rid,
             {**fields, "beam_size": self.cfg.beam_size, "max_s": self.cfg.max_audio_s},
@@ -142,8 +143,10 @@ class TranscriptionService(DeviceService):
             work=max(seconds, 0.1),
             attempt=attempt,
             on_move=on_move,
-            on_part=_Continuity(on_segment) if on_segment is not None else None,
+            on_part=continuity,
         )
+        if continuity is not None:
+            continuity.ended(got.attempts, got.lane)
         info = next((p for p in got.parts if isinstance(p, AudioInfo)), None)
         if info is None:
             raise WorkerFailed(f"the {got.lane} worker ended without a transcript", retry_after_s=1.0)
@@ -178,6 +181,17 @@ class _Continuity:
             return
         self.sent.append(ev.data)
         self.on_segment(ev.data, lane, reason, attempt)
+
+    def ended(self, attempt: int, lane: str) -> None:
+        """The answer came from attempt ``attempt``: it must hold every segment already sent (a
+        replay that ends sooner would leave the client with text the answer does not have)."""
+        decoded = self.index if attempt == self.attempt else 0  # an attempt with no segment never set it
+        if decoded < len(self.sent):
+            raise FailoverInterrupted(
+                f"the replay on the {lane} worker ended after {decoded} segments, and {len(self.sent)} were "
+                "already sent; the stream cannot continue unchanged: send the request again",
+                retry_after_s=1.0,
+            )
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
