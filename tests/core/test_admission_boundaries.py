@@ -320,7 +320,6 @@ def stale_ledger() -> DeviceLedger:
     ("why", "ledger", "lanes", "breaker"),
     [
         ("no room even for 16 tokens", lambda fp: room_ledger(fp(2000, 16) - 1), {}, CLOSED),
-        ("no free GPU slot", lambda fp: room_ledger(CAP // 2), {"gpu_free_slots": 0}, CLOSED),
         ("GPU not ready", lambda fp: room_ledger(CAP // 2), {"gpu_ready": False}, CLOSED),
         (
             "breaker open",
@@ -330,7 +329,7 @@ def stale_ledger() -> DeviceLedger:
         ),
         ("stale reading", lambda fp: stale_ledger(), {}, CLOSED),
     ],
-    ids=["no_room", "no_slot", "gpu_not_ready", "breaker_open", "stale_reading"],
+    ids=["no_room", "gpu_not_ready", "breaker_open", "stale_reading"],
 )
 def test_too_long_without_a_way_to_shrink_routes(
     policy: AdmissionPolicy,
@@ -343,6 +342,26 @@ def test_too_long_without_a_way_to_shrink_routes(
     """A too-long request that may shrink still goes to CPU when the GPU cannot take the shrunk one."""
     d = decide(req(2000, 100, shrink=True), ledger(fp), replace(LANES, **lanes), breaker, NOW, policy)
     assert d == Route(Reason.TOO_LONG_FOR_GPU), why
+
+
+def test_too_long_and_allowed_to_shrink_waits_as_any_request_for_a_slot_or_for_memory(
+    policy: AdmissionPolicy, fp: Fp
+) -> None:
+    """Rule 1 (round 27): cut to the cap, the request goes rules 2-6's way. Every GPU slot
+    busy, it waits for one within ``delay_max_s`` and then goes to CPU as too long; its room
+    held by a reservation that comes back, it waits for it (it went to the CPU at once, or a
+    503 when the CPU lane could not take it either)."""
+    long = req(2000, 100, shrink=True)
+    busy = replace(LANES, gpu_free_slots=0)
+    assert decide(long, room_ledger(CAP // 2), busy, CLOSED, NOW, policy) == Delay(NOW + 2.0, Reason.GPU_BUSY)
+    assert decide(long, room_ledger(CAP // 2), busy, CLOSED, NOW + 2.0, policy) == Route(Reason.TOO_LONG_FOR_GPU)
+    need = fp(2000, 48)
+    held = room_ledger(need // 2, live_requests=need)  # a live request holds what it needs
+    d = decide(long, held, LANES, CLOSED, NOW, policy)
+    assert isinstance(d, Delay) and d.reason is Reason.KV_PAGES_EXHAUSTED, d
+    assert decide(long, room_ledger(need), LANES, CLOSED, NOW, policy) == Shrink(
+        48, need, policy.memory.request_footprint(2000, 48).kv_tokens, Reason.SHRUNK_TO_FIT
+    )
 
 
 # -- the CPU lane's own bounds ------------------------------------------------------------------

@@ -122,7 +122,10 @@ def test_without_a_split_worker_the_resident_runs_while_some_request_fits(memory
     assert 0 < longest < GPU_CTX
     assert device_bytes(resident, 1, longest) <= usable < device_bytes(resident, 1, longest + 1)
     assert "no split worker configured" in plan.why
+    assert plan.resident_tokens == longest and plan.as_dict()["resident_tokens"] == longest  # rule 5
+    assert plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=at_cap).resident_tokens == GPU_CTX
     assert plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=smallest).profile == "gpu"
+    assert plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=smallest - 1).resident_tokens == 0
     assert plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=smallest - 1).profile == "cpu"
 
 

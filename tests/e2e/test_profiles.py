@@ -163,6 +163,32 @@ def test_a_device_too_small_for_any_request_runs_no_resident_worker() -> None:
         assert cr["mode"] == "mmap"
 
 
+def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to_it() -> None:
+    """Round 27: without a split worker, a device a little too small for one request at the GPU
+    lane's cap runs the resident for the requests that fit (rule 4). One longer than the most
+    it can ever hold, and than the CPU lane's cap, was a 503 "try again in a second", every
+    time; it is a 400 naming the limit. With ``allow_shrink`` it shrinks to that limit (it was
+    the same 503)."""
+    with GatewayProcess(["--gpu", "sim:272", "--chat-only"]) as g:
+        plan = g.status()["services"][0]["profile"]
+        most = plan["resident_tokens"]
+        assert plan["profile"] == "gpu" and f"requests up to about {most} tokens fit" in plan["why"], plan
+        assert 1100 < most < 2048, plan  # past the CPU lane's cap (1024), short of the GPU lane's
+        with httpx.Client(base_url=g.url, timeout=120) as http:
+            prompt = " apple" * (most - 20)
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4 * most})
+            n = int(r.json()["error"]["detail"].split(" in the prompt")[0].rsplit("(", 1)[1])  # its prompt's tokens
+            over = {"prompt": prompt, "max_tokens": most - n + 1, "temperature": 0}
+            r = http.post("/v1/completions", json=over)  # one token more than the resident holds
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert f"needs {most + 1} tokens ({n} in the prompt)" in r.json()["error"]["detail"]
+            assert f"the longest context any lane serves is {most} tokens" in r.json()["error"]["detail"]
+            r = http.post("/v1/completions", json=over | {"max_tokens": 100, "spillover": {"allow_shrink": True}})
+            assert (r.status_code, r.headers["x-spillover-route"]) == (200, "gpu"), r.text
+            sp = r.json()["spillover"]
+            assert (sp["shrunk"], sp["limits"]["max_tokens"]) == (True, most - n), sp  # to the most it holds
+
+
 def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw: GatewayProcess) -> None:
     """Past the split worker's context cap: with ``allow_shrink`` the request runs on the idle
     split worker with fewer tokens, flagged shrunk (before, on the CPU lane as 'GPU not

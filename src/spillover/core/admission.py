@@ -4,8 +4,11 @@
 
 Rules, applied in order (the first that matches wins):
 
-1. Longer than the GPU lane's context cap: shrink if allowed and it then fits, else route
-   to CPU (``too_long_for_gpu``).
+1. Longer than the GPU lane's context cap (the resident's: ``core.profiles`` rule 5): when
+   shrinking is allowed and the prompt leaves room for ``min_max_tokens``, ``max_tokens``
+   is cut to the cap and rules 2-6 decide (admitted, it is a ``Shrink``; a delay waits for
+   memory as any other); else, or when those rules send it off the GPU, route to CPU
+   (``too_long_for_gpu``).
 2. Breaker not letting work through: route to CPU (``breaker_open``).
 3. No ready GPU worker: route to CPU (``gpu_unavailable``).
 4. Device usage cannot be trusted (no fresh observation): route to CPU
@@ -38,7 +41,7 @@ display text ``cause+refusal``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from spillover.core.breaker import BreakerPolicy, BreakerState, allows
 from spillover.core.ledger import DeviceLedger
@@ -216,15 +219,30 @@ def decide(
     p: AdmissionPolicy,
 ) -> Decision:
     """Decide admit / delay / shrink / route / reject for one request (rules above)."""
-    total_tokens = req.prompt_tokens + req.max_tokens
-    if total_tokens > lanes.gpu_ctx_cap_tokens:
-        if req.allow_shrink and req.prompt_tokens + req.min_max_tokens <= lanes.gpu_ctx_cap_tokens:
-            room = ledger.headroom(now_s)
-            if room is not None and lanes.gpu_ready and allows(breaker, p.breaker):
-                shrink = _shrunk(req, room, lanes.gpu_ctx_cap_tokens, p)
-                if shrink is not None and lanes.gpu_free_slots > 0:
-                    return shrink
+    cap = lanes.gpu_ctx_cap_tokens
+    if req.prompt_tokens + req.max_tokens <= cap:
+        return _on_gpu(req, ledger, lanes, breaker, now_s, p)
+    if not (req.allow_shrink and req.prompt_tokens + req.min_max_tokens <= cap):
         return _to_cpu(req, lanes, Reason.TOO_LONG_FOR_GPU, p)
+    # Rule 1's shrink: cut to the cap, it goes rules 2-6's way (a delay while memory comes
+    # back included); admitted, it is a Shrink; sent off the GPU, it is too long for it.
+    d = _on_gpu(replace(req, max_tokens=cap - req.prompt_tokens), ledger, lanes, breaker, now_s, p)
+    if isinstance(d, Admit):
+        return Shrink(cap - req.prompt_tokens, d.nbytes, d.kv_tokens, Reason.SHRUNK_TO_FIT)
+    if isinstance(d, Route | Reject):
+        return _to_cpu(req, lanes, Reason.TOO_LONG_FOR_GPU, p)
+    return d
+
+
+def _on_gpu(
+    req: AdmissionRequest,
+    ledger: DeviceLedger,
+    lanes: LaneView,
+    breaker: BreakerState,
+    now_s: float,
+    p: AdmissionPolicy,
+) -> Decision:
+    """Rules 2-7 for a request within the GPU lane's context cap."""
     if not allows(breaker, p.breaker):
         return _to_cpu(req, lanes, Reason.BREAKER_OPEN, p)
     if not lanes.gpu_ready:

@@ -25,6 +25,11 @@ Rules:
    beside its weights: admission then sends what does not fit to the CPU, and the plan says
    up to about how many tokens fit. When not even that fits, no resident worker runs: it
    would hold the weights on the device and never be admitted a request.
+5. ``resident_tokens`` is the most tokens (prompt and answer) of one request the resident
+   can ever hold: the GPU lane's cap when it fits, rule 4's longest request when only that
+   fits, 0 when it does not run. It is the resident's context cap for admission (a longer
+   request is too long for the GPU, and shrinks to it when allowed) and for the longest
+   context the model serves (longer than every running lane's: a 400, not a 503 to retry).
 """
 
 from __future__ import annotations
@@ -49,11 +54,13 @@ class ProfilePlan:
     split_bytes: int  # its weights + its slots' requests at its cap (0: none)
     usable_bytes: int
     why: str
+    resident_tokens: int = 0  # rule 5: the most tokens of one request the resident can hold (0: not running)
 
     def as_dict(self) -> dict[str, object]:
         return {
             "profile": self.profile,
             "resident_bytes": self.resident_bytes,
+            "resident_tokens": self.resident_tokens,
             "split_layers": self.split_layers,
             "split_bytes": self.split_bytes,
             "usable_bytes": self.usable_bytes,
@@ -129,7 +136,7 @@ def plan_profile(
             split_why = f"; a split worker with {_layers(n)} beside it ({split_need / MIB:.0f} MiB)"
     if resident_fits:
         why = f"all layers and a {gpu_ctx_tokens}-token request need %s of %s" % _apart(need, usable_bytes)
-        return ProfilePlan("gpu", need, n, split_need, usable_bytes, why + split_why)
+        return ProfilePlan("gpu", need, n, split_need, usable_bytes, why + split_why, gpu_ctx_tokens)
     short = f"all layers and a {gpu_ctx_tokens}-token request need %s, the device has %s" % _apart(need, usable_bytes)
     if n > 0:
         of = split.spec.n_layers if split else 0
@@ -140,7 +147,7 @@ def plan_profile(
         longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
         if longest > 0:
             fit = f"requests up to about {longest} tokens fit, longer go to the CPU"
-            return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}; no split worker configured: {fit}")
+            return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}; no split worker configured: {fit}", longest)
         why = f"{short}; not even a 1-token request fits beside its weights"
         return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)
     return ProfilePlan("cpu", need, 0, 0, usable_bytes, short + split_why)

@@ -166,6 +166,7 @@ class ChatModel:
         if gpu and gw.device is not None and gw.ledger is not None:
             self._plan_profile(gw, gw.ledger.usable_bytes)
             assert self.profile is not None
+            self.scheduler.gpu_ctx_cap_tokens = self.resident_cap_tokens
             if self.resident_runs:
                 spec = self._worker_spec(gw, "gpu", gw.device.spec)
                 # Another model's load is a reservation that must fit first; the primary loads first.
@@ -279,11 +280,18 @@ class ChatModel:
         """Whether a split worker runs: configured, and planned with layers on the device."""
         return self.split is not None and self.profile is not None and self.profile.split_layers > 0
 
+    @property
+    def resident_cap_tokens(self) -> int:
+        """The resident's context cap: its lane's, or fewer when the device holds no more
+        (``core.profiles`` rule 5; the lane's when the resident does not run)."""
+        cap = self.gpu_lane.ctx_cap_tokens if self.gpu_lane is not None else 0
+        return cap if self.profile is None or not self.resident_runs else min(cap, self.profile.resident_tokens)
+
     def context_cap_tokens(self, gpu: bool) -> int:
         """The longest prompt + max_tokens any of its lanes serves."""
         caps = [self.cpu_lane.ctx_cap_tokens] if self.cpu_path else []
         if gpu and self.gpu_lane is not None and self.resident_runs:
-            caps.append(self.gpu_lane.ctx_cap_tokens)
+            caps.append(self.resident_cap_tokens)
         if gpu and self.split is not None and self.split_runs:
             caps.append(self.split.ctx_cap_tokens)
         if self.cpu_tokenizer is not None and caps:

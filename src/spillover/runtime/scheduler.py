@@ -101,6 +101,9 @@ class Scheduler:
         self.cpu_blocked: Reason | Literal[""] = ""  # why queued CPU work waits ("": it does not)
         self._peak: dict[str, tuple[tuple[int, int], int]] = {}  # worker id -> ((starts, held report), peak busy)
         self.gpu = Lane("gpu", gpu_lane) if gpu_lane else None
+        # the resident's context cap: its lane's, or fewer when the device holds no more
+        # (``core.profiles`` rule 5; set by the chat model once it has planned its profile)
+        self.gpu_ctx_cap_tokens = gpu_lane.ctx_cap_tokens if gpu_lane else 0
         self.cpu = Lane("cpu", cpu_lane)
         self.ledger = ledger
         self.policy = policy
@@ -316,7 +319,7 @@ class Scheduler:
         return LaneView(
             gpu_ready=gpu_ready,
             gpu_free_slots=sum(w.free_slots for w in self.gpu_workers),
-            gpu_ctx_cap_tokens=self.gpu.cfg.ctx_cap_tokens if self.gpu else 0,
+            gpu_ctx_cap_tokens=self.gpu_ctx_cap_tokens if self.gpu else 0,
             cpu_ready=cpu_ready,
             cpu_queue_free=self.cpu.free(),
             cpu_ctx_cap_tokens=self.cpu.cfg.ctx_cap_tokens,
