@@ -4,6 +4,7 @@ from the workers' fingerprints, the fallback setting and what was already delive
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -278,3 +279,42 @@ def test_a_failover_does_not_return_after_a_stall_or_with_its_runs_last_attempt(
     exe = execution(sched)  # max_attempts 3: attempt 2 may return, a failure there leaves the third
     _fail_gpu_attempt(exe)
     assert sched.submitted[0][0].returns
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without_a_token(tokens: int) -> None:
+    """Round 27: after a fault, the CPU replica's recovery (fault to first CPU result) is told
+    at its first token; when its answer has none (the first token it samples ends it), at its
+    end. Before, such an answer left ``last_failover`` at the failover before."""
+    from spillover.core.routing import Reason as R
+    from spillover.runtime.events import Done, Started, Token
+    from spillover.runtime.lanes import Dispatch
+
+    recovered: list[float] = []
+    sched = SimpleNamespace(confirmed=lambda rid: None, record_timing=lambda *a: None, finished=lambda *a: None)
+    exe = execution(sched, on_recovered=recovered.append)  # type: ignore[arg-type]
+    exe._fault_at = time.monotonic() - 0.5  # the GPU attempt failed half a second ago
+
+    async def generate(_msg: dict[str, Any]) -> Any:
+        yield Started()
+        for i in range(tokens):
+            yield Token(i, "x")
+        yield Done("stop", tokens, 0.01, 0.02)
+
+    w = SimpleNamespace(
+        generate=generate,
+        has_event=lambda rid: False,
+        interrupt=lambda rid: None,
+        when_stopped=lambda rid: None,
+        release_slot=lambda rid: None,
+        spec=SimpleNamespace(worker_id="cpu0"),
+    )
+    d = Dispatch(w, "cpu", R.CPU_LANE, 8, 11, 0, False, 0.0)  # type: ignore[arg-type]
+    job = SimpleNamespace(running=False, released=False, dispatch=d)
+
+    async def go() -> list[Any]:
+        return [ev async for ev in exe._run_attempt(job, d)]  # type: ignore[arg-type]
+
+    asyncio.run(go())
+    assert len(recovered) == 1 and 500 <= recovered[0] < 5000, recovered
+    assert exe._fault_at is None

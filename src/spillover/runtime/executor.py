@@ -347,6 +347,14 @@ class Execution:
         window = self.stream_coalesce_s if self.incremental else COALESCE_S
         return min(window, self._bound(d, prefill=False) / 4)
 
+    def _recovered(self, d: Dispatch) -> None:
+        """The attempt's first result came (a token, or the end when the answer has none): after
+        a fault, the replica's recovery time (fault to first CPU result), when it recovered."""
+        if self._fault_at is not None:
+            if d.route == "cpu":
+                self.on_recovered((time.monotonic() - self._fault_at) * 1000)
+            self._fault_at = None
+
     def _release(self, job: Job, outcome: str) -> None:
         """Give the job's lease back: exactly once, only if it was dispatched, and only once
         its worker has stopped working on the request (its last event, or its exit). No
@@ -477,11 +485,9 @@ class Execution:
             first_token = True
             while True:
                 ev = await self._next(it, d, self._stall_s(d, prefill=True) if first_token else steady_s, pending)
+                if first_token and isinstance(ev, Token | Done):  # the attempt's first result
+                    self._recovered(d)
                 if isinstance(ev, Token):
-                    if first_token and self._fault_at is not None:  # the replica's recovery, when it recovered
-                        if d.route == "cpu":
-                            self.on_recovered((time.monotonic() - self._fault_at) * 1000)
-                        self._fault_at = None
                     first_token = False
                     if self.incremental:
                         self.delivered.extend(ev.token_ids)
