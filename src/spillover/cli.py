@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spillover.config import config_sample, default_state_dir, env_api_key, load_config
+from spillover.config import DeviceConfig, config_sample, default_state_dir, env_api_key, load_config
 from spillover.errors import ConfigError
 
 __all__ = ["main"]
@@ -240,6 +240,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         a.flash_attn = implied_fa
     if a.device_mib is not None and a.device_mib < 1:
         raise ConfigError("estimate: --device-mib must be at least 1")
+    if a.reserve_mib < 0 or (a.device_mib is not None and a.reserve_mib >= a.device_mib):
+        raise ConfigError("estimate: --reserve-mib must be at least 0 and less than --device-mib")
     if not 0 <= a.margin < 1:
         raise ConfigError("estimate: --margin is a share, from 0 to below 1")
     if a.placement == "cpu" and (a.gpu_layers is not None or a.device_mib is not None):
@@ -308,7 +310,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         est = at(a.ctx)
         fit: dict[str, Any] | None = None
         if a.device_mib is not None:
-            budget = a.device_mib * MIB
+            budget = (a.device_mib - a.reserve_mib) * MIB  # what spillover serve may hand out of it
             # Up to the model's training context (what llama.cpp runs by default; more is
             # possible, with rope scaling, and not what a user asking "will it fit?" means),
             # or llama.cpp's largest where the file gives none that can be used.
@@ -322,6 +324,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
             )
             fit = {
                 "device_mib": a.device_mib,
+                "reserve_mib": a.reserve_mib,
                 "fits": at(a.ctx, where="gpu").device.total_with_margin_bytes <= budget,
                 "largest_ctx": fits_ctx,
                 "ctx_limit": ctx_limit,
@@ -421,9 +424,12 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
         ctx = f"largest context {fit['largest_ctx']} (at {at})" if fit["largest_ctx"] else f"no context fits at {at}"
         if fit["largest_ctx"] == fit["ctx_limit"] and fit["ctx_limit_source"] == "training context":
             ctx = f"largest context {fit['largest_ctx']}, the model's training context (at {at}; more may fit)"
+        layers = fit["largest_gpu_layers"]
+        every = " (every layer and the output layer)" if layers == out["n_layers"] + 1 else ""
+        usable = f"{fit['device_mib'] - fit['reserve_mib']} MiB of it usable: --reserve-mib {fit['reserve_mib']}"
         lines.append(
-            f"in {fit['device_mib']} MiB of device memory: {'fits' if fit['fits'] else 'does NOT fit'}; "
-            f"{ctx}, largest --gpu-layers {fit['largest_gpu_layers']} (at context {out['n_ctx']})"
+            f"in {fit['device_mib']} MiB of device memory ({usable}): {'fits' if fit['fits'] else 'does NOT fit'}; "
+            f"{ctx}, largest --gpu-layers {layers}{every} (at context {out['n_ctx']})"
         )
     return "\n".join(lines)
 
@@ -628,7 +634,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-mib",
         type=int,
         help="device memory in MiB: also print whether it fits, the largest context (up to the model's "
-        "training context) and the largest --gpu-layers that fit (with the margin)",
+        "training context) and the largest --gpu-layers that fit (with the margin), in what is left after "
+        "--reserve-mib. spillover serve plans its profile with the compute envelope: add --no-plan for its "
+        "very answer",
+    )
+    e.add_argument(
+        "--reserve-mib",
+        type=int,
+        default=DeviceConfig().margin_mib,
+        help="device memory spillover serve never hands out, [device].margin_mib (default %(default)s): "
+        "taken from --device-mib before the fit",
     )
     e.add_argument(
         "--placement",

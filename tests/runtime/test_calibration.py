@@ -156,7 +156,8 @@ def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.Captur
     assert main(["estimate", model_path, "--ctx", "8192", "--device-mib", "256", "--no-plan", "--json"]) == 0
     fit = json.loads(capsys.readouterr().out)["fit"]
     spec = read_model_spec(model_path)
-    budget = 256 * 2**20
+    assert fit["reserve_mib"] == 32  # [device].margin_mib's default: spillover serve never hands it out
+    budget = (256 - 32) * 2**20
 
     def device(n_ctx: int, layers: int = -1) -> int:
         return estimate(spec, n_ctx, placement="gpu", gpu_layers=layers).device.total_with_margin_bytes
@@ -165,6 +166,36 @@ def test_estimate_cli_answers_will_it_fit(model_path: str, capsys: pytest.Captur
     assert device(fit["largest_ctx"]) <= budget < device(fit["largest_ctx"] + 1)  # exact: one more does not
     assert 0 <= fit["largest_gpu_layers"] < 31
     assert device(8192, fit["largest_gpu_layers"]) <= budget < device(8192, fit["largest_gpu_layers"] + 1)
+
+
+def test_the_fit_leaves_what_spillover_serve_never_hands_out_and_says_so(
+    model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Round 27: ``--device-mib D`` answered for all of D, where ``spillover serve --gpu sim:D``
+    keeps ``[device].margin_mib`` (32 MiB) free: "fits" for a resident the gateway would not
+    run. The fit is now in D less ``--reserve-mib`` (that default), and the text says so; with
+    the envelope (``--no-plan``) it is the gateway's own plan (sim:100 with a split of batch 128:
+    20 layers). A reserve of D or more, or below 0, is refused."""
+    import json
+
+    from spillover.cli import main
+
+    def fit(*args: str) -> dict[str, Any]:
+        assert main(["estimate", model_path, "--ctx", "1024", "--no-plan", *args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["fit"]  # type: ignore[no-any-return]
+
+    both = fit("--device-mib", "300"), fit("--device-mib", "268", "--reserve-mib", "0")
+    assert {k: v for k, v in both[0].items() if k not in ("device_mib", "reserve_mib")} == {
+        k: v for k, v in both[1].items() if k not in ("device_mib", "reserve_mib")
+    }
+    assert fit("--device-mib", "100", "--batch", "128")["largest_gpu_layers"] == 20
+    assert main(["estimate", model_path, "--ctx", "1024", "--device-mib", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "in 1000 MiB of device memory (968 MiB of it usable: --reserve-mib 32): fits" in out
+    assert "largest --gpu-layers 31 (every layer and the output layer)" in out
+    for bad in (["--device-mib", "32"], ["--device-mib", "100", "--reserve-mib", "-1"]):
+        assert main(["estimate", model_path, "--ctx", "1024", *bad]) == 2
+        assert "--reserve-mib must be at least 0 and less than --device-mib" in capsys.readouterr().err
 
 
 def test_a_context_shorter_than_the_micro_batch_is_found_where_no_whole_cell_fits(
@@ -178,7 +209,7 @@ def test_a_context_shorter_than_the_micro_batch_is_found_where_no_whole_cell_fit
     from spillover.cli import main
 
     def answer(*args: str) -> dict[str, Any]:
-        assert main(["estimate", model_path, *args, "--json"]) == 0
+        assert main(["estimate", model_path, *args, "--reserve-mib", "0", "--json"]) == 0
         return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
 
     fit = answer("--ctx", "4096", "--device-mib", "100")["fit"]
