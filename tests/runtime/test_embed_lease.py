@@ -328,3 +328,39 @@ def test_a_run_lets_a_failover_return_to_the_gpu_once_never_after_a_stall_nor_on
         assert seen == asked
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("kind", "counted"), [("bad_audio", False), ("engine", True), ("oom", True)])
+def test_a_requests_own_fault_on_the_gpu_does_not_feed_its_breaker(kind: str, counted: bool) -> None:
+    """Round 28: a transcription whose audio the GPU worker cannot decode (``bad_audio``: the
+    client's fault, a 400) counted as a GPU failure for the breaker, so a few bad uploads
+    could open it and push the service onto its CPU path. A lane's own failure still counts."""
+    from spillover.core.reasons import Reason
+    from spillover.runtime.events import Failed, Started
+    from spillover.runtime.service import _Dispatch
+
+    async def main() -> bool:
+        svc = embeddings_service(DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9))
+        before = svc.breaker
+
+        async def request(_op: str, _msg: dict[str, object]):  # type: ignore[no-untyped-def]
+            yield Started()
+            yield Failed(kind, "it failed")
+
+        worker = SimpleNamespace(
+            request=request,
+            has_event=lambda rid: False,
+            interrupt=lambda rid: None,
+            when_stopped=lambda rid: None,
+            spec=SimpleNamespace(worker_id="emb-gpu", slots=1),
+        )
+        d = _Dispatch(worker, "gpu", Reason.FITS, 0)  # type: ignore[arg-type]
+
+        async def on_move(_state: str, _fields: dict[str, object]) -> None:
+            return None
+
+        got = await svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, on_move)
+        assert got == (kind, "it failed")
+        return svc.breaker != before
+
+    assert asyncio.run(main()) is counted

@@ -59,7 +59,7 @@ __all__ = [
 
 DEVICE_ROUTES = frozenset({"gpu", "split"})  # routes whose worker holds device memory
 SEVERE_FAULTS = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
-CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar"})
+CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar", "bad_audio"})  # the request's own: not the lane's
 MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit (GPU memory, a lane's context) keeps at least this many
 
 
