@@ -364,3 +364,35 @@ def test_a_requests_own_fault_on_the_gpu_does_not_feed_its_breaker(kind: str, co
         return svc.breaker != before
 
     assert asyncio.run(main()) is counted
+
+
+def test_the_queue_holds_no_more_than_its_depth_while_the_gpu_cannot_take_a_job() -> None:
+    """Round 28: every free GPU slot counted as a place a job would leave the queue through,
+    even with the GPU's breaker open (or no room on the device): the queue then held
+    ``queue_depth`` + the GPU's slots, all waiting for the CPU. A GPU that cannot take one
+    adds no place; once it can, its free slot is a place again."""
+    import time
+
+    from spillover.core.breaker import BreakerState, Circuit
+    from spillover.errors import QueueFull
+
+    async def main() -> None:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        ledger.observe(0, 0.0)
+        svc = embeddings_service(ledger)
+        gpu, cpu = _ready_worker("emb-gpu", "gpu"), _ready_worker("emb-cpu", "cpu")
+        svc.gpu = SimpleNamespace(worker=gpu, parked=False, start_failure=None)  # type: ignore[assignment]
+        svc.cpu = SimpleNamespace(worker=cpu, parked=False, start_failure=None)  # type: ignore[assignment]
+        cpu.claim_slot("someone")
+        svc.breaker = BreakerState(circuit=Circuit.OPEN, opened_at_s=time.monotonic(), cooldown_s=100, opens=1)
+        depth = svc.cfg.queue_depth
+        for i in range(depth):
+            svc.hold_place(f"r{i}", nbytes=MIB)
+        with pytest.raises(QueueFull):
+            svc.hold_place("one-more", nbytes=MIB)  # the GPU's free slot is no way out now
+        svc.breaker = BreakerState()
+        svc.hold_place("one-more", nbytes=MIB)  # closed: its free slot is a place again
+        with pytest.raises(QueueFull):
+            svc.hold_place("two-more", nbytes=MIB)
+
+    asyncio.run(main())

@@ -400,13 +400,14 @@ class DeviceService(abc.ABC):
         worker can start (rule 8)."""
         if (failed := self.cannot_start()) is not None:
             raise failed
-        if places_promised(self.cfg.queue_depth, len(self.queue), len(self.promised), self._free_slots()):
+        now = time.monotonic()
+        if places_promised(self.cfg.queue_depth, len(self.queue), len(self.promised), self._takers(nbytes, now)):
             self.shed += 1
             raise QueueFull(
                 f"the {self.name} queue is full ({self.cfg.queue_depth} waiting)", retry_after_s=self.eta_s(work)
             )
         if deadline_s is not None:
-            lane = place(self._view(nbytes, False, time.monotonic())).lane
+            lane = place(self._view(nbytes, False, now)).lane
             lane = "gpu" if lane == "gpu" or self.cpu is None else "cpu"  # waiting: the CPU path is its way out
             eta = self.lane_eta_s(lane, work)
             if eta > deadline_s:
@@ -790,6 +791,14 @@ class DeviceService(abc.ABC):
         does (``Scheduler._may_move``): its slots busy or the host guard holding it, it waited
         there until its queue_timeout while the restarted GPU worker stood idle (round 28)."""
         return job.returns and now - job.enqueued_s >= max(self.gw.cfg.admission.delay_max_s, RETURN_AFTER_MIN_S)
+
+    def _takers(self, nbytes: int, now: float) -> int:
+        """How many queued jobs of ``nbytes`` could start at once: the GPU's free slots only
+        while it could take one (its breaker, its room), the CPU's while the host has room
+        (round 28: an open breaker's free slots let the queue grow past ``queue_depth``)."""
+        v = self._view(nbytes, False, now)
+        gpu = v.gpu_free_slots if place(v).gpu_reason is Reason.FITS else 0
+        return gpu + (v.cpu_free_slots if v.cpu_ready and v.host_allows else 0)
 
     def _free_slots(self) -> int:
         return sum(s.worker.free_slots for s in self.supervisors())
