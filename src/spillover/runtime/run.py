@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,8 +90,35 @@ class Streaming:
     """A running stream: its headers now, its frames as they come."""
 
     headers: dict[str, str]
-    frames: AsyncGenerator[bytes, None]
+    frames: Frames
     content_type: str
+
+
+@dataclass(eq=False)
+class Frames:
+    """A stream's frames (``gen``) as the HTTP server reads them. ``aclose`` ends the request
+    even when not one frame was read: closing an async generator that never started runs
+    none of its code, so a client gone between the stream's headers and its first frame
+    (the server then cancels the body before it reads it) left the request running, its
+    lease held and its journal row open, for good. Then ``abandoned`` does what the
+    generator does when its reader goes away."""
+
+    gen: AsyncGenerator[bytes, None]
+    abandoned: Callable[[], Awaitable[None]]
+    _started: bool = False
+
+    def __aiter__(self) -> Frames:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self._started = True
+        return await anext(self.gen)
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._started = True
+            await self.abandoned()
+        await self.gen.aclose()
 
 
 def as_error(exc: BaseException, rid: str) -> SpilloverError:
@@ -201,7 +228,9 @@ class Run:
                 await asyncio.shield(self._end_abandoned(committed=False))
                 raise
             return Streaming(
-                self.encoding.headers() | {"Cache-Control": "no-cache"}, self._frames(), self.encoding.content_type
+                self.encoding.headers() | {"Cache-Control": "no-cache"},
+                Frames(self._frames(), self._abandoned),
+                self.encoding.content_type,
             )
         async with contextlib.aclosing(self._frames()) as frames:
             async for _ in frames:
@@ -253,9 +282,7 @@ class Run:
             failed = exc
             outcome = self._error(exc, committed=self.req.stream)
         except (asyncio.CancelledError, GeneratorExit):  # nobody reads on: the client went away
-            self.exe.cancel()
-            # One shielded task: under a cancelled (anyio) scope every later await raises again.
-            await asyncio.shield(self._end_abandoned(committed=self.req.stream))
+            await self._abandoned()
             raise
         durable = await asyncio.shield(self._end(outcome, failed=failed))
         if not durable and failed is None:  # an answer is sent only once it is durable
@@ -274,6 +301,12 @@ class Run:
             err = stopped(self.rid, server_stopping=self.gw.stopping)
         self._error_state = classify_error(err)
         return self.encoding.error(err, committed=committed)
+
+    async def _abandoned(self) -> None:
+        """Nobody reads the answer on (the client went away): the request ends."""
+        self.exe.cancel()
+        # One shielded task: under a cancelled (anyio) scope every later await raises again.
+        await asyncio.shield(self._end_abandoned(committed=self.req.stream))
 
     async def _end_abandoned(self, *, committed: bool) -> None:
         """The client (or the server) went away: end the Execution, journal RESUMABLE_ERROR

@@ -41,7 +41,7 @@ from spillover.core.lifecycle import State
 from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.journal import NOTED
 from spillover.runtime.outcomes import classify_error, not_durable, stopped
-from spillover.runtime.run import Answer, Encoded, Streaming, as_error
+from spillover.runtime.run import Answer, Encoded, Frames, Streaming, as_error
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -181,7 +181,7 @@ class UnaryRun:
                 if self._first.is_set():
                     self.gw.loops.spawn(f"stream-{self.rid}", self._end_stream())
                     assert self._head is not None
-                    return Streaming(self._head, self._stream(), SSE)
+                    return Streaming(self._head, Frames(self._stream(), self._reader_gone), SSE)
             self._caller = asyncio.current_task()  # woken by ``cancel`` only while it waits here
             try:
                 outcome = await asyncio.shield(self._task)
@@ -210,8 +210,12 @@ class UnaryRun:
             while (frame := await self._frames.get()) is not None:
                 yield frame
         finally:
-            if not self.ended.is_set():
-                self.cancel(by_user=False)
+            await self._reader_gone()
+
+    async def _reader_gone(self) -> None:
+        """Nobody reads the frames on (rule 5; ``Frames``): a run still going is stopped."""
+        if not self.ended.is_set():
+            self.cancel(by_user=False)
 
     async def _end_stream(self) -> None:
         """Rule 5: once the work ends, its last frames (or an error frame) are sent, and the
