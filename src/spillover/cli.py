@@ -240,6 +240,9 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         a.flash_attn = implied_fa
     if a.device_mib is not None and a.device_mib < 1:
         raise ConfigError("estimate: --device-mib must be at least 1")
+    if a.reserve_mib is not None and a.device_mib is None:
+        raise ConfigError("estimate: --reserve-mib is taken from --device-mib: give both")
+    a.reserve_mib = DeviceConfig().margin_mib if a.reserve_mib is None else a.reserve_mib
     if a.reserve_mib < 0 or (a.device_mib is not None and a.reserve_mib >= a.device_mib):
         raise ConfigError("estimate: --reserve-mib must be at least 0 and less than --device-mib")
     if not 0 <= a.margin < 1:
@@ -641,9 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--reserve-mib",
         type=int,
-        default=DeviceConfig().margin_mib,
-        help="device memory spillover serve never hands out, [device].margin_mib (default %(default)s): "
-        "taken from --device-mib before the fit",
+        help=f"device memory spillover serve never hands out, [device].margin_mib (default "
+        f"{DeviceConfig().margin_mib}): taken from --device-mib before the fit",
     )
     e.add_argument(
         "--placement",

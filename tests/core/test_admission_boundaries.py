@@ -348,13 +348,18 @@ def test_too_long_and_allowed_to_shrink_waits_as_any_request_for_a_slot_or_for_m
     policy: AdmissionPolicy, fp: Fp
 ) -> None:
     """Rule 1 (round 27): cut to the cap, the request goes rules 2-6's way. Every GPU slot
-    busy, it waits for one within ``delay_max_s`` and then goes to CPU as too long; its room
+    busy, it waits for one within ``delay_max_s`` and then goes to CPU as ``gpu_busy``; its room
     held by a reservation that comes back, it waits for it (it went to the CPU at once, or a
     503 when the CPU lane could not take it either)."""
     long = req(2000, 100, shrink=True)
     busy = replace(LANES, gpu_free_slots=0)
     assert decide(long, room_ledger(CAP // 2), busy, CLOSED, NOW, policy) == Delay(NOW + 2.0, Reason.GPU_BUSY)
-    assert decide(long, room_ledger(CAP // 2), busy, CLOSED, NOW + 2.0, policy) == Route(Reason.TOO_LONG_FOR_GPU)
+    waited = req(2000, 100, arrived=NOW - 2.0, shrink=True)  # past its delay bound
+    assert decide(waited, room_ledger(CAP // 2), busy, CLOSED, NOW, policy) == Route(Reason.GPU_BUSY)
+    # with no CPU path for it, the cause stays gpu_busy: the scheduler then waits for a slot (round 29)
+    no_cpu = replace(busy, cpu_ctx_cap_tokens=1024)
+    d = decide(waited, room_ledger(CAP // 2), no_cpu, CLOSED, NOW, policy)
+    assert d == Reject(3.0, Reason.GPU_BUSY, Reason.TOO_LONG_FOR_CPU), d
     need = fp(2000, 48)
     held = room_ledger(need // 2, live_requests=need)  # a live request holds what it needs
     d = decide(long, held, LANES, CLOSED, NOW, policy)

@@ -196,6 +196,8 @@ def test_the_fit_leaves_what_spillover_serve_never_hands_out_and_says_so(
     for bad in (["--device-mib", "32"], ["--device-mib", "100", "--reserve-mib", "-1"]):
         assert main(["estimate", model_path, "--ctx", "1024", *bad]) == 2
         assert "--reserve-mib must be at least 0 and less than --device-mib" in capsys.readouterr().err
+    assert main(["estimate", model_path, "--ctx", "1024", "--reserve-mib", "8"]) == 2  # nothing to take it from
+    assert "--reserve-mib is taken from --device-mib: give both" in capsys.readouterr().err
 
 
 def test_a_context_shorter_than_the_micro_batch_is_found_where_no_whole_cell_fits(

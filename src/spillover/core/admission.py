@@ -8,7 +8,8 @@ Rules, applied in order (the first that matches wins):
    shrinking is allowed and the prompt leaves room for ``min_max_tokens``, ``max_tokens``
    is cut to the cap and rules 2-6 decide (admitted, it is a ``Shrink``; a delay waits for
    memory as any other); else, or when those rules send it off the GPU, route to CPU
-   (``too_long_for_gpu``).
+   (``too_long_for_gpu``; ``gpu_busy`` when every slot was busy past the delay, as for any
+   other request: a slot comes back).
 2. Breaker not letting work through: route to CPU (``breaker_open``).
 3. No ready GPU worker: route to CPU (``gpu_unavailable``).
 4. Device usage cannot be trusted (no fresh observation): route to CPU
@@ -229,8 +230,9 @@ def decide(
     d = _on_gpu(replace(req, max_tokens=cap - req.prompt_tokens), ledger, lanes, breaker, now_s, p)
     if isinstance(d, Admit):
         return Shrink(cap - req.prompt_tokens, d.nbytes, d.kv_tokens, Reason.SHRUNK_TO_FIT)
-    if isinstance(d, Route | Reject):
-        return _to_cpu(req, lanes, Reason.TOO_LONG_FOR_GPU, p)
+    if isinstance(d, Route | Reject):  # every slot busy stays the cause: a slot comes back (the scheduler waits)
+        busy = (d.reason if isinstance(d, Route) else d.cause) is Reason.GPU_BUSY
+        return _to_cpu(req, lanes, Reason.GPU_BUSY if busy else Reason.TOO_LONG_FOR_GPU, p)
     return d
 
 
