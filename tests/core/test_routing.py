@@ -14,6 +14,7 @@ from spillover.core.routing import (
     FailKind,
     FailoverFacts,
     Replay,
+    fault_outcome,
     fits_lane,
     lane_max_tokens,
     plan_failover,
@@ -172,3 +173,21 @@ RESTART_ROWS = [
 def test_replayable_after_restart(state: State, stream: bool, delivered: int, replay: bool) -> None:
     """After a restart, replay exactly what no client has seen any of."""
     assert replayable_after_restart(state, stream, delivered) is replay
+
+
+@pytest.mark.parametrize(
+    ("kind", "outcome"),
+    [
+        ("bad_audio", "client"),  # the request's own: says nothing of the lane (round 28)
+        ("bad_grammar", "client"),
+        ("context_overflow", "client"),
+        ("oom", "severe"),
+        ("alloc_failed", "severe"),
+        ("crash", "severe"),
+        ("driver_reset", "severe"),
+        ("engine", "failed"),
+        ("stall", "failed"),
+    ],
+)
+def test_a_failed_attempts_kind_tells_the_breaker_whose_fault_it_was(kind: str, outcome: str) -> None:
+    assert fault_outcome(kind) == outcome

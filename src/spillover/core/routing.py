@@ -51,6 +51,7 @@ __all__ = [
     "Reason",
     "Replay",
     "RouteReason",
+    "fault_outcome",
     "fits_lane",
     "lane_max_tokens",
     "plan_failover",
@@ -60,6 +61,14 @@ __all__ = [
 DEVICE_ROUTES = frozenset({"gpu", "split"})  # routes whose worker holds device memory
 SEVERE_FAULTS = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
 CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar", "bad_audio"})  # the request's own: not the lane's
+
+
+def fault_outcome(kind: str) -> str:
+    """What a failed attempt of ``kind`` tells the breaker (``core.breaker.ATTEMPT_OUTCOMES``):
+    ``client`` for the request's own fault, ``severe`` for a device's, else ``failed``."""
+    return "client" if kind in CLIENT_FAULTS else "severe" if kind in SEVERE_FAULTS else "failed"
+
+
 MIN_SHRUNK_TOKENS = 16  # a request shrunk to fit (GPU memory, a lane's context) keeps at least this many
 
 

@@ -41,13 +41,12 @@ from typing import TYPE_CHECKING, Any
 from spillover.config import FailoverConfig
 from spillover.core.lifecycle import State
 from spillover.core.routing import (
-    CLIENT_FAULTS,
-    SEVERE_FAULTS,
     Fail,
     FailKind,
     FailoverFacts,
     FailoverReason,
     Reason,
+    fault_outcome,
     fits_lane,
     lane_max_tokens,
     plan_failover,
@@ -508,7 +507,7 @@ class Execution:
             outcome = "cancelled"
             raise self._stopped_error() from None
         except _Failure as f:
-            outcome = "client" if f.kind in CLIENT_FAULTS else "severe" if f.kind in SEVERE_FAULTS else "failed"
+            outcome = fault_outcome(f.kind)
             if f.kind == "stall" and not f.gone:
                 await self.kill_worker(d.worker)  # hung: the supervisor restarts it
             raise

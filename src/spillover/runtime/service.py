@@ -85,7 +85,7 @@ from spillover.core.breaker import (
 )
 from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
-from spillover.core.routing import CLIENT_FAULTS
+from spillover.core.routing import fault_outcome
 from spillover.errors import CapacityError, ConfigError, NoWorkerReady, QueueFull, RequestCancelled, WorkerFailed
 from spillover.runtime import ticks
 from spillover.runtime.events import (
@@ -550,14 +550,7 @@ class DeviceService(abc.ABC):
                         self._measured(took, self.stall_units(msg, work))
                     return (parts, ev)
                 elif isinstance(ev, Failed):  # the request's own fault (bad audio) says nothing of the GPU
-                    fault = (
-                        "client"
-                        if ev.kind in CLIENT_FAULTS
-                        else "severe"
-                        if ev.kind in ("alloc_failed", "oom")
-                        else "failed"
-                    )
-                    self._note(d, fault, 0.0)
+                    self._note(d, fault_outcome(ev.kind), 0.0)
                     return (ev.kind, ev.message)
                 elif isinstance(ev, WorkerGone):  # killed for a hang: a stall, as chat counts it
                     hung = ev.kind == "hung"
