@@ -639,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="device memory in MiB: also print whether it fits, the largest context (up to the model's "
         "training context) and the largest --gpu-layers that fit (with the margin), in what is left after "
         "--reserve-mib. spillover serve plans its profile with the compute envelope: add --no-plan for its "
-        "very answer",
+        "answer on whether the resident fits at --ctx and on its split layers",
     )
     e.add_argument(
         "--reserve-mib",

@@ -5,6 +5,7 @@ and the CPU path is not available". What cannot come is still refused at once.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -81,6 +82,29 @@ def test_a_job_the_gpu_cannot_take_waits_for_a_starting_cpu_worker(memory: Memor
         s.pump_once()
         d = await asyncio.wait_for(long.future, 1)
         assert (d.route, str(d.reason), d.worker) == ("cpu", "too_long_for_gpu", cpu)
+
+    asyncio.run(main())
+
+
+def test_a_job_too_long_for_the_ready_cpu_lane_waits_for_the_starting_gpu_worker(memory: MemoryModel) -> None:
+    """Round 30: the CPU worker is up first; a job within the GPU lane's cap but past the CPU
+    lane's (1024) was refused at once (``gpu_unavailable+too_long_for_cpu``) while the GPU
+    worker still loaded. It waits for it, as a job with no CPU path does."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, gpu, _ = _scheduler(memory, clock, STARTING, READY)
+        s.gpu_ctx_cap_tokens = 2048  # the GPU lane's cap above the CPU lane's
+        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
+        long = Job(rid="long", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
+        s.submit_nowait(long)
+        clock.advance(5.0)
+        s.pump_once()
+        assert not long.future.done()
+        gpu.state = READY
+        s.pump_once()
+        d = await asyncio.wait_for(long.future, 1)
+        assert (d.route, d.worker) == ("gpu", gpu)
 
     asyncio.run(main())
 

@@ -146,7 +146,10 @@ def plan_profile(
     if split is None:  # rule 4: the resident serves the requests that fit, if any does
         longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
         if longest > 0:
-            fit = f"requests up to about {longest} tokens fit, longer go to the CPU"
+            fit = (
+                f"requests up to about {longest} tokens fit (the resident's context cap); longer go to the CPU, "
+                "within its own cap"
+            )
             return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}; no split worker configured: {fit}", longest)
         why = f"{short}; not even a 1-token request fits beside its weights"
         return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)

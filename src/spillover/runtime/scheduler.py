@@ -484,8 +484,10 @@ class Scheduler:
         (the gateway's start, or a restart): the device worker for a job refused because none is
         ready, or a CPU worker when none is ready and the policy routes to the CPU. The job then
         waits for it (a worker's READY kicks a pass) up to the GPU lane's ``queue_max_age_s``;
-        a start that fails leaves nothing starting, and the next pass refuses it."""
-        if d.refusal is not Reason.CPU_UNAVAILABLE:
+        a start that fails leaves nothing starting, and the next pass refuses it. A job too long
+        for the CPU lane waits for a starting device worker too (round 30: right after the
+        start, with the CPU worker up first, a request within the GPU's cap was a 503)."""
+        if d.refusal not in (Reason.CPU_UNAVAILABLE, Reason.TOO_LONG_FOR_CPU):
             return False
 
         def starting(workers: list[WorkerClient]) -> bool:
@@ -493,7 +495,13 @@ class Scheduler:
 
         device = d.cause is Reason.GPU_UNAVAILABLE and starting(self.gpu_workers + self.split_workers)
         cpu_ready = any(w.state is WorkerState.READY for w in self.cpu_workers)
-        cpu = self.policy is not None and self.policy.allow_cpu_route and not cpu_ready and starting(self.cpu_workers)
+        cpu = (
+            d.refusal is Reason.CPU_UNAVAILABLE
+            and self.policy is not None
+            and self.policy.allow_cpu_route
+            and not cpu_ready
+            and starting(self.cpu_workers)
+        )
         return device or cpu
 
     def _slot_coming(self, d: Reject) -> bool:
