@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from spillover.core.ledger import DeviceLedger
+from spillover.runtime.embeddings import EmbeddingsService
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 from tests.runtime.fakes import embeddings_service
 
@@ -20,6 +21,17 @@ def _ready_worker(wid: str, lane: str) -> WorkerClient:
     w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
     w.state = WorkerState.READY
     return w
+
+
+def _two_lanes() -> tuple[DeviceLedger, EmbeddingsService, WorkerClient, WorkerClient]:
+    """The embeddings service on an empty 1 GiB device, its GPU and CPU workers ready, one slot each."""
+    ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+    ledger.observe(0, 0.0)
+    svc = embeddings_service(ledger)
+    gpu, cpu = _ready_worker("emb-gpu", "gpu"), _ready_worker("emb-cpu", "cpu")
+    svc.gpu = SimpleNamespace(worker=gpu, parked=False, start_failure=None)  # type: ignore[assignment]
+    svc.cpu = SimpleNamespace(worker=cpu, parked=False, start_failure=None)  # type: ignore[assignment]
+    return ledger, svc, gpu, cpu
 
 
 def test_a_dispatch_cancelled_before_its_request_wakes_releases_slot_and_bytes() -> None:
@@ -252,12 +264,7 @@ def test_a_failover_the_busy_cpu_lane_does_not_start_goes_back_to_the_restarted_
     from spillover.runtime.scheduler import RETURN_AFTER_MIN_S
 
     async def main() -> None:
-        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
-        ledger.observe(0, 0.0)
-        svc = embeddings_service(ledger)
-        gpu, cpu = _ready_worker("emb-gpu", "gpu"), _ready_worker("emb-cpu", "cpu")
-        svc.gpu = SimpleNamespace(worker=gpu, parked=False, start_failure=None)  # type: ignore[assignment]
-        svc.cpu = SimpleNamespace(worker=cpu, parked=False, start_failure=None)  # type: ignore[assignment]
+        ledger, svc, gpu, cpu = _two_lanes()
         cpu.claim_slot("someone")  # the CPU lane is busy
         wait = max(svc.gw.cfg.admission.delay_max_s, RETURN_AFTER_MIN_S)
         for returns in (False, True):
@@ -377,12 +384,7 @@ def test_the_queue_holds_no_more_than_its_depth_while_the_gpu_cannot_take_a_job(
     from spillover.errors import QueueFull
 
     async def main() -> None:
-        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
-        ledger.observe(0, 0.0)
-        svc = embeddings_service(ledger)
-        gpu, cpu = _ready_worker("emb-gpu", "gpu"), _ready_worker("emb-cpu", "cpu")
-        svc.gpu = SimpleNamespace(worker=gpu, parked=False, start_failure=None)  # type: ignore[assignment]
-        svc.cpu = SimpleNamespace(worker=cpu, parked=False, start_failure=None)  # type: ignore[assignment]
+        _, svc, _, cpu = _two_lanes()
         cpu.claim_slot("someone")
         svc.breaker = BreakerState(circuit=Circuit.OPEN, opened_at_s=time.monotonic(), cooldown_s=100, opens=1)
         depth = svc.cfg.queue_depth

@@ -226,7 +226,8 @@ def decide(
     if not (req.allow_shrink and req.prompt_tokens + req.min_max_tokens <= cap):
         return _to_cpu(req, lanes, Reason.TOO_LONG_FOR_GPU, p)
     # Rule 1's shrink: cut to the cap, it goes rules 2-6's way (a delay while memory comes
-    # back included); admitted, it is a Shrink; sent off the GPU, it is too long for it.
+    # back included); admitted, it is a Shrink; sent off the GPU, it is too long for it,
+    # unless every slot was busy.
     d = _on_gpu(replace(req, max_tokens=cap - req.prompt_tokens), ledger, lanes, breaker, now_s, p)
     if isinstance(d, Admit):
         return Shrink(cap - req.prompt_tokens, d.nbytes, d.kv_tokens, Reason.SHRUNK_TO_FIT)
