@@ -171,7 +171,11 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
         at_once([lambda llm=llm: out.append(bare_run(llm, tokens, n)) for llm in llms])  # type: ignore[misc]
         return out
 
-    config = None if a.stream_coalesce_ms is None else {"server": {"stream_coalesce_ms": a.stream_coalesce_ms}}
+    # The CPU lane's canary (1 % of traffic served on the CPU by design) is off: a round with a
+    # request served on the CPU is not a like-for-like round, and is left out.
+    config: dict[str, Any] = {"cpu_lane": {"canary_ratio": 0.0}}
+    if a.stream_coalesce_ms is not None:
+        config["server"] = {"stream_coalesce_ms": a.stream_coalesce_ms}
     with GatewayProcess(args, config=config) as gw, httpx.Client(base_url=gw.url, timeout=300) as c:
 
         def gw_stream_round() -> list[SseRun]:
@@ -203,7 +207,8 @@ def measure(a: argparse.Namespace, threads: int, conc: int) -> None:
                 t0 = time.perf_counter()
                 r = c.post("/v1/completions", json=body)
                 if r.status_code != 200 or r.headers.get("x-spillover-route") != "gpu":
-                    failures.append(f"{r.status_code} {r.headers.get('x-spillover-route')}: {r.text[:300]}")
+                    route, why = r.headers.get("x-spillover-route"), r.headers.get("x-spillover-reason")
+                    failures.append(f"{r.status_code} {route} ({why}): {r.text[:300]}")
                     return
                 out.append((t0, time.perf_counter(), r.json()["usage"]["completion_tokens"]))
 
