@@ -181,3 +181,60 @@ def test_a_job_that_fits_a_busy_gpu_the_cpu_cannot_take_waits_for_a_slot(
         assert got.value.retry_after_s == s.gpu.job_seconds(late.prompt_tokens, late.max_tokens) > 1.0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "allow_shrink"),
+    [
+        (16, False),  # within the GPU lane's cap, past the CPU lane's
+        (900, True),  # past both caps, shrinkable: it runs cut to the GPU lane's cap
+    ],
+)
+def test_a_job_the_cpu_cannot_take_waits_for_memory_our_running_requests_hold(
+    memory: MemoryModel, max_tokens: int, allow_shrink: bool
+) -> None:
+    """Round 30, left then: on a device just too small for two long requests, a request the CPU
+    lane cannot hold (past its 1024-token cap) found the memory taken by a running request past
+    ``delay_max_s`` and was refused (a 503, ``kv_pages_exhausted+too_long_for_cpu``), though that
+    memory comes back when the running request ends. It waits for it, as for a slot, and runs on
+    the GPU; memory someone else holds is still refused at once."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, _ = _scheduler(memory, clock, READY, READY)
+        gpu = s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
+        s.gpu_ctx_cap_tokens = 2048
+        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
+        assert s.ledger is not None
+        tokens = min(max_tokens, 2048 - 1500)
+        need = memory.request_footprint(1500, tokens).total_bytes
+        s.ledger.capacity_bytes = s.ledger.margin_bytes + need + 10 * MIB  # one long request at a time
+        first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
+        s.submit_nowait(first)
+        d1 = await asyncio.wait_for(first.future, 1)
+        assert d1.worker is gpu and s.ledger.holds("a")
+        second = Job(rid="b", prompt_tokens=1500, max_tokens=max_tokens, arrived_s=clock(), allow_shrink=allow_shrink)
+        s.submit_nowait(second)
+        clock.advance(5.0)  # past delay_max_s: the first still holds its memory
+        s.pump_once()
+        assert not second.future.done(), second.future
+        assert s._due(s.clock()) <= second.enqueued_s + 30.0  # bounded: the lane's queue age
+        s.ledger.release("a")  # the first request ends
+        gpu.release_slot("a")
+        s.pump_once()
+        d2 = await asyncio.wait_for(second.future, 1)
+        assert (d2.route, d2.worker, d2.max_tokens) == ("gpu", gpu, tokens)
+        # Memory a tenant holds does not come back with our requests: refused at once.
+        s.ledger.release("b")
+        gpu.release_slot("b")
+        s.ledger.observe(s.ledger.usable_bytes - need // 2, clock())
+        third = Job(rid="c", prompt_tokens=1500, max_tokens=max_tokens, arrived_s=clock(), allow_shrink=allow_shrink)
+        s.submit_nowait(third)
+        clock.advance(5.0)
+        s.ledger.observe(s.ledger.usable_bytes - need // 2, clock())
+        s.pump_once()
+        with pytest.raises(CapacityError) as got:
+            await asyncio.wait_for(third.future, 1)
+        assert got.value.code == "too_long_for_cpu"
+
+    asyncio.run(main())

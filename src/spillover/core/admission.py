@@ -61,6 +61,7 @@ __all__ = [
     "Route",
     "Shrink",
     "decide",
+    "returning_bytes",
 ]
 
 
@@ -263,12 +264,7 @@ def _on_gpu(
         return _to_cpu(req, lanes, Reason.GPU_BUSY, p)
 
     observed = ledger.observed_fresh(now_s) or 0
-    returning = (
-        ledger.reserved_by_kind("request")
-        + ledger.recently_released(now_s)
-        + ledger.settling_bytes()
-        + lanes.demoting_bytes
-    )
+    returning = returning_bytes(ledger, now_s) + lanes.demoting_bytes
     if fp.total_bytes <= room + ledger.margin_bytes:
         reason = Reason.MARGIN
     elif observed > ledger.predicted_bytes + ledger.recently_released(now_s):
@@ -289,6 +285,13 @@ def _on_gpu(
         if until is not None:
             return Demote(victim, until, reason)
     return _to_cpu(req, lanes, reason, p)
+
+
+def returning_bytes(ledger: DeviceLedger, now_s: float) -> int:
+    """Device bytes that come back without anyone else's doing (rule 6a): our own live request
+    reservations as their requests end, releases a reading may still show, and allocations
+    counted twice until the next reading."""
+    return ledger.reserved_by_kind("request") + ledger.recently_released(now_s) + ledger.settling_bytes()
 
 
 def _demotion(short_bytes: int, lanes: LaneView) -> str | None:

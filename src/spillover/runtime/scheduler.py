@@ -42,6 +42,7 @@ from spillover.core.admission import (
     Route,
     Shrink,
     decide,
+    returning_bytes,
 )
 from spillover.core.breaker import (
     ATTEMPT_OUTCOMES,
@@ -57,7 +58,7 @@ from spillover.core.hostguard import HOST_REFUSALS, HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import Footprint, MemoryModel
 from spillover.core.reasons import Reason, RouteReason
-from spillover.core.routing import DEVICE_ROUTES, MIN_SHRUNK_TOKENS, lane_max_tokens
+from spillover.core.routing import DEVICE_ROUTES, MIN_SHRUNK_TOKENS, fits_lane, lane_max_tokens
 from spillover.errors import CapacityError, NoWorkerReady, QueueFull
 from spillover.runtime import ticks
 from spillover.runtime.lanes import Dispatch, Job, Lane, LaneStatistics, fingerprint_of, places_promised
@@ -70,6 +71,9 @@ IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or
 RETURN_AFTER_MIN_S = 0.5  # a failover waits on the CPU lane at least this long before it may return (``_may_move``)
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
 MIN_WAKE_S = 0.001
+# A refusal's causes that say the device lacked memory (``Scheduler._memory_coming``): rule 6's,
+# and rule 1's too long, which a shrinkable job gets when its capped size did not fit.
+MEMORY_CAUSES = frozenset({Reason.MARGIN, Reason.KV_PAGES_EXHAUSTED, Reason.OBSERVED_PRESSURE, Reason.TOO_LONG_FOR_GPU})
 
 
 # Why a split worker could not take a job, as a reason (``Scheduler._split_fit``).
@@ -409,7 +413,8 @@ class Scheduler:
             if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
             d = self._by_plan(d)
-        if isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d)):  # what could take it comes: it waits
+        if isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now)):
+            # What could take it comes (a worker, a slot, our own requests' memory): it waits.
             self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
         self._record(job, d, now)
@@ -512,6 +517,32 @@ class Scheduler:
         It was refused ``gpu_busy+cpu_unavailable`` while the GPU was healthy and the CPU
         worker waited out a restart's back-off (round 16)."""
         return d.cause is Reason.GPU_BUSY and any(w.state is WorkerState.READY for w in self.gpu_workers)
+
+    def _memory_coming(self, job: Job, d: Reject, now: float) -> bool:
+        """A refusal for want of device memory, past ``delay_max_s``, of a job the CPU path cannot
+        take (its worker down or restarting, its queue full, the job too long for it), when the
+        memory our own running requests hold would make room once they end: it comes back as
+        they do (each end, and each device reading that changed, starts a pass), so the job waits
+        for it, as for a slot (``_slot_coming``), up to the GPU lane's ``queue_max_age_s``. Memory another
+        process holds (a tenant), or a job larger than all that can come back, is still refused
+        at once. On a device just too small for the lane's cap, a shrinkable request over the
+        CPU's cap was a 503 whenever any request ran beside it (round 30, left then)."""
+        assert self.ledger is not None and self.policy is not None and self.gpu is not None
+        if d.cause not in MEMORY_CAUSES or not any(w.state is WorkerState.READY for w in self.gpu_workers):
+            return False
+        if not allows(self.breaker, self.policy.breaker):
+            return False
+        cap = self.gpu_ctx_cap_tokens
+        if not fits_lane(
+            job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink, min_tokens=MIN_SHRUNK_TOKENS
+        ):
+            return False
+        room = self.ledger.headroom(now)
+        if room is None:
+            return False
+        tokens = lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
+        need = self.policy.memory.request_footprint(job.prompt_tokens, tokens).total_bytes
+        return need <= room + returning_bytes(self.ledger, now)
 
     def _by_plan(self, d: Route | Reject) -> Route | Reject:
         """The cpu profile (``core.profiles``): no worker runs on the device, by plan, so a job
