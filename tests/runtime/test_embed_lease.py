@@ -236,7 +236,7 @@ def test_a_second_cancel_while_the_worker_stops_the_first_does_not_kill_the_work
         async def on_move(_state: str, _fields: dict[str, object]) -> None:
             return None
 
-        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]]}, 1.0, on_move))
+        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, on_move))
         await asyncio.sleep(0.01)
         task.cancel()  # the first DELETE: the worker is told to stop
         await asyncio.sleep(0.01)
@@ -398,3 +398,73 @@ def test_the_queue_holds_no_more_than_its_depth_while_the_gpu_cannot_take_a_job(
             svc.hold_place("two-more", nbytes=MIB)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("lane", "stops_after_s", "killed"),
+    [
+        ("gpu", 0.2, False),  # past STOP_WAIT_S, within the stall bound: busy, not hung
+        ("gpu", None, True),  # never stops: hung, killed at the stall bound
+        ("cpu", 0.45, False),  # past the stall bound, within it at the CPU lane's speed (twice as slow)
+        ("cpu", None, True),
+    ],
+)
+def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_take(
+    monkeypatch: pytest.MonkeyPatch, lane: str, stops_after_s: float | None, killed: bool
+) -> None:
+    """Round 31: a worker looks for a cancel between its events (a transcription's segments come
+    a 30 s window at a time). A cancel waited a fixed ``STOP_WAIT_S`` for its stop, then killed
+    the worker as hung: under load one window took longer, and every other request on the
+    worker failed over as a stall. It now waits as long as the next event may take (rule 3's
+    stall bound; on the CPU at that lane's measured speed) before it calls the worker hung."""
+    import spillover.runtime.service as service
+    from spillover.core.reasons import Reason
+    from spillover.runtime.events import Started
+    from spillover.runtime.service import _Dispatch
+
+    monkeypatch.setattr(service, "STOP_WAIT_S", 0.05)
+
+    async def main() -> list[str]:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        svc = embeddings_service(ledger)
+        svc.stall_bound_s = lambda units, slots: 0.3  # type: ignore[method-assign]
+        svc._rate = {"gpu": 0.1, "cpu": 0.2}
+        loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = loop.create_future()
+        kills: list[str] = []
+
+        async def request(_op: str, _msg: dict[str, object]):  # type: ignore[no-untyped-def]
+            yield Started()
+            await asyncio.Event().wait()  # busy with its step; only its stop ends the attempt
+            yield Started()  # pragma: no cover
+
+        async def kill(why: str) -> None:
+            kills.append(why)
+            if not stopped.done():
+                stopped.set_result(None)  # its exit lets go of the request
+
+        def interrupt(rid: str) -> None:
+            if stops_after_s is not None:
+                loop.call_later(stops_after_s, lambda: stopped.done() or stopped.set_result(None))
+
+        worker = SimpleNamespace(
+            request=request,
+            has_event=lambda rid: False,
+            interrupt=interrupt,
+            when_stopped=lambda rid: None if stopped.done() else stopped,
+            kill=kill,
+            spec=SimpleNamespace(worker_id=f"emb-{lane}", slots=1),
+        )
+        d = _Dispatch(worker, lane, Reason.FITS, 0)  # type: ignore[arg-type]
+
+        async def on_move(_state: str, _fields: dict[str, object]) -> None:
+            return None
+
+        svc.gw.note_event = lambda *_a: None  # type: ignore[method-assign]
+        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, on_move))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return kills
+
+    assert asyncio.run(main()) == (["hung"] if killed else [])

@@ -34,7 +34,11 @@ Rules:
 4. Each attempt's lease (worker slot + device reservation) is released exactly once, when
    the worker has stopped working on it (its last event, or its exit), however the
    attempt ends (done, error, cancel). The wait for that is bounded: a killed worker whose
-   exit is not seen within ``[supervisor].health_timeout_s`` gives its lease back anyway.
+   exit is not seen within ``[supervisor].health_timeout_s`` gives its lease back anyway. A
+   worker looks for a cancel between its events (an embeddings chunk, a transcription's
+   segment), so a cancelled attempt's worker has as long to stop as its next event may take
+   (``stop_bound_s``: rule 3's stall bound on the GPU, the same at the CPU lane's measured
+   speed on the CPU, never less than ``STOP_WAIT_S``); past it, it is hung and killed.
 5. A breaker per GPU worker (``core.breaker``) takes the GPU out of placement after
    repeated failures, as for chat.
 6. The pressure ladder: a batch-priority service whose GPU worker is idle may be demoted
@@ -116,7 +120,7 @@ log = logging.getLogger("spillover.services")
 OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
 IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an event otherwise
 HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
-STOP_WAIT_S = 5.0  # longest a cancelled attempt waits for its worker to stop before the lease goes back
+STOP_WAIT_S = 5.0  # the least a cancelled attempt waits for its worker to stop (``DeviceService.stop_bound_s``)
 STALL_FACTOR = 4.0  # a GPU attempt stalls past this many times its expected time (rule 3)
 
 
@@ -522,12 +526,14 @@ class DeviceService(abc.ABC):
         (rule 4)."""
         t0 = time.monotonic()
         parts: list[RequestEvent] = []
-        steps = self.stall_steps(msg, work) if d.lane == "gpu" else None  # no stall bound on the CPU
+        steps = self.stall_steps(msg, work)  # what the next event covers: the stall bound (GPU), the stop's (rule 4)
         events = d.worker.request(self.op, {"rid": rid, **msg, "reserve_bytes": d.nbytes})
         watchdog, pending = Watchdog(), functools.partial(d.worker.has_event, rid)  # its rule 4: no lost event
         try:
             while True:
-                bound = None if steps is None else self.stall_bound_s(steps.units, d.worker.spec.slots)
+                bound = (
+                    self.stall_bound_s(steps.units, d.worker.spec.slots) if d.lane == "gpu" else None
+                )  # none on the CPU
                 try:
                     async with watchdog.guard(bound, pending) if bound is not None else contextlib.nullcontext():
                         ev = await anext(events)
@@ -535,8 +541,7 @@ class DeviceService(abc.ABC):
                     break
                 except TimeoutError:
                     return await self._stalled(d, rid, bound)
-                if steps is not None:
-                    steps.after(ev)
+                steps.after(ev)
                 if isinstance(ev, Progress):
                     continue
                 if isinstance(ev, Started):
@@ -565,7 +570,7 @@ class DeviceService(abc.ABC):
             return ("exited", "the worker channel ended")
         except BaseException:
             d.worker.interrupt(rid)
-            await self._until_stopped(d, rid)
+            await self._until_stopped(d, rid, self.stop_bound_s(d, steps.units))
             self._note(d, "cancelled", 0.0)
             raise
         finally:
@@ -584,13 +589,25 @@ class DeviceService(abc.ABC):
                 await asyncio.wait_for(asyncio.shield(stopped), self.gw.cfg.supervisor.health_timeout_s)
         return ("stall", f"no progress on the GPU for {bound:.1f}s")
 
-    async def _until_stopped(self, d: _Dispatch, rid: str) -> None:
+    def stop_bound_s(self, d: _Dispatch, units: float) -> float:
+        """How long a cancelled attempt's worker may take to stop (rule 4): as long as its next
+        event may take (it looks for the cancel between events), ``units`` of its kind's work
+        away: rule 3's stall bound, on the CPU stretched by how much slower the CPU lane is
+        measured to be; never less than ``STOP_WAIT_S``. A fixed 5 s killed a transcription
+        worker busy with one 30 s window under load, and with it every other request it ran
+        (a stall, failed over and replayed whole: round 31)."""
+        bound = self.stall_bound_s(units, d.worker.spec.slots)
+        if d.lane != "gpu":
+            bound *= max(1.0, self._rate["cpu"] / max(self._rate["gpu"], 1e-9))
+        return max(STOP_WAIT_S, bound)
+
+    async def _until_stopped(self, d: _Dispatch, rid: str, within_s: float) -> None:
         """Rule 4: the lease goes back only once the worker has let go of the request. One that
-        does not stop within ``STOP_WAIT_S`` (a hang) is killed, and its exit is awaited."""
+        does not stop ``within_s`` (a hang) is killed, and its exit is awaited."""
         stopped = d.worker.when_stopped(rid)
-        if stopped is None or await _settles(stopped, STOP_WAIT_S):
+        if stopped is None or await _settles(stopped, within_s):
             return
-        self.gw.note_event(d.worker.spec.worker_id, f"did not stop {rid} within {STOP_WAIT_S:.0f}s: killing it")
+        self.gw.note_event(d.worker.spec.worker_id, f"did not stop {rid} within {within_s:.1f}s: killing it")
         await d.worker.kill("hung")
         await _settles(stopped, self.gw.cfg.supervisor.health_timeout_s)
 
