@@ -187,6 +187,13 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
             assert (r.status_code, r.headers["x-spillover-route"]) == (200, "gpu"), r.text
             sp = r.json()["spillover"]
             assert (sp["shrunk"], sp["limits"]["max_tokens"]) == (True, most - n), sp  # to the most it holds
+            # Round 31: with less room left than the least a shrunk answer gets (16 tokens), a
+            # request allowed to shrink was a 503 "try again in a second" that no retry passes.
+            tight = {"prompt": prompt + " apple" * 10, "max_tokens": 100, "spillover": {"allow_shrink": True}}
+            r = http.post("/v1/completions", json=tight)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert f"needs at least {n + 10 + 16} tokens ({n + 10} in the prompt, 16 to answer" in r.text, r.text
+            assert most - (n + 10) < 16
 
 
 def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw: GatewayProcess) -> None:

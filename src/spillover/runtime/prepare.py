@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 
+from spillover.core.routing import MIN_SHRUNK_TOKENS, fits_lane
 from spillover.engine.grammar import GrammarRefused, schema_to_grammar
 from spillover.errors import ContextLengthExceeded, InvalidRequest
 
@@ -274,11 +275,17 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         cap = min(cap, req.ctx_limit)
     n = max(len(tokens), len(cpu_tokens or ()))
     allow_shrink = req.allow_shrink if req.allow_shrink is not None else gw.cfg.admission.shrink_by_default
-    # A max_tokens past every lane's context is refused, unless it may be shrunk to fit.
-    if n >= cap or (req.max_tokens is not None and not allow_shrink and n + req.max_tokens > cap):
-        want = n + (req.max_tokens or 1)
+    # A max_tokens past every lane's context is refused, unless it may be shrunk to fit: to the
+    # least a shrunk answer gets (``MIN_SHRUNK_TOKENS``, as admission shrinks), or less when it
+    # asked for less. A shrinkable request with less room than that left got a 503 to retry,
+    # which no retry could pass (round 31).
+    if n >= cap or (req.max_tokens is not None and not fits_lane(n, req.max_tokens, cap, shrinkable=allow_shrink)):
+        least = allow_shrink and req.max_tokens is not None and req.max_tokens > MIN_SHRUNK_TOKENS
+        want = n + (MIN_SHRUNK_TOKENS if least else req.max_tokens or 1)
         raise ContextLengthExceeded(
-            f"this request needs {want} tokens ({n} in the prompt) but "
+            f"this request needs {'at least ' if least else ''}{want} tokens ({n} in the prompt"
+            + (f", {MIN_SHRUNK_TOKENS} to answer, the least a shrunk answer gets" if least else "")
+            + ") but "
             + (
                 f"its own context limit is {cap} tokens"
                 if req.ctx_limit == cap
