@@ -220,22 +220,31 @@ def test_the_same_origin_is_served(gw: GatewayProcess) -> None:
     assert gone.status_code == 200 and gone.json()["state"] == "completed"
 
 
-def _finished_requests(gw: GatewayProcess) -> float:
+def _finished_requests(gw: GatewayProcess, outcome: str | None = None) -> float:
+    """``spillover_requests_total`` summed: the requests that ran (any outcome but a refusal), or
+    those of ``outcome``."""
     text = httpx.get(gw.url + "/metrics", timeout=30).text
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("spillover_requests_total")
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("spillover_requests_total{")
+        and (f'outcome="{outcome}"' in line if outcome else 'outcome="rejected"' not in line)
     )
 
 
 @e2e
 def test_a_simple_cross_site_post_runs_nothing(gw: GatewayProcess) -> None:
     """A JSON body sent as text/plain, a form type or no type (no CORS preflight) is 415, and nothing
-    is journaled or run: the same Idempotency-Key then runs afresh instead of replaying."""
-    before = _finished_requests(gw)
+    is journaled or run: the same Idempotency-Key then runs afresh instead of replaying. Each
+    refusal is counted as one before acceptance is (round 31: the origin guard's were not)."""
+    before, refused = _finished_requests(gw), _finished_requests(gw, "rejected")
     for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None):
         headers = {"Host": _host(gw), "Idempotency-Key": "item13"} | ({"Content-Type": ctype} if ctype else {})
         _assert_refused(_call(gw, "POST", "/v1/chat/completions", headers, CHAT), 415, "unsupported_media_type")
     assert _finished_requests(gw) == before
+    assert _finished_requests(gw, "rejected") == refused + 3
+    metrics = httpx.get(gw.url + "/metrics", timeout=30).text
+    assert 'spillover_requests_total{outcome="rejected",reason="unsupported_media_type",route="none"}' in metrics
     r = _call(gw, "POST", "/v1/chat/completions", {"Host": _host(gw), "Idempotency-Key": "item13", **JSON}, CHAT)
     assert r.status_code == 200, r.text
     assert "idempotent-replayed" not in r.headers
