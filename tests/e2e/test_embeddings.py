@@ -147,6 +147,31 @@ def test_a_text_with_no_tokens_is_embedded_as_cls_sep_not_refused(gw: GatewayPro
     assert np.array_equal(_vectors(blank.json())[1], _vectors(none)[1])  # the same batch shape: the same vector
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"model": 5, "input": "x"}, "model", "'model' must be a non-empty string naming a served model, not 5"),
+        ({"input": "x"}, "model", "'model' is required"),
+        (
+            {"model": "bge-small-en", "input": "x", "dimensions": "384"},
+            "dimensions",
+            'must be an integer (384), not "384"',
+        ),
+        (
+            {"model": "bge-small-en", "input": "x", "dimensions": True},
+            "dimensions",
+            "must be an integer (384), not true",
+        ),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_told_so(gw: GatewayProcess, body: dict[str, Any], param: str, says: str) -> None:
+    """Round 31: ``"model": 5`` was answered "'model' is required", and a ``dimensions`` string or
+    boolean "not supported except its own size (384)"."""
+    r = httpx.post(gw.url + "/v1/embeddings", json=body, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (400, param) and says in err["message"], err
+
+
 def test_dimensions_equal_to_the_model_size_is_accepted(gw: GatewayProcess) -> None:
     """``dimensions`` naming the model's own size is honoured as a no-op."""
     r = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": "x", "dimensions": 384})

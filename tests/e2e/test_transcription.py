@@ -143,6 +143,10 @@ def test_a_missing_file_a_json_body_and_translation_are_refused(gw: GatewayProce
     assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]["message"]
     r = httpx.post(gw.url + "/v1/audio/translations", data={"model": "whisper-1"}, files={"file": ("a.wav", CLIP)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+    # Round 31: two file parts (a form Starlette cannot read) named no field; as every bad upload, 'file'.
+    two = [("file", ("a.wav", CLIP)), ("file", ("b.wav", CLIP))]
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": "whisper-1"}, files=two)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
 
 
 def _variant(i: int) -> bytes:

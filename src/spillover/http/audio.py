@@ -64,6 +64,7 @@ from spillover.errors import (
     UnsupportedMediaType,
     to_http,
 )
+from spillover.http.fields import model_field
 from spillover.http.routes import content_codings, signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import SSE, Emit, OnMove, UnaryEndpoint
@@ -184,10 +185,10 @@ async def read_audio_form(request: Request, gw: Gateway, task: str, hold: Upload
         form = await Request(request.scope, receive).form(max_files=1, max_fields=32, max_part_size=64 * 1024)
     except ClientDisconnect as exc:  # gone mid-upload (or its body broke: http/server.py rule 7): no traceback
         raise ClientDisconnected("the client went away before its upload ended", param="file") from exc
-    except MultiPartException as exc:
-        raise InvalidRequest(f"the multipart body cannot be read: {exc.message}") from exc
+    except MultiPartException as exc:  # the form that carries the upload: named ``file``, as a bad upload is
+        raise InvalidRequest(f"the multipart body cannot be read: {exc.message}", param="file") from exc
     except HTTPException as exc:  # Starlette's own 400 for the same, inside an app: it had no code
-        raise InvalidRequest(f"the multipart body cannot be read: {exc.detail}") from exc
+        raise InvalidRequest(f"the multipart body cannot be read: {exc.detail}", param="file") from exc
     try:
         body: dict[str, Any] = {"task": task}
         granularities: list[str] = []
@@ -227,9 +228,7 @@ async def read_audio_form(request: Request, gw: Gateway, task: str, hold: Upload
         if size == 0:
             raise InvalidRequest("the file is empty (0 bytes): send the audio to transcribe", param="file")
         body["file"] = {"sha256": digest, "bytes": size, "name": (upload.filename or "audio")[:200]}
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise InvalidRequest("'model' is required", param="model")
+        model = model_field(body)
         svc = _service(gw, model)
         if size > svc.cfg.max_upload_mib * 1024 * 1024:
             raise PayloadTooLarge(f"the upload exceeds {svc.name}'s {svc.cfg.max_upload_mib} MiB limit", param="file")
@@ -302,9 +301,7 @@ def parse(body: Any, gw: Gateway) -> TranscribeRequest:
     """Rule 1 on a stored body (the upload must still be there)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a form")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required", param="model")
+    model = model_field(body)
     svc = _service(gw, model)
     task = body.get("task", "transcribe")
     if task == "translate" and svc.english_only:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from spillover.errors import ContextLengthExceeded, InvalidRequest, SpilloverError, to_http
 from spillover.http import jsonout
-from spillover.http.fields import check_fields, stored
+from spillover.http.fields import check_fields, model_field, stored
 from spillover.http.routes import signal_headers
 from spillover.runtime.run import Encoded
 from spillover.runtime.unary import Emit, OnMove, UnaryEndpoint
@@ -108,26 +108,38 @@ def parse_inputs(value: Any, svc: EmbeddingsService) -> list[list[int]]:
     return [svc.tokenizer.wrap(row) for row in ids]
 
 
+def _check_dimensions(body: dict[str, Any], dim: int, refusal: str) -> None:
+    """``dimensions``, when given, must be the model's own size: a 400 saying ``refusal`` for
+    another size, and saying what it must be for a value that is not an integer (round 31: a
+    string or a boolean got ``refusal``, which named the size it seemed to have)."""
+    dims = body.get("dimensions")
+    if dims is None:
+        return
+    if type(dims) is not int:
+        raise InvalidRequest(
+            f"'dimensions' must be an integer ({dim}), not {json.dumps(dims)[:40]}", param="dimensions"
+        )
+    if dims != dim:
+        raise InvalidRequest(refusal, param="dimensions")
+
+
 def parse_openai(body: Any, gw: Gateway) -> EmbedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     check_fields(body, "embeddings", gw.cfg.server.ignored_fields)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required", param="model")
+    model = model_field(body)
     svc = _service(gw, model)
     fmt = body.get("encoding_format")
     fmt = "float" if fmt is None else fmt
     if not isinstance(fmt, str) or fmt not in ("float", "base64"):
         raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-    dims = body.get("dimensions")
     assert svc.info is not None
-    if dims is not None and (type(dims) is not int or dims != svc.info.dim):
-        raise InvalidRequest(
-            f"'dimensions' is not supported by {svc.name} except its own size ({svc.info.dim}): "
-            "its vectors are not trained to be truncated",
-            param="dimensions",
-        )
+    _check_dimensions(
+        body,
+        svc.info.dim,
+        f"'dimensions' is not supported by {svc.name} except its own size ({svc.info.dim}): "
+        "its vectors are not trained to be truncated",
+    )
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string", param="user")
@@ -154,14 +166,10 @@ def parse_ollama(body: Any, gw: Gateway) -> EmbedRequest:
         raise InvalidRequest(
             "'truncate' is not supported: an input longer than the window is refused, never cut", param="truncate"
         )
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required", param="model")
+    model = model_field(body)
     svc = _service(gw, model)
     assert svc.info is not None
-    dims = body.get("dimensions")
-    if dims is not None and (type(dims) is not int or dims != svc.info.dim):
-        raise InvalidRequest(f"'dimensions' must be {svc.info.dim} for {svc.name}", param="dimensions")
+    _check_dimensions(body, svc.info.dim, f"'dimensions' must be {svc.info.dim} for {svc.name}")
     if "input" not in body:
         raise InvalidRequest("'input' is required", param="input")
     return EmbedRequest(model, svc.name, parse_inputs(body["input"], svc), "float", "ollama")

@@ -19,7 +19,7 @@ from typing import Any
 
 from spillover.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETION", "EMBEDDINGS", "HONOURED", "check_fields", "stored"]
+__all__ = ["CHAT", "COMPLETION", "EMBEDDINGS", "HONOURED", "check_fields", "model_field", "stored"]
 
 _COMMON = frozenset(
     {
@@ -88,6 +88,19 @@ def check_fields(body: dict[str, Any], endpoint: str, ignored: Iterable[str] = (
             "[server].ignored_fields)",
             param=name,
         )
+
+
+def model_field(body: dict[str, Any]) -> str:
+    """The body's ``model``: a 400 naming it when it is missing, or when it is given but is not a
+    non-empty string (round 31: ``"model": 5`` was answered "'model' is required")."""
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("'model' is required", param="model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            f"'model' must be a non-empty string naming a served model, not {_short(model)}", param="model"
+        )
+    return model
 
 
 def stored(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
