@@ -277,6 +277,10 @@ def test_delete_of_a_running_transcription_ends_it_cancelled(gw: GatewayProcess)
     assert r.headers["x-should-retry"] == "false"
     assert httpx.get(f"{gw.url}/v1/requests/{rid}").json()["state"] == "cancelled"
     wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
+    # Counted with the reason it ran where it ran, as a cancelled chat request is (round 31: "none").
+    metrics = httpx.get(f"{gw.url}/metrics").text.splitlines()
+    cancelled = [line for line in metrics if line.startswith('spillover_requests_total{outcome="cancelled"')]
+    assert cancelled and not [line for line in cancelled if 'reason="none"' in line], cancelled
 
 
 def test_a_long_file_while_the_gpu_is_full_goes_to_the_cpu_path_before_any_allocation_fails(

@@ -90,6 +90,7 @@ class UnaryRun:
     req: Any
     attempt: int = 0
     route: str | None = None
+    reason: str | None = None  # why it runs on its route (its last move's), for /metrics
     started_s: float = field(default_factory=time.monotonic)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled_by_user: bool = False
@@ -132,6 +133,8 @@ class UnaryRun:
     async def _move(self, state: str, fields: dict[str, Any]) -> None:
         if "route" in fields:
             self.route = fields["route"]
+        if "reason" in fields:
+            self.reason = str(fields["reason"])
         if "attempts" in fields:
             self.attempt = int(fields["attempts"])
         if self.gw.journal is None:
@@ -286,7 +289,10 @@ class UnaryRun:
         """Journal the outcome and count it; False when it is not durable yet."""
         try:
             self.gw.metrics.request_done(
-                self.route or "none", state.value, outcome.headers.get("X-Spillover-Reason", "none"),
+                # An answer says its reason; an error (a cancel) not, and counts its route's, as chat's
+                # does (round 31: a cancelled embeddings request was counted reason="none", route="gpu").
+                self.route or "none", state.value,
+                outcome.headers.get("X-Spillover-Reason") or (self.reason if self.route else None) or "none",
                 time.monotonic() - self.started_s, 0,
             )  # fmt: skip
             if state is State.COMPLETED and self.route is not None:
