@@ -194,6 +194,13 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
             assert f"needs at least {n + 10 + 16} tokens ({n + 10} in the prompt, 16 to answer" in r.text, r.text
             assert most - (n + 10) < 16
+            # A client's own context limit (Ollama's num_ctx, shrinkable by Ollama's rule) is not a
+            # lane: a generation there stops when that context is full, as Ollama's does.
+            ollama = {"model": "smollm2", "prompt": " apple" * 55, "raw": True, "stream": False}
+            r = http.post(
+                "/api/generate", json=ollama | {"options": {"num_ctx": 64, "num_predict": 16, "temperature": 0}}
+            )
+            assert r.status_code == 200 and r.json()["done"], r.text
 
 
 def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw: GatewayProcess) -> None:

@@ -91,11 +91,11 @@ def test_the_stall_bound_covers_the_next_chunk_at_a_rate_that_errs_long() -> Non
     over = svc.stall_overhead_units  # a request's fixed cost, in units
     assert svc.stall_bound_s(big, 2) == STALL_FACTOR * svc.initial_stall_rate * (big + over) * 2 > floor
     svc._measured(0.1, 1000.0 - over)  # the first measurement replaces the initial guess
-    assert svc._stall_rate == 0.0001
+    assert svc._stall_rate["gpu"] == 0.0001
     svc._measured(0.05, 1000.0 - over)  # faster: a fifth of the way
-    assert svc._stall_rate == 0.8 * 0.0001 + 0.2 * 0.00005
+    assert svc._stall_rate["gpu"] == 0.8 * 0.0001 + 0.2 * 0.00005
     svc._measured(5.0, 1000.0 - over)  # slower: at once
-    assert svc._stall_rate == 0.005
+    assert svc._stall_rate["gpu"] == 0.005
     # A 1-input query is mostly fixed cost (3 ms here): its rate keeps a large chunk's bound
     # a few times that chunk's own time (50 us a unit here), not hundreds of seconds.
     fresh = embeddings_service(DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9))
@@ -405,7 +405,7 @@ def test_the_queue_holds_no_more_than_its_depth_while_the_gpu_cannot_take_a_job(
     [
         ("gpu", 0.2, False),  # past STOP_WAIT_S, within the stall bound: busy, not hung
         ("gpu", None, True),  # never stops: hung, killed at the stall bound
-        ("cpu", 0.45, False),  # past the stall bound, within it at the CPU lane's speed (twice as slow)
+        ("cpu", 0.45, False),  # past the GPU's, within the CPU lane's (twice as slow)
         ("cpu", None, True),
     ],
 )
@@ -415,20 +415,23 @@ def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_
     """Round 31: a worker looks for a cancel between its events (a transcription's segments come
     a 30 s window at a time). A cancel waited a fixed ``STOP_WAIT_S`` for its stop, then killed
     the worker as hung: under load one window took longer, and every other request on the
-    worker failed over as a stall. It now waits as long as the next event may take (rule 3's
-    stall bound; on the CPU at that lane's measured speed) before it calls the worker hung."""
+    worker failed over as a stall. It now waits as long as the next event may take at its lane's
+    speed (within ``STOP_WAIT_S`` and ``STOP_WAIT_MAX_S``) before it calls the worker hung."""
     import spillover.runtime.service as service
     from spillover.core.reasons import Reason
+    from spillover.runtime.embeddings import chunk_units
     from spillover.runtime.events import Started
     from spillover.runtime.service import _Dispatch
 
     monkeypatch.setattr(service, "STOP_WAIT_S", 0.05)
+    monkeypatch.setattr(service, "STOP_WAIT_MAX_S", 2.0)
 
     async def main() -> list[str]:
         ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
         svc = embeddings_service(ledger)
-        svc.stall_bound_s = lambda units, slots: 0.3  # type: ignore[method-assign]
-        svc._rate = {"gpu": 0.1, "cpu": 0.2}
+        units = chunk_units([[1, 2]]) + svc.stall_overhead_units  # the request's one chunk
+        gpu_rate = 0.3 / (service.STALL_FACTOR * units)  # the GPU's stop bound: 0.3 s
+        svc._stall_rate = {"gpu": gpu_rate, "cpu": 2 * gpu_rate}  # the CPU's: 0.6 s
         loop = asyncio.get_running_loop()
         stopped: asyncio.Future[None] = loop.create_future()
         kills: list[str] = []
@@ -456,6 +459,8 @@ def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_
             spec=SimpleNamespace(worker_id=f"emb-{lane}", slots=1),
         )
         d = _Dispatch(worker, lane, Reason.FITS, 0)  # type: ignore[arg-type]
+        assert svc.stop_bound_s(d, 0) >= service.STOP_WAIT_S  # within the floor and the ceiling
+        assert svc.stop_bound_s(d, 1e12) == service.STOP_WAIT_MAX_S
 
         async def on_move(_state: str, _fields: dict[str, object]) -> None:
             return None

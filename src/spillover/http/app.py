@@ -443,20 +443,14 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         *ollama_routes(gw, generate, guard(authorize, ollama_error), _bounded_json),
     ]
 
-    def guard_refusal(exc: BaseException, path: str) -> Response:
-        """A refusal of the origin guard (``http.origin`` rules 1-3: a Host, an Origin, a body's
-        Content-Type): counted as any refusal before acceptance is (round 31: they were not)."""
-        if isinstance(exc, SpilloverError):
-            gw.metrics.request_refused(exc)
-        return _unrouted_error(exc, path)
-
     app = Starlette(
         routes=routes,
         middleware=[
             Middleware(
                 OriginGuard,
                 policy=HostPolicy.from_config(cfg.server),
-                refuse=guard_refusal,
+                refuse=_unrouted_error,
+                on_refused=gw.metrics.request_refused,  # counted as every refusal before acceptance
             )
         ],
         exception_handlers={HTTPException: on_http_exception, Exception: on_error},

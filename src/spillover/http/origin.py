@@ -210,12 +210,21 @@ class HostPolicy:
 
 class OriginGuard:
     """ASGI middleware: answers a request that ``policy`` refuses with ``refuse(error, path)``
-    (the path picks the answer's shape: Ollama's under ``/api/``)."""
+    (the path picks the answer's shape: Ollama's under ``/api/``), and tells ``on_refused`` of
+    each of its own refusals (the gateway counts them as refusals before acceptance)."""
 
-    def __init__(self, app: ASGIApp, *, policy: HostPolicy, refuse: Callable[[BaseException, str], Response]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        policy: HostPolicy,
+        refuse: Callable[[BaseException, str], Response],
+        on_refused: Callable[[SpilloverError], None] = lambda _error: None,
+    ) -> None:
         self.app = app
         self.policy = policy
         self.refuse = refuse
+        self.on_refused = on_refused
 
     def __repr__(self) -> str:
         return f"<OriginGuard hosts={sorted(self.policy.hosts)} any_host={self.policy.any_host}>"
@@ -225,6 +234,8 @@ class OriginGuard:
             await self.app(scope, receive, send)
             return
         error = self.policy.refusal(scope.get("method", "GET"), scope["headers"], scope.get("path", ""))
+        if error is not None:
+            self.on_refused(error)
         origin = self.policy.cors_origin(scope["headers"]) if scope["type"] == "http" else None
         if origin is not None:  # rule 4: whatever the answer, its page may read it
             await self._cors(origin, error, scope, receive, send)

@@ -270,27 +270,33 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
         cpu_tokens = await _render_or_400(chat.cpu_tokenizer, req)
         if cpu_tokens == tokens:
             cpu_tokens = None
-    cap = chat.context_cap_tokens(gw.device is not None)
-    if req.ctx_limit is not None:
-        cap = min(cap, req.ctx_limit)
+    lanes_cap = chat.context_cap_tokens(gw.device is not None)
+    cap = lanes_cap if req.ctx_limit is None else min(lanes_cap, req.ctx_limit)
     n = max(len(tokens), len(cpu_tokens or ()))
     allow_shrink = req.allow_shrink if req.allow_shrink is not None else gw.cfg.admission.shrink_by_default
-    # A max_tokens past every lane's context is refused, unless it may be shrunk to fit: to the
-    # least a shrunk answer gets (``MIN_SHRUNK_TOKENS``, as admission shrinks), or less when it
-    # asked for less. A shrinkable request with less room than that left got a 503 to retry,
-    # which no retry could pass (round 31).
-    if n >= cap or (req.max_tokens is not None and not fits_lane(n, req.max_tokens, cap, shrinkable=allow_shrink)):
-        least = allow_shrink and req.max_tokens is not None and req.max_tokens > MIN_SHRUNK_TOKENS
-        want = n + (MIN_SHRUNK_TOKENS if least else req.max_tokens or 1)
+    # A max_tokens past every lane's context is refused, unless it may be shrunk to fit.
+    if n >= cap or (req.max_tokens is not None and not allow_shrink and n + req.max_tokens > cap):
+        want = n + (req.max_tokens or 1)
         raise ContextLengthExceeded(
-            f"this request needs {'at least ' if least else ''}{want} tokens ({n} in the prompt"
-            + (f", {MIN_SHRUNK_TOKENS} to answer, the least a shrunk answer gets" if least else "")
-            + ") but "
+            f"this request needs {want} tokens ({n} in the prompt) but "
             + (
                 f"its own context limit is {cap} tokens"
                 if req.ctx_limit == cap
                 else f"the longest context any lane serves is {cap} tokens"
             ),
+            param="messages" if req.kind == "chat" else "prompt",
+        )
+    # One that may shrink needs room for the least a shrunk answer keeps (``MIN_SHRUNK_TOKENS``,
+    # or its max_tokens when fewer) on some lane, as admission counts it: with less, it got a 503
+    # to retry that no retry could pass (round 31). A client's own context limit (Ollama's
+    # ``num_ctx``) is not a lane: a generation there stops when that context is full.
+    least = min(len(tokens), len(cpu_tokens or tokens))  # the shorter prompt: some lane may run it
+    if req.max_tokens is not None and allow_shrink and not fits_lane(least, req.max_tokens, lanes_cap, shrinkable=True):
+        answer = min(req.max_tokens, MIN_SHRUNK_TOKENS)
+        raise ContextLengthExceeded(
+            f"this request needs at least {least + answer} tokens ({least} in the prompt, {answer} to answer: "
+            f"a shrunk answer keeps {MIN_SHRUNK_TOKENS}, or its max_tokens when fewer) but the longest "
+            f"context any lane serves is {lanes_cap} tokens",
             param="messages" if req.kind == "chat" else "prompt",
         )
     open_ended = req.max_tokens is None and gw.cfg.model.default_max_tokens == 0

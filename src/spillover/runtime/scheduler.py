@@ -521,7 +521,7 @@ class Scheduler:
     def _memory_coming(self, job: Job, d: Reject, now: float) -> bool:
         """A refusal for want of device memory, past ``delay_max_s``, of a job the CPU path cannot
         take (its worker down or restarting, its queue full, the job too long for it), when the
-        memory our own running requests hold would make room once they end: it comes back as
+        memory our own running requests hold (and a demotion under way) would make room: it comes back as
         they do (each end, and each device reading that changed, starts a pass), so the job waits
         for it, as for a slot (``_slot_coming``), up to the GPU lane's ``queue_max_age_s``. Memory another
         process holds (a tenant), or a job larger than all that can come back, is still refused
@@ -542,7 +542,7 @@ class Scheduler:
             return False
         tokens = lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
         need = self.policy.memory.request_footprint(job.prompt_tokens, tokens).total_bytes
-        return need <= room + returning_bytes(self.ledger, now)
+        return need <= room + returning_bytes(self.ledger, now) + self.demoting_bytes()  # rule 6a's, a demotion's too
 
     def _by_plan(self, d: Route | Reject) -> Route | Reject:
         """The cpu profile (``core.profiles``): no worker runs on the device, by plan, so a job

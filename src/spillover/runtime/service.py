@@ -36,9 +36,9 @@ Rules:
    attempt ends (done, error, cancel). The wait for that is bounded: a killed worker whose
    exit is not seen within ``[supervisor].health_timeout_s`` gives its lease back anyway. A
    worker looks for a cancel between its events (an embeddings chunk, a transcription's
-   segment), so a cancelled attempt's worker has as long to stop as its next event may take
-   (``stop_bound_s``: rule 3's stall bound on the GPU, the same at the CPU lane's measured
-   speed on the CPU, never less than ``STOP_WAIT_S``); past it, it is hung and killed.
+   segment), so a cancelled attempt's worker has as long to stop as its next event may take at
+   its lane's measured speed (``stop_bound_s``, from ``STOP_WAIT_S`` to ``STOP_WAIT_MAX_S``);
+   past it, it is hung and killed.
 5. A breaker per GPU worker (``core.breaker``) takes the GPU out of placement after
    repeated failures, as for chat.
 6. The pressure ladder: a batch-priority service whose GPU worker is idle may be demoted
@@ -121,6 +121,7 @@ OnPart = Callable[..., None]  # on_part(event, *, lane, reason, attempt)
 IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an event otherwise
 HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
 STOP_WAIT_S = 5.0  # the least a cancelled attempt waits for its worker to stop (``DeviceService.stop_bound_s``)
+STOP_WAIT_MAX_S = 30.0  # the most it waits: past it, the worker is hung and killed
 STALL_FACTOR = 4.0  # a GPU attempt stalls past this many times its expected time (rule 3)
 
 
@@ -260,8 +261,11 @@ class DeviceService(abc.ABC):
         self.load_waiting = False
         self.last_choice = ("none", "starting")
         self._rate = dict(self.initial_rate)  # running mean seconds per unit of work, per lane
-        self._stall_rate = self.initial_stall_rate  # GPU seconds a stall unit (rule 3), measured or not
-        self._stall_measured = False
+        # Seconds a stall unit per lane (rule 3's bound: the GPU's; rule 4's stop: each lane's),
+        # measured or not: the CPU's first guess is the GPU's, as much slower as the initial rates say.
+        cpu_slower = self.initial_rate["cpu"] / self.initial_rate["gpu"]
+        self._stall_rate = {"gpu": self.initial_stall_rate, "cpu": self.initial_stall_rate * cpu_slower}
+        self._stall_measured: set[str] = set()
         self._reserved: dict[str, int] = {}  # rid -> device bytes held by a running GPU attempt
         self._running_work: dict[str, float] = {}  # rid -> work of a dispatched attempt, for the ETA
         self.demoted = False
@@ -286,21 +290,22 @@ class DeviceService(abc.ABC):
         """What each wait for a GPU attempt's next event covers (rule 3)."""
         return StallSteps(self.stall_units(msg, work))
 
-    def _measured(self, seconds: float, units: float) -> None:
-        """A GPU attempt of ``units`` took ``seconds``. The first is the rate (the initial one is
+    def _measured(self, seconds: float, units: float, lane: str = "gpu") -> None:
+        """An attempt of ``units`` on ``lane`` took ``seconds``. The first is the rate (the initial one is
         a guess); after it, a slower one is the rate at once, a faster one moves it a fifth of the
         way (rule 3: a bound errs long). The request's fixed cost counts as its kind's
         ``stall_overhead_units``: else a tiny request's rate, which is mostly that cost, would
         stretch every large one's bound many times over."""
         rate = seconds / max(units + self.stall_overhead_units, 1e-9)
-        if self._stall_measured and rate <= self._stall_rate:
-            rate = 0.8 * self._stall_rate + 0.2 * rate
-        self._stall_rate, self._stall_measured = rate, True
+        if lane in self._stall_measured and rate <= self._stall_rate[lane]:
+            rate = 0.8 * self._stall_rate[lane] + 0.2 * rate
+        self._stall_rate[lane] = rate
+        self._stall_measured.add(lane)
 
     def stall_bound_s(self, units: float, slots: int) -> float:
         """How long a GPU attempt of ``units`` on a worker running up to ``slots`` requests at once
         may go without an event before it is a stall (rule 3)."""
-        expected = self._stall_rate * (units + self.stall_overhead_units)
+        expected = self._stall_rate["gpu"] * (units + self.stall_overhead_units)
         return max(self.gw.cfg.failover.stall_timeout_s, STALL_FACTOR * expected * slots)
 
     def __repr__(self) -> str:
@@ -551,8 +556,7 @@ class DeviceService(abc.ABC):
                 elif isinstance(ev, Done):
                     took = time.monotonic() - t0
                     self._note(d, "ok", took / max(work, 1e-3))
-                    if d.lane == "gpu":
-                        self._measured(took, self.stall_units(msg, work))
+                    self._measured(took, self.stall_units(msg, work), d.lane)
                     return (parts, ev)
                 elif isinstance(ev, Failed):  # the request's own fault (bad audio) says nothing of the GPU
                     self._note(d, fault_outcome(ev.kind), 0.0)
@@ -591,15 +595,14 @@ class DeviceService(abc.ABC):
 
     def stop_bound_s(self, d: _Dispatch, units: float) -> float:
         """How long a cancelled attempt's worker may take to stop (rule 4): as long as its next
-        event may take (it looks for the cancel between events), ``units`` of its kind's work
-        away: rule 3's stall bound, on the CPU stretched by how much slower the CPU lane is
-        measured to be; never less than ``STOP_WAIT_S``. A fixed 5 s killed a transcription
-        worker busy with one 30 s window under load, and with it every other request it ran
-        (a stall, failed over and replayed whole: round 31)."""
-        bound = self.stall_bound_s(units, d.worker.spec.slots)
-        if d.lane != "gpu":
-            bound *= max(1.0, self._rate["cpu"] / max(self._rate["gpu"], 1e-9))
-        return max(STOP_WAIT_S, bound)
+        event may take, ``units`` of its kind's work away (it looks for the cancel between
+        events), at its lane's measured seconds a unit, times ``STALL_FACTOR`` and the worker's
+        slots; within ``STOP_WAIT_S`` and ``STOP_WAIT_MAX_S``. A fixed 5 s killed a transcription
+        worker busy with one 30 s window under load, and with it every other request it ran (a
+        stall, failed over and replayed whole: round 31); the ceiling keeps a hung worker from
+        holding the request, and its slot, for long (the units can be a whole file's audio)."""
+        expected = self._stall_rate[d.lane] * (units + self.stall_overhead_units)
+        return min(STOP_WAIT_MAX_S, max(STOP_WAIT_S, STALL_FACTOR * expected * d.worker.spec.slots))
 
     async def _until_stopped(self, d: _Dispatch, rid: str, within_s: float) -> None:
         """Rule 4: the lease goes back only once the worker has let go of the request. One that
