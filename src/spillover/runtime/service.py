@@ -536,9 +536,8 @@ class DeviceService(abc.ABC):
         watchdog, pending = Watchdog(), functools.partial(d.worker.has_event, rid)  # its rule 4: no lost event
         try:
             while True:
-                bound = (
-                    self.stall_bound_s(steps.units, d.worker.spec.slots) if d.lane == "gpu" else None
-                )  # none on the CPU
+                # No stall bound on the CPU lane: only the GPU's next event is timed (rule 3).
+                bound = self.stall_bound_s(steps.units, d.worker.spec.slots) if d.lane == "gpu" else None
                 try:
                     async with watchdog.guard(bound, pending) if bound is not None else contextlib.nullcontext():
                         ev = await anext(events)
