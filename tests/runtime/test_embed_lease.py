@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,34 @@ def _ready_worker(wid: str, lane: str) -> WorkerClient:
     w = WorkerClient(WorkerSpec(wid, lane, "cpu", "", "", 1, 512, 1, 8), lambda _w, _g: None)
     w.state = WorkerState.READY
     return w
+
+
+def _working_worker(
+    worker_id: str,
+    stopped: asyncio.Future[None],
+    interrupt: Callable[[str], object],
+    kill: Callable[[str], Awaitable[None]],
+) -> Any:
+    """A stand-in worker whose attempt starts and works on: only its stop (``stopped``) ends it."""
+    from spillover.runtime.events import Started
+
+    async def request(_op: str, _msg: dict[str, object]):  # type: ignore[no-untyped-def]
+        yield Started()
+        await asyncio.Event().wait()
+        yield Started()  # pragma: no cover
+
+    return SimpleNamespace(
+        request=request,
+        has_event=lambda rid: False,
+        interrupt=interrupt,
+        when_stopped=lambda rid: None if stopped.done() else stopped,
+        kill=kill,
+        spec=SimpleNamespace(worker_id=worker_id, slots=1),
+    )
+
+
+async def _no_move(_state: str, _fields: dict[str, object]) -> None:
+    return None
 
 
 def _two_lanes() -> tuple[DeviceLedger, EmbeddingsService, WorkerClient, WorkerClient]:
@@ -203,7 +233,6 @@ def test_a_second_cancel_while_the_worker_stops_the_first_does_not_kill_the_work
     bound, ``STOP_WAIT_S``), the worker is not killed as hung (its other requests would fail),
     and the lease comes back once the worker has stopped the request."""
     from spillover.core.reasons import Reason
-    from spillover.runtime.events import Started
     from spillover.runtime.service import _Dispatch
 
     async def main() -> None:
@@ -215,28 +244,12 @@ def test_a_second_cancel_while_the_worker_stops_the_first_does_not_kill_the_work
         kills: list[str] = []
         interrupts: list[str] = []
 
-        async def request(_op: str, _msg: dict[str, object]):  # type: ignore[no-untyped-def]
-            yield Started()
-            await asyncio.Event().wait()  # the worker works on; only its stop ends this attempt
-            yield Started()  # pragma: no cover
-
         async def kill(why: str) -> None:
             kills.append(why)
 
-        worker = SimpleNamespace(
-            request=request,
-            has_event=lambda rid: False,
-            interrupt=interrupts.append,
-            when_stopped=lambda rid: None if stopped.done() else stopped,
-            kill=kill,
-            spec=SimpleNamespace(worker_id="emb-cpu", slots=1),
-        )
-        d = _Dispatch(worker, "cpu", Reason.CPU_LANE, 0)  # type: ignore[arg-type]
-
-        async def on_move(_state: str, _fields: dict[str, object]) -> None:
-            return None
-
-        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, on_move))
+        worker = _working_worker("emb-cpu", stopped, interrupts.append, kill)
+        d = _Dispatch(worker, "cpu", Reason.CPU_LANE, 0)
+        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, _no_move))
         await asyncio.sleep(0.01)
         task.cancel()  # the first DELETE: the worker is told to stop
         await asyncio.sleep(0.01)
@@ -420,7 +433,6 @@ def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_
     import spillover.runtime.service as service
     from spillover.core.reasons import Reason
     from spillover.runtime.embeddings import chunk_units
-    from spillover.runtime.events import Started
     from spillover.runtime.service import _Dispatch
 
     monkeypatch.setattr(service, "STOP_WAIT_S", 0.05)
@@ -436,11 +448,6 @@ def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_
         stopped: asyncio.Future[None] = loop.create_future()
         kills: list[str] = []
 
-        async def request(_op: str, _msg: dict[str, object]):  # type: ignore[no-untyped-def]
-            yield Started()
-            await asyncio.Event().wait()  # busy with its step; only its stop ends the attempt
-            yield Started()  # pragma: no cover
-
         async def kill(why: str) -> None:
             kills.append(why)
             if not stopped.done():
@@ -450,23 +457,11 @@ def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_
             if stops_after_s is not None:
                 loop.call_later(stops_after_s, lambda: stopped.done() or stopped.set_result(None))
 
-        worker = SimpleNamespace(
-            request=request,
-            has_event=lambda rid: False,
-            interrupt=interrupt,
-            when_stopped=lambda rid: None if stopped.done() else stopped,
-            kill=kill,
-            spec=SimpleNamespace(worker_id=f"emb-{lane}", slots=1),
-        )
-        d = _Dispatch(worker, lane, Reason.FITS, 0)  # type: ignore[arg-type]
+        d = _Dispatch(_working_worker(f"emb-{lane}", stopped, interrupt, kill), lane, Reason.FITS, 0)
         assert svc.stop_bound_s(d, 0) >= service.STOP_WAIT_S  # within the floor and the ceiling
         assert svc.stop_bound_s(d, 1e12) == service.STOP_WAIT_MAX_S
-
-        async def on_move(_state: str, _fields: dict[str, object]) -> None:
-            return None
-
         svc.gw.note_event = lambda *_a: None  # type: ignore[method-assign]
-        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, on_move))
+        task = asyncio.create_task(svc._run_on(d, "r1", {"inputs": [[1, 2]], "batch_size": 1}, 1.0, _no_move))
         await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
