@@ -194,13 +194,24 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
             assert f"needs at least {n + 10 + 16} tokens ({n + 10} in the prompt, 16 to answer" in r.text, r.text
             assert most - (n + 10) < 16
-            # A client's own context limit (Ollama's num_ctx, shrinkable by Ollama's rule) is not a
-            # lane: a generation there stops when that context is full, as Ollama's does.
+            # Ollama's rule: a generation stops when its context is full. With less room than a
+            # shrunk answer keeps, a num_predict past it was the 400 above; it runs to the cap.
+            ollama = {"model": "smollm2", "prompt": tight["prompt"], "raw": True, "stream": False}
+            r = http.post("/api/generate", json=ollama | {"options": {"num_predict": 100, "temperature": 0}})
+            assert r.status_code == 200 and r.json()["done"], r.text
+            a = r.json()
+            assert a["prompt_eval_count"] == n + 10 and 1 <= a["eval_count"] <= most - (n + 10), a
+            assert a["eval_count"] == most - (n + 10) or a["done_reason"] == "stop", a
+            # A client's own context limit (Ollama's num_ctx) is not a lane, and it holds for an
+            # explicit num_predict: the output stopped past it (at num_predict), not at the limit.
             ollama = {"model": "smollm2", "prompt": " apple" * 55, "raw": True, "stream": False}
             r = http.post(
                 "/api/generate", json=ollama | {"options": {"num_ctx": 64, "num_predict": 16, "temperature": 0}}
             )
             assert r.status_code == 200 and r.json()["done"], r.text
+            a = r.json()
+            assert 50 < a["prompt_eval_count"] < 64 and 1 <= a["eval_count"] <= 64 - a["prompt_eval_count"], a
+            assert a["eval_count"] == 64 - a["prompt_eval_count"] or a["done_reason"] == "stop", a
 
 
 def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw: GatewayProcess) -> None:

@@ -199,7 +199,9 @@ def parse_ollama_generate(body: Any, default_model: str) -> GenerationRequest:
 
 
 def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
-    return dataclasses.replace(req, ctx_limit=num_ctx) if num_ctx is not None else req
+    """Ollama's context rule (rule 1): the output stops when the context (``num_ctx``, or the
+    lanes' cap) is full; ``num_predict`` is never refused for the room it asks."""
+    return dataclasses.replace(req, ctx_limit=num_ctx, stops_at_context=True)
 
 
 def ollama_error_body(err: BaseException) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -62,6 +62,9 @@ class GenerationRequest:
     logprobs: int = -1  # -1: none; N >= 0: each token's log-probability and the N likeliest
     response_format: dict[str, Any] | None = None  # json_object / json_schema (None: text)
     ctx_limit: int | None = None  # the client's own context limit (Ollama's num_ctx): prompt + output
+    # The output stops when its context is full (Ollama's rule): max_tokens is cut to the room
+    # the context (``ctx_limit`` or the lanes' cap) leaves after the prompt, never refused for it.
+    stops_at_context: bool = False
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields a worker takes as they are."""
@@ -274,6 +277,8 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     cap = lanes_cap if req.ctx_limit is None else min(lanes_cap, req.ctx_limit)
     n = max(len(tokens), len(cpu_tokens or ()))
     allow_shrink = req.allow_shrink if req.allow_shrink is not None else gw.cfg.admission.shrink_by_default
+    if req.stops_at_context and req.max_tokens is not None and n < cap and n + req.max_tokens > cap:
+        req = replace(req, max_tokens=cap - n)  # as many as the context holds, no more
     # A max_tokens past every lane's context is refused, unless it may be shrunk to fit.
     if n >= cap or (req.max_tokens is not None and not allow_shrink and n + req.max_tokens > cap):
         want = n + (req.max_tokens or 1)
