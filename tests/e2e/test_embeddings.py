@@ -245,7 +245,8 @@ def test_delete_of_a_running_embeddings_request_ends_it_cancelled(gw: GatewayPro
         r = out["r"]
         assert r.status_code == 409 and r.json()["error"]["code"] == "request_cancelled"
         assert r.headers["x-should-retry"] == "false"
-        assert c.get(f"/v1/requests/{rid}").json()["state"] == "cancelled"
+        rec = c.get(f"/v1/requests/{rid}").json()
+        assert rec["state"] == "cancelled" and (rec["route"], r.headers["x-spillover-route"]) == ("gpu", "gpu")
     wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
     time.sleep(6)  # past the gateway's wait for a cancelled request's end: the worker was never killed
     assert _service_worker(gw, "gpu")["pid"] == pid and _service_worker(gw, "gpu")["state"] == "ready"

@@ -275,7 +275,10 @@ def test_delete_of_a_running_transcription_ends_it_cancelled(gw: GatewayProcess)
     r = out["r"]
     assert r.status_code == 409 and r.json()["error"]["code"] == "request_cancelled"
     assert r.headers["x-should-retry"] == "false"
-    assert httpx.get(f"{gw.url}/v1/requests/{rid}").json()["state"] == "cancelled"
+    rec = httpx.get(f"{gw.url}/v1/requests/{rid}").json()
+    assert rec["state"] == "cancelled"
+    # the answer says where it ran, as its record does (round 33: the 409 said route none)
+    assert rec["route"] in ("gpu", "cpu") and r.headers["x-spillover-route"] == rec["route"], (rec, r.headers)
     wait_for(lambda: _service(gw)["running"] == 0 and _service(gw)["reserved_bytes"] == 0, 30, "lease back")
     # Counted with the reason it ran where it ran, as a cancelled chat request is (round 31: "none").
     metrics = httpx.get(f"{gw.url}/metrics").text.splitlines()

@@ -204,7 +204,7 @@ class UnaryRun:
             err = RequestCancelled(f"request {self.rid} was cancelled") if self.cancelled_by_user else None
             return _answer(await asyncio.shield(self._settle(err or as_error(exc, self.rid))))
         if not await asyncio.shield(self._store(State.COMPLETED, outcome)):  # sent only once durable
-            return _answer(self.ep.error(not_durable(self.rid), self.rid))
+            return _answer(self._error(not_durable(self.rid)))
         return _answer(outcome)
 
     async def _stream(self) -> AsyncGenerator[bytes, None]:
@@ -281,8 +281,16 @@ class UnaryRun:
                 await asyncio.wait({self._task}, timeout=STOPPING_WAIT_S)
             else:
                 await asyncio.gather(self._task, return_exceptions=True)
-        outcome = self.ep.error(err, self.rid)
+        outcome = self._error(err)
         await self._store(classify_error(err), outcome)
+        return outcome
+
+    def _error(self, err: SpilloverError) -> Encoded:
+        """``err`` as the whole answer; one that ran somewhere says where in its
+        ``X-Spillover-Route``, as its record and chat's errors do (it said ``none``)."""
+        outcome = self.ep.error(err, self.rid)
+        if self.route is not None:
+            outcome.headers["X-Spillover-Route"] = self.route
         return outcome
 
     async def _store(self, state: State, outcome: Encoded) -> bool:
