@@ -40,6 +40,9 @@ def test_the_device_runs_the_planned_split(gw: GatewayProcess) -> None:
     assert 0 < st["device"]["ledger"]["predicted_bytes"] <= plan["split_bytes"]
     # before any request was decided, the row already says where one would start
     assert (st["services"][0]["where"], st["services"][0]["why"]) == ("split", "resident_does_not_fit")
+    # the GPU lane's row shows the split worker's context, the longest it serves (round 33: the
+    # resident's configured 2048, which does not run here)
+    assert [(x["lane"], x["ctx_cap_tokens"]) for x in st["lanes"]] == [("gpu", 1024), ("cpu", 1024)], st["lanes"]
 
 
 def test_a_request_is_served_split_flagged_with_the_reason(gw: GatewayProcess) -> None:
@@ -174,6 +177,8 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
         most = plan["resident_tokens"]
         assert plan["profile"] == "gpu" and f"requests up to about {most} tokens fit" in plan["why"], plan
         assert 1100 < most < 2048, plan  # past the CPU lane's cap (1024), short of the GPU lane's
+        lanes = [(x["lane"], x["ctx_cap_tokens"]) for x in g.status()["lanes"]]
+        assert lanes == [("gpu", most), ("cpu", 1024)], lanes  # the most it holds, not the configured 2048
         with httpx.Client(base_url=g.url, timeout=120) as http:
             prompt = " apple" * (most - 20)
             r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4 * most})

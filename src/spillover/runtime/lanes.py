@@ -157,8 +157,9 @@ class Lane:
         job.estimated_delay_ms = int(self.estimated_delay_s() * 1000)
         self.queue.append(job)
 
-    def statistics(self, now: float, workers: list[WorkerClient]) -> LaneStatistics:
-        """A frozen snapshot of this lane, served by ``workers``."""
+    def statistics(self, now: float, workers: list[WorkerClient], ctx_cap_tokens: int | None = None) -> LaneStatistics:
+        """A frozen snapshot of this lane, served by ``workers`` whose longest context is
+        ``ctx_cap_tokens`` (by default the lane's configured cap)."""
         return LaneStatistics(
             lane=self.name,
             depth=len(self.queue),
@@ -166,7 +167,7 @@ class Lane:
             oldest_age_s=round(now - self.queue[0].enqueued_s, 3) if self.queue else 0.0,
             running=sum(w.busy for w in workers),
             slots=sum(w.spec.slots for w in workers),
-            ctx_cap_tokens=self.cfg.ctx_cap_tokens,
+            ctx_cap_tokens=self.cfg.ctx_cap_tokens if ctx_cap_tokens is None else ctx_cap_tokens,
             admitted_total=self.admitted_total,
             shed_total=self.shed_total,
             expired_total=self.expired_total,

@@ -844,5 +844,10 @@ class Scheduler:
     def statistics(self) -> list[LaneStatistics]:
         """A frozen snapshot of each lane, the GPU lane first."""
         now = self.clock()
-        lanes = ((self.gpu, self.gpu_workers), (self.cpu, self.cpu_workers))
-        return [lane.statistics(now, workers) for lane, workers in lanes if lane is not None]
+        out = [self.cpu.statistics(now, self.cpu_workers)]
+        if self.gpu is not None:  # the longest context it serves: the resident's (fewer tokens on a
+            # small device) or the split worker's, as admission counts them (it showed its configured cap)
+            caps = [self.gpu_ctx_cap_tokens] if self.gpu_workers else []
+            caps += [self.split_ctx_cap_tokens] if self.split_workers else []
+            out.insert(0, self.gpu.statistics(now, self.gpu_workers, max(caps) if caps else None))
+        return out
