@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import pytest
 
@@ -236,5 +237,37 @@ def test_a_job_the_cpu_cannot_take_waits_for_memory_our_running_requests_hold(
         with pytest.raises(CapacityError) as got:
             await asyncio.wait_for(third.future, 1)
         assert got.value.code == "too_long_for_cpu"
+
+    asyncio.run(main())
+
+
+def test_a_job_that_waited_for_memory_to_its_maximum_age_says_what_it_waited_out(memory: MemoryModel) -> None:
+    """Round 32, left then: a job waiting for the memory our running requests hold ended
+    ``queue_timeout`` saying only "waited 30s in the gpu queue"; it names the refusal it waited
+    out, as the CPU lane's timeout names its hold."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, _ = _scheduler(memory, clock, READY, READY)
+        s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
+        s.gpu_ctx_cap_tokens = 2048
+        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
+        assert s.ledger is not None and s.gpu is not None
+        need = memory.request_footprint(1500, 16).total_bytes
+        s.ledger.capacity_bytes = s.ledger.margin_bytes + need + 10 * MIB  # one long request at a time
+        first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
+        s.submit_nowait(first)
+        await asyncio.wait_for(first.future, 1)
+        second = Job(rid="b", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
+        s.submit_nowait(second)
+        clock.advance(5.0)  # past delay_max_s: it waits for the first's memory
+        s.pump_once()
+        assert not second.future.done() and second.waits_for.endswith("+too_long_for_cpu"), second.waits_for
+        clock.advance(s.gpu.cfg.queue_max_age_s)  # the first never ends
+        s.pump_once()
+        said = re.escape(f"in the gpu queue (waiting out: {second.waits_for})")
+        with pytest.raises(CapacityError, match=said) as got:
+            second.future.result()
+        assert got.value.code == "queue_timeout"
 
     asyncio.run(main())

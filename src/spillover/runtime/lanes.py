@@ -53,6 +53,7 @@ class Job:
     # a device worker must have to take it back (the failed worker's), as the CPU replica must
     fingerprint: tuple[str, str] | None = None
     released: bool = False  # its lease (slot, reservation) was given back
+    waits_for: str = ""  # the refusal it waits out (a worker, a slot, memory coming): named if it times out
 
     @property
     def dispatch(self) -> Dispatch | None:

@@ -347,6 +347,7 @@ class Scheduler:
                 lane.queue.remove(job)
                 lane.expired_total += 1
                 held = f" (held: {self.cpu_blocked})" if lane is self.cpu and self.cpu_blocked else ""
+                held = held or (f" (waiting out: {job.waits_for})" if job.waits_for else "")
                 self._fail(
                     job,
                     CapacityError(
@@ -415,8 +416,10 @@ class Scheduler:
             d = self._by_plan(d)
         if isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now)):
             # What could take it comes (a worker, a slot, our own requests' memory): it waits.
+            job.waits_for = d.reason
             self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
+        job.waits_for = ""
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
             self._dispatch_gpu(job, d, now, self.gpu)
