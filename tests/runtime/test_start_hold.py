@@ -271,3 +271,49 @@ def test_a_job_that_waited_for_memory_to_its_maximum_age_says_what_it_waited_out
         assert got.value.code == "queue_timeout"
 
     asyncio.run(main())
+
+
+def test_a_shrinkable_job_waits_for_memory_its_least_form_fits(memory: MemoryModel) -> None:
+    """Round 32, left then: a shrinkable job the CPU cannot take was sized at its capped form to
+    decide whether the memory our running requests hold would make room; where only its shrunk
+    form ever fits, it was refused at once, though admission shrinks it to the room once that
+    memory comes back. It waits, and runs shrunk; with no room even for its least form once our
+    requests end, it is still refused at once."""
+
+    async def main() -> None:
+        clock = FakeClock(100.0)
+        s, _, _ = _scheduler(memory, clock, READY, READY)
+        gpu = s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
+        s.gpu_ctx_cap_tokens = 2048
+        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
+        assert s.ledger is not None
+        least = memory.request_footprint(1500, 16).total_bytes
+        capped = memory.request_footprint(1500, 548).total_bytes
+        assert capped > least + 10 * MIB  # the capped form is past the room below
+        s.ledger.capacity_bytes = s.ledger.margin_bytes + least + 5 * MIB
+        first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
+        s.submit_nowait(first)
+        await asyncio.wait_for(first.future, 1)
+        second = Job(rid="b", prompt_tokens=1500, max_tokens=900, arrived_s=clock(), allow_shrink=True)
+        s.submit_nowait(second)
+        clock.advance(5.0)  # past delay_max_s: the first holds the memory
+        s.pump_once()
+        assert not second.future.done(), second.future
+        s.ledger.release("a")
+        gpu.release_slot("a")
+        s.pump_once()
+        d2 = await asyncio.wait_for(second.future, 1)
+        assert d2.worker is gpu and 16 <= d2.max_tokens < 548, d2
+        # the device holds less than its least form even with ours back: refused at once
+        s.ledger.release("b")
+        gpu.release_slot("b")
+        s.ledger.capacity_bytes = s.ledger.margin_bytes + least - MIB
+        third = Job(rid="c", prompt_tokens=1500, max_tokens=900, arrived_s=clock(), allow_shrink=True)
+        s.submit_nowait(third)
+        clock.advance(5.0)
+        s.pump_once()
+        with pytest.raises(CapacityError) as got:
+            await asyncio.wait_for(third.future, 1)
+        assert got.value.code == "too_long_for_cpu"
+
+    asyncio.run(main())

@@ -527,9 +527,10 @@ class Scheduler:
         memory our own running requests hold (and a demotion under way) would make room: it comes back as
         they do (each end, and each device reading that changed, starts a pass), so the job waits
         for it, as for a slot (``_slot_coming``), up to the GPU lane's ``queue_max_age_s``. Memory another
-        process holds (a tenant), or a job larger than all that can come back, is still refused
-        at once. On a device just too small for the lane's cap, a shrinkable request over the
-        CPU's cap was a 503 whenever any request ran beside it (round 30, left then)."""
+        process holds (a tenant), or a job larger than all that can come back (at its least, when
+        it may shrink), is still refused at once. On a device just too small for the lane's cap, a
+        shrinkable request over the CPU's cap was a 503 whenever any request ran beside it (round
+        30, left then)."""
         assert self.ledger is not None and self.policy is not None and self.gpu is not None
         if d.cause not in MEMORY_CAUSES or not any(w.state is WorkerState.READY for w in self.gpu_workers):
             return False
@@ -543,7 +544,8 @@ class Scheduler:
         room = self.ledger.headroom(now)
         if room is None:
             return False
-        tokens = lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
+        # one that may shrink needs room for its least form (admission shrinks it to the room there is)
+        tokens = min(job.max_tokens, MIN_SHRUNK_TOKENS) if job.allow_shrink else job.max_tokens
         need = self.policy.memory.request_footprint(job.prompt_tokens, tokens).total_bytes
         return need <= room + returning_bytes(self.ledger, now) + self.demoting_bytes()  # rule 6a's, a demotion's too
 
