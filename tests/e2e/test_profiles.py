@@ -207,6 +207,16 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
             a = r.json()
             assert a["prompt_eval_count"] == n + 10 and 1 <= a["eval_count"] <= most - (n + 10), a
             assert a["eval_count"] == most - (n + 10) or a["done_reason"] == "stop", a
+            # cut, it says so as a shrunk OpenAI request does (it said shrunk: false); a num_predict
+            # past any context is cut the same (it was a 400 naming max_tokens); null is not given
+            assert (a["spillover"]["shrunk"], a["spillover"]["limits"]["max_tokens"]) == (True, most - (n + 10)), a
+            huge = {"num_predict": 10**7, "num_ctx": None, "temperature": 0}
+            r = http.post("/api/generate", json=ollama | {"options": huge})
+            assert r.status_code == 200 and r.json()["spillover"]["limits"]["max_tokens"] == most - (n + 10), r.text
+            # a prompt alone past its own limit needs one token more than the prompt, not num_predict more
+            r = http.post("/api/generate", json=ollama | {"prompt": "Hi there", "options": {"num_ctx": 1}})
+            assert r.status_code == 400 and r.json()["code"] == "context_length_exceeded", r.text
+            assert r.json()["detail"].endswith("needs 3 tokens (2 in the prompt) but its own context limit is 1 token")
             # A client's own context limit (Ollama's num_ctx) is not a lane, and it holds for an
             # explicit num_predict: the output stopped past it (at num_predict), not at the limit.
             ollama = {"model": "smollm2", "prompt": " apple" * 55, "raw": True, "stream": False}

@@ -10,9 +10,10 @@ Rules:
 
 1. Sampling options are honoured (``temperature``, ``top_p``, ``top_k``, ``min_p``,
    ``seed``, ``stop``, ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``,
-   ``num_predict``), with Ollama's defaults where the request gives none. ``num_ctx`` limits
-   prompt + output (it cannot grow a lane's context). A generation stops when its context is
-   full, as Ollama's does (shrink-to-fit is on).
+   ``num_predict``), with Ollama's defaults where the request gives none (``null`` is none).
+   ``num_ctx`` limits prompt + output (it cannot grow a lane's context). A generation stops
+   when its context is full, as Ollama's does: ``num_predict`` is cut to the room the prompt
+   leaves (reported ``shrunk``), and shrink-to-fit is on.
 2. Options that place or load a model (``num_gpu``, ``num_thread``, ``use_mmap``, ...) are
    refused: spillover decides placement. ``keep_alive`` is accepted: the model stays loaded
    while spillover runs, and the pressure ladder, not the client, moves it.
@@ -33,7 +34,7 @@ from typing import Any
 
 from spillover.errors import InvalidRequest, SpilloverError, to_http
 from spillover.http.openai import AnswerShapes, logprob_entry
-from spillover.http.schemas import parse_chat, parse_completion
+from spillover.http.schemas import MAX_TOKENS, parse_chat, parse_completion
 from spillover.runtime.executor import TokenOut
 from spillover.runtime.prepare import GenerationRequest
 from spillover.runtime.run import Encoded, Run
@@ -95,6 +96,8 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     out: dict[str, Any] = dict(DEFAULTS)
     num_ctx = None
     for name, value in opts.items():
+        if value is None:  # null: not given, as Ollama reads it
+            continue
         if name in SAMPLING:
             out[name] = value
         elif name == "num_predict":
@@ -103,8 +106,8 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
                     "'num_predict' must be -1 (no limit), -2 (fill the context) or positive",
                     param="options.num_predict",
                 )
-            if value > 0:
-                out["max_tokens"] = value
+            if value > 0:  # past any context: it stops when its context is full (rule 1)
+                out["max_tokens"] = min(value, MAX_TOKENS)
         elif name == "num_ctx":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest("'num_ctx' must be a positive integer", param="options.num_ctx")

@@ -14,9 +14,10 @@ from spillover.errors import InvalidRequest
 from spillover.http.fields import check_fields, stored
 from spillover.runtime.prepare import GenerationRequest
 
-__all__ = ["parse_chat", "parse_completion", "positive_ms", "stored_body"]
+__all__ = ["MAX_TOKENS", "parse_chat", "parse_completion", "positive_ms", "stored_body"]
 
 MAX_STOPS = 4
+MAX_TOKENS = 1 << 20  # the largest max_tokens asked (no context is longer)
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_DEADLINE_MS = 86_400_000  # a day: longer "deadlines" are not deadlines
@@ -104,9 +105,9 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     if prefer not in ("auto", "cpu"):
         raise InvalidRequest("'spillover.prefer' must be 'auto' or 'cpu'", param="spillover.prefer")
     deadline_ms = positive_ms(ext.get("deadline_ms"), "spillover.deadline_ms")
-    max_tokens = _int_opt(body, "max_completion_tokens", 1, 1 << 20)
+    max_tokens = _int_opt(body, "max_completion_tokens", 1, MAX_TOKENS)
     if max_tokens is None:
-        max_tokens = _int_opt(body, "max_tokens", 1, 1 << 20)
+        max_tokens = _int_opt(body, "max_tokens", 1, MAX_TOKENS)
     user = body.get("user")
     for name in ("user", "safety_identifier", "prompt_cache_key"):  # labels and hints: strings
         if body.get(name) is not None and not isinstance(body[name], str):

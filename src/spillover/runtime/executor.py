@@ -143,6 +143,7 @@ class Execution:
     cpu_tokens: list[int] | None = None  # the prompt for the CPU lane's fallback model, when it differs
     cpu_fallback: bool = False  # the CPU lane serves a configured fallback model, not a replica
     open_ended: bool = False  # no max_tokens asked: up to the serving lane's context limit
+    cut: bool = False  # its max_tokens was cut to its context's room before it queued: shrunk wherever it runs
     stream_coalesce_s: float = 0.0  # how long a streamed token may wait to go with the next ones
     _watchdog: Watchdog = field(default_factory=Watchdog)  # ``_next``'s bound: one timer for many tokens
     _returning: set[asyncio.Future[None]] = field(default_factory=set)  # leases whose worker has not stopped yet
@@ -473,7 +474,7 @@ class Execution:
                 worker_id=d.worker.spec.worker_id,
                 max_tokens=d.max_tokens,
                 kv_tokens=d.kv_tokens,
-                shrunk=(d.shrunk or d.max_tokens < self.max_tokens) and not self.open_ended,
+                shrunk=(d.shrunk or d.max_tokens < self.max_tokens or self.cut) and not self.open_ended,
                 queued_s=d.queued_s,
                 queue_position=d.queue_position,
                 estimated_delay_ms=d.estimated_delay_ms,

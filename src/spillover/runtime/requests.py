@@ -300,6 +300,7 @@ class RequestService:
             incremental=prep.req.stream and prep.req.forced_tool is None,
             allow_shrink=prep.allow_shrink,
             open_ended=prep.open_ended,
+            cut=prep.cut,
             attempt=resume_attempts or 0,
             cpu_tokens=prep.cpu_tokens,
         )
