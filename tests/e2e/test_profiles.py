@@ -152,6 +152,8 @@ def test_a_device_too_small_for_any_request_runs_no_resident_worker() -> None:
         assert "split" not in plan["why"]
         assert [w["worker_id"] for w in st["workers"]] == ["cpu0"]
         assert st["device"]["ledger"]["predicted_bytes"] == 0
+        # the GPU lane's row serves no context by plan (it showed the configured 2048)
+        assert [(x["lane"], x["ctx_cap_tokens"]) for x in st["lanes"]] == [("gpu", 0), ("cpu", 1024)], st["lanes"]
         assert st["mode"] == "degraded" and any(r.startswith("cpu profile:") for r in st["reasons"])
         assert "gpu worker not ready" not in st["reasons"]
         r = httpx.post(f"{g.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
@@ -227,6 +229,11 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
             a = r.json()
             assert 50 < a["prompt_eval_count"] < 64 and 1 <= a["eval_count"] <= 64 - a["prompt_eval_count"], a
             assert a["eval_count"] == 64 - a["prompt_eval_count"] or a["done_reason"] == "stop", a
+            # the client's own limit cut it, not spillover's: not shrunk, no notice
+            assert (a["spillover"]["shrunk"], a["spillover"]["notice"]) == (False, None), a
+            # a null option is not given, but an option that is never taken is refused, null or not
+            r = http.post("/api/generate", json=ollama | {"options": {"num_gpu": None}})
+            assert r.status_code == 400 and r.json()["param"] == "options.num_gpu", r.text
 
 
 def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw: GatewayProcess) -> None:

@@ -13,7 +13,8 @@ Rules:
    ``num_predict``), with Ollama's defaults where the request gives none (``null`` is none).
    ``num_ctx`` limits prompt + output (it cannot grow a lane's context). A generation stops
    when its context is full, as Ollama's does: ``num_predict`` is cut to the room the prompt
-   leaves (reported ``shrunk``), and shrink-to-fit is on.
+   leaves (reported ``shrunk`` when the lanes' context, not ``num_ctx``, cut it), and
+   shrink-to-fit is on.
 2. Options that place or load a model (``num_gpu``, ``num_thread``, ``use_mmap``, ...) are
    refused: spillover decides placement. ``keep_alive`` is accepted: the model stays loaded
    while spillover runs, and the pressure ladder, not the client, moves it.
@@ -96,6 +97,12 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     out: dict[str, Any] = dict(DEFAULTS)
     num_ctx = None
     for name, value in opts.items():
+        if name in PLACEMENT:
+            raise InvalidRequest(
+                f"option '{name}' is not supported: spillover decides where the model runs", param=f"options.{name}"
+            )
+        if name not in SAMPLING and name not in ("num_predict", "num_ctx"):
+            raise InvalidRequest(f"option '{name}' is not supported", param=f"options.{name}")
         if value is None:  # null: not given, as Ollama reads it
             continue
         if name in SAMPLING:
@@ -112,12 +119,6 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest("'num_ctx' must be a positive integer", param="options.num_ctx")
             num_ctx = value
-        elif name in PLACEMENT:
-            raise InvalidRequest(
-                f"option '{name}' is not supported: spillover decides where the model runs", param=f"options.{name}"
-            )
-        else:
-            raise InvalidRequest(f"option '{name}' is not supported", param=f"options.{name}")
     fmt = body.get("format")
     if fmt == "json":
         out["response_format"] = {"type": "json_object"}

@@ -135,7 +135,7 @@ class Prepared:
     open_ended: bool = False
     allow_shrink: bool = False
     chat: ChatModel | None = None  # the chat model that serves it (None: the gateway's primary)
-    cut: bool = False  # max_tokens was cut to the room its context leaves (``stops_at_context``): shrunk
+    cut: bool = False  # max_tokens was cut to the room the lanes' context leaves (``stops_at_context``): shrunk
 
 
 def _tool_system_prompt(req: GenerationRequest) -> dict[str, Any]:
@@ -278,9 +278,10 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     cap = lanes_cap if req.ctx_limit is None else min(lanes_cap, req.ctx_limit)
     n = max(len(tokens), len(cpu_tokens or ()))
     allow_shrink = req.allow_shrink if req.allow_shrink is not None else gw.cfg.admission.shrink_by_default
-    cut = req.stops_at_context and req.max_tokens is not None and n < cap and n + req.max_tokens > cap
-    if cut:
+    cut = False  # by spillover's context (the lanes' cap), not the client's own num_ctx
+    if req.stops_at_context and req.max_tokens is not None and n < cap and n + req.max_tokens > cap:
         req = replace(req, max_tokens=cap - n)  # as many as the context holds, no more
+        cut = cap == lanes_cap
     # A max_tokens past every lane's context is refused, unless it may be shrunk to fit.
     if n >= cap or (req.max_tokens is not None and not allow_shrink and n + req.max_tokens > cap):
         want = n + (1 if req.stops_at_context else req.max_tokens or 1)  # the least it could run with

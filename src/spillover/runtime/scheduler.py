@@ -851,8 +851,10 @@ class Scheduler:
         now = self.clock()
         out = [self.cpu.statistics(now, self.cpu_workers)]
         if self.gpu is not None:  # the longest context it serves: the resident's (fewer tokens on a
-            # small device) or the split worker's, as admission counts them (it showed its configured cap)
+            # small device) or the split worker's, as admission counts them (it showed its configured
+            # cap); none by plan (the cpu profile)
             caps = [self.gpu_ctx_cap_tokens] if self.gpu_workers else []
             caps += [self.split_ctx_cap_tokens] if self.split_workers else []
-            out.insert(0, self.gpu.statistics(now, self.gpu_workers, max(caps) if caps else None))
+            cap = max(caps) if caps else 0 if self.off_device else None
+            out.insert(0, self.gpu.statistics(now, self.gpu_workers, cap))
         return out
