@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from spillover.runtime import readiness as readiness_mod
 from spillover.runtime.hostmem import CpuLaneHost, HostMemory
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
@@ -110,13 +111,21 @@ def test_two_replicas_never_spend_the_same_room() -> None:
     assert h.replicas_bytes() == 60
 
 
-def test_a_replica_without_contexts_moves_up_with_a_tenth_of_its_model_to_spare() -> None:
+def test_a_replica_without_contexts_moves_up_with_a_tenth_of_its_model_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Hysteresis for a replica whose contexts cost nothing: exactly its model's room is not
-    enough to load (the next reading's noise would unload it again); a tenth more is."""
+    enough to load (the next reading's noise would unload it again); a tenth more is, once it
+    has lasted ``UP_HOLD_S`` (a room that came back a moment ago may go again)."""
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
     h, _, asked = _auto_replicas(100, {"emb-cpu": 100})
     asyncio.run(h.tick_readiness())
     assert asked == []
     h.observed_bytes = h.base_bytes = 890
+    asyncio.run(h.tick_readiness())
+    assert asked == []  # the room is there, but only just came back
+    now[0] += readiness_mod.UP_HOLD_S
     asyncio.run(h.tick_readiness())
     assert asked == [("emb-cpu", "warm")]
 
@@ -160,3 +169,42 @@ def test_the_status_and_ollama_show_a_replica_as_the_guard_counts_it() -> None:
     sched.running = 1  # the failover's request runs: its load and its context
     assert r.status()["host_bytes"] == W + 30 == h.replicas_bytes()
     assert r.host_bytes(w) == W + 30
+
+
+def test_a_replica_holding_more_than_its_count_does_not_flap_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 35: whisper's CPU replica (auto, a budget no mode meets: it wants warm) on a host
+    with room for its model but not for what its process really holds loaded (the model and
+    its decoding buffers, past the count): it loaded, the next reading found it short, it
+    dropped the model, the room came back and it loaded again, four moves in 0.8 s. The
+    reading shows what it held past its count; a move up needs that much more room: one drop,
+    then it stays, and it loads again only where that room is (and has lasted ``UP_HOLD_S``),
+    and keeps it."""
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    h, workers, asked = _auto_replicas(150, {"whisper-cpu": W})
+    w = workers["whisper-cpu"]
+    w._proc = SimpleNamespace(pid=7)  # type: ignore[assignment]
+    lane = h.lanes[0]
+
+    def reading(observed: int, own: int, *, model: bool | None = None) -> None:
+        if model is not None:
+            w._held({"mode": "warm" if model else "on_demand", "model": model, "contexts": 0, "timings": {}})
+        h.observed_bytes = observed
+        h.base_bytes = min(h.base_bytes, observed)  # the rest of the host as read with nothing held
+        h.measure({7: own})
+        asyncio.run(h.tick_readiness())
+        now[0] += readiness_mod.UP_HOLD_S  # each reading the room as it lasted
+
+    reading(850, 20)  # holding nothing: its process alone
+    assert asked == [("whisper-cpu", "warm")]  # 150 of room: the model's 100 and a tenth to spare
+    reading(850 + 160, 180, model=True)  # loaded: 60 more than its model, which the reading shows
+    assert asked[-1] == ("whisper-cpu", "on_demand") and h.extra_bytes(lane) == 60
+    for _ in range(3):  # dropped: the room is back, but not the 170 a move up now needs
+        reading(850, 25, model=False)
+    assert asked == [("whisper-cpu", "warm"), ("whisper-cpu", "on_demand")]
+    assert lane.readiness is not None and lane.readiness.status()["extra_bytes"] == 60
+    reading(800, 20)  # 200 of room: it loads, and with all it holds it stays
+    assert asked[-1] == ("whisper-cpu", "warm")
+    for _ in range(3):
+        reading(800 + 160, 180, model=True)
+    assert asked[-1] == ("whisper-cpu", "warm") and len(asked) == 3

@@ -150,3 +150,27 @@ def test_a_transcriptions_recovery_ends_at_its_first_segment_not_at_its_audio_in
     part(Segment({"id": 1, "text": " there"}))
     assert len(seen) == 1 and seen[0] >= 2000.0  # once, at the first segment
     assert [type(p) for p in parts] == [AudioInfo, Segment, Segment]  # every event still passed on
+
+
+def test_after_a_step_down_for_room_a_move_up_waits_until_the_room_has_lasted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 35: a reading over the host budget for a moment (another worker's load) stepped the
+    replica down, the next one up, and so on every 0.2 s while it lasted, a model load each
+    time. After a step down for room, a move up waits until the room has held ``UP_HOLD_S``."""
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    w = worker("warm", True, 2)
+    r = replica(w, budget_ms=70)  # only warm meets it
+    assert r.tick(10_000) is None  # warm, and room for it
+    assert r.tick(W - 1) == "on_demand" and str(r.choice.why) == "host_short"  # the reading is short
+    now[0] += 0.2
+    assert r.tick(10_000) is None and r.choice.mode == "on_demand"  # asked, not reported yet: not warm again
+    report(w, "on_demand", False, 0)
+    for _ in range(5):  # the room is back at once: held, and it says why
+        now[0] += 0.2
+        assert r.tick(10_000) is None
+        assert (r.choice.mode, str(r.choice.why), r.choice.wanted) == ("on_demand", "host_short", "warm")
+    assert r.tick(W - 1) is None  # short again within the hold: it starts again
+    now[0] += readiness_mod.UP_HOLD_S - 0.01
+    assert r.tick(10_000) is None
+    now[0] += 0.01  # the room has lasted
+    assert r.tick(10_000) == "warm" and str(r.choice.why) == "cheapest_within_budget"

@@ -101,16 +101,22 @@ class ProcReader:
             os.close(fd)
             raise
 
-    def rss(self, pids: list[int]) -> int:
-        """``processes_rss(pids)``."""
+    def rss(self, pids: list[int], each: dict[int, int] | None = None) -> int:
+        """``processes_rss(pids)``; with ``each``, every pid's own RSS is put in it too."""
         if not self._linux:
+            if each is not None:
+                each.update({pid: processes_rss([pid]) for pid in pids})
+                return sum(each[pid] for pid in pids)
             return processes_rss(pids)
         for gone in [k for k in self._fds if k != "meminfo" and k not in pids]:
             os.close(self._fds.pop(gone))
         total = 0
         for pid in pids:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total += _statm_rss(self._read(pid, f"/proc/{pid}/statm"))
+                one = _statm_rss(self._read(pid, f"/proc/{pid}/statm"))
+                total += one
+                if each is not None:
+                    each[pid] = one
         return total
 
     def available(self) -> int:

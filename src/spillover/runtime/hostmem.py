@@ -53,6 +53,15 @@ class HostStatistics:
     replica_bytes: int  # what the CPU replicas hold now (models and contexts, predicted)
 
 
+@dataclass
+class _Measured:
+    """One replica process's RSS as read (``HostMemory.measure``), for one start of its worker."""
+
+    starts: int
+    bare_bytes: int = 0  # its least RSS holding nothing (0: not seen yet)
+    extra_bytes: int = 0  # the most it was seen holding past what is counted (allocator caches, buffers)
+
+
 @dataclass(frozen=True)
 class CpuLaneHost:
     """One CPU replica as the guard sees it: a chat model's lane (its scheduler, whose CPU
@@ -99,6 +108,7 @@ class HostMemory:
         self.peak_bytes = 0
         self.base_bytes = 0
         self._cpu_worker_starts: tuple[int, ...] = ()
+        self._measured: dict[int, _Measured] = {}  # id(lane) -> its replica's RSS as read
         self._proc = ProcReader()  # the /proc files, kept open: read several times a second
 
     def __repr__(self) -> str:
@@ -129,8 +139,10 @@ class HostMemory:
         while True:
             every = self.supervisors()
             pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
-            rss = self._proc.rss(pids)  # the gateway and its workers: a few /proc reads, inline
+            each: dict[int, int] = {}
+            rss = self._proc.rss(pids, each)  # the gateway and its workers: a few /proc reads, inline
             self.observed_bytes = rss
+            self.measure(each)
             self.peak_bytes = max(self.peak_bytes, rss)
             cpus = [(lane, lane.worker()) for lane in self.lanes]
             if cpus and all(w is not None and w.state is WorkerState.READY for _, w in cpus):
@@ -143,6 +155,32 @@ class HostMemory:
                     self.base_bytes = max(1, rss - self.replicas_bytes())
             await self.tick_readiness()
             await ticks.sleep(HOST_OBSERVE_INTERVAL_S)
+
+    def measure(self, rss: dict[int, int]) -> None:
+        """Each ready replica's RSS (``rss``: by pid): its least while it holds nothing, and the
+        most it held past what is counted (its model and contexts) while it held something. A
+        process's allocators keep more than the model (a transcription's decoding buffers, an
+        encoder's arenas), which the reading counts and the count does not; a move up needs that
+        much more room (``extra_bytes``), or the replica loads, is found short, drops and loads
+        again on every reading (round 35: whisper's replica flapped four times in 0.8 s)."""
+        for lane in self.lanes:
+            w = lane.worker()
+            if w is None or w.state is not WorkerState.READY or w.pid not in rss:
+                continue
+            m = self._measured.get(id(lane))
+            if m is None or m.starts != w.starts:  # a fresh process: measured afresh
+                m = self._measured[id(lane)] = _Measured(w.starts)
+            held = self.held_bytes(lane, w)
+            if held == 0:
+                m.bare_bytes = min(m.bare_bytes or rss[w.pid], rss[w.pid])
+            elif m.bare_bytes:
+                m.extra_bytes = max(m.extra_bytes, rss[w.pid] - m.bare_bytes - held)
+
+    def extra_bytes(self, lane: CpuLaneHost) -> int:
+        """What ``lane``'s replica was seen holding past its count (``measure``; 0 unknown)."""
+        m = self._measured.get(id(lane))
+        w = lane.worker()
+        return m.extra_bytes if m is not None and w is not None and m.starts == w.starts else 0
 
     @staticmethod
     def cpu_contexts(lane: CpuLaneHost, worker: WorkerClient) -> int:
@@ -200,7 +238,7 @@ class HostMemory:
             w = lane.worker()
             if lane.readiness is None or w is None:
                 continue
-            mode = lane.readiness.tick(self.room_bytes(lane, available))
+            mode = lane.readiness.tick(self.room_bytes(lane, available), extra_bytes=self.extra_bytes(lane))
             if mode is not None:
                 await w.set_readiness(mode)
 

@@ -5,7 +5,11 @@ decides; this applies it).
 the replica's reported step timings (``held`` reports), the failovers' observed recovery
 times and the host room, picks a mode, and asks the worker to move when it holds another
 (``WorkerClient.set_readiness``). A restarted replica starts in ``initial_mode`` again (so
-the host baseline, taken then, holds no context) and the next tick moves it.
+the host baseline, taken then, holds no context) and the next tick moves it. Two things keep
+a mode at the edge from flapping besides ``core.readiness``'s step: a move up needs the room
+the replica's process was seen holding past its count too (``extra_bytes``, from
+``HostMemory.measure``), and after a step down for want of room it waits until the room has
+lasted ``UP_HOLD_S``.
 
 The prediction is kept current by the replica itself: it re-measures a step every time it
 really does one (a model load, a context). ``observe`` records a failover's fault-to-first-
@@ -21,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spillover.core.readiness import Choice, Why, host_cost, initial_mode, pick, recovery_ms
+from spillover.core.readiness import CHEAPEST_FIRST, Choice, Why, host_cost, initial_mode, pick, recovery_ms
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
 __all__ = ["ReplicaReadiness"]
@@ -29,6 +33,10 @@ __all__ = ["ReplicaReadiness"]
 log = logging.getLogger("spillover.readiness")
 REPLICA_STEP_SHARE = 10  # a context-less replica's move up needs a tenth of its model more room (hysteresis)
 ASK_AGAIN_S = 2.0  # a move the replica did not make (e.g. its load failed) is asked again after this
+# After a step down for want of host room, a move up waits until the room has held this long:
+# a reading over the budget for a moment (another worker's load, a burst) drops the model once,
+# not once every reading while it lasts (round 35: four moves in 0.8 s).
+UP_HOLD_S = 2.0
 
 
 class ReplicaReadiness:
@@ -52,6 +60,8 @@ class ReplicaReadiness:
         self.context_bytes = context_bytes
         self.choice = Choice(initial_mode(configured), Why.CONFIGURED if configured != "auto" else Why.NOT_MEASURED, "")
         self.last_failover: dict[str, Any] | None = None
+        self.extra_bytes = 0  # what its process was seen holding past its count (``tick``)
+        self._short_at = -UP_HOLD_S  # when a pick last found the host short (monotonic)
         self._asked: tuple[str, int, int] | None = None  # (mode, worker start, held report) last sent
         self._asked_at = -ASK_AGAIN_S
         # What the host-RAM guard counts the replica as holding (``HostMemory`` sets it when it
@@ -98,14 +108,20 @@ class ReplicaReadiness:
             return 0
         return max(0, self._costs(w)[self.choice.mode] - self.held_bytes(w))
 
-    def tick(self, room_bytes: int) -> str | None:
+    def tick(self, room_bytes: int, *, extra_bytes: int = 0) -> str | None:
         """Pick a mode for ``room_bytes`` of host room; the mode to ask the worker for, when it
-        holds (or was asked for) another, else None."""
+        holds (or was asked for) another, else None. ``extra_bytes``: what the replica's process
+        was seen holding past its count while loaded (``HostMemory.measure``): a move up needs
+        that much more room too."""
         w = self.worker()
         if w is None or w.state is not WorkerState.READY:
             return None
         cost = self._costs(w)
-        current = self.holding(w) or self.choice.mode
+        self.extra_bytes = extra_bytes
+        # A move asked and not reported yet is where it is going: a pick back to the mode it
+        # leaves is a move up (round 35: the status said warm for a reading while it dropped).
+        outstanding = self._asked is not None and self._asked[1:] == (w.starts, w.held_seq)
+        current = self._asked[0] if self._asked is not None and outstanding else self.holding(w) or self.choice.mode
         choice = pick(
             self.configured,
             self.budget_ms,
@@ -114,10 +130,20 @@ class ReplicaReadiness:
             room_bytes,
             current=current,
             # One context; a replica without contexts (embeddings, transcription), a tenth of
-            # its model, so that a move up does not flap on the next reading's noise.
-            step_bytes=self.context_bytes or self.weights_bytes // REPLICA_STEP_SHARE,
+            # its model, so that a move up does not flap on the next reading's noise; and what
+            # it holds past its count, which the next reading shows.
+            step_bytes=(self.context_bytes or self.weights_bytes // REPLICA_STEP_SHARE) + extra_bytes,
             alone=self.alone,
         )
+        now = time.monotonic()
+        if choice.why is Why.HOST_SHORT:
+            self._short_at = now
+        elif (
+            now - self._short_at < UP_HOLD_S
+            and current in CHEAPEST_FIRST
+            and CHEAPEST_FIRST.index(choice.mode) > CHEAPEST_FIRST.index(current)
+        ):  # the room came back a moment ago: held where it is until the room has lasted
+            choice = Choice(current, Why.HOST_SHORT, choice.wanted)
         if choice != self.choice:
             log.info(
                 "CPU replica %s: %s (%s; budget %.0f ms, recovery %s)",
@@ -136,7 +162,6 @@ class ReplicaReadiness:
         if current == choice.mode and not over and not short:
             return None
         asked = (choice.mode, w.starts, w.held_seq)  # asked again only after a report that did not move
-        now = time.monotonic()
         if self._asked == asked or (
             self._asked is not None and self._asked[:2] == asked[:2] and now - self._asked_at < ASK_AGAIN_S
         ):
@@ -167,5 +192,6 @@ class ReplicaReadiness:
             "model_loaded": bool(w.held.get("model")) if w is not None else False,
             "contexts": w.contexts if w is not None else 0,
             "host_bytes": self.host_bytes(w) if w is not None else 0,
+            "extra_bytes": self.extra_bytes,  # seen held past host_bytes while loaded: a move up's margin
             "last_failover": self.last_failover,
         }
