@@ -99,6 +99,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 timeout_keep_alive=max(1, math.ceil(s.header_timeout_s)),
             ),
             on_exit=functools.partial(gw.begin_stop, STOP_GRACE_S),  # what it stops ends resumable
+            on_force=gw.stop_requests,  # a second Ctrl-C: now, answered 503, not a bare 500
         )
         try:
             with contextlib.suppress(KeyboardInterrupt):

@@ -23,6 +23,7 @@ import pytest
 from spillover.drill.scenarios import agent_body
 from spillover.engine.sim import SimDevice
 from spillover.testing import GatewayProcess
+from spillover.testing.audio import speech_of
 from tests.e2e.helpers import COUNT_PROMPT, kill_worker, ready_worker, stream, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -206,6 +207,79 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
         g.stop()
 
 
+def test_after_a_restart_a_stream_is_replayed_only_while_nothing_of_it_reached_a_client(tmp_path: Path) -> None:
+    """Round 36. A streamed transcription whose first segment had reached its client was run
+    again after a SIGKILL of the gateway (a transcription stream's delivery was never
+    journaled), and its key then answered frames the client never saw: it ends
+    ``failover_interrupted``, as a chat stream does. And a stream replayed after a restart has
+    no client: what the replay streams reaches nobody, so a second crash during it replays it
+    again (it ended ``failover_interrupted``, "tokens had been delivered", for tokens nobody read)."""
+    state = str(tmp_path / "state")
+    args = ["--gpu", "sim:1024", "--gpu-slots", "1", "--cpu-slots", "1"]
+    g = GatewayProcess(args, state_dir=state, services=("chat", "transcription"))
+    g.start()
+    try:
+        blocker = {"prompt": COUNT_PROMPT, "max_tokens": 400, "temperature": 0}
+        outcomes: dict[str, Any] = {}
+        threads = [threading.Thread(target=post_keyed, args=(g, blocker, f"b{i}", outcomes)) for i in range(2)]
+        for t in threads:  # both chat slots busy: the stream below waits in a queue, nothing of it sent
+            t.start()
+            time.sleep(0.3)
+        wait_for(lambda: len(journal_rows(state)) == 2, 30, "the blockers accepted")
+
+        def chat_stream() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=g.url, timeout=120) as c:
+                stream(c, "/v1/completions", blocker | {"max_tokens": 300}, headers={"Idempotency-Key": "s"})
+
+        first_segment = threading.Event()
+
+        def transcription() -> None:
+            files = {"file": ("clip.wav", speech_of(120.0), "audio/wav")}
+            data = {"model": "whisper-1", "stream": "true"}
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream(
+                    "POST", g.url + "/v1/audio/transcriptions", data=data, files=files,
+                    headers={"Idempotency-Key": "t"}, timeout=120,
+                ) as r,
+            ):  # fmt: skip
+                for line in r.iter_lines():
+                    if "transcript.text.delta" in line:
+                        first_segment.set()
+
+        threads += [threading.Thread(target=chat_stream), threading.Thread(target=transcription)]
+        threads[2].start()
+        wait_for(lambda: len(journal_rows(state)) == 3, 30, "the stream accepted")
+        threads[3].start()
+        assert first_segment.wait(120), g.tail()
+        by_key = {r["key"]: r for r in journal_rows(state)}
+        assert by_key["s"]["delivered"] == 0 and by_key["t"]["delivered"] == 1, by_key
+        g.kill9()
+        for t in threads:
+            t.join(60)
+
+        g.restart()
+
+        def keyed() -> dict[str, dict[str, Any]]:
+            return {x["key"]: x for x in journal_rows(state)}
+
+        rows = wait_for(lambda: (r := keyed())["t"]["state"] not in ("running", "queued") and r, 60, "t's end")
+        assert rows["t"]["state"] == "resumable_error", rows["t"]  # its client saw a segment: not run again
+        doc = httpx.get(f"{g.url}/v1/requests/{rows['t']['id']}", timeout=30).json()
+        assert doc["error"]["error"]["code"] == "failover_interrupted", doc
+        # the chat stream is replayed, with no client: what it streams is not delivered
+        wait_for(lambda: keyed()["s"]["state"] == "running", 120, "the stream's replay running on a worker")
+        time.sleep(3.0)  # tokens streamed to nobody
+        assert keyed()["s"]["state"] == "running"  # still (300 tokens)
+        assert keyed()["s"]["delivered"] == 0
+        g.kill9()
+        g.restart()
+        done = wait_for(lambda: (r := keyed())["s"]["state"] == "completed" and r, 240, "the stream replayed again")
+        assert done["s"]["attempts"] >= 3 and done["s"]["completions"] == 1, done["s"]
+    finally:
+        g.stop()
+
+
 def test_a_graceful_stop_ends_its_requests_resumable_and_a_retry_with_the_key_runs_them(tmp_path: Path) -> None:
     """SIGTERM (Ctrl-C alike): a request still running after the 5 s grace, and one queued
     behind it, were not cancelled by their clients. They end 503 ``server_stopping``, journaled
@@ -243,6 +317,50 @@ def test_a_graceful_stop_ends_its_requests_resumable_and_a_retry_with_the_key_ru
             assert again.status_code == 200, again.text
             assert again.headers["x-spillover-request-id"] == rows["g2"]["id"]
         assert {r["key"]: r["completions"] for r in journal_rows(state)} == {"g1": 0, "g2": 1}
+    finally:
+        g.stop()
+
+
+def test_a_second_ctrl_c_answers_what_still_runs_503_not_a_bare_500(tmp_path: Path) -> None:
+    """Round 36: a second Ctrl-C (uvicorn's "stop at once") cancelled the handlers of requests
+    still running: a bare 500 text/plain with no request id and no ``x-should-retry``. They are
+    stopped first (503 ``server_stopping``, journaled resumable, as after the grace), and the
+    gateway stops a second later; a stream ends with its error event and ``[DONE]``."""
+    state = str(tmp_path / "state")
+    g = GatewayProcess(["--gpu", "none", "--chat-only", "--cpu-slots", "2"], state_dir=state)
+    g.start()
+    body = {"prompt": COUNT_PROMPT, "max_tokens": 700, "temperature": 0}
+    try:
+        outcomes: dict[str, Any] = {}
+        streamed = threading.Event()
+
+        def send_stream() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=g.url, timeout=60) as c:
+                outcomes["s"] = stream(
+                    c, "/v1/completions", body, headers={"Idempotency-Key": "s"}, on_token=lambda n: streamed.set()
+                )
+
+        threads = [threading.Thread(target=post_keyed, args=(g, body, "n", outcomes))]
+        threads.append(threading.Thread(target=send_stream))
+        for t in threads:
+            t.start()
+        assert streamed.wait(60)
+        wait_for(lambda: g.status()["live_requests"] == 2, 30, "both running")
+        assert g.proc is not None
+        g.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        g.proc.send_signal(signal.SIGINT)  # at once
+        g.proc.wait(30)
+        for t in threads:
+            t.join(30)
+        got = outcomes["n"]
+        assert isinstance(got, httpx.Response) and got.status_code == 503, got
+        assert got.json()["error"]["code"] == "server_stopping" and got.headers["x-should-retry"] == "true"
+        assert got.headers["x-spillover-request-id"]
+        s = outcomes["s"]
+        assert s["done"] and s["error"]["code"] == "server_stopping", s  # its error event, then [DONE]
+        rows = {r["key"]: r["state"] for r in journal_rows(state)}
+        assert rows == {"n": "resumable_error", "s": "resumable_error"}, rows
     finally:
         g.stop()
 

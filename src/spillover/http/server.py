@@ -57,6 +57,7 @@ import functools
 import json
 import logging
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -428,18 +429,46 @@ def raise_fd_limit(max_connections: int) -> int:
     return int(soft)
 
 
+FORCE_GRACE_S = 1.0  # a second Ctrl-C: what the gateway's stopped requests have to answer
+
+
 class TickingServer(Server):
     """uvicorn's server whose main loop (the Date header once a second, the check for a stop)
     runs on the gateway's shared tick (``runtime.ticks``) instead of a timer of its own every
     0.1 s: an idle gateway wakes once for it and its periodic loops. Same period, same checks.
     ``on_exit`` is called when the loop sees the stop (a signal), before uvicorn's shutdown
-    gives open requests their grace and then cancels them."""
+    gives open requests their grace and then cancels them. A second Ctrl-C (uvicorn's "stop at
+    once") calls ``on_force`` first, which stops the requests (503 ``server_stopping``), and
+    stops at once ``FORCE_GRACE_S`` after: uvicorn cancelled their handlers at once, a bare 500
+    with no request id (round 36). A third one does not wait."""
 
-    def __init__(self, config: UvicornConfig, *, on_exit: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: UvicornConfig,
+        *,
+        on_exit: Callable[[], None] = lambda: None,
+        on_force: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(config)
         self.on_exit = on_exit
+        self.on_force = on_force
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._forcing = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGINT and not self._forcing and self._loop is not None:
+            self._forcing = True  # a signal handler: the loop does the work, between its callbacks
+            self._loop.call_soon_threadsafe(self._force_soon)
+            return
+        super().handle_exit(sig, frame)
+
+    def _force_soon(self) -> None:
+        self.on_force()
+        assert self._loop is not None
+        self._loop.call_later(FORCE_GRACE_S, setattr, self, "force_exit", True)
 
     async def main_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
         counter = 0
         should_exit = await self.on_tick(counter)
         while not should_exit:

@@ -226,7 +226,7 @@ class RequestService:
                                 idem_key=idem_key,
                                 body_hash=body_hash,
                                 kind=ep.kind,
-                                stream=ep.streams(req),  # as told (a unary stream counts no tokens: replayable)
+                                stream=ep.streams(req),  # as told: its first frame's delivery is noted (rule 5)
                                 body=stored_json({"endpoint": ep.name, "body": stored}),
                                 model=str(req.model),
                                 queued={"attempts": run.attempt + 1},
@@ -431,6 +431,7 @@ class RequestService:
                     ep = self.endpoints[doc["endpoint"]]
                     if isinstance(ep, UnaryEndpoint):
                         run = UnaryRun(self.gw, ep, rec.id, ep.parse(doc["body"]), attempt=rec.attempts)
+                        run.unread = True  # nobody reads it: nothing of it is delivered
                         self.live[rec.id] = run
                     else:
                         prep = await prepare(self.gw, _with_stored_seed(ep.parse(doc["body"]), doc), rec.id)
@@ -442,6 +443,7 @@ class RequestService:
                             idem_key=rec.idem_key,
                             resume_attempts=rec.attempts,
                         )
+                        run.unread = True  # nobody reads it: nothing of it is delivered
                 except Exception as exc:  # its stored body no longer runs (or a bug): it ends, resumable
                     await self._end_unrunnable(rec, exc)
                     return

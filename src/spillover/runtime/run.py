@@ -145,6 +145,10 @@ class Run:
     completion_tokens: int = 0
     finish_reason: str | None = None
     cancelled_by_user: bool = False
+    # Replayed after a restart with no client (``Requests.replay``): what it streams reaches
+    # nobody, so none of it counts as delivered (round 36: a second crash ended it
+    # failover_interrupted, "tokens had been delivered", for tokens nobody read).
+    unread: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
     started_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
@@ -268,7 +272,7 @@ class Run:
                     if ev.logprob is not None:
                         self.tokens.append(ev)
                     out = enc.token(ev)
-                    if out and self.req.stream:
+                    if out and self.req.stream and not self.unread:
                         self.exe.shown = True  # from now on a failover may only continue it
                         await self._note_delivery()
                 elif isinstance(ev, Finished):

@@ -19,7 +19,10 @@ Rules:
    status). Once streaming, an error ends the stream with an error frame, and a client that
    goes away stops the request (resumable: ``outcomes.stopped``). What was sent, the last
    frame included, is journaled as its answer, so a retry with its Idempotency-Key gets the
-   same bytes; one that ended resumable runs again.
+   same bytes; one that ended resumable runs again. Its first frame's delivery is journaled
+   before it is sent (``tokens_delivered``, as a generation's first token): a stream the
+   gateway's restart finds unfinished after that is not run again (its client saw part of
+   it), it ends ``failover_interrupted``, resumable with its key.
 6. An answer the journal cannot take now (a full disk: ``Gateway.store_outcome`` keeps it, and
    writes it once it can) is not sent: the client gets ``journal_unavailable`` (503, or a
    stream's last frame), resumable, and its Idempotency-Key gets the answer once it is
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
-from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
+from spillover.errors import JournalUnavailable, RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.journal import NOTED
 from spillover.runtime.outcomes import classify_error, not_durable, stopped
 from spillover.runtime.run import Answer, Encoded, Frames, Streaming, as_error
@@ -96,6 +99,8 @@ class UnaryRun:
     cancelled_by_user: bool = False
     cancelled_early: bool = False  # cancelled before its work began: it never starts
     on_end: Callable[[], None] | None = None  # a streamed run's owner lets go of it (rule 5)
+    unread: bool = False  # replayed after a restart with no client: nothing it streams is delivered
+    _delivery_noted: bool = False
     _task: asyncio.Task[Encoded] | None = None
     _caller: asyncio.Task[Any] | None = None  # the task waiting for a non-streamed answer
     _woken: bool = False  # ``cancel`` woke it: the gateway stops its requests
@@ -211,9 +216,23 @@ class UnaryRun:
         """The frames as they come; the client going away stops the request (rule 5)."""
         try:
             while (frame := await self._frames.get()) is not None:
+                await self._note_delivery()
                 yield frame
         finally:
             await self._reader_gone()
+
+    async def _note_delivery(self) -> None:
+        """Rule 5: its first frame is about to reach the client: from now on it is not replayed
+        after a restart (round 36: a streamed transcription whose first segment had reached its
+        client was run again, and its key answered frames the client never saw). A note the
+        journal cannot take leaves it replayable, as it was."""
+        if self._delivery_noted or self.unread or self.gw.journal is None:
+            return
+        self._delivery_noted = True
+        try:
+            await self.gw.journal.update(self.rid, tokens_delivered=1)
+        except JournalUnavailable:
+            log.warning("request %s: its first frame's delivery could not be journaled", self.rid)
 
     async def _reader_gone(self) -> None:
         """Nobody reads the frames on (rule 5; ``Frames``): a run still going is stopped."""
