@@ -307,7 +307,8 @@ class HttpError:
 # What a person reads (chat UIs show ``message`` verbatim): what happened and what to do, in a
 # sentence. The technical account stays in ``detail``; ``code`` and ``param`` stay machine-readable.
 _FOR_PEOPLE: dict[str, str] = {
-    "request_cancelled": "This request was cancelled before it finished. Send it again if you still want an answer.",
+    "request_cancelled": "This request was cancelled before it finished. Send it again, with a new Idempotency-Key "
+    "if it had one, if you still want an answer.",
     "client_disconnected": "The connection closed before this answer was complete. Send it again (with the same "
     "Idempotency-Key it runs once).",
     "queue_full": "The server is busy right now. Please try again in {s}.",

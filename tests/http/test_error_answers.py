@@ -30,7 +30,7 @@ from spillover.http.ollama import ollama_error_body
 @pytest.mark.parametrize(
     ("exc", "message", "retry"),
     [
-        (RequestCancelled("request r1 was cancelled"), "This request was cancelled before it finished. Send it again if you still want an answer.", "false"),
+        (RequestCancelled("request r1 was cancelled"), "This request was cancelled before it finished. Send it again, with a new Idempotency-Key if it had one, if you still want an answer.", "false"),
         (QueueFull("the gpu queue is full (8 waiting)", retry_after_s=2.2), "The server is busy right now. Please try again in 3 seconds.", "true"),
         (QueueFull("full", retry_after_s=0.3), "The server is busy right now. Please try again in a second.", "true"),
         (CapacityError("no capacity (margin+too_long_for_cpu)", retry_after_s=5, code="too_long_for_cpu"),
