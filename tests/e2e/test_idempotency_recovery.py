@@ -325,9 +325,10 @@ def test_a_second_ctrl_c_answers_what_still_runs_503_not_a_bare_500(tmp_path: Pa
     """Round 36: a second Ctrl-C (uvicorn's "stop at once") cancelled the handlers of requests
     still running: a bare 500 text/plain with no request id and no ``x-should-retry``. They are
     stopped first (503 ``server_stopping``, journaled resumable, as after the grace), and the
-    gateway stops a second later; a stream ends with its error event and ``[DONE]``."""
+    gateway stops 2 s later; a stream ends with its error event and ``[DONE]``. An embeddings
+    request, whose stop waits up to a second for its batch, is answered so too."""
     state = str(tmp_path / "state")
-    g = GatewayProcess(["--gpu", "none", "--chat-only", "--cpu-slots", "2"], state_dir=state)
+    g = GatewayProcess(["--gpu", "none", "--cpu-slots", "2"], state_dir=state, services=("chat", "embeddings"))
     g.start()
     body = {"prompt": COUNT_PROMPT, "max_tokens": 700, "temperature": 0}
     try:
@@ -340,12 +341,17 @@ def test_a_second_ctrl_c_answers_what_still_runs_503_not_a_bare_500(tmp_path: Pa
                     c, "/v1/completions", body, headers={"Idempotency-Key": "s"}, on_token=lambda n: streamed.set()
                 )
 
+        def embed() -> None:
+            vectors = {"model": "bge-small-en", "input": ["the quick brown fox jumps over the lazy dog " * 50] * 256}
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=g.url, timeout=60) as c:
+                outcomes["e"] = c.post("/v1/embeddings", json=vectors, headers={"Idempotency-Key": "e"})
+
         threads = [threading.Thread(target=post_keyed, args=(g, body, "n", outcomes))]
-        threads.append(threading.Thread(target=send_stream))
+        threads += [threading.Thread(target=send_stream), threading.Thread(target=embed)]
         for t in threads:
             t.start()
         assert streamed.wait(60)
-        wait_for(lambda: g.status()["live_requests"] == 2, 30, "both running")
+        wait_for(lambda: g.status()["live_requests"] == 3, 30, "all three running")
         assert g.proc is not None
         g.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
@@ -353,14 +359,15 @@ def test_a_second_ctrl_c_answers_what_still_runs_503_not_a_bare_500(tmp_path: Pa
         g.proc.wait(30)
         for t in threads:
             t.join(30)
-        got = outcomes["n"]
-        assert isinstance(got, httpx.Response) and got.status_code == 503, got
-        assert got.json()["error"]["code"] == "server_stopping" and got.headers["x-should-retry"] == "true"
-        assert got.headers["x-spillover-request-id"]
+        for key in ("n", "e"):
+            got = outcomes.get(key)
+            assert isinstance(got, httpx.Response) and got.status_code == 503, (key, got)
+            assert got.json()["error"]["code"] == "server_stopping" and got.headers["x-should-retry"] == "true"
+            assert got.headers["x-spillover-request-id"]
         s = outcomes["s"]
         assert s["done"] and s["error"]["code"] == "server_stopping", s  # its error event, then [DONE]
         rows = {r["key"]: r["state"] for r in journal_rows(state)}
-        assert rows == {"n": "resumable_error", "s": "resumable_error"}, rows
+        assert rows == {"n": "resumable_error", "s": "resumable_error", "e": "resumable_error"}, rows
     finally:
         g.stop()
 

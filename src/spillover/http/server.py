@@ -74,6 +74,7 @@ from spillover.http.ollama import ollama_error_body
 from spillover.http.ollama_api import OLLAMA_PREFIX
 from spillover.runtime import ticks
 from spillover.runtime.prepare import new_request_id
+from spillover.runtime.unary import STOPPING_WAIT_S
 
 __all__ = [
     "FD_RESERVE",
@@ -429,7 +430,9 @@ def raise_fd_limit(max_connections: int) -> int:
     return int(soft)
 
 
-FORCE_GRACE_S = 1.0  # a second Ctrl-C: what the gateway's stopped requests have to answer
+# A second Ctrl-C: what the gateway's stopped requests have to answer: a unary run waits
+# STOPPING_WAIT_S for its worker's batch, then journals its end and answers.
+FORCE_GRACE_S = STOPPING_WAIT_S + 1.0
 
 
 class TickingServer(Server):
@@ -439,7 +442,7 @@ class TickingServer(Server):
     ``on_exit`` is called when the loop sees the stop (a signal), before uvicorn's shutdown
     gives open requests their grace and then cancels them. A second Ctrl-C (uvicorn's "stop at
     once") calls ``on_force`` first, which stops the requests (503 ``server_stopping``), and
-    stops at once ``FORCE_GRACE_S`` after: uvicorn cancelled their handlers at once, a bare 500
+    stops at once ``FORCE_GRACE_S`` (2 s) after: uvicorn cancelled their handlers at once, a bare 500
     with no request id (round 36). A third one does not wait."""
 
     def __init__(

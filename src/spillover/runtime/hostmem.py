@@ -60,6 +60,7 @@ class _Measured:
     starts: int
     bare_bytes: int = 0  # its least RSS holding nothing (0: not seen yet)
     extra_bytes: int = 0  # the most it was seen holding past what is counted (allocator caches, buffers)
+    now_extra_bytes: int = 0  # what it holds past its count and its bare RSS at the last reading
 
 
 @dataclass(frozen=True)
@@ -171,16 +172,23 @@ class HostMemory:
             if m is None or m.starts != w.starts:  # a fresh process: measured afresh
                 m = self._measured[id(lane)] = _Measured(w.starts)
             held = self.held_bytes(lane, w)
-            if held == 0:
+            asked = lane.readiness.asked_bytes(w) if lane.readiness is not None else 0
+            if held == 0 and asked == 0 and w.busy == 0:  # idle, holding nothing, nothing loading
                 m.bare_bytes = min(m.bare_bytes or rss[w.pid], rss[w.pid])
-            elif m.bare_bytes:
-                m.extra_bytes = max(m.extra_bytes, rss[w.pid] - m.bare_bytes - held)
+            if m.bare_bytes:
+                m.now_extra_bytes = max(0, rss[w.pid] - m.bare_bytes - held)
+                if held:
+                    m.extra_bytes = max(m.extra_bytes, m.now_extra_bytes)
 
     def extra_bytes(self, lane: CpuLaneHost) -> int:
-        """What ``lane``'s replica was seen holding past its count (``measure``; 0 unknown)."""
+        """What ``lane``'s replica was seen holding past its count (``measure``; 0 unknown), less
+        what of it it holds still (after a drop, memory its allocators kept is in the reading
+        already, and counting it again would keep the replica down for good)."""
         m = self._measured.get(id(lane))
         w = lane.worker()
-        return m.extra_bytes if m is not None and w is not None and m.starts == w.starts else 0
+        if m is None or w is None or m.starts != w.starts:
+            return 0
+        return max(0, m.extra_bytes - m.now_extra_bytes)
 
     @staticmethod
     def cpu_contexts(lane: CpuLaneHost, worker: WorkerClient) -> int:
@@ -219,6 +227,8 @@ class HostMemory:
         w = lane.worker()
         ready = w is not None and w.state is WorkerState.READY
         own = self.held_bytes(lane, w) if w is not None and ready else 0
+        if w is not None and ready and lane.readiness is not None:  # a move under way: what it will hold
+            own = max(own, lane.readiness.asked_bytes(w))
         # the mapped weights take none of the machine's available memory, held or not
         mapped = 0 if w is not None and ready and self.model_loaded(lane, w) else lane.mapped_bytes
         used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())

@@ -7,9 +7,10 @@ times and the host room, picks a mode, and asks the worker to move when it holds
 (``WorkerClient.set_readiness``). A restarted replica starts in ``initial_mode`` again (so
 the host baseline, taken then, holds no context) and the next tick moves it. Two things keep
 a mode at the edge from flapping besides ``core.readiness``'s step: a move up needs the room
-the replica's process was seen holding past its count too (``extra_bytes``, from
-``HostMemory.measure``), and after a step down for want of room it waits until the room has
-lasted ``UP_HOLD_S``.
+the replica's process was seen holding past its count too, less what of it it holds still
+(``extra_bytes``, from ``HostMemory.measure``); a move under way counts as made
+(``asked_bytes``); and after a pick that found the host short a move up waits until the
+room has lasted ``UP_HOLD_S``.
 
 The prediction is kept current by the replica itself: it re-measures a step every time it
 really does one (a model load, a context). ``observe`` records a failover's fault-to-first-
@@ -33,7 +34,7 @@ __all__ = ["ReplicaReadiness"]
 log = logging.getLogger("spillover.readiness")
 REPLICA_STEP_SHARE = 10  # a context-less replica's move up needs a tenth of its model more room (hysteresis)
 ASK_AGAIN_S = 2.0  # a move the replica did not make (e.g. its load failed) is asked again after this
-# After a step down for want of host room, a move up waits until the room has held this long:
+# After a pick that found the host short, a move up waits until the room has held this long:
 # a reading over the budget for a moment (another worker's load, a burst) drops the model once,
 # not once every reading while it lasts (round 35: four moves in 0.8 s).
 UP_HOLD_S = 2.0
@@ -98,6 +99,15 @@ class ReplicaReadiness:
             m: host_cost(m, weights_bytes=self.weights_bytes, context_bytes=self.context_bytes, slots=w.spec.slots)
             for m in ("warm", "mmap", "on_demand")
         }
+
+    def asked_bytes(self, w: WorkerClient) -> int:
+        """What the replica was asked to hold and has not reported yet (a move under way; 0
+        when none): ``HostMemory.room_bytes`` counts it as the replica's own, so the room its
+        own load takes, which the host reading shows before the report, does not make the
+        move look short and undo it half way (round 35's review)."""
+        if self._asked is None or self._asked[1:] != (w.starts, w.held_seq):
+            return 0
+        return self._costs(w)[self._asked[0]]
 
     def pending_bytes(self) -> int:
         """Host bytes the replica was asked to take and does not report holding yet (a move up

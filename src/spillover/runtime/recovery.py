@@ -92,7 +92,7 @@ async def _recover_one(gw: Gateway, rec: JournalRecord, spawn: Callable[[str, Aw
         rec,
         FailoverInterrupted(
             f"the gateway restarted while request {rec.id} was streaming; {rec.tokens_delivered}+ tokens "
-            "had been delivered, so it cannot be replayed without changing what the client saw",
+            "(or a segment) had been delivered, so it cannot be replayed without changing what the client saw",
             retry_after_s=1.0,
         ),
     )

@@ -146,8 +146,9 @@ class Run:
     finish_reason: str | None = None
     cancelled_by_user: bool = False
     # Replayed after a restart with no client (``Requests.replay``): what it streams reaches
-    # nobody, so none of it counts as delivered (round 36: a second crash ended it
-    # failover_interrupted, "tokens had been delivered", for tokens nobody read).
+    # nobody, so its delivery is not journaled and a second crash replays it again (round 36:
+    # it ended failover_interrupted, "tokens had been delivered", for tokens nobody read). Its
+    # frames are kept as its answer all the same, so a failover still only continues it.
     unread: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
     started_s: float = field(default_factory=time.monotonic)
@@ -272,9 +273,10 @@ class Run:
                     if ev.logprob is not None:
                         self.tokens.append(ev)
                     out = enc.token(ev)
-                    if out and self.req.stream and not self.unread:
+                    if out and self.req.stream:
                         self.exe.shown = True  # from now on a failover may only continue it
-                        await self._note_delivery()
+                        if not self.unread:
+                            await self._note_delivery()
                 elif isinstance(ev, Finished):
                     self.finish_reason = ev.finish_reason
                     self.completion_tokens = ev.completion_tokens

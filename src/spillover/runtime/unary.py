@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spillover.core.lifecycle import State
-from spillover.errors import JournalUnavailable, RequestCancelled, RequestTimedOut, SpilloverError
+from spillover.errors import RequestCancelled, RequestTimedOut, SpilloverError
 from spillover.runtime.journal import NOTED
 from spillover.runtime.outcomes import classify_error, not_durable, stopped
 from spillover.runtime.run import Answer, Encoded, Frames, Streaming, as_error
@@ -226,13 +226,13 @@ class UnaryRun:
         after a restart (round 36: a streamed transcription whose first segment had reached its
         client was run again, and its key answered frames the client never saw). A note the
         journal cannot take leaves it replayable, as it was."""
-        if self._delivery_noted or self.unread or self.gw.journal is None:
-            return
-        self._delivery_noted = True
+        if self._delivery_noted or self.unread or self.gw.journal is None or self.ended.is_set():
+            return  # (ended: its whole answer is journaled already, as it was sent)
         try:
             await self.gw.journal.update(self.rid, tokens_delivered=1)
-        except JournalUnavailable:
-            log.warning("request %s: its first frame's delivery could not be journaled", self.rid)
+            self._delivery_noted = True
+        except Exception:  # a full disk, a journal closing: tried again with the next frame
+            log.warning("request %s: a frame's delivery could not be journaled", self.rid, exc_info=True)
 
     async def _reader_gone(self) -> None:
         """Nobody reads the frames on (rule 5; ``Frames``): a run still going is stopped."""
