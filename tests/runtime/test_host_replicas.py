@@ -171,6 +171,17 @@ def test_the_status_and_ollama_show_a_replica_as_the_guard_counts_it() -> None:
     assert r.host_bytes(w) == W + 30
 
 
+def _whisper_at_the_edge(
+    monkeypatch: pytest.MonkeyPatch, now: list[float]
+) -> tuple[HostMemory, WorkerClient, CpuLaneHost, list[tuple[str, str]]]:
+    """An auto replica (pid 7) of a ``W``-byte model with 150 bytes of room, on a clock at ``now``."""
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    h, workers, asked = _auto_replicas(150, {"whisper-cpu": W})
+    w = workers["whisper-cpu"]
+    w._proc = SimpleNamespace(pid=7)  # type: ignore[assignment]
+    return h, w, h.lanes[0], asked
+
+
 def test_a_replica_holding_more_than_its_count_does_not_flap_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
     """Round 35: whisper's CPU replica (auto, a budget no mode meets: it wants warm) on a host
     with room for its model but not for what its process really holds loaded (the model and
@@ -180,11 +191,7 @@ def test_a_replica_holding_more_than_its_count_does_not_flap_at_the_edge(monkeyp
     then it stays, and it loads again only where that room is (and has lasted ``UP_HOLD_S``),
     and keeps it."""
     now = [1000.0]
-    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
-    h, workers, asked = _auto_replicas(150, {"whisper-cpu": W})
-    w = workers["whisper-cpu"]
-    w._proc = SimpleNamespace(pid=7)  # type: ignore[assignment]
-    lane = h.lanes[0]
+    h, w, lane, asked = _whisper_at_the_edge(monkeypatch, now)
 
     def reading(observed: int, own: int, *, model: bool | None = None) -> None:
         if model is not None:
@@ -219,11 +226,7 @@ def test_a_move_up_under_way_is_not_undone_by_the_room_its_own_load_takes(monkey
     replica loaded, dropped and loaded again every few seconds. Its asked mode counts as its
     own until it reports; then as it holds. Its process alone is not read while it loads."""
     now = [1000.0]
-    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
-    h, workers, asked = _auto_replicas(150, {"whisper-cpu": W})
-    w = workers["whisper-cpu"]
-    w._proc = SimpleNamespace(pid=7)  # type: ignore[assignment]
-    lane = h.lanes[0]
+    h, w, lane, asked = _whisper_at_the_edge(monkeypatch, now)
     h.measure({7: 20})
     asyncio.run(h.tick_readiness())
     assert asked == [("whisper-cpu", "warm")]
