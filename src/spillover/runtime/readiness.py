@@ -61,7 +61,7 @@ class ReplicaReadiness:
         self.context_bytes = context_bytes
         self.choice = Choice(initial_mode(configured), Why.CONFIGURED if configured != "auto" else Why.NOT_MEASURED, "")
         self.last_failover: dict[str, Any] | None = None
-        self.extra_bytes = 0  # what its process was seen holding past its count (``tick``)
+        self.extra_bytes = 0  # a move up's margin for what its process holds past its count (``tick``)
         self._short_at = -UP_HOLD_S  # when a pick last found the host short (monotonic)
         self._asked: tuple[str, int, int] | None = None  # (mode, worker start, held report) last sent
         self._asked_at = -ASK_AGAIN_S
@@ -121,8 +121,8 @@ class ReplicaReadiness:
     def tick(self, room_bytes: int, *, extra_bytes: int = 0) -> str | None:
         """Pick a mode for ``room_bytes`` of host room; the mode to ask the worker for, when it
         holds (or was asked for) another, else None. ``extra_bytes``: what the replica's process
-        was seen holding past its count while loaded (``HostMemory.measure``): a move up needs
-        that much more room too."""
+        was seen holding past its count while loaded, less what of it it holds still
+        (``HostMemory.extra_bytes``): a move up needs that much more room too."""
         w = self.worker()
         if w is None or w.state is not WorkerState.READY:
             return None
@@ -202,6 +202,6 @@ class ReplicaReadiness:
             "model_loaded": bool(w.held.get("model")) if w is not None else False,
             "contexts": w.contexts if w is not None else 0,
             "host_bytes": self.host_bytes(w) if w is not None else 0,
-            "extra_bytes": self.extra_bytes,  # seen held past host_bytes while loaded: a move up's margin
+            "extra_bytes": self.extra_bytes,  # held past host_bytes when loaded, not held now: a move up's margin
             "last_failover": self.last_failover,
         }
