@@ -302,11 +302,17 @@ class DeviceService(abc.ABC):
         self._stall_rate[lane] = rate
         self._stall_measured.add(lane)
 
+    def _next_event_s(self, lane: str, units: float, slots: int) -> float:
+        """The longest ``units`` of work may take on ``lane`` before their next event: the lane's
+        measured seconds a unit (the fixed cost counted), times ``STALL_FACTOR`` and the ``slots``
+        sharing the worker (rule 3's stall bound and rule 4's stop wait both start from it)."""
+        expected = self._stall_rate[lane] * (units + self.stall_overhead_units)
+        return STALL_FACTOR * expected * slots
+
     def stall_bound_s(self, units: float, slots: int) -> float:
         """How long a GPU attempt of ``units`` on a worker running up to ``slots`` requests at once
         may go without an event before it is a stall (rule 3)."""
-        expected = self._stall_rate["gpu"] * (units + self.stall_overhead_units)
-        return max(self.gw.cfg.failover.stall_timeout_s, STALL_FACTOR * expected * slots)
+        return max(self.gw.cfg.failover.stall_timeout_s, self._next_event_s("gpu", units, slots))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} queued={len(self.queue)} breaker={self.breaker.circuit.value}>"
@@ -600,8 +606,7 @@ class DeviceService(abc.ABC):
         worker busy with one 30 s window under load, and with it every other request it ran (a
         stall, failed over and replayed whole: round 31); the ceiling keeps a hung worker from
         holding the request, and its slot, for long (the units can be a whole file's audio)."""
-        expected = self._stall_rate[d.lane] * (units + self.stall_overhead_units)
-        return min(STOP_WAIT_MAX_S, max(STOP_WAIT_S, STALL_FACTOR * expected * d.worker.spec.slots))
+        return min(STOP_WAIT_MAX_S, max(STOP_WAIT_S, self._next_event_s(d.lane, units, d.worker.spec.slots)))
 
     async def _until_stopped(self, d: _Dispatch, rid: str, within_s: float) -> None:
         """Rule 4: the lease goes back only once the worker has let go of the request. One that
