@@ -105,9 +105,14 @@ class ReplicaReadiness:
         when none): ``HostMemory.room_bytes`` counts it as the replica's own, so the room its
         own load takes, which the host reading shows before the report, does not make the
         move look short and undo it half way (round 35's review)."""
+        mode = self._outstanding(w)
+        return self._costs(w)[mode] if mode else 0
+
+    def _outstanding(self, w: WorkerClient) -> str:
+        """The mode last asked of the worker when it has not reported since ('' when none)."""
         if self._asked is None or self._asked[1:] != (w.starts, w.held_seq):
-            return 0
-        return self._costs(w)[self._asked[0]]
+            return ""
+        return self._asked[0]
 
     def pending_bytes(self) -> int:
         """Host bytes the replica was asked to take and does not report holding yet (a move up
@@ -130,8 +135,7 @@ class ReplicaReadiness:
         self.extra_bytes = extra_bytes
         # A move asked and not reported yet is where it is going: a pick back to the mode it
         # leaves is a move up (round 35: the status said warm for a reading while it dropped).
-        outstanding = self._asked is not None and self._asked[1:] == (w.starts, w.held_seq)
-        current = self._asked[0] if self._asked is not None and outstanding else self.holding(w) or self.choice.mode
+        current = self._outstanding(w) or self.holding(w) or self.choice.mode
         choice = pick(
             self.configured,
             self.budget_ms,
