@@ -47,6 +47,24 @@ def _job(clock: FakeClock, rid: str = "a", prompt_tokens: int = 20) -> Job:
     return Job(rid=rid, prompt_tokens=prompt_tokens, max_tokens=16, arrived_s=clock())
 
 
+async def _one_long_request_running(
+    memory: MemoryModel, clock: FakeClock, room_bytes: int
+) -> tuple[Scheduler, WorkerClient]:
+    """A GPU worker of 2 slots (the GPU lane's cap 2048 tokens, the CPU lane's 1024) on a device
+    with ``room_bytes`` usable, running one 1500-token request ("a", 16 tokens to answer)."""
+    s, _, _ = _scheduler(memory, clock, READY, READY)
+    gpu = s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
+    s.gpu_ctx_cap_tokens = 2048
+    s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
+    assert s.ledger is not None
+    s.ledger.capacity_bytes = s.ledger.margin_bytes + room_bytes
+    first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
+    s.submit_nowait(first)
+    d1 = await asyncio.wait_for(first.future, 1)
+    assert d1.worker is gpu and s.ledger.holds("a")
+    return s, gpu
+
+
 def _waited(memory: MemoryModel, cpu: WorkerState, wait_s: float) -> tuple[Scheduler, WorkerClient, Job]:
     """A job submitted while the GPU worker starts, and a pass ``wait_s`` later."""
     clock = FakeClock(100.0)
@@ -202,18 +220,10 @@ def test_a_job_the_cpu_cannot_take_waits_for_memory_our_running_requests_hold(
 
     async def main() -> None:
         clock = FakeClock(100.0)
-        s, _, _ = _scheduler(memory, clock, READY, READY)
-        gpu = s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
-        s.gpu_ctx_cap_tokens = 2048
-        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
-        assert s.ledger is not None
         tokens = min(max_tokens, 2048 - 1500)
         need = memory.request_footprint(1500, tokens).total_bytes
-        s.ledger.capacity_bytes = s.ledger.margin_bytes + need + 10 * MIB  # one long request at a time
-        first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
-        s.submit_nowait(first)
-        d1 = await asyncio.wait_for(first.future, 1)
-        assert d1.worker is gpu and s.ledger.holds("a")
+        s, gpu = await _one_long_request_running(memory, clock, need + 10 * MIB)  # one long request at a time
+        assert s.ledger is not None
         second = Job(rid="b", prompt_tokens=1500, max_tokens=max_tokens, arrived_s=clock(), allow_shrink=allow_shrink)
         s.submit_nowait(second)
         clock.advance(5.0)  # past delay_max_s: the first still holds its memory
@@ -248,16 +258,9 @@ def test_a_job_that_waited_for_memory_to_its_maximum_age_says_what_it_waited_out
 
     async def main() -> None:
         clock = FakeClock(100.0)
-        s, _, _ = _scheduler(memory, clock, READY, READY)
-        s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
-        s.gpu_ctx_cap_tokens = 2048
-        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
-        assert s.ledger is not None and s.gpu is not None
         need = memory.request_footprint(1500, 16).total_bytes
-        s.ledger.capacity_bytes = s.ledger.margin_bytes + need + 10 * MIB  # one long request at a time
-        first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
-        s.submit_nowait(first)
-        await asyncio.wait_for(first.future, 1)
+        s, _ = await _one_long_request_running(memory, clock, need + 10 * MIB)  # one long request at a time
+        assert s.gpu is not None
         second = Job(rid="b", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
         s.submit_nowait(second)
         clock.advance(5.0)  # past delay_max_s: it waits for the first's memory
@@ -282,18 +285,11 @@ def test_a_shrinkable_job_waits_for_memory_its_least_form_fits(memory: MemoryMod
 
     async def main() -> None:
         clock = FakeClock(100.0)
-        s, _, _ = _scheduler(memory, clock, READY, READY)
-        gpu = s.gpu_workers[0] = ready_worker("gpu0", "gpu", slots=2)
-        s.gpu_ctx_cap_tokens = 2048
-        s.cpu.cfg = dataclasses.replace(s.cpu.cfg, ctx_cap_tokens=1024)
-        assert s.ledger is not None
         least = memory.request_footprint(1500, 16).total_bytes
         capped = memory.request_footprint(1500, 548).total_bytes
         assert capped > least + 10 * MIB  # the capped form is past the room below
-        s.ledger.capacity_bytes = s.ledger.margin_bytes + least + 5 * MIB
-        first = Job(rid="a", prompt_tokens=1500, max_tokens=16, arrived_s=clock())
-        s.submit_nowait(first)
-        await asyncio.wait_for(first.future, 1)
+        s, gpu = await _one_long_request_running(memory, clock, least + 5 * MIB)
+        assert s.ledger is not None
         second = Job(rid="b", prompt_tokens=1500, max_tokens=900, arrived_s=clock(), allow_shrink=True)
         s.submit_nowait(second)
         clock.advance(5.0)  # past delay_max_s: the first holds the memory
