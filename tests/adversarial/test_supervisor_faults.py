@@ -249,3 +249,20 @@ def test_a_start_that_aborts_is_kept_before_its_death_is_told_and_counts_as_a_re
         for f in at_death
     ), at_death
     assert sup.start_failure == at_death[0] and sup.next_start_s > 0
+
+
+def test_restarting_is_true_from_a_death_until_the_next_ready_and_false_once_stopped() -> None:
+    """``Supervisor.restarting`` (the host guard counts a restarting worker's memory as taken):
+    true from its worker's death through its back-off and load, false while it is up, and
+    false once the supervisor stopped it for good (that memory is not taken again)."""
+    box: list[Supervisor] = []
+    seen: list[tuple[str, bool]] = []
+
+    def note(what: str) -> None:
+        seen.append((what.split(":")[0].split(" ")[0], box[0].restarting))
+
+    sup = supervise_until_ready(2, device=ReleasedDevice(), listener=note, patch=box.append)
+    kinds = {kind: restarting for kind, restarting in seen}
+    assert kinds.get("ready") is False, seen
+    assert kinds.get("died") is True and kinds.get("restarting") is True and kinds.get("starting") is True, seen
+    assert sup.restarting is False  # stopped for good

@@ -241,3 +241,48 @@ def test_a_move_up_under_way_is_not_undone_by_the_room_its_own_load_takes(monkey
     h.measure({7: 120})
     asyncio.run(h.tick_readiness())
     assert asked == [("whisper-cpu", "warm")] and h.room_bytes(lane) == 150
+
+
+@pytest.mark.parametrize("start_failed", [False, True])
+def test_a_restarting_workers_memory_is_not_room_for_an_idle_move_up(
+    monkeypatch: pytest.MonkeyPatch, start_failed: bool
+) -> None:
+    """Round 38: a GPU worker's death frees its memory in the host reading until its restart
+    loads again; the chat replica at ``host_short`` took that room, loaded its model and
+    dropped it once the worker was back, once a crash. What the worker held when last up counts
+    as taken while it restarts (the part its new process has not taken yet), for idle moves;
+    unless its last start failed (it may never take it again). A request's own load
+    (``load_allowed``) is not held back by it."""
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    h, _, asked = _auto_replicas(1000, {"emb-cpu": 60})  # the budget is no limit: the machine is
+    available = [50]  # the machine's: short of the model's 60 and a tenth
+    h._proc.available = lambda: available[0]  # type: ignore[method-assign]
+    gpu = SimpleNamespace(worker=SimpleNamespace(state=WorkerState.READY, pid=9), restarting=False, start_failure=None)
+    h.supervisors = lambda: [gpu]  # type: ignore[assignment,return-value]
+    lane = h.lanes[0]
+
+    def reading(each: dict[int, int]) -> None:
+        h.observe(sum(each.values()), each, [gpu])  # type: ignore[list-item]
+        asyncio.run(h.tick_readiness())
+        now[0] += readiness_mod.UP_HOLD_S  # a slow restart: the room lasts past the hold
+
+    reading({9: 100})
+    gpu.worker.state, gpu.restarting = WorkerState.DEAD, True  # killed: its 100 are free
+    gpu.start_failure = "out of memory" if start_failed else None
+    available[0] = 150
+    reading({})
+    assert h.returning_bytes(lane) == (0 if start_failed else 100)
+    gpu.worker.state, gpu.worker.pid = WorkerState.STARTING, 10
+    available[0] = 110
+    reading({10: 40})  # loading again: 40 of its 100 taken
+    assert h.returning_bytes(lane) == (0 if start_failed else 60)
+    assert h.load_allowed(lane) is True  # a request may load it meanwhile
+    if start_failed:
+        assert asked == [("emb-cpu", "warm")]
+        return
+    assert asked == []  # no load on memory the worker takes again
+    gpu.worker.state, gpu.restarting = WorkerState.READY, False
+    available[0] = 50
+    reading({10: 100})
+    assert asked == [] and h.returning_bytes(lane) == 0

@@ -110,6 +110,8 @@ class HostMemory:
         self.base_bytes = 0
         self._cpu_worker_starts: tuple[int, ...] = ()
         self._measured: dict[int, _Measured] = {}  # id(lane) -> its replica's RSS as read
+        self._rss: dict[int, int] = {}  # pid -> RSS, last reading
+        self._ready_rss: dict[int, int] = {}  # id(supervisor) -> its worker's RSS, last reading while ready
         self._proc = ProcReader()  # the /proc files, kept open: read several times a second
 
     def __repr__(self) -> str:
@@ -142,9 +144,7 @@ class HostMemory:
             pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
             each: dict[int, int] = {}
             rss = self._proc.rss(pids, each)  # the gateway and its workers: a few /proc reads, inline
-            self.observed_bytes = rss
-            self.measure(each)
-            self.peak_bytes = max(self.peak_bytes, rss)
+            self.observe(rss, each, every)
             cpus = [(lane, lane.worker()) for lane in self.lanes]
             if cpus and all(w is not None and w.state is WorkerState.READY for _, w in cpus):
                 starts = tuple(w.starts for _, w in cpus if w is not None)
@@ -156,6 +156,16 @@ class HostMemory:
                     self.base_bytes = max(1, rss - self.replicas_bytes())
             await self.tick_readiness()
             await ticks.sleep(HOST_OBSERVE_INTERVAL_S)
+
+    def observe(self, rss_bytes: int, each: dict[int, int], every: list[Supervisor]) -> None:
+        """Take one reading: ``rss_bytes`` in all, ``each`` by pid, of ``every`` worker."""
+        self.observed_bytes = rss_bytes
+        self.peak_bytes = max(self.peak_bytes, rss_bytes)
+        self._rss = each
+        for s in every:  # what each worker held when last up: its restart takes that again
+            if s.worker.state is WorkerState.READY and s.worker.pid in each:
+                self._ready_rss[id(s)] = each[s.worker.pid]
+        self.measure(each)
 
     def measure(self, rss: dict[int, int]) -> None:
         """Each ready replica's RSS (``rss``: by pid): its least while it holds nothing, and the
@@ -217,11 +227,27 @@ class HostMemory:
                 total += self.held_bytes(lane, w)
         return total
 
-    def room_bytes(self, lane: CpuLaneHost, available_bytes: int | None = None) -> int:
+    def returning_bytes(self, lane: CpuLaneHost) -> int:
+        """Host memory that workers being restarted (other than ``lane``'s) held when last up
+        and do not hold now: their restart takes it again. A dead GPU worker's memory is free
+        in the reading for the second until its restart loads (round 38: the chat replica at
+        ``host_short`` took that room, loaded its model and dropped it again, once a crash). A
+        worker whose last start failed is not counted: it may never take it again."""
+        own = lane.worker()
+        total = 0
+        for s in self.supervisors():
+            if s.worker is own or not s.restarting or s.start_failure is not None:
+                continue
+            now = self._rss.get(s.worker.pid, 0) if s.worker.pid is not None else 0
+            total += max(0, self._ready_rss.get(id(s), 0) - now)
+        return total
+
+    def room_bytes(self, lane: CpuLaneHost, available_bytes: int | None = None, *, returning_bytes: int = 0) -> int:
         """Host memory ``lane``'s replica may hold while idle: the budget less everything else
         (the larger of the observed and the predicted use, less the replica's own holding), and
         no more than the machine has available beside what the replica holds already. Loads
-        the other replicas were asked for and have not reported are counted as taken."""
+        the other replicas were asked for and have not reported are counted as taken, and so is
+        ``returning_bytes``: what restarting workers will take again (``returning_bytes()``)."""
         if available_bytes is None:
             available_bytes = self._proc.available()
         w = lane.worker()
@@ -231,12 +257,13 @@ class HostMemory:
             own = max(own, lane.readiness.asked_bytes(w))
         # the mapped weights take none of the machine's available memory, held or not
         mapped = 0 if w is not None and ready and self.model_loaded(lane, w) else lane.mapped_bytes
-        used = max(self.observed_bytes, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
+        observed = self.observed_bytes + returning_bytes
+        used = max(observed, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
         # what the other replicas were asked to take and do not hold yet (their loads under way)
         pending = sum(o.readiness.pending_bytes() for o in self.lanes if o is not lane and o.readiness is not None)
         used += pending
         by_budget = self.budget_bytes - used + own  # max(observed, predicted), less what it holds itself
-        by_machine = available_bytes + own + mapped - self.min_free_bytes - pending
+        by_machine = available_bytes + own + mapped - self.min_free_bytes - pending - returning_bytes
         return min(by_budget, by_machine)
 
     async def tick_readiness(self) -> None:
@@ -248,7 +275,11 @@ class HostMemory:
             w = lane.worker()
             if lane.readiness is None or w is None:
                 continue
-            mode = lane.readiness.tick(self.room_bytes(lane, available), extra_bytes=self.extra_bytes(lane))
+            # An idle move does not take what a restarting worker will take again; a request's
+            # load (``load_allowed``) may: it has a request waiting, and its model is dropped
+            # again for room once the worker is back (rule 4).
+            room = self.room_bytes(lane, available, returning_bytes=self.returning_bytes(lane))
+            mode = lane.readiness.tick(room, extra_bytes=self.extra_bytes(lane))
             if mode is not None:
                 await w.set_readiness(mode)
 

@@ -126,6 +126,12 @@ class Supervisor:
     def parked(self) -> bool:
         return not self._may_run.is_set()
 
+    @property
+    def restarting(self) -> bool:
+        """Its worker is down (dead, backing off or loading again) and will be started again:
+        not stopped for good, not parked."""
+        return not self._stopping and not self.parked and self.worker.state is not WorkerState.READY
+
     async def park(self, why: str) -> None:
         """Rule 7: stop the worker (its device memory is given back) and do not restart it
         until ``resume()``."""
