@@ -400,6 +400,10 @@ def test_a_delete_of_an_orphan_waiting_for_recovery_cancels_it_and_it_never_runs
         g.restart()
         victim = next(r for r in journal_rows(state) if r["key"] == "o2")
         assert victim["state"] not in ("completed", "cancelled")
+        doc = httpx.get(f"{g.url}/v1/requests/{victim['id']}", timeout=30).json()
+        assert (doc["live"], doc["recovering"]) == (False, True), doc  # it waits for recovery: said so
+        unfinished = [r for r in journal_rows(state) if r["state"] not in ("completed", "resumable_error")]
+        assert httpx.get(f"{g.url}/v1/status", timeout=30).json()["recovering"] == len(unfinished) >= 1
         r = httpx.delete(f"{g.url}/v1/requests/{victim['id']}", timeout=30)
         assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
         tenant.terminate()
@@ -425,6 +429,8 @@ def test_a_delete_of_an_orphan_waiting_for_recovery_cancels_it_and_it_never_runs
         finally:
             db.close()
         assert after[-1][0] == "cancelled", after  # nothing moved it after the DELETE
+        assert httpx.get(f"{g.url}/v1/requests/{victim['id']}", timeout=30).json()["recovering"] is False
+        assert httpx.get(f"{g.url}/v1/status", timeout=30).json()["recovering"] == 0
     finally:
         if tenant is not None:
             tenant.terminate()

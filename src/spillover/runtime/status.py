@@ -158,6 +158,7 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "idempotency_keys_held": gw.keys.statistics().keys,
         "connections": asdict(gw.listener()) if gw.listener is not None else None,
         "recovered": gw.recovered,
+        "recovering": len(gw.requests.orphans),  # orphans start-up recovery has not replayed or ended yet
         "host": {
             "budget_bytes": host.budget_bytes,
             "guard": gw.cfg.device.host_guard,
