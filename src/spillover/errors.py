@@ -71,6 +71,7 @@ __all__ = [
     "QueueFull",
     "RequestCancelled",
     "RequestTimedOut",
+    "RestartInterrupted",
     "SpilloverError",
     "Unauthorized",
     "UnsupportedMediaType",
@@ -87,6 +88,7 @@ class SpilloverError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = "internal_error"
+    variant: str | None = None  # another sentence for people under the same code (``for_people``)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -287,6 +289,14 @@ class FailoverInterrupted(WorkerFailed):
     code = "failover_interrupted"
 
 
+class RestartInterrupted(FailoverInterrupted):
+    """The gateway restarted while the request was streaming and part of it had been
+    delivered: it cannot be replayed without changing what its client saw (same code; what a
+    person reads names the restart, not a GPU failure)."""
+
+    variant = "restart"
+
+
 class RequestTimedOut(SpilloverError):
     """The request ran longer than the gateway's ``request_timeout_s``; it was stopped."""
 
@@ -331,6 +341,10 @@ _FOR_PEOPLE: dict[str, str] = {
         "The GPU failed partway through this answer, and the rest could not be produced identically "
         "elsewhere. Please try again."
     ),
+    "failover_interrupted:restart": (
+        "The server restarted partway through this answer, and the rest could not be produced identically. "
+        "Please try again."
+    ),
     "journal_unavailable": "The server cannot save requests right now (its disk may be full). Please try again later.",
     "request_timeout": "This answer took too long and was stopped. Try a shorter request or a smaller answer length.",
     "context_length_exceeded": "This conversation is too long for the model. Shorten it or start a new one.",
@@ -348,7 +362,11 @@ _FOR_PEOPLE: dict[str, str] = {
 def for_people(exc: SpilloverError) -> str | None:
     """The sentence a person reads for this error, or None (a developer's error: the
     technical message is the right one)."""
-    text = _FOR_PEOPLE.get(f"{exc.code}:{exc.param}") or _FOR_PEOPLE.get(exc.code or "")
+    text = (
+        _FOR_PEOPLE.get(f"{exc.code}:{exc.param}")
+        or _FOR_PEOPLE.get(f"{exc.code}:{exc.variant}")
+        or _FOR_PEOPLE.get(exc.code or "")
+    )
     if text is None:
         return None
     retry = getattr(exc, "retry_after_s", None)

@@ -203,6 +203,7 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
             assert replay.status_code == 200 and replay.headers["idempotent-replayed"] == "true"
             doc = c.get(f"/v1/requests/{by_key['s']['id']}").json()
             assert doc["error"]["error"]["code"] == "failover_interrupted"
+            assert doc["error"]["error"]["message"].startswith("The server restarted partway"), doc  # not "the GPU"
     finally:
         g.stop()
 
@@ -267,6 +268,7 @@ def test_after_a_restart_a_stream_is_replayed_only_while_nothing_of_it_reached_a
         assert rows["t"]["state"] == "resumable_error", rows["t"]  # its client saw a segment: not run again
         doc = httpx.get(f"{g.url}/v1/requests/{rows['t']['id']}", timeout=30).json()
         assert doc["error"]["error"]["code"] == "failover_interrupted", doc
+        assert doc["error"]["error"]["message"].startswith("The server restarted partway"), doc  # not "the GPU"
         # the chat stream is replayed, with no client: what it streams is not delivered
         wait_for(lambda: keyed()["s"]["state"] == "running", 120, "the stream's replay running on a worker")
         time.sleep(3.0)  # tokens streamed to nobody

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from spillover.core.lifecycle import State
 from spillover.core.routing import replayable_after_restart
-from spillover.errors import FailoverInterrupted, RequestCancelled, SpilloverError, to_http
+from spillover.errors import RequestCancelled, RestartInterrupted, SpilloverError, to_http
 
 if TYPE_CHECKING:
     from spillover.runtime.gateway import Gateway
@@ -90,7 +90,7 @@ async def _recover_one(gw: Gateway, rec: JournalRecord, spawn: Callable[[str, Aw
     await end_orphan(
         gw,
         rec,
-        FailoverInterrupted(
+        RestartInterrupted(
             f"the gateway restarted while request {rec.id} was streaming; {rec.tokens_delivered}+ tokens "
             "(or a segment) had been delivered, so it cannot be replayed without changing what the client saw",
             retry_after_s=1.0,
