@@ -75,6 +75,8 @@ def test_what_the_resident_cannot_take_goes_to_the_split_with_the_admissions_rea
         s.pump_once()
         d = await asyncio.wait_for(busy.future, 1)
         assert (d.route, str(d.reason), d.worker) == ("split", "gpu_busy", split)
+        row = s.statistics()[0]  # the GPU lane's: both take its jobs, both count (it left the split out)
+        assert (row.lane, row.running, row.slots) == ("gpu", 2, gpu.spec.slots + split.spec.slots)
 
     asyncio.run(main())
 

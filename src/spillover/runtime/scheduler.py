@@ -856,5 +856,6 @@ class Scheduler:
             caps = [self.gpu_ctx_cap_tokens] if self.gpu_workers else []
             caps += [self.split_ctx_cap_tokens] if self.split_workers else []
             cap = max(caps) if caps else 0 if self.off_device else None
-            out.insert(0, self.gpu.statistics(now, self.gpu_workers, cap))
+            # its running and slots: the resident's and the split worker's (both take its jobs)
+            out.insert(0, self.gpu.statistics(now, self.gpu_workers + self.split_workers, cap))
         return out
