@@ -25,7 +25,8 @@
     │   └── WorkerFailed                a worker died or failed mid-request (resumable)
     │       ├── AllocationFailed        the device refused memory before generation
     │       └── FailoverInterrupted     code=failover_interrupted: tokens were delivered and
-    │                                   no provably identical continuation exists
+    │           │                       no provably identical continuation exists
+    │           └── RestartInterrupted  the same, the gateway having restarted (its own sentence)
     ├── IdempotencyError                the Idempotency-Key was used differently
     │   ├── IdempotencyInFlight         409 + Retry-After: the first request is still running
     │   └── IdempotencyMismatch         422: same key, different body

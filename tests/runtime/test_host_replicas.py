@@ -6,6 +6,7 @@ replica's weights mapped from its file take none of the machine's available memo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -243,46 +244,79 @@ def test_a_move_up_under_way_is_not_undone_by_the_room_its_own_load_takes(monkey
     assert asked == [("whisper-cpu", "warm")] and h.room_bytes(lane) == 150
 
 
+def _gpu_worker_beside_an_auto_replica(
+    monkeypatch: pytest.MonkeyPatch, available: list[int]
+) -> tuple[HostMemory, WorkerClient, CpuLaneHost, SimpleNamespace, list[tuple[str, str]], Callable[..., None]]:
+    """An auto replica of a 60-byte model (it wants warm: 66 with its step) on a machine with
+    ``available[0]`` bytes available (the budget is no limit), beside a GPU worker (pid 9, a
+    stand-in supervisor); and ``reading(rss, anon)``, one host reading and tick, each lasting
+    ``UP_HOLD_S`` (a slow restart)."""
+    now = [1000.0]
+    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
+    h, workers, asked = _auto_replicas(1000, {"emb-cpu": 60})
+    h._proc.available = lambda: available[0]  # type: ignore[method-assign]
+    gpu = SimpleNamespace(worker=SimpleNamespace(state=WorkerState.READY, pid=9), restarting=False, start_failure=None)
+    h.supervisors = lambda: [gpu]  # type: ignore[assignment,return-value]
+
+    def reading(rss: dict[int, int], anon: dict[int, int] | None = None) -> None:
+        h.observe(sum(rss.values()), rss, [gpu], anon)  # type: ignore[list-item]
+        asyncio.run(h.tick_readiness())
+        now[0] += readiness_mod.UP_HOLD_S
+
+    return h, workers["emb-cpu"], h.lanes[0], gpu, asked, reading
+
+
 @pytest.mark.parametrize("start_failed", [False, True])
 def test_a_restarting_workers_memory_is_not_room_for_an_idle_move_up(
     monkeypatch: pytest.MonkeyPatch, start_failed: bool
 ) -> None:
     """Round 38: a GPU worker's death frees its memory in the host reading until its restart
     loads again; the chat replica at ``host_short`` took that room, loaded its model and
-    dropped it once the worker was back, once a crash. What the worker held when last up counts
-    as taken while it restarts (the part its new process has not taken yet), for idle moves;
-    unless its last start failed (it may never take it again). A request's own load
-    (``load_allowed``) is not held back by it."""
-    now = [1000.0]
-    monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
-    h, _, asked = _auto_replicas(1000, {"emb-cpu": 60})  # the budget is no limit: the machine is
-    available = [50]  # the machine's: short of the model's 60 and a tenth
-    h._proc.available = lambda: available[0]  # type: ignore[method-assign]
-    gpu = SimpleNamespace(worker=SimpleNamespace(state=WorkerState.READY, pid=9), restarting=False, start_failure=None)
-    h.supervisors = lambda: [gpu]  # type: ignore[assignment,return-value]
-    lane = h.lanes[0]
-
-    def reading(each: dict[int, int]) -> None:
-        h.observe(sum(each.values()), each, [gpu])  # type: ignore[list-item]
-        asyncio.run(h.tick_readiness())
-        now[0] += readiness_mod.UP_HOLD_S  # a slow restart: the room lasts past the hold
-
+    dropped it once the worker was back, once a crash. What the worker held when last up is a
+    move up's margin while it restarts (the part its new process has not taken yet), unless
+    its last start failed (it may never take it again). A request's own load (``load_allowed``)
+    is not held back by it, and a model so loaded is kept: a step down is judged on the room
+    as read (round 40a: it was shed at the next reading)."""
+    available = [50]  # short of the model's 60 and its step
+    h, w, lane, gpu, asked, reading = _gpu_worker_beside_an_auto_replica(monkeypatch, available)
     reading({9: 100})
     gpu.worker.state, gpu.restarting = WorkerState.DEAD, True  # killed: its 100 are free
     gpu.start_failure = "out of memory" if start_failed else None
     available[0] = 150
     reading({})
-    assert h.returning_bytes(lane) == (0 if start_failed else 100)
+    assert h.returning_bytes(lane) == ((0, 0) if start_failed else (100, 100))
     gpu.worker.state, gpu.worker.pid = WorkerState.STARTING, 10
     available[0] = 110
     reading({10: 40})  # loading again: 40 of its 100 taken
-    assert h.returning_bytes(lane) == (0 if start_failed else 60)
-    assert h.load_allowed(lane) is True  # a request may load it meanwhile
+    assert h.returning_bytes(lane) == ((0, 0) if start_failed else (60, 60))
     if start_failed:
         assert asked == [("emb-cpu", "warm")]
         return
-    assert asked == []  # no load on memory the worker takes again
-    gpu.worker.state, gpu.restarting = WorkerState.READY, False
+    assert asked == []  # no idle load on memory the worker takes again
+    assert h.load_allowed(lane) is True  # a failover's request may load it meanwhile
+    w._held({"mode": "on_demand", "model": True, "contexts": 0, "timings": {}})
     available[0] = 50
-    reading({10: 100})
-    assert asked == [] and h.returning_bytes(lane) == 0
+    reading({10: 40, 11: 60})
+    assert asked == []  # and it is kept, not shed for the room the worker takes again
+    gpu.worker.state, gpu.restarting = WorkerState.READY, False
+    reading({10: 100, 11: 60})
+    assert h.returning_bytes(lane) == (0, 0)
+
+
+def test_a_restarting_workers_mapped_pages_are_not_counted_on_the_machines_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Of a restarting worker's RSS, only the anonymous part is taken from the machine's
+    available memory again (its pages mapped from the model file stay in the page cache,
+    which ``MemAvailable`` counted all along; round 40a: the whole RSS was, so a move up that
+    fits with the worker back was held off). Here the worker held 100, 80 of it mapped; while
+    it restarts, something else frees 30: the replica may move up (110 available, 20 of them
+    the worker's: 90 left for its 66)."""
+    available = [60]
+    h, _, lane, gpu, asked, reading = _gpu_worker_beside_an_auto_replica(monkeypatch, available)
+    reading({9: 100}, {9: 20})
+    gpu.worker.state, gpu.restarting = WorkerState.DEAD, True
+    available[0] = 60 + 20 + 30
+    reading({}, {})
+    assert h.returning_bytes(lane) == (100, 20)
+    assert asked == [("emb-cpu", "warm")]

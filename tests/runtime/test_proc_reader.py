@@ -86,3 +86,30 @@ def test_files_of_pids_no_longer_asked_for_are_closed_and_none_outlive_the_reade
         del reader
         gc.collect()
         assert proc_files() == before
+
+
+def test_the_anonymous_part_leaves_out_pages_mapped_from_a_file(tmp_path: os.PathLike[str]) -> None:
+    """``anon``: a process's resident memory less its file-backed pages (a model llama.cpp
+    maps), what the machine's available memory gets back when it ends; the host guard counts a
+    restarting worker's memory on the machine's side by it (round 40a: the whole RSS counted
+    the page cache as taken)."""
+    path = os.path.join(tmp_path, "weights.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(1024) * (48 * 1024))  # 48 MiB
+    code = (
+        "import mmap, sys, time\n"
+        "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+        "s = sum(m[i] for i in range(0, len(m), 4096))  # every page resident\n"
+        "b = bytearray(16 << 20)\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            each: dict[int, int] = {}
+            anon: dict[int, int] = {}
+            ProcReader().rss([child.pid], each, anon)
+            assert each[child.pid] >= 64 * MIB  # the mapped file and the bytearray
+            assert 16 * MIB <= anon[child.pid] <= each[child.pid] - 40 * MIB  # the bytearray, not the file
+        finally:
+            child.kill()

@@ -388,7 +388,7 @@ def create_app(gw: Gateway) -> GatewayLifespan:
             "status_code": rec.status_code,
             "live": rid in gw.requests.live,
             # unfinished before a restart, and start-up recovery has not replayed or ended it yet
-            "recovering": rid in gw.requests.orphans and rid not in gw.requests.live,
+            "recovering": not gw.recovery_ended and rid in gw.requests.orphans and rid not in gw.requests.live,
             "history": await gw.journal.history(rid),
             "response": response,
             "error": json.loads(rec.error) if rec.error else None,

@@ -101,22 +101,29 @@ class ProcReader:
             os.close(fd)
             raise
 
-    def rss(self, pids: list[int], each: dict[int, int] | None = None) -> int:
-        """``processes_rss(pids)``; with ``each``, every pid's own RSS is put in it too."""
+    def rss(self, pids: list[int], each: dict[int, int] | None = None, anon: dict[int, int] | None = None) -> int:
+        """``processes_rss(pids)``; with ``each``, every pid's own RSS is put in it too, and
+        with ``anon`` the part of it not backed by files (resident less shared: what the
+        machine's available memory gets back when the process ends; its mapped file pages stay
+        in the page cache, counted as available already). Not Linux: all of it."""
         if not self._linux:
-            if each is not None:
-                each.update({pid: processes_rss([pid]) for pid in pids})
-                return sum(each[pid] for pid in pids)
-            return processes_rss(pids)
+            one_each = {pid: processes_rss([pid]) for pid in pids}
+            for d in (each, anon):
+                if d is not None:
+                    d.update(one_each)
+            return sum(one_each.values())
         for gone in [k for k in self._fds if k != "meminfo" and k not in pids]:
             os.close(self._fds.pop(gone))
         total = 0
         for pid in pids:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                one = _statm_rss(self._read(pid, f"/proc/{pid}/statm"))
+                statm = self._read(pid, f"/proc/{pid}/statm")
+                one = _statm_rss(statm)
                 total += one
                 if each is not None:
                     each[pid] = one
+                if anon is not None:
+                    anon[pid] = max(0, one - int(statm.split()[2]) * _PAGE_BYTES)
         return total
 
     def available(self) -> int:

@@ -108,6 +108,7 @@ class Gateway:
         self._outcome_tries: dict[str, int] = {}
         self._journal_wake = asyncio.Event()
         self.recovered: dict[str, int] = {}
+        self.recovery_ended = False  # start-up recovery has replayed or ended what it could (or failed)
         # The gateway stops its requests (``stop_requests``): one it stops ends resumable
         # (``ServerStopping``), not as the client's cancellation.
         self.stopping = False
@@ -382,6 +383,8 @@ class Gateway:
             self.recovered = await recover(self, orphans, self.loops.spawn)
         except Exception:  # e.g. the journal is unwritable at start: the orphans wait for a restart
             log.exception("start-up recovery failed; unfinished requests stay as they are until the next start")
+        finally:
+            self.recovery_ended = True
 
     # -- helpers for the request path -------------------------------------------------
     async def kill_worker(self, worker: WorkerClient, what: str = "no token progress") -> None:

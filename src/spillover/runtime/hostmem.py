@@ -110,8 +110,9 @@ class HostMemory:
         self.base_bytes = 0
         self._cpu_worker_starts: tuple[int, ...] = ()
         self._measured: dict[int, _Measured] = {}  # id(lane) -> its replica's RSS as read
-        self._rss: dict[int, int] = {}  # pid -> RSS, last reading
-        self._ready_rss: dict[int, int] = {}  # id(supervisor) -> its worker's RSS, last reading while ready
+        self._rss: dict[int, tuple[int, int]] = {}  # pid -> its RSS and the anonymous part of it, last reading
+        # id(supervisor) -> its worker's RSS and anonymous part, last reading while it was ready
+        self._ready_rss: dict[int, tuple[int, int]] = {}
         self._proc = ProcReader()  # the /proc files, kept open: read several times a second
 
     def __repr__(self) -> str:
@@ -143,8 +144,9 @@ class HostMemory:
             every = self.supervisors()
             pids = [os.getpid()] + [s.worker.pid for s in every if s.worker.pid is not None]
             each: dict[int, int] = {}
-            rss = self._proc.rss(pids, each)  # the gateway and its workers: a few /proc reads, inline
-            self.observe(rss, each, every)
+            anon: dict[int, int] = {}
+            rss = self._proc.rss(pids, each, anon)  # the gateway and its workers: a few /proc reads, inline
+            self.observe(rss, each, every, anon)
             cpus = [(lane, lane.worker()) for lane in self.lanes]
             if cpus and all(w is not None and w.state is WorkerState.READY for _, w in cpus):
                 starts = tuple(w.starts for _, w in cpus if w is not None)
@@ -157,14 +159,17 @@ class HostMemory:
             await self.tick_readiness()
             await ticks.sleep(HOST_OBSERVE_INTERVAL_S)
 
-    def observe(self, rss_bytes: int, each: dict[int, int], every: list[Supervisor]) -> None:
-        """Take one reading: ``rss_bytes`` in all, ``each`` by pid, of ``every`` worker."""
+    def observe(
+        self, rss_bytes: int, each: dict[int, int], every: list[Supervisor], anon: dict[int, int] | None = None
+    ) -> None:
+        """Take one reading: ``rss_bytes`` in all, ``each`` by pid (``anon``: the part of it not
+        backed by files; all of it when not given), of ``every`` worker."""
         self.observed_bytes = rss_bytes
         self.peak_bytes = max(self.peak_bytes, rss_bytes)
-        self._rss = each
+        self._rss = {pid: (b, (anon or each).get(pid, b)) for pid, b in each.items()}
         for s in every:  # what each worker held when last up: its restart takes that again
-            if s.worker.state is WorkerState.READY and s.worker.pid in each:
-                self._ready_rss[id(s)] = each[s.worker.pid]
+            if s.worker.state is WorkerState.READY and s.worker.pid in self._rss:
+                self._ready_rss[id(s)] = self._rss[s.worker.pid]
         self.measure(each)
 
     def measure(self, rss: dict[int, int]) -> None:
@@ -227,27 +232,33 @@ class HostMemory:
                 total += self.held_bytes(lane, w)
         return total
 
-    def returning_bytes(self, lane: CpuLaneHost) -> int:
+    def returning_bytes(self, lane: CpuLaneHost) -> tuple[int, int]:
         """Host memory that workers being restarted (other than ``lane``'s) held when last up
-        and do not hold now: their restart takes it again. A dead GPU worker's memory is free
-        in the reading for the second until its restart loads (round 38: the chat replica at
-        ``host_short`` took that room, loaded its model and dropped it again, once a crash). A
-        worker whose last start failed is not counted: it may never take it again."""
+        and do not hold now, their restart takes it again: in the reading (RSS), and of the
+        machine's available memory (the anonymous part: pages mapped from a model file stay in
+        the page cache, available all along). A dead GPU worker's memory is free in the reading
+        until its restart loads (round 38: the chat replica at ``host_short`` took that room,
+        loaded its model and dropped it again, once a crash). A worker whose last start failed
+        is not counted: it may never take it again."""
         own = lane.worker()
-        total = 0
+        rss = anon = 0
         for s in self.supervisors():
-            if s.worker is own or not s.restarting or s.start_failure is not None:
+            last = self._ready_rss.get(id(s))
+            if last is None or s.worker is own or not s.restarting or s.start_failure is not None:
                 continue
-            now = self._rss.get(s.worker.pid, 0) if s.worker.pid is not None else 0
-            total += max(0, self._ready_rss.get(id(s), 0) - now)
-        return total
+            now = self._rss.get(s.worker.pid, (0, 0)) if s.worker.pid is not None else (0, 0)
+            rss += max(0, last[0] - now[0])
+            anon += max(0, last[1] - now[1])
+        return rss, anon
 
-    def room_bytes(self, lane: CpuLaneHost, available_bytes: int | None = None, *, returning_bytes: int = 0) -> int:
+    def room_bytes(
+        self, lane: CpuLaneHost, available_bytes: int | None = None, *, returning: tuple[int, int] = (0, 0)
+    ) -> int:
         """Host memory ``lane``'s replica may hold while idle: the budget less everything else
         (the larger of the observed and the predicted use, less the replica's own holding), and
         no more than the machine has available beside what the replica holds already. Loads
         the other replicas were asked for and have not reported are counted as taken, and so is
-        ``returning_bytes``: what restarting workers will take again (``returning_bytes()``)."""
+        ``returning``: what restarting workers will take again (``returning_bytes()``)."""
         if available_bytes is None:
             available_bytes = self._proc.available()
         w = lane.worker()
@@ -257,13 +268,13 @@ class HostMemory:
             own = max(own, lane.readiness.asked_bytes(w))
         # the mapped weights take none of the machine's available memory, held or not
         mapped = 0 if w is not None and ready and self.model_loaded(lane, w) else lane.mapped_bytes
-        observed = self.observed_bytes + returning_bytes
+        observed = self.observed_bytes + returning[0]
         used = max(observed, (self.base_bytes or self.observed_bytes) + self.replicas_bytes())
         # what the other replicas were asked to take and do not hold yet (their loads under way)
         pending = sum(o.readiness.pending_bytes() for o in self.lanes if o is not lane and o.readiness is not None)
         used += pending
         by_budget = self.budget_bytes - used + own  # max(observed, predicted), less what it holds itself
-        by_machine = available_bytes + own + mapped - self.min_free_bytes - pending - returning_bytes
+        by_machine = available_bytes + own + mapped - self.min_free_bytes - pending - returning[1]
         return min(by_budget, by_machine)
 
     async def tick_readiness(self) -> None:
@@ -275,11 +286,12 @@ class HostMemory:
             w = lane.worker()
             if lane.readiness is None or w is None:
                 continue
-            # An idle move does not take what a restarting worker will take again; a request's
-            # load (``load_allowed``) may: it has a request waiting, and its model is dropped
-            # again for room once the worker is back (rule 4).
-            room = self.room_bytes(lane, available, returning_bytes=self.returning_bytes(lane))
-            mode = lane.readiness.tick(room, extra_bytes=self.extra_bytes(lane))
+            room = self.room_bytes(lane, available)
+            # A move up does not take what a restarting worker will take again (a step down is
+            # judged on the room as read: a model a request loaded meanwhile, ``load_allowed``,
+            # is kept until the worker is back and the room is short).
+            returning = room - self.room_bytes(lane, available, returning=self.returning_bytes(lane))
+            mode = lane.readiness.tick(room, extra_bytes=self.extra_bytes(lane), returning_bytes=returning)
             if mode is not None:
                 await w.set_readiness(mode)
 

@@ -123,11 +123,12 @@ class ReplicaReadiness:
             return 0
         return max(0, self._costs(w)[self.choice.mode] - self.held_bytes(w))
 
-    def tick(self, room_bytes: int, *, extra_bytes: int = 0) -> str | None:
+    def tick(self, room_bytes: int, *, extra_bytes: int = 0, returning_bytes: int = 0) -> str | None:
         """Pick a mode for ``room_bytes`` of host room; the mode to ask the worker for, when it
         holds (or was asked for) another, else None. ``extra_bytes``: what the replica's process
         was seen holding past its count while loaded, less what of it it holds still
-        (``HostMemory.extra_bytes``): a move up needs that much more room too."""
+        (``HostMemory.extra_bytes``); ``returning_bytes``: of the room, what restarting workers
+        take again (``HostMemory.returning_bytes``). A move up needs both as more room."""
         w = self.worker()
         if w is None or w.state is not WorkerState.READY:
             return None
@@ -145,8 +146,8 @@ class ReplicaReadiness:
             current=current,
             # One context; a replica without contexts (embeddings, transcription), a tenth of
             # its model, so that a move up does not flap on the next reading's noise; and what
-            # it holds past its count, which the next reading shows.
-            step_bytes=(self.context_bytes or self.weights_bytes // REPLICA_STEP_SHARE) + extra_bytes,
+            # it holds past its count, which the next reading shows; and what restarting workers take again.
+            step_bytes=(self.context_bytes or self.weights_bytes // REPLICA_STEP_SHARE) + extra_bytes + returning_bytes,
             alone=self.alone,
         )
         now = time.monotonic()

@@ -158,7 +158,8 @@ def status_document(gw: Gateway) -> dict[str, Any]:
         "idempotency_keys_held": gw.keys.statistics().keys,
         "connections": asdict(gw.listener()) if gw.listener is not None else None,
         "recovered": gw.recovered,
-        "recovering": len(gw.requests.orphans),  # orphans start-up recovery has not replayed or ended yet
+        # orphans start-up recovery has not replayed or ended yet (those it failed on wait for the next start)
+        "recovering": 0 if gw.recovery_ended else len(gw.requests.orphans),
         "host": {
             "budget_bytes": host.budget_bytes,
             "guard": gw.cfg.device.host_guard,
