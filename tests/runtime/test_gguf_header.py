@@ -4,6 +4,7 @@ fails) as GGUFReader has it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -231,3 +232,45 @@ def test_multi_head_latent_attention_caches_k_only(tmp_path: Path) -> None:
     assert not mla.v_cache and plain.v_cache
     assert MemoryModel(mla).kv_bytes(1024) == 1024 * 2 * 96 * 2  # cells x layers x K row x f16
     assert MemoryModel(plain).kv_bytes(1024) == 1024 * 2 * (96 + 64) * 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("block_count", "llama.block_count is 3, but the file holds no tensor of layer 2 (blk.2)"),
+        ("layer_past", "llama.block_count is 2, but the file holds tensors of layer 5 (blk.5)"),
+        ("layer_name", "tensor 'blk.x.attn_q.weight' names no layer"),
+        ("width", "token_embd.weight is 64 wide, but llama.embedding_length is 128"),
+        ("alignment", "tensor data starts at byte 8 (general.alignment 8), not a multiple of 32"),
+    ],
+)
+def test_a_tensor_table_the_metadata_does_not_describe_is_refused(tmp_path: Path, change: str, message: str) -> None:
+    """Round 39: ``--no-plan`` (which asks llama.cpp nothing) estimated files llama.cpp refuses
+    or aborts on: a block_count past the layers the tensors hold, a token embedding of another
+    width than embedding_length, tensor data at an alignment llama.cpp's CPU backend cannot map
+    (general.alignment 8: "buffer pointer must be aligned"). Each is refused as damaged."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    h = _header("llama", 2, **{"ARCH.attention.head_count": 4})
+    spec_of(h, tmp_path / "m.gguf", {})  # as written: read
+    f32 = GGMLQuantizationType.F32
+    if change == "block_count":
+        h.fields["llama.block_count"] = 3
+    elif change == "layer_past":
+        h.tensors.append(TensorInfo("blk.5.attn_q.weight", (64, 64), f32, 16384, 2**20))
+    elif change == "layer_name":
+        h.tensors.append(TensorInfo("blk.x.attn_q.weight", (64, 64), f32, 16384, 2**20))
+    elif change == "width":
+        h.fields["llama.embedding_length"] = 128
+    else:
+        h.fields["general.alignment"] = 8
+        h.tensors = [dataclasses.replace(t, data_offset=t.data_offset + 8) for t in h.tensors]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        spec_of(h, tmp_path / "m.gguf", {})
+
+
+def test_a_codecs_embedding_is_its_own_width(tmp_path: Path) -> None:
+    """wavtokenizer-dec's token embedding is its features' width, not embedding_length's."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    h = _header("wavtokenizer-dec", 2, **{"ARCH.attention.head_count": 4})
+    h.fields["wavtokenizer-dec.embedding_length"] = 128
+    assert spec_of(h, tmp_path / "m.gguf", {}).n_embd == 128

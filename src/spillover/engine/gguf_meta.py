@@ -47,6 +47,14 @@ NO_KV_ARCHES = frozenset(
 )  # fmt: skip
 
 
+# llama.cpp's CPU backend maps a file's tensor data where it lies, and asserts the mapping's
+# first tensor starts at a multiple of this (ggml's TENSOR_ALIGNMENT): a file written with a
+# smaller ``general.alignment`` aborts the load (round 39: alignment 8 was estimated, exit 0).
+MAPPED_ALIGNMENT = 32
+# Architectures whose token embedding is not ``embedding_length`` wide (a codec's features).
+OWN_EMBEDDING_WIDTH = frozenset({"wavtokenizer-dec"})
+
+
 class UnsupportedModel(ValueError):
     """A readable GGUF file whose kind of model the memory model does not cover."""
 
@@ -176,10 +184,11 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     chunks = int(_field(f"{arch}.attention.chunk_size", 8192 if arch == "llama4" else 0) or 0)
     swa = int(_field(f"{arch}.attention.sliding_window", chunks) or 0)
     n_vocab = header.lengths.get("tokenizer.ggml.tokens", 0)
+    tensors = header.tensors
+    _check_tensors(tensors, arch, n_layers, n_embd, fields)
     layer_sizes = [0] * n_layers
     layer_repacks = [0] * n_layers
     other_bytes = 0
-    tensors = header.tensors
     has_output = any(t.name == "output.weight" for t in tensors)
     # the output matrix's repacked copy: output.weight's, or token_embd's when tied (cpu_model_bytes' rule)
     output_repack = 0 if has_output else _tied_output_copy(tensors, repacks)
@@ -243,6 +252,41 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         layer_kv_heads=layer_kv_heads if per_layer_kv or any(layer_states) else (),
         layer_state_bytes=layer_states if any(layer_states) else (),
     )
+
+
+def _check_tensors(tensors: list[Any], arch: str, n_layers: int, n_embd: int, fields: dict[str, Any]) -> None:
+    """Refuse a tensor table that disagrees with the metadata where llama.cpp would refuse or
+    abort the load (round 39: ``--no-plan``, which asks llama.cpp nothing, estimated such files):
+    a layer with no tensors or tensors of a layer past ``block_count``, a token embedding of
+    another width than ``embedding_length``, tensor data llama.cpp cannot map. What only the
+    architecture's own tensor list tells (a tensor it does not take) is llama.cpp's plan's check."""
+    held: set[int] = set()
+    for t in tensors:
+        if t.name.startswith("blk."):
+            part = t.name.split(".")[1]
+            if not part.isdigit():
+                raise ValueError(f"tensor {t.name!r} names no layer")
+            held.add(int(part))
+    past = sorted(i for i in held if i >= n_layers)
+    if past:
+        raise ValueError(
+            f"{arch}.block_count is {n_layers}, but the file holds tensors of layer {past[0]} (blk.{past[0]})"
+        )
+    missing = sorted(set(range(n_layers)) - held)
+    if missing:
+        raise ValueError(
+            f"{arch}.block_count is {n_layers}, but the file holds no tensor of layer {missing[0]} (blk.{missing[0]})"
+        )
+    embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    if embd is not None and embd.shape and arch not in OWN_EMBEDDING_WIDTH and int(embd.shape[0]) != n_embd:
+        raise ValueError(f"token_embd.weight is {embd.shape[0]} wide, but {arch}.embedding_length is {n_embd}")
+    first = min(tensors, key=lambda t: t.data_offset, default=None)
+    if first is not None and first.data_offset % MAPPED_ALIGNMENT:
+        raise ValueError(
+            f"tensor data starts at byte {first.data_offset} (general.alignment "
+            f"{fields.get('general.alignment', 32)}), not a multiple of {MAPPED_ALIGNMENT}: llama.cpp's CPU "
+            "backend maps it in place and aborts on this file"
+        )
 
 
 def _shared_ffn(fields: dict[str, Any], arch: str, tensors: list[Any]) -> int:
