@@ -608,7 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
         "margin (listed apart: total_bytes is llama.cpp's allocation, total_with_margin_bytes what "
         "admission needs free). Weights, KV and output are exact counts from the GGUF metadata; the "
         "compute buffer is llama.cpp's own plan (a dry run that reads no weights) unless --no-plan "
-        "asks for the memory model's envelope. Nothing is downloaded or loaded.",
+        "asks for the memory model's envelope. The host figures are as spillover's workers load the model "
+        "(on a CPU with AMX, without llama.cpp's extra buffer types, so no repacked copy of the weights: "
+        "a bare llama.cpp load there adds one). Nothing is downloaded or loaded.",
     )
     e.add_argument("model", metavar="MODEL.gguf", help="the GGUF file")
     e.add_argument("--ctx", type=int, required=True, help="context size in tokens (llama.cpp's n_ctx)")
