@@ -238,3 +238,60 @@ def test_services_section_hides_without_the_key_and_escapes_its_text(gw: Gateway
         # read's "Response has been disposed" is the closing's, not the page's (CI saw it once)
         pg.unroute_all(behavior="ignoreErrors")
         pg.close()
+
+
+def test_the_page_shows_what_a_replica_holds_the_profile_and_when_its_figures_are_old(
+    gw: GatewayProcess, browser: object
+) -> None:
+    """Round 41, in a real browser: an ``on_demand`` replica that a request made load its model
+    said only "on_demand" (the README's "holds nothing"), and no replica's host bytes showed; a
+    fixed mode showed "budget 50 ms (not met)" for a budget that steers auto only; the execution
+    profile showed only while degraded; with the gateway gone the page kept its last figures
+    without saying they were old; at a phone's 375 px the page was 750 px wide."""
+    from playwright.sync_api import Browser, Route, expect
+
+    assert isinstance(browser, Browser)
+    readiness = {
+        "configured": "on_demand", "mode": "on_demand", "holding": "on_demand", "why": "configured",
+        "wanted": "on_demand", "recovery_budget_ms": 50.0, "recovery_ms": {"warm": 210.0, "on_demand": 640.0},
+        "meets_budget": False, "model_loaded": True, "contexts": 0, "host_bytes": 236 * 2**20,
+        "extra_bytes": 0, "last_failover": None,
+    }  # fmt: skip
+    profile = {
+        "profile": "split", "resident_bytes": 243 * 2**20, "resident_tokens": 0, "split_layers": 7,
+        "split_bytes": 60 * 2**20, "usable_bytes": 64 * 2**20, "split_worker": True,
+        "why": "all layers and a 2048-token request need 243 MiB of 64 MiB",
+    }  # fmt: skip
+    down = [False]
+
+    def fake_status(route: Route) -> None:
+        if down[0]:
+            route.abort()
+            return
+        doc = route.fetch().json()
+        doc["services"][0] |= {"cpu_readiness": readiness, "profile": profile}
+        route.fulfill(json=doc)
+
+    pg = browser.new_page(viewport={"width": 375, "height": 900})
+    try:
+        pg.route("**/v1/status", fake_status)
+        pg.goto(gw.url + "/")
+        chat = pg.locator("#services tbody tr").first
+        expect(chat).to_contain_text("holds 236.0 MiB: its model, loaded by a request and kept", timeout=10_000)
+        expect(chat).to_contain_text("the budget steers auto only")
+        expect(chat).not_to_contain_text("(not met)")
+        expect(chat).to_contain_text("profile split (split worker: 7 layers on the device): all layers and a")
+        expect(pg.locator("#updated")).to_contain_text("updated ")
+        assert pg.evaluate("document.documentElement.scrollWidth") <= 375  # tables scroll in their place
+        down[0] = True
+        expect(pg.locator("#mode")).to_have_text("unreachable", timeout=5_000)
+        expect(pg.locator("#updated")).to_contain_text("the gateway does not answer; below: its last answer, at")
+        assert "stale" in (pg.locator("body").get_attribute("class") or "")
+        down[0] = False
+        expect(pg.locator("#mode")).not_to_have_text("unreachable", timeout=5_000)
+        assert "stale" not in (pg.locator("body").get_attribute("class") or "")
+        ARTIFACTS.mkdir(exist_ok=True)
+        pg.screenshot(path=str(ARTIFACTS / "status-page-phone.png"), full_page=True)
+    finally:
+        pg.unroute_all(behavior="ignoreErrors")
+        pg.close()
