@@ -249,6 +249,7 @@ def test_a_start_that_aborts_is_kept_before_its_death_is_told_and_counts_as_a_re
         for f in at_death
     ), at_death
     assert sup.start_failure == at_death[0] and sup.next_start_s > 0
+    assert sup.failed_starts == sup.restarts  # every start failed, in a row (the host guard stops counting it)
 
 
 def test_restarting_is_true_from_a_death_until_the_next_ready_and_false_once_stopped() -> None:
@@ -266,3 +267,4 @@ def test_restarting_is_true_from_a_death_until_the_next_ready_and_false_once_sto
     assert kinds.get("ready") is False, seen
     assert kinds.get("died") is True and kinds.get("restarting") is True and kinds.get("starting") is True, seen
     assert sup.restarting is False  # stopped for good
+    assert sup.failed_starts == 0  # each start it made came up

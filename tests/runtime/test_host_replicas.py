@@ -255,7 +255,7 @@ def _gpu_worker_beside_an_auto_replica(
     monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
     h, workers, asked = _auto_replicas(1000, {"emb-cpu": 60})
     h._proc.available = lambda: available[0]  # type: ignore[method-assign]
-    gpu = SimpleNamespace(worker=SimpleNamespace(state=WorkerState.READY, pid=9), restarting=False, start_failure=None)
+    gpu = SimpleNamespace(worker=SimpleNamespace(state=WorkerState.READY, pid=9), restarting=False, failed_starts=0)
     h.supervisors = lambda: [gpu]  # type: ignore[assignment,return-value]
 
     def reading(rss: dict[int, int], anon: dict[int, int] | None = None) -> None:
@@ -266,22 +266,24 @@ def _gpu_worker_beside_an_auto_replica(
     return h, workers["emb-cpu"], h.lanes[0], gpu, asked, reading
 
 
-@pytest.mark.parametrize("start_failed", [False, True])
+@pytest.mark.parametrize("failed_starts", [0, 1, 2, 3])
 def test_a_restarting_workers_memory_is_not_room_for_an_idle_move_up(
-    monkeypatch: pytest.MonkeyPatch, start_failed: bool
+    monkeypatch: pytest.MonkeyPatch, failed_starts: int
 ) -> None:
     """Round 38: a GPU worker's death frees its memory in the host reading until its restart
     loads again; the chat replica at ``host_short`` took that room, loaded its model and
     dropped it once the worker was back, once a crash. What the worker held when last up is a
     move up's margin while it restarts (the part its new process has not taken yet), unless
-    its last start failed (it may never take it again). A request's own load (``load_allowed``)
+    its last three starts failed (it may never take it again; round 42: one start killed
+    mid-load turned the margin off). A request's own load (``load_allowed``)
     is not held back by it, and a model so loaded is kept: a step down is judged on the room
     as read (round 40a: it was shed at the next reading)."""
     available = [50]  # short of the model's 60 and its step
     h, w, lane, gpu, asked, reading = _gpu_worker_beside_an_auto_replica(monkeypatch, available)
     reading({9: 100})
     gpu.worker.state, gpu.restarting = WorkerState.DEAD, True  # killed: its 100 are free
-    gpu.start_failure = "out of memory" if start_failed else None
+    gpu.failed_starts = failed_starts
+    start_failed = failed_starts >= 3
     available[0] = 150
     reading({})
     assert h.returning_bytes(lane) == ((0, 0) if start_failed else (100, 100))

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["HOST_OBSERVE_INTERVAL_S", "CpuLaneHost", "HostMemory", "HostStatistics"]
 
 HOST_OBSERVE_INTERVAL_S = 0.2  # a whole number of ``ticks.TICK_S``: the reading wakes with the device's
+# A restarting worker's memory counts as coming back until this many of its starts in a row failed.
+RETURN_AFTER_FAILED_STARTS = 3
 
 
 @dataclass(frozen=True)
@@ -238,13 +240,14 @@ class HostMemory:
         machine's available memory (the anonymous part: pages mapped from a model file stay in
         the page cache, available all along). A dead GPU worker's memory is free in the reading
         until its restart loads (round 38: the chat replica at ``host_short`` took that room,
-        loaded its model and dropped it again, once a crash). A worker whose last start failed
-        is not counted: it may never take it again."""
+        loaded its model and dropped it again, once a crash). A worker whose last
+        ``RETURN_AFTER_FAILED_STARTS`` starts failed is not counted: it may never take it again (a
+        start killed once, an OOM kill mid-load, is still counted: round 42)."""
         own = lane.worker()
         rss = anon = 0
         for s in self.supervisors():
             last = self._ready_rss.get(id(s))
-            if last is None or s.worker is own or not s.restarting or s.start_failure is not None:
+            if last is None or s.worker is own or not s.restarting or s.failed_starts >= RETURN_AFTER_FAILED_STARTS:
                 continue
             now = self._rss.get(s.worker.pid, (0, 0)) if s.worker.pid is not None else (0, 0)
             rss += max(0, last[0] - now[0])

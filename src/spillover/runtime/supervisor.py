@@ -97,6 +97,7 @@ class Supervisor:
         # a retry runs, when the one after it would come should it fail as the last one did.
         self.next_start_s = 0.0
         self._failed_start_s = 0.0  # how long the last failed start took to fail
+        self.failed_starts = 0  # starts that failed since the worker was last ready
         self._starting = False  # a start is under way: its worker's death is a failed start
         self._stopping = False
         self._may_run = asyncio.Event()  # cleared while parked (rule 7)
@@ -198,9 +199,11 @@ class Supervisor:
             finally:
                 self._starting = False
             self.start_failure = None
+            self.failed_starts = 0
             self._event(K.READY, f"pid={info.get('pid')}")
         except Exception as exc:
             self.start_failure = str(exc) or type(exc).__name__
+            self.failed_starts += 1
             self._failed_start_s = time.monotonic() - began
             self.next_start_s = time.monotonic() + self.backoff_s  # the back-off below
             self._event(K.START_FAILED, self.start_failure)
