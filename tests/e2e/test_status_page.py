@@ -262,14 +262,16 @@ def test_the_page_shows_what_a_replica_holds_the_profile_and_when_its_figures_ar
         "split_bytes": 60 * 2**20, "usable_bytes": 64 * 2**20, "split_worker": True,
         "why": "all layers and a 2048-token request need 243 MiB of 64 MiB",
     }  # fmt: skip
-    down = [False]
+    down = [""]
 
     def fake_status(route: Route) -> None:
-        if down[0]:
+        if down[0] == "refused":
             route.abort()
             return
+        if down[0] == "hung":  # never answered (a connection dropped on the way): the poll times out
+            return
         doc = route.fetch().json()
-        doc["services"][0] |= {"cpu_readiness": readiness, "profile": profile}
+        doc["services"][0] |= {"cpu_readiness": readiness, "profile": profile, "where": "none", "why": "gpu_busy"}
         route.fulfill(json=doc)
 
     pg = browser.new_page(viewport={"width": 375, "height": 900})
@@ -281,15 +283,17 @@ def test_the_page_shows_what_a_replica_holds_the_profile_and_when_its_figures_ar
         expect(chat).to_contain_text("the budget steers auto only")
         expect(chat).not_to_contain_text("(not met)")
         expect(chat).to_contain_text("profile split (split worker: 7 layers on the device): all layers and a")
+        expect(chat.locator("td.where")).to_have_text("no slot free now: it would queue")  # not "nowhere"
         expect(pg.locator("#updated")).to_contain_text("updated ")
         assert pg.evaluate("document.documentElement.scrollWidth") <= 375  # tables scroll in their place
-        down[0] = True
-        expect(pg.locator("#mode")).to_have_text("unreachable", timeout=5_000)
-        expect(pg.locator("#updated")).to_contain_text("the gateway does not answer; below: its last answer, at")
-        assert "stale" in (pg.locator("body").get_attribute("class") or "")
-        down[0] = False
-        expect(pg.locator("#mode")).not_to_have_text("unreachable", timeout=5_000)
-        assert "stale" not in (pg.locator("body").get_attribute("class") or "")
+        for how in ("refused", "hung"):  # round 43: a poll never answered stopped every later one
+            down[0] = how
+            expect(pg.locator("#mode")).to_have_text("unreachable", timeout=10_000)
+            expect(pg.locator("#updated")).to_contain_text("the gateway does not answer; below: its last answer, at")
+            assert "stale" in (pg.locator("body").get_attribute("class") or "")
+            down[0] = ""
+            expect(pg.locator("#mode")).not_to_have_text("unreachable", timeout=10_000)
+            assert "stale" not in (pg.locator("body").get_attribute("class") or "")
         ARTIFACTS.mkdir(exist_ok=True)
         pg.screenshot(path=str(ARTIFACTS / "status-page-phone.png"), full_page=True)
     finally:

@@ -274,3 +274,17 @@ def test_a_codecs_embedding_is_its_own_width(tmp_path: Path) -> None:
     h = _header("wavtokenizer-dec", 2, **{"ARCH.attention.head_count": 4})
     h.fields["wavtokenizer-dec.embedding_length"] = 128
     assert spec_of(h, tmp_path / "m.gguf", {}).n_embd == 128
+
+
+def test_layers_named_otherwise_are_not_checked_and_a_shard_is_refused_in_words(tmp_path: Path) -> None:
+    """Round 43: t5's layers are ``enc.blk.N`` / ``dec.blk.N`` (a codec's ``convnext.N``), which the
+    layer check took for a file with no layers and refused as damaged; and the first file of a
+    GGUF split into shards holds a part of the tensors, which the check refused as damaged too
+    (and the estimate counted a part of the weights before): it is refused as such, in words."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    h = _header("t5", 2, **{"ARCH.attention.head_count": 4})
+    h.tensors = [dataclasses.replace(t, name="enc." + t.name) if t.name.startswith("blk.") else t for t in h.tensors]
+    assert spec_of(h, tmp_path / "m.gguf", {}).n_layers == 2
+    shard = _header("llama", 2, **{"ARCH.attention.head_count": 4, "split.count": 3, "split.no": 0})
+    with pytest.raises(UnsupportedModel, match=re.escape("part 1 of a GGUF split into 3 files: merge them first")):
+        spec_of(shard, tmp_path / "m.gguf", {})

@@ -255,7 +255,9 @@ def _gpu_worker_beside_an_auto_replica(
     monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
     h, workers, asked = _auto_replicas(1000, {"emb-cpu": 60})
     h._proc.available = lambda: available[0]  # type: ignore[method-assign]
-    gpu = SimpleNamespace(worker=SimpleNamespace(state=WorkerState.READY, pid=9), restarting=False, failed_starts=0)
+    gpu = SimpleNamespace(
+        worker=SimpleNamespace(state=WorkerState.READY, pid=9, waits_for_room=False), restarting=False, failed_starts=0
+    )
     h.supervisors = lambda: [gpu]  # type: ignore[assignment,return-value]
 
     def reading(rss: dict[int, int], anon: dict[int, int] | None = None) -> None:
@@ -291,6 +293,9 @@ def test_a_restarting_workers_memory_is_not_room_for_an_idle_move_up(
     available[0] = 110
     reading({10: 40})  # loading again: 40 of its 100 taken
     assert h.returning_bytes(lane) == ((0, 0) if start_failed else (60, 60))
+    gpu.worker.waits_for_room = True  # its start waits for room on the device: for how long, nobody knows
+    assert h.returning_bytes(lane) == (0, 0)
+    gpu.worker.waits_for_room = False
     if start_failed:
         assert asked == [("emb-cpu", "warm")]
         return

@@ -148,6 +148,12 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     arch = _field("general.architecture")
     if not isinstance(arch, str) or not arch:  # llama.cpp refuses such a file: "unknown model architecture: ''"
         raise ValueError("general.architecture is missing" if arch is None else f"general.architecture is {arch!r}")
+    shards = fields.get("split.count", 1)
+    if isinstance(shards, int) and shards > 1:  # this file holds a part of the tensors only
+        raise UnsupportedModel(
+            f"this is part {int(fields.get('split.no', 0)) + 1} of a GGUF split into {shards} files: "
+            "merge them first (llama.cpp's llama-gguf-split --merge)"
+        )
     n_layers = _integer(fields, f"{arch}.block_count")
     if n_layers < 1:
         raise ValueError(f"{arch}.block_count is {n_layers}: a model has at least one layer")
@@ -267,12 +273,13 @@ def _check_tensors(tensors: list[Any], arch: str, n_layers: int, n_embd: int, fi
             if not part.isdigit():
                 raise ValueError(f"tensor {t.name!r} names no layer")
             held.add(int(part))
+    # Layers named otherwise (t5's enc.blk / dec.blk, a codec's convnext / posnet) are not checked.
     past = sorted(i for i in held if i >= n_layers)
     if past:
         raise ValueError(
             f"{arch}.block_count is {n_layers}, but the file holds tensors of layer {past[0]} (blk.{past[0]})"
         )
-    missing = sorted(set(range(n_layers)) - held)
+    missing = sorted(set(range(n_layers)) - held) if held else []
     if missing:
         raise ValueError(
             f"{arch}.block_count is {n_layers}, but the file holds no tensor of layer {missing[0]} (blk.{missing[0]})"

@@ -263,10 +263,12 @@ class Gateway:
                         waiting = True
                         on_wait(True)
                         worker.waiting = f"room on the device for its {nbytes} bytes of weights"
+                        worker.waits_for_room = True
                         self.note_event(worker.spec.worker_id, f"load waiting: {worker.waiting}")
                     await asyncio.sleep(LOAD_RECHECK_S)
         finally:
             worker.waiting = None  # it loads now, or the wait was cancelled (the gateway stops)
+            worker.waits_for_room = False
         on_wait(False)
 
     async def _observe_loop(self) -> None:

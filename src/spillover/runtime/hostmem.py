@@ -242,12 +242,15 @@ class HostMemory:
         until its restart loads (round 38: the chat replica at ``host_short`` took that room,
         loaded its model and dropped it again, once a crash). A worker whose last
         ``RETURN_AFTER_FAILED_STARTS`` starts failed is not counted: it may never take it again (a
-        start killed once, an OOM kill mid-load, is still counted: round 42)."""
+        start killed once, an OOM kill mid-load, is still counted: round 42); nor is one whose
+        start waits for room on the device (``waits_for_room``: that may take any time, while the
+        CPU replicas serve its requests; round 43)."""
         own = lane.worker()
         rss = anon = 0
         for s in self.supervisors():
             last = self._ready_rss.get(id(s))
-            if last is None or s.worker is own or not s.restarting or s.failed_starts >= RETURN_AFTER_FAILED_STARTS:
+            gone = s.failed_starts >= RETURN_AFTER_FAILED_STARTS or s.worker.waits_for_room
+            if last is None or s.worker is own or not s.restarting or gone:
                 continue
             now = self._rss.get(s.worker.pid, (0, 0)) if s.worker.pid is not None else (0, 0)
             rss += max(0, last[0] - now[0])

@@ -146,6 +146,7 @@ class Supervisor:
         """Rule 7: start the worker again (through ``before_start``, as any start)."""
         if self.parked:
             self._event(K.RESUMED, why)
+            self.failed_starts = 0  # a fresh run: its earlier failures were before the park
             self._may_run.set()
 
     def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:

@@ -272,6 +272,7 @@ class WorkerClient:
         self.held: dict[str, Any] = {}  # the worker's last ``held`` report: mode, model, contexts, timings
         self.held_seq = 0  # bumped by each report
         self.waiting: str | None = None  # what its next start waits for (set by the supervisor's owner)
+        self.waits_for_room = False  # its next start waits for room on the device (which may take any time)
 
     def __repr__(self) -> str:
         return f"<WorkerClient {self.spec.worker_id} {self.state.value} busy={self.busy}>"
