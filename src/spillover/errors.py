@@ -342,7 +342,7 @@ _FOR_PEOPLE: dict[str, str] = {
         "The GPU failed partway through this answer, and the rest could not be produced identically "
         "elsewhere. Please try again."
     ),
-    "failover_interrupted:restart": (
+    "failover_interrupted/restart": (
         "The server restarted partway through this answer, and the rest could not be produced identically. "
         "Please try again."
     ),
@@ -365,7 +365,7 @@ def for_people(exc: SpilloverError) -> str | None:
     technical message is the right one)."""
     text = (
         _FOR_PEOPLE.get(f"{exc.code}:{exc.param}")
-        or _FOR_PEOPLE.get(f"{exc.code}:{exc.variant}")
+        or _FOR_PEOPLE.get(f"{exc.code}/{exc.variant}")
         or _FOR_PEOPLE.get(exc.code or "")
     )
     if text is None:

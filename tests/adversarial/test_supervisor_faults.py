@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -263,8 +264,65 @@ def test_restarting_is_true_from_a_death_until_the_next_ready_and_false_once_sto
         seen.append((what.split(":")[0].split(" ")[0], box[0].restarting))
 
     sup = supervise_until_ready(2, device=ReleasedDevice(), listener=note, patch=box.append)
-    kinds = {kind: restarting for kind, restarting in seen}
-    assert kinds.get("ready") is False, seen
-    assert kinds.get("died") is True and kinds.get("restarting") is True and kinds.get("starting") is True, seen
+    died = next(i for i, (kind, _) in enumerate(seen) if kind == "died")
+    after = seen[died:]
+    ready = next(i for i, (kind, _) in enumerate(after) if kind == "ready")
+    assert all(restarting for _, restarting in after[:ready]), seen  # died, restarting, starting: true
+    assert [k for k, _ in after[:ready]] == ["died", "restarting", "starting"], seen
+    assert after[ready] == ("ready", False), seen
     assert sup.restarting is False  # stopped for good
-    assert sup.failed_starts == 0  # each start it made came up
+
+
+class FailsOnceWorkerSpec(FakeWorkerSpec):
+    """Aborts its first start (a marker file notes it), then is ready."""
+
+    def argv(self) -> list[str]:
+        marker = f"{self.state_dir}/failed-once"
+        code = (
+            f"import json, os, sys, time\nif not os.path.exists({marker!r}):\n"
+            f"    open({marker!r}, 'w').close(); os.abort()\n"
+            "print(json.dumps({'ev': 'ready', 'info': {'pid': os.getpid()}}), flush=True)\ntime.sleep(60)\n"
+        )
+        return [sys.executable, "-c", code]
+
+
+def test_failed_starts_count_in_a_row_and_end_at_a_ready_and_a_parked_worker_is_not_restarting(
+    tmp_path: Path,
+) -> None:
+    """``Supervisor.failed_starts`` (after three in a row the host guard stops counting the
+    worker's memory as coming back) is 1 after a start that failed, 0 once a start comes up;
+    a parked worker (rule 7: unloaded on purpose) is not ``restarting``."""
+
+    async def go() -> tuple[int, int, bool, bool]:
+        failed_at_retry: list[int] = []
+        sup: Supervisor | None = None
+        ready = asyncio.Event()
+
+        def on_change(w: WorkerClient, ev: SupervisorEvent) -> None:
+            if sup is not None and ev.kind is SupervisorEventKind.STARTING:
+                failed_at_retry.append(sup.failed_starts)
+            if ev.kind is SupervisorEventKind.READY:
+                ready.set()
+
+        spec = FailsOnceWorkerSpec(
+            worker_id="gpu0", lane="gpu", device="sim:64", model_path="", state_dir=str(tmp_path), slots=1, n_ctx=64,
+            n_threads=1, n_batch=8,
+        )  # fmt: skip
+        sup = Supervisor(spec, FAST, on_change=on_change)
+        task = asyncio.create_task(sup.run())
+        try:
+            await asyncio.wait_for(ready.wait(), 30)
+            after_ready = sup.failed_starts
+            await sup.park("room for interactive work")
+            parked_restarting = sup.restarting
+            parked = sup.parked
+        finally:
+            await sup.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return failed_at_retry[-1], after_ready, parked_restarting, parked
+
+    at_retry, after_ready, parked_restarting, parked = asyncio.run(go())
+    assert (at_retry, after_ready) == (1, 0)
+    assert parked and parked_restarting is False

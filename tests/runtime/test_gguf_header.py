@@ -288,3 +288,6 @@ def test_layers_named_otherwise_are_not_checked_and_a_shard_is_refused_in_words(
     shard = _header("llama", 2, **{"ARCH.attention.head_count": 4, "split.count": 3, "split.no": 0})
     with pytest.raises(UnsupportedModel, match=re.escape("part 1 of a GGUF split into 3 files: merge them first")):
         spec_of(shard, tmp_path / "m.gguf", {})
+    later = Header(fields={"split.count": 3, "split.no": 2})  # past the first, the split keys alone
+    with pytest.raises(UnsupportedModel, match=re.escape("part 3 of a GGUF split into 3 files")):
+        spec_of(later, tmp_path / "m.gguf", {})

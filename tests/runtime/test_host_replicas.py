@@ -283,7 +283,8 @@ def test_a_restarting_workers_memory_is_not_room_for_an_idle_move_up(
     available = [50]  # short of the model's 60 and its step
     h, w, lane, gpu, asked, reading = _gpu_worker_beside_an_auto_replica(monkeypatch, available)
     reading({9: 100})
-    gpu.worker.state, gpu.restarting = WorkerState.DEAD, True  # killed: its 100 are free
+    reading({9: 0})  # killed: its memory is gone before its pipe closes and it leaves READY (round 44)
+    gpu.worker.state, gpu.restarting = WorkerState.DEAD, True  # its 100 are free
     gpu.failed_starts = failed_starts
     start_failed = failed_starts >= 3
     available[0] = 150

@@ -145,15 +145,15 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     def _field(key: str, default: Any = None) -> Any:
         return fields.get(key, default)
 
-    arch = _field("general.architecture")
-    if not isinstance(arch, str) or not arch:  # llama.cpp refuses such a file: "unknown model architecture: ''"
-        raise ValueError("general.architecture is missing" if arch is None else f"general.architecture is {arch!r}")
     shards = fields.get("split.count", 1)
-    if isinstance(shards, int) and shards > 1:  # this file holds a part of the tensors only
+    if isinstance(shards, int) and shards > 1:  # a part of the tensors only (past the first, no metadata)
         raise UnsupportedModel(
             f"this is part {int(fields.get('split.no', 0)) + 1} of a GGUF split into {shards} files: "
             "merge them first (llama.cpp's llama-gguf-split --merge)"
         )
+    arch = _field("general.architecture")
+    if not isinstance(arch, str) or not arch:  # llama.cpp refuses such a file: "unknown model architecture: ''"
+        raise ValueError("general.architecture is missing" if arch is None else f"general.architecture is {arch!r}")
     n_layers = _integer(fields, f"{arch}.block_count")
     if n_layers < 1:
         raise ValueError(f"{arch}.block_count is {n_layers}: a model has at least one layer")
@@ -260,7 +260,7 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     )
 
 
-def _check_tensors(tensors: list[Any], arch: str, n_layers: int, n_embd: int, fields: dict[str, Any]) -> None:
+def _check_tensors(tensors: list[TensorInfo], arch: str, n_layers: int, n_embd: int, fields: dict[str, Any]) -> None:
     """Refuse a tensor table that disagrees with the metadata where llama.cpp would refuse or
     abort the load (round 39: ``--no-plan``, which asks llama.cpp nothing, estimated such files):
     a layer with no tensors or tensors of a layer past ``block_count``, a token embedding of

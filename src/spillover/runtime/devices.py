@@ -103,9 +103,9 @@ class ProcReader:
 
     def rss(self, pids: list[int], each: dict[int, int] | None = None, anon: dict[int, int] | None = None) -> int:
         """``processes_rss(pids)``; with ``each``, every pid's own RSS is put in it too, and
-        with ``anon`` the part of it not backed by files (resident less shared: what the
-        machine's available memory gets back when the process ends; its mapped file pages stay
-        in the page cache, counted as available already). Not Linux: all of it."""
+        with ``anon`` the part of it not shared (resident less statm's shared: its file pages,
+        which stay in the page cache the machine counts as available already when the process
+        ends, and shmem): about what the machine's available memory gets back. Not Linux: all of it."""
         if not self._linux:
             one_each = {pid: processes_rss([pid]) for pid in pids}
             for d in (each, anon):

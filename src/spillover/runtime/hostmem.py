@@ -10,6 +10,10 @@ What a CPU replica holds is counted from its own reports (``held``): its model w
 them there. Each reading also ticks the replicas' readiness (``runtime.readiness``) with
 the room the guard leaves them.
 
+A replica's idle move up also keeps room for what workers being restarted held while up and
+will take again (``returning_bytes``: a dead GPU worker's memory is free in the reading until
+its restart loads).
+
 Against the budget a replica's model counts whole (its pages are resident). Against the
 machine's available memory, the part llama.cpp maps from the model file (``mapped_bytes``)
 never counts, loaded or not: the kernel counts that page cache as available already, so
@@ -113,8 +117,8 @@ class HostMemory:
         self._cpu_worker_starts: tuple[int, ...] = ()
         self._measured: dict[int, _Measured] = {}  # id(lane) -> its replica's RSS as read
         self._rss: dict[int, tuple[int, int]] = {}  # pid -> its RSS and the anonymous part of it, last reading
-        # id(supervisor) -> its worker's RSS and anonymous part, last reading while it was ready
-        self._ready_rss: dict[int, tuple[int, int]] = {}
+        # id(supervisor) -> its worker's pid, and the most RSS and anonymous part it was read holding while ready
+        self._ready_rss: dict[int, tuple[int, int, int]] = {}
         self._proc = ProcReader()  # the /proc files, kept open: read several times a second
 
     def __repr__(self) -> str:
@@ -169,9 +173,16 @@ class HostMemory:
         self.observed_bytes = rss_bytes
         self.peak_bytes = max(self.peak_bytes, rss_bytes)
         self._rss = {pid: (b, (anon or each).get(pid, b)) for pid, b in each.items()}
-        for s in every:  # what each worker held when last up: its restart takes that again
-            if s.worker.state is WorkerState.READY and s.worker.pid in self._rss:
-                self._ready_rss[id(s)] = self._rss[s.worker.pid]
+        for s in every:  # the most each worker held while up: its restart takes that again
+            pid = s.worker.pid
+            if s.worker.state is WorkerState.READY and pid in self._rss:
+                # The most, not the last: a killed process gives its memory back before its pipe
+                # closes and its state leaves READY, so its last reading can be 0 (round 44).
+                was = self._ready_rss.get(id(s))
+                held, held_anon = self._rss[pid]
+                if was is not None and was[0] == pid:
+                    held, held_anon = max(held, was[1]), max(held_anon, was[2])
+                self._ready_rss[id(s)] = (pid, held, held_anon)
         self.measure(each)
 
     def measure(self, rss: dict[int, int]) -> None:
@@ -235,16 +246,16 @@ class HostMemory:
         return total
 
     def returning_bytes(self, lane: CpuLaneHost) -> tuple[int, int]:
-        """Host memory that workers being restarted (other than ``lane``'s) held when last up
-        and do not hold now, their restart takes it again: in the reading (RSS), and of the
-        machine's available memory (the anonymous part: pages mapped from a model file stay in
-        the page cache, available all along). A dead GPU worker's memory is free in the reading
-        until its restart loads (round 38: the chat replica at ``host_short`` took that room,
-        loaded its model and dropped it again, once a crash). A worker whose last
-        ``RETURN_AFTER_FAILED_STARTS`` starts failed is not counted: it may never take it again (a
-        start killed once, an OOM kill mid-load, is still counted: round 42); nor is one whose
-        start waits for room on the device (``waits_for_room``: that may take any time, while the
-        CPU replicas serve its requests; round 43)."""
+        """Host memory that workers being restarted (other than ``lane``'s) held while last up
+        (the most each was read holding) and do not hold now, their restart takes it again: in
+        the reading (RSS), and of the machine's available memory (the anonymous part: pages
+        mapped from a model file stay in the page cache, available all along). A dead GPU
+        worker's memory is free in the reading until its restart loads (round 38: the chat
+        replica at ``host_short`` took that room, loaded its model and dropped it again, once a
+        crash). A worker whose last ``RETURN_AFTER_FAILED_STARTS`` starts failed is not counted:
+        it may never take it again (a start killed once, an OOM kill mid-load, is still counted:
+        round 42); nor is one whose start waits for room on the device (``waits_for_room``: that
+        may take any time, while the CPU replicas serve its requests; round 43)."""
         own = lane.worker()
         rss = anon = 0
         for s in self.supervisors():
@@ -253,8 +264,8 @@ class HostMemory:
             if last is None or s.worker is own or not s.restarting or gone:
                 continue
             now = self._rss.get(s.worker.pid, (0, 0)) if s.worker.pid is not None else (0, 0)
-            rss += max(0, last[0] - now[0])
-            anon += max(0, last[1] - now[1])
+            rss += max(0, last[1] - now[0])
+            anon += max(0, last[2] - now[1])
         return rss, anon
 
     def room_bytes(

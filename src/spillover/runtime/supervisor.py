@@ -130,7 +130,7 @@ class Supervisor:
     @property
     def restarting(self) -> bool:
         """Its worker is down (dead, backing off or loading again) and will be started again:
-        not stopped for good, not parked."""
+        not stopped for good, not parked. (True while it first starts too: it held nothing yet.)"""
         return not self._stopping and not self.parked and self.worker.state is not WorkerState.READY
 
     async def park(self, why: str) -> None:
@@ -146,7 +146,6 @@ class Supervisor:
         """Rule 7: start the worker again (through ``before_start``, as any start)."""
         if self.parked:
             self._event(K.RESUMED, why)
-            self.failed_starts = 0  # a fresh run: its earlier failures were before the park
             self._may_run.set()
 
     def _worker_exited(self, worker: WorkerClient, gone: WorkerGone) -> None:
