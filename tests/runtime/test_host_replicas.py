@@ -14,6 +14,7 @@ import pytest
 from spillover.runtime import readiness as readiness_mod
 from spillover.runtime.hostmem import CpuLaneHost, HostMemory
 from spillover.runtime.readiness import ReplicaReadiness
+from spillover.runtime.supervisor import Supervisor
 from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
 
 W = 100  # the replica's model, bytes
@@ -244,9 +245,16 @@ def test_a_move_up_under_way_is_not_undone_by_the_room_its_own_load_takes(monkey
     assert asked == [("whisper-cpu", "warm")] and h.room_bytes(lane) == 150
 
 
+class _StandIn(SimpleNamespace):
+    """A supervisor as the host guard reads it: its ``restarting`` and ``failed_starts`` set by
+    the test, its ``coming_back`` the supervisor's own rule."""
+
+    coming_back = Supervisor.coming_back
+
+
 def _gpu_worker_beside_an_auto_replica(
     monkeypatch: pytest.MonkeyPatch, available: list[int]
-) -> tuple[HostMemory, WorkerClient, CpuLaneHost, SimpleNamespace, list[tuple[str, str]], Callable[..., None]]:
+) -> tuple[HostMemory, WorkerClient, CpuLaneHost, _StandIn, list[tuple[str, str]], Callable[..., None]]:
     """An auto replica of a 60-byte model (it wants warm: 66 with its step) on a machine with
     ``available[0]`` bytes available (the budget is no limit), beside a GPU worker (pid 9, a
     stand-in supervisor); and ``reading(rss, anon)``, one host reading and tick, each lasting
@@ -255,7 +263,7 @@ def _gpu_worker_beside_an_auto_replica(
     monkeypatch.setattr(readiness_mod.time, "monotonic", lambda: now[0])
     h, workers, asked = _auto_replicas(1000, {"emb-cpu": 60})
     h._proc.available = lambda: available[0]  # type: ignore[method-assign]
-    gpu = SimpleNamespace(
+    gpu = _StandIn(
         worker=SimpleNamespace(state=WorkerState.READY, pid=9, waits_for_room=False), restarting=False, failed_starts=0
     )
     h.supervisors = lambda: [gpu]  # type: ignore[assignment,return-value]

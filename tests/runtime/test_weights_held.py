@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 from spillover.core.ledger import DeviceLedger
 from spillover.runtime.events import SupervisorEvent, SupervisorEventKind
-from spillover.runtime.gateway import KEPT_FAILED_STARTS, Gateway
+from spillover.runtime.gateway import Gateway
+from spillover.runtime.supervisor import COMING_BACK_FAILED_STARTS
 from tests.runtime.fakes import ready_worker
 
 MIB = 1024 * 1024
@@ -42,12 +43,12 @@ def test_a_dead_workers_room_waits_for_its_restarts_and_a_park_gives_it_up() -> 
     event(K.START_FAILED)  # killed again while it restarted: a worker that ran keeps its room
     assert not ledger.holds(holder) and ledger.kept_bytes() == 66 * MIB
     assert ledger.reserve_nowait("whisper-gpu/weights", 120 * MIB, 1e9 + 1, kind="weights") is None
-    for _ in range(KEPT_FAILED_STARTS - 1):  # ... until its model seems not to load any more
+    for _ in range(COMING_BACK_FAILED_STARTS - 1):  # ... until its model seems not to load any more
         assert ledger.kept_bytes() == 66 * MIB
         event(K.STARTING)
         event(K.DIED)  # its process dies as it loads
         event(K.START_FAILED)
-    assert ledger.kept_bytes() == 0  # given up after KEPT_FAILED_STARTS in a row
+    assert ledger.kept_bytes() == 0  # given up after COMING_BACK_FAILED_STARTS in a row
     event(K.STARTING)
     event(K.READY)  # it came back: the count starts again
     event(K.DIED)

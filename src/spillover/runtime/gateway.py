@@ -37,7 +37,7 @@ from spillover.runtime.requests import RequestService
 from spillover.runtime.scheduler import Scheduler
 from spillover.runtime.service import DeviceService
 from spillover.runtime.status import DegradedAnswers, status_document
-from spillover.runtime.supervisor import Supervisor
+from spillover.runtime.supervisor import COMING_BACK_FAILED_STARTS, Supervisor
 from spillover.runtime.transcription import TranscriptionService
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 
@@ -52,9 +52,6 @@ LOAD_RECHECK_S = 0.25  # how often a load waiting for room looks at the ledger a
 # A stop ends what still runs this long before the server's grace is over: a GPU job's answer
 # waits for its worker to let go of it (1 s was too short for an embeddings batch on the GPU).
 STOP_AHEAD_S = 3.0
-# A worker that ran keeps its room through this many failed restarts in a row (killed again
-# while it restarted), no more: one whose model can no longer load gives it to the others.
-KEPT_FAILED_STARTS = 3
 OUTCOME_TRIES = 10  # journal tries of a kept outcome before its stored answer is dropped
 
 
@@ -222,7 +219,7 @@ class Gateway:
         waited for room (another service's) cannot take it and leave the planned worker waiting
         behind it for good. A park or an unload gives it up, and so does a failed start of a
         worker that never ran (a model that cannot load holds no room from the others); one
-        that ran keeps it through ``KEPT_FAILED_STARTS`` failed restarts in a row (killed again
+        that ran keeps it through ``COMING_BACK_FAILED_STARTS`` failed restarts in a row (killed again
         while it restarted), no more (its model may no longer load)."""
         self.note_event(worker.spec.worker_id, str(ev))
         if self.ledger is not None and worker.spec.lane in DEVICE_ROUTES:
@@ -242,7 +239,7 @@ class Gateway:
                 self.failed_starts[holder] = self.failed_starts.get(holder, 0) + 1
             if ev.kind in (SupervisorEventKind.PARKED, SupervisorEventKind.UNLOADED) or (
                 ev.kind is SupervisorEventKind.START_FAILED
-                and (holder not in self.ran or self.failed_starts[holder] >= KEPT_FAILED_STARTS)
+                and (holder not in self.ran or self.failed_starts[holder] >= COMING_BACK_FAILED_STARTS)
             ):
                 self.ledger.drop_kept(holder)
         self.kick_scheduler()

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["HOST_OBSERVE_INTERVAL_S", "CpuLaneHost", "HostMemory", "HostStatistics"]
 
 HOST_OBSERVE_INTERVAL_S = 0.2  # a whole number of ``ticks.TICK_S``: the reading wakes with the device's
-# A restarting worker's memory counts as coming back until this many of its starts in a row failed.
-RETURN_AFTER_FAILED_STARTS = 3
 
 
 @dataclass(frozen=True)
@@ -252,16 +250,16 @@ class HostMemory:
         mapped from a model file stay in the page cache, available all along). A dead GPU
         worker's memory is free in the reading until its restart loads (round 38: the chat
         replica at ``host_short`` took that room, loaded its model and dropped it again, once a
-        crash). A worker whose last ``RETURN_AFTER_FAILED_STARTS`` starts failed is not counted:
-        it may never take it again (a start killed once, an OOM kill mid-load, is still counted:
-        round 42); nor is one whose start waits for room on the device (``waits_for_room``: that
-        may take any time, while the CPU replicas serve its requests; round 43)."""
+        crash). Only a worker taken to come back is counted (``Supervisor.coming_back``: fewer
+        than ``COMING_BACK_FAILED_STARTS`` failed starts in a row; a start killed once, an OOM
+        kill mid-load, is still counted: round 42), and not one whose start waits for room on
+        the device (``waits_for_room``: that may take any time, while the CPU replicas serve
+        its requests; round 43)."""
         own = lane.worker()
         rss = anon = 0
         for s in self.supervisors():
             last = self._ready_rss.get(id(s))
-            gone = s.failed_starts >= RETURN_AFTER_FAILED_STARTS or s.worker.waits_for_room
-            if last is None or s.worker is own or not s.restarting or gone:
+            if last is None or s.worker is own or not s.coming_back or s.worker.waits_for_room:
                 continue
             now = self._rss.get(s.worker.pid, (0, 0)) if s.worker.pid is not None else (0, 0)
             rss += max(0, last[1] - now[0])
@@ -307,7 +305,8 @@ class HostMemory:
             # A move up does not take what a restarting worker will take again (a step down is
             # judged on the room as read: a model a request loaded meanwhile, ``load_allowed``,
             # is kept until the worker is back and the room is short).
-            returning = room - self.room_bytes(lane, available, returning=self.returning_bytes(lane))
+            back = self.returning_bytes(lane)
+            returning = room - self.room_bytes(lane, available, returning=back) if any(back) else 0
             mode = lane.readiness.tick(room, extra_bytes=self.extra_bytes(lane), returning_bytes=returning)
             if mode is not None:
                 await w.set_readiness(mode)

@@ -55,6 +55,12 @@ log = logging.getLogger("spillover.supervisor")
 HEALTHY_RESET_S = 30.0
 
 
+# A worker that ran is taken to come back through this many failed restarts in a row (killed
+# again while it restarted), no more (its model may no longer load): the device ledger keeps its
+# room that long (``Gateway.worker_event``), and the host guard its memory (``HostMemory``).
+COMING_BACK_FAILED_STARTS = 3
+
+
 def cannot_start(what: str, supervisors: Iterable[Supervisor]) -> NoWorkerReady | None:
     """Rule 8: the refusal for a request to ``what`` (a service, a chat model) while none of
     its workers is ready and every one that may run (not parked) failed its last start, naming
@@ -126,6 +132,13 @@ class Supervisor:
     @property
     def parked(self) -> bool:
         return not self._may_run.is_set()
+
+    @property
+    def coming_back(self) -> bool:
+        """Its worker, down, is taken to come back: it restarts, and fewer than
+        ``COMING_BACK_FAILED_STARTS`` of its starts in a row failed (a restart killed once is
+        still coming back; one whose model no longer loads is not)."""
+        return self.restarting and self.failed_starts < COMING_BACK_FAILED_STARTS
 
     @property
     def restarting(self) -> bool:
