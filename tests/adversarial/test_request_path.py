@@ -327,6 +327,30 @@ def test_a_request_of_exactly_the_cpu_cap_runs_there(gw: GatewayProcess) -> None
     assert_quiescent(gw)
 
 
+def failovers(gw: GatewayProcess) -> float:
+    """``spillover_failovers_total``, every kind summed."""
+    text = httpx.get(f"{gw.url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("spillover_failovers_total{"))
+
+
+@pytest.mark.parametrize("prompt", ["", [""]])
+def test_an_empty_prompt_starts_from_bos_and_never_fails_a_worker(gw: GatewayProcess, prompt: Any) -> None:
+    """An empty prompt is answered from the model's BOS token, as llama-cpp-python does. It
+    reached the engine as zero tokens, which failed the GPU worker, then the CPU one: a 503, a
+    failover counted, and three such requests opened the GPU's breaker for every client."""
+    with healthy_client(gw) as c:
+        before = failovers(gw)
+        for stream in (False, True, False, False):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "stream": stream})
+            assert r.status_code == 200, r.text
+            if not stream:
+                assert r.json()["usage"]["prompt_tokens"] == 1, r.json()
+                assert r.headers["x-spillover-attempts"] == "1", r.headers
+        assert failovers(gw) == before
+        assert gw.status()["breaker"]["circuit"] != "open"
+    assert_quiescent(gw)
+
+
 # -- item 10: malformed input --------------------------------------------------------------------
 MALFORMED: list[tuple[str, bytes, dict[str, str | bytes]]] = [
     ("deep JSON", b"[" * 100_000 + b"]" * 100_000, {}),

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from spillover.config import default_model_path
+from spillover.core.routing import fault_outcome
 from spillover.engine.grammar import schema_to_grammar
-from spillover.engine.llama_engine import Engine, GenerateParams, Step, Tokenizer
+from spillover.engine.llama_engine import Engine, GenerateParams, RequestRefused, Step, Tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -52,4 +55,20 @@ def test_sampled_answers_keep_the_integer_bounds_and_are_strict_json() -> None:
     assert all(3 <= len(a["code"]) <= 6 and "," not in a["code"][:-1] for a in answers), answers
     assert all(re.fullmatch(r"\d{3}", a["zip"]) and a["tag"] in ("a\\b", 'say "hi"') for a in answers), answers
     assert all(re.fullmatch(r"[a-z]{1,3}\\[a-z]{1,3}", a["path"]) for a in answers), answers
+    e.set_readiness("on_demand")
+
+
+def test_an_empty_prompt_is_the_requests_fault_not_the_engines() -> None:
+    """llama.cpp cannot decode zero tokens (llama-cpp-python asserts): the engine refuses it as
+    the request's fault, which the breaker does not count against the device."""
+    e = Engine(default_model_path(), slots=1, n_ctx=64, n_threads=1, n_batch=64)
+    slot = e.acquire_slot()
+    assert slot is not None
+    try:
+        with pytest.raises(RequestRefused) as refused:
+            list(e.generate(slot, [], GenerateParams(max_tokens=4), kv_tokens=64, should_stop=lambda: False))
+    finally:
+        e.release_slot(slot)
+    assert refused.value.kind == "empty_prompt"
+    assert fault_outcome("empty_prompt") == "client"
     e.set_readiness("on_demand")

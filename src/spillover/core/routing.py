@@ -60,7 +60,8 @@ __all__ = [
 
 DEVICE_ROUTES = frozenset({"gpu", "split"})  # routes whose worker holds device memory
 SEVERE_FAULTS = frozenset({"alloc_failed", "oom", "crash", "driver_reset"})
-CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar", "bad_audio"})  # the request's own: not the lane's
+# the request's own faults: not the lane's
+CLIENT_FAULTS = frozenset({"context_overflow", "bad_grammar", "empty_prompt", "bad_audio"})
 
 
 def fault_outcome(kind: str) -> str:

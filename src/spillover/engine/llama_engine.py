@@ -240,6 +240,7 @@ class Tokenizer:
         bos_id = self._llm.token_bos()
         self.eos_token = self._piece(eos_id) if eos_id >= 0 else ""
         self.bos_token = self._piece(bos_id) if bos_id >= 0 else ""
+        self.bos_id = bos_id  # -1: the vocabulary has none
 
     def _piece(self, token_id: int) -> str:
         return _piece(self._llm, token_id)
@@ -471,7 +472,7 @@ class RequestRefused(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # context_overflow | bad_grammar
+        self.kind = kind  # context_overflow | bad_grammar | empty_prompt
         self.message = message
 
 
@@ -837,6 +838,8 @@ class Engine:
                 f"the prompt ({len(prompt_tokens) + len(prefix)} tokens) leaves no room to generate in this "
                 f"worker's {limit}-token context",
             )
+        if not prompt_tokens:  # llama.cpp cannot decode nothing (an assertion in llama-cpp-python)
+            raise RequestRefused("empty_prompt", "the prompt is empty: there is no token to start from")
         grammar = self._grammar(llm, params.grammar) if params.grammar else None
         llm.reset()  # no KV prefix reuse: it made seeded sampling irreproducible
         llm.set_seed(params.seed)

@@ -32,7 +32,7 @@ Worker -> gateway events::
                                               any write takes every request's waiting tokens along
     {"ev": "done", "rid", "finish_reason", "prompt_tokens", "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"} kind: alloc_failed | oom | diverged | engine
-                                              | context_overflow | bad_grammar (the request's fault)
+                                              | context_overflow | bad_grammar | empty_prompt (the request's fault)
     {"ev": "pong", "seq", "progress", "contexts"}  progress: tokens generated so far, in total
     {"ev": "held", "mode", "model", "contexts", "timings"}  what the engine holds changed
                                               (timings: the latest load_ms, ctx_ms, first_ms)

@@ -109,6 +109,8 @@ def final_error(
     if kind is FailKind.CLIENT:
         if fault == "context_overflow":
             return ContextLengthExceeded(f"request {rid}: {message}", param="max_tokens")
+        if fault == "empty_prompt":
+            return InvalidRequest(f"request {rid}: {message}", param="prompt")
         return InvalidRequest(f"request {rid}: the engine refused the output constraint: {message}")
     if kind is FailKind.CPU_FAILED:
         return WorkerFailed(f"request {rid} failed: {where}; no replica to fail over to", retry_after_s=1.0)

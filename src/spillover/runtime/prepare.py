@@ -242,10 +242,22 @@ async def _render_or_400(tok: Any, req: GenerationRequest) -> list[int]:
     roles that do not alternate) is the client's 400."""
     try:
         if _renders_inline(req) and not tok.busy():  # a busy tokenizer would stall the loop
-            return render(tok, req)
-        return await asyncio.to_thread(render, tok, req)
+            ids = render(tok, req)
+        else:
+            ids = await asyncio.to_thread(render, tok, req)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param="messages") from exc
+    if ids:
+        return ids
+    # An empty prompt ("", or a conversation that renders to nothing) starts from the model's BOS
+    # token, as llama-cpp-python's completions do; llama.cpp cannot decode zero tokens, and that
+    # was the worker's failure on both lanes: three such requests opened the GPU's breaker.
+    if tok.bos_id < 0:
+        raise InvalidRequest(
+            "the prompt is empty and this model has no beginning-of-sequence token to start from",
+            param="prompt" if req.kind == "text" else "messages",
+        )
+    return [tok.bos_id]
 
 
 async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
