@@ -53,7 +53,7 @@ CHAT_FIELDS: list[tuple[str, Any, str]] = [
     ("stop", ["\n"], "ok"),
     ("store", True, "400"),
     ("store", False, "ok"),
-    ("stream_options", {"include_usage": True}, "ok"),  # with stream=false: nothing to include
+    ("stream_options", {"include_usage": True}, "400"),  # with stream=false: as OpenAI answers it
     ("temperature", 0.0, "ok"),
     ("tool_choice", "none", "ok"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "ok"),
@@ -84,6 +84,8 @@ def gw() -> Any:
 
 def chat(gw: GatewayProcess, **body: Any) -> httpx.Response:
     doc = {"model": MODEL, "messages": MSG, "max_tokens": 8, "temperature": 0, **body}
+    if "max_completion_tokens" in body:  # the two disagreeing are a 400 of their own
+        del doc["max_tokens"]
     return httpx.post(f"{gw.url}/v1/chat/completions", json=doc, timeout=120)
 
 

@@ -133,6 +133,23 @@ def _inflater(request: Request, limit: int) -> _Inflater | None:
     )
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once. JSON leaves a repeated key's meaning open and
+    Python keeps the last value: ``{"model": "a", "model": "b"}`` was served by ``b``, which a
+    proxy that checks the first one would let through unseen."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return out
+
+
 async def _read_json(request: Request, limit: int) -> Any:
     """The body as JSON: at most ``limit`` bytes (counted while reading), and at most ``limit``
     once a gzip or deflate ``Content-Encoding`` is undone (also counted while reading)."""
@@ -157,7 +174,9 @@ async def _read_json(request: Request, limit: int) -> Any:
     if inflater is not None:
         inflater.end()
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(b"".join(chunks), object_pairs_hook=_one_value_a_key)
+    except DuplicateKey as exc:
+        raise InvalidRequest(f"the body gives {exc.key!r} twice in one object: send it once", param=exc.key) from exc
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too many digits, too deep
         detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise InvalidRequest(f"the body is not valid JSON: {detail}") from exc

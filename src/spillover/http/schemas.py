@@ -40,6 +40,38 @@ def positive_ms(v: Any, name: str) -> int | None:
     return v
 
 
+def _only(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    """A 400 naming the first key of ``obj`` (found at ``where``) outside ``allowed``: nothing a
+    client sends is silently dropped, inside an object either (a typo such as ``paramters`` or
+    ``alow_shrink`` was answered as if it had not been sent)."""
+    for key in obj:
+        if key not in allowed:
+            raise InvalidRequest(
+                f"unknown field '{where}.{key}': this server does not ignore what it does not understand",
+                param=f"{where}.{key}",
+            )
+
+
+SPILLOVER_FIELDS = frozenset({"allow_shrink", "prefer", "deadline_ms"})
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+TOOL_FIELDS = frozenset({"type", "function"})
+FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+RESPONSE_FORMAT_FIELDS = frozenset({"type", "json_schema"})
+JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
+# A message's fields by role. An assistant message an SDK echoes back from an answer carries
+# ``refusal``, ``annotations``, ``audio`` and ``function_call``: taken when empty (null, []).
+MESSAGE_FIELDS = {
+    "system": frozenset({"role", "content", "name"}),
+    "developer": frozenset({"role", "content", "name"}),
+    "user": frozenset({"role", "content", "name"}),
+    "assistant": frozenset(
+        {"role", "content", "name", "tool_calls", "refusal", "annotations", "audio", "function_call"}
+    ),
+    "tool": frozenset({"role", "content", "tool_call_id", "name"}),
+}
+ECHOED_EMPTY = ("refusal", "annotations", "audio", "function_call")
+
+
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name, default)
     if v is None:
@@ -92,12 +124,15 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
     so = {} if so is None else so  # null is absent; [], "" or 0 are not an object: 400
     if not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    if so and not stream:  # as OpenAI answers it
+        raise InvalidRequest("'stream_options' is only allowed with 'stream': true", param="stream_options")
     if not isinstance(so.get("include_usage", False), bool):
         raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
     ext = body.get("spillover")
     ext = {} if ext is None else ext
     if not isinstance(ext, dict):
         raise InvalidRequest("'spillover' must be an object", param="spillover")
+    _only(ext, SPILLOVER_FIELDS, "spillover")
     allow_shrink = ext.get("allow_shrink")
     if allow_shrink is not None and not isinstance(allow_shrink, bool):
         raise InvalidRequest("'spillover.allow_shrink' must be a boolean", param="spillover.allow_shrink")
@@ -106,8 +141,14 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
         raise InvalidRequest("'spillover.prefer' must be 'auto' or 'cpu'", param="spillover.prefer")
     deadline_ms = positive_ms(ext.get("deadline_ms"), "spillover.deadline_ms")
     max_tokens = _int_opt(body, "max_completion_tokens", 1, MAX_TOKENS)
+    older = _int_opt(body, "max_tokens", 1, MAX_TOKENS)
     if max_tokens is None:
-        max_tokens = _int_opt(body, "max_tokens", 1, MAX_TOKENS)
+        max_tokens = older
+    elif older is not None and older != max_tokens:
+        raise InvalidRequest(
+            f"'max_tokens' ({older}) and 'max_completion_tokens' ({max_tokens}) disagree: send one of them",
+            param="max_tokens",
+        )
     user = body.get("user")
     for name in ("user", "safety_identifier", "prompt_cache_key"):  # labels and hints: strings
         if body.get(name) is not None and not isinstance(body[name], str):
@@ -117,9 +158,7 @@ def _common(body: dict[str, Any], default_model: str) -> dict[str, Any]:
             "'stream_options.include_obfuscation' is not supported (no padding is added)",
             param="stream_options.include_obfuscation",
         )
-    if set(so) - {"include_usage", "include_obfuscation"}:
-        bad = sorted(set(so) - {"include_usage", "include_obfuscation"})[0]
-        raise InvalidRequest(f"unknown stream option '{bad}'", param=f"stream_options.{bad}")
+    _only(so, STREAM_OPTIONS, "stream_options")
     return {
         "model": model,
         "stream": stream,
@@ -181,6 +220,7 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
         raise InvalidRequest(
             "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", param="response_format"
         )
+    _only(rf, RESPONSE_FORMAT_FIELDS if rf["type"] == "json_schema" else frozenset({"type"}), "response_format")
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":
@@ -188,6 +228,9 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     js = rf.get("json_schema")
     if not isinstance(js, dict) or not isinstance(js.get("name"), str):
         raise InvalidRequest("'json_schema' needs a 'name' and a 'schema'", param="response_format.json_schema")
+    _only(js, JSON_SCHEMA_FIELDS, "response_format.json_schema")
+    if not isinstance(js.get("description", ""), str):
+        raise InvalidRequest("'description' must be a string", param="response_format.json_schema.description")
     schema = js.get("schema", {})
     if not isinstance(schema, dict):
         raise InvalidRequest("'schema' must be a JSON schema object", param="response_format.json_schema.schema")
@@ -219,6 +262,8 @@ def _assistant_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequest("each tool call needs a 'function' object with a 'name'", param=f"{where}[{j}]")
+        _only(c, frozenset({"id", "type", "function"}), f"{where}[{j}]")
+        _only(fn, frozenset({"name", "arguments"}), f"{where}[{j}].function")
         if not isinstance(fn.get("arguments", ""), str):
             raise InvalidRequest("'arguments' must be a JSON string", param=f"{where}[{j}].function.arguments")
     return calls
@@ -235,9 +280,20 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         if not isinstance(m, dict):
             raise InvalidRequest("each message must be an object", param=f"messages[{i}]")
         role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
+        if not isinstance(role, str) or role not in MESSAGE_FIELDS:
             raise InvalidRequest(f"unknown role {role!r}", param=f"messages[{i}].role")
+        _only(m, MESSAGE_FIELDS[role], f"messages[{i}]")
+        for key in ECHOED_EMPTY:
+            if m.get(key) not in (None, [], ""):
+                raise InvalidRequest(
+                    f"an assistant message's '{key}' is not supported (only empty, as an answer echoes it back)",
+                    param=f"messages[{i}].{key}",
+                )
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
+        if m.get("name") is not None:  # the template decides what a name does (SmolLM2's drops it)
+            if not isinstance(m["name"], str) or not m["name"]:
+                raise InvalidRequest("'name' must be a non-empty string", param=f"messages[{i}].name")
+            msg["name"] = m["name"]
         if role == "assistant" and m.get("tool_calls"):
             calls = _assistant_tool_calls(m["tool_calls"], i)
             msg["tool_calls"] = calls
@@ -293,8 +349,18 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise InvalidRequest("each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]")
+        _only(t, TOOL_FIELDS, f"tools[{i}]")
+        _only(fn, FUNCTION_FIELDS, f"tools[{i}].function")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest("a function needs a 'name'", param=f"tools[{i}].function.name")
+        if fn["name"] in names:
+            raise InvalidRequest(
+                f"two tools are named {fn['name']!r}: a call could not say which", param=f"tools[{i}].function.name"
+            )
+        if not isinstance(fn.get("description", ""), str):
+            raise InvalidRequest("'description' must be a string", param=f"tools[{i}].function.description")
+        if not isinstance(fn.get("strict", False), bool | None):
+            raise InvalidRequest("'strict' must be a boolean", param=f"tools[{i}].function.strict")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequest("'parameters' must be a JSON schema object", param=f"tools[{i}].function.parameters")
@@ -310,6 +376,9 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
         forced = "*"
     elif isinstance(choice, dict) and choice.get("type") == "function":
         fn = choice.get("function")
+        _only(choice, TOOL_FIELDS, "tool_choice")
+        if isinstance(fn, dict):
+            _only(fn, frozenset({"name"}), "tool_choice.function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or name not in names:
             raise InvalidRequest(f"tool_choice names unknown function {name!r}", param="tool_choice")
