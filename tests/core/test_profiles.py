@@ -237,3 +237,16 @@ def test_a_need_just_over_the_room_does_not_read_as_equal_to_it(memory: MemoryMo
     )
     words = tight.why.split(" needs ", 1)[1].split(" on the device")[0]
     assert tight.profile == "cpu" and len(set(words.split(", "))) == 2, tight.why
+
+
+@pytest.mark.parametrize("cap", [1100, 3001, 257])
+def test_a_cap_off_the_256_grid_is_planned_at_the_cells_llama_cpp_creates(memory: MemoryModel, cap: int) -> None:
+    """llama.cpp pads a context to 256 cells (1100 -> 1280): counting the cap's own tokens put the
+    plan 3 % under what the worker allocates, and a layer past ``spillover estimate``'s answer."""
+    _, split = models(memory)
+    m = dataclasses.replace(split, n_gpu_layers=20)
+    padded = math.ceil(cap / 256) * 256
+    assert m.cells(cap) == padded
+    assert device_bytes(m, 1, cap) == device_bytes(m, 1, padded)
+    assert device_bytes(m, 1, cap) > m.weights_bytes() + m.request_footprint(cap, 0).total_bytes
+    assert m.request_footprint(m.cells(cap), 0).kv_bytes == m.kv_bytes(cap)  # the estimate's KV

@@ -5,7 +5,8 @@ device), ``split`` (its last N layers on the device, the rest on the CPU: llama.
 Rules:
 
 1. A profile *fits* when its weights on the device plus ``slots`` requests at its context cap
-   (each the memory model's request footprint: KV pages of its layers on the device, the
+   (each the memory model's request footprint: KV pages of its layers on the device for the
+   cells llama.cpp creates for that context (padded to 256), the
    compute and output buffers that placement puts there, fragmentation) fit the device's
    usable bytes (capacity less margin). These are the very bytes admission reserves, so a
    planned profile is one admission can actually run, and ``spillover estimate
@@ -69,8 +70,11 @@ class ProfilePlan:
 
 
 def device_bytes(model: MemoryModel, slots: int, ctx_tokens: int) -> int:
-    """A placement's device bytes (rule 1): weights plus ``slots`` requests at ``ctx_tokens``."""
-    return model.weights_bytes() + slots * model.request_footprint(ctx_tokens, 0).total_bytes
+    """A placement's device bytes (rule 1): weights plus ``slots`` requests at ``ctx_tokens``,
+    each at the KV cells llama.cpp creates for that context (padded to ``ctx_pad_tokens``: a
+    cap of 1100 is 1280 cells, which counting 1100 tokens put 3 % under, and a layer past what
+    ``spillover estimate`` plans)."""
+    return model.weights_bytes() + slots * model.request_footprint(model.cells(ctx_tokens), 0).total_bytes
 
 
 def _apart(a: int, b: int) -> tuple[str, str]:
