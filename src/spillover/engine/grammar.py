@@ -16,8 +16,13 @@ Rules:
    control characters JSON forbids unescaped (the converter's let them through, so
    ``json.loads`` and the SDKs' ``parse()`` refused what it forced), and an integer's
    ``minimum``/``maximum``/``exclusiveMinimum``/``exclusiveMaximum`` (either draft's form)
-   are a rule that spells exactly the integers in range (the converter ignored them; a
-   ``number``'s bounds are still not enforced). Bounds no integer meets are refused.
+   are a rule that spells exactly the integers in range (the converter ignored them).
+   Bounds no integer meets are refused. Before converting, the schema is read as the
+   converter reads it (``engine.schema_keywords``): a keyword it would drop without a word
+   (a ``number``'s bounds, ``uniqueItems``, ``minProperties``, ``if``, ``not``, a keyword
+   beside a ``$ref`` or a union...) or that no value meets (an empty ``enum``, a ``const``
+   of another type, a minimum above its maximum) is refused, and a ``required`` name
+   ``properties`` does not define is added to it as any value.
 3. The grammar must be at most ``max_bytes`` long and nest parentheses at most
    ``max_repeat`` deep.
 
@@ -30,9 +35,13 @@ import json
 import math
 from typing import Any
 
+from spillover.engine.schema_keywords import normalised, unenforced
+
 __all__ = ["MAX_SCHEMA_DEPTH", "GrammarRefused", "schema_to_grammar"]
 
 MAX_SCHEMA_DEPTH = 32
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
 REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 INT_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_INT_BOUND = 10**18 - 1  # 18 digits
@@ -84,7 +93,12 @@ def _check(node: Any, path: str, depth: int, max_repeat: int) -> None:
         except GrammarRefused as exc:
             raise GrammarRefused(exc.message, f"{path}.{exc.path}".lstrip(".")) from None
     for key, value in node.items():
-        if isinstance(value, dict | list):
+        if key in DATA_KEYS:  # values, not schemas: a default may hold any key
+            continue
+        if key in SCHEMA_MAPS and isinstance(value, dict):  # names are the client's (a property "minLength")
+            for name, sub in value.items():
+                _check(sub, f"{path}.{key}.{name}".lstrip("."), depth + 2, max_repeat)
+        elif isinstance(value, dict | list):
             _check(value, f"{path}.{key}".lstrip("."), depth + 1, max_repeat)
 
 
@@ -419,6 +433,10 @@ def _to_gbnf(schema: dict[str, Any]) -> str:
 def schema_to_grammar(schema: dict[str, Any], *, max_bytes: int, max_repeat: int) -> str:
     """The GBNF grammar for ``schema``, or ``GrammarRefused`` (rules 1-3)."""
     _check(schema, "", 0, max_repeat)
+    schema = normalised(schema)
+    if (bad := unenforced(schema)) is not None:
+        path, why = bad
+        raise GrammarRefused(why, path)
     try:
         grammar = _to_gbnf(schema)
     except GrammarRefused:

@@ -1,0 +1,102 @@
+"""engine.schema_keywords through engine.grammar: a keyword the output grammar would drop
+without a word, or that no value meets, is a refusal naming it; what the converter enforces
+(pydantic's usual shapes among them) still converts. Round 45b's schemas came back broken with
+``finish_reason: stop``: ``{"b": 10}`` for ``required: ["a"]``, ``5`` for a string ``const``,
+``[1, 2, 3, 4, 5]`` for ``maxItems: 2``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spillover.engine.grammar import GrammarRefused, schema_to_grammar
+from spillover.engine.schema_keywords import ANY_VALUE, normalised, unenforced
+
+OBJ = {"type": "object", "properties": {"a": {"type": "string"}}}
+
+
+def convert(schema: dict[str, Any]) -> str:
+    return schema_to_grammar(schema, max_bytes=65536, max_repeat=512)
+
+
+@pytest.mark.parametrize(
+    ("schema", "path"),
+    [
+        (
+            {"type": "object", "properties": {"a": {}}, "required": ["a", "b"], "additionalProperties": False},
+            "required",
+        ),
+        ({"type": "string", "minLength": 10, "maxLength": 2}, "minLength"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2}, "minItems"),
+        ({"type": "object", "minProperties": 3}, "minProperties"),
+        (OBJ | {"maxProperties": 0}, "maxProperties"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
+        ({"type": "string", "const": 5}, "const"),
+        ({"type": "string", "enum": [1, 2]}, "enum"),
+        ({"enum": []}, "enum"),
+        ({"type": "object", "patternProperties": {"^x": {"type": "string"}}}, "patternProperties"),
+        (OBJ | {"if": {"properties": {"a": {"const": "x"}}}, "then": {"required": ["a"]}}, "if"),
+        ({"type": "number", "minimum": 0}, "minimum"),
+        ({"type": "string", "not": {"const": "x"}}, "not"),
+        ({"type": "object", "anyOf": [OBJ]}, "type"),
+        ({"$ref": "#/$defs/a", "minLength": 2, "$defs": {"a": {"type": "string"}}}, "minLength"),
+        ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "minItems"),
+        ({"type": "array", "minItems": 1}, "minItems"),
+        ({"type": "string", "format": "date", "maxLength": 4}, "maxLength"),
+        (
+            {"type": "object", "properties": {"x": {"type": "array", "contains": {"type": "integer"}}}},
+            "properties.x.contains",
+        ),
+        ({"type": ["string", "null"], "const": 1}, "const"),
+    ],
+)
+def test_a_keyword_the_grammar_would_drop_or_no_value_meets_is_refused_by_name(
+    schema: dict[str, Any], path: str
+) -> None:
+    with pytest.raises(GrammarRefused) as e:
+        convert(schema)
+    assert e.value.path == path, e.value
+
+
+PYDANTIC = {
+    "$defs": {
+        "Colour": {"enum": ["red", "green"], "title": "Colour", "type": "string"},
+        "Inner": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "title": "Inner"},
+    },
+    "type": "object",
+    "title": "Outer",
+    "properties": {
+        "colour": {"$ref": "#/$defs/Colour"},
+        "inner": {"allOf": [{"$ref": "#/$defs/Inner"}], "description": "an older pydantic's wrapper"},
+        "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "Maybe"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+        "name": {"type": "string", "minLength": 1, "format": "email", "title": "Name"},
+        "literal": {"const": "a", "enum": ["a"], "type": "string"},
+        "stars": {"type": ["integer", "null"], "minimum": 1, "maximum": 5},
+        "when": {"type": "string", "format": "date-time"},
+        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2},
+        "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "minLength": {"type": "integer", "default": {"minLength": "not a schema"}},
+    },
+    "required": ["colour", "inner", "tags", "name", "literal"],
+}
+
+
+@pytest.mark.parametrize(
+    "schema", [PYDANTIC, {}, {"type": "object", "required": ["a"]}, {"type": "string", "minLength": 2}]
+)
+def test_what_the_converter_enforces_still_converts(schema: dict[str, Any]) -> None:
+    assert unenforced(normalised(schema)) is None
+    assert convert(schema)
+
+
+def test_a_required_name_without_a_property_is_enforced_as_any_value() -> None:
+    """The converter dropped it: ``{"required": ["a"]}`` gave ``{}``, ``["a", "b"]`` with only
+    ``a`` defined gave ``{"a": 10}``."""
+    out = normalised({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]})
+    assert out["properties"] == {"a": {"type": "integer"}, "b": ANY_VALUE}
+    typed = normalised({"type": "object", "required": ["b"], "additionalProperties": {"type": "integer"}})
+    assert typed["properties"] == {"b": {"type": "integer"}}
+    assert '\\"b\\"' in convert({"type": "object", "required": ["b"]})  # the key is in the grammar
