@@ -98,6 +98,13 @@ def test_duplicate_host_or_origin_headers_are_refused() -> None:
     [
         ("POST", {"content_type": "application/json", "content_length": "10"}, None),
         ("POST", {"content_type": "Application/JSON; charset=utf-8", "content_length": "10"}, None),
+        ("POST", {"content_type": 'application/json; charset="UTF-8"', "content_length": "10"}, None),
+        # another charset was read as UTF-8 all the same
+        (
+            "POST",
+            {"content_type": "application/json; charset=latin-1", "content_length": "10"},
+            "unsupported_media_type",
+        ),
         ("POST", {"content_type": "text/plain", "content_length": "10"}, "unsupported_media_type"),
         (
             "POST",

@@ -159,3 +159,13 @@ def test_bad_services_are_refused_at_start(tmp_path: Path, toml: str, match: str
     """Every wrong [[services]] entry is a ConfigError naming what is wrong."""
     with pytest.raises(ConfigError, match=match):
         load_config(_write(tmp_path, toml))
+
+
+def test_one_model_is_retrieved_by_id_or_alias_of_any_kind() -> None:
+    """``GET /v1/models/{id}`` (openai-python's ``models.retrieve``) was a 404 for every id."""
+    reg = ModelRegistry(load_config())
+    assert reg.retrieve("whisper-1") == reg.listing()[2]
+    assert reg.retrieve("smollm2:latest")["id"] == "smollm2-135m-instruct"
+    with pytest.raises(NotFound) as e:
+        reg.retrieve("gpt-9")
+    assert e.value.code == "model_not_found"

@@ -21,6 +21,14 @@ def test_models_lists_the_default_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_one_model_is_retrieved_by_id_or_alias(client: openai.OpenAI) -> None:
+    """GET /v1/models/{id}: the SDK's models.retrieve, by id or alias; an unknown id is a 404."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert client.models.retrieve("smollm2").id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
 def test_non_stream_chat(client: openai.OpenAI) -> None:
     """A non-stream chat completion returns text, usage and the spillover object, on GPU."""
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MSG, max_tokens=16, temperature=0)

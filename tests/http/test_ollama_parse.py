@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from spillover.errors import InvalidRequest
-from spillover.http.ollama import parse_ollama_chat
+from spillover.http.ollama import parse_ollama_chat, parse_ollama_generate
 
 ASK = {"role": "user", "content": "Weather in Oslo?"}
 
@@ -38,3 +38,23 @@ def test_a_malformed_tool_call_is_a_400_naming_it(calls: Any, param: str) -> Non
     with pytest.raises(InvalidRequest) as e:
         parse_ollama_chat(chat({"role": "assistant", "content": "", "tool_calls": calls}), "m")
     assert e.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "raw": "yes"}, "raw"),  # was read as raw: true
+        ({"prompt": "hi", "stream": 0}, "stream"),
+        ({"prompt": "hi", "options": []}, "options"),  # was read as no options
+        ({"prompt": "hi", "system": 5}, "system"),
+    ],
+)
+def test_ollamas_flags_and_texts_of_another_type_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        parse_ollama_generate({"model": "m"} | body, "m")
+    assert e.value.param == param
+
+
+def test_ollamas_flags_of_their_own_type_pass() -> None:
+    req = parse_ollama_generate({"model": "m", "prompt": "hi", "raw": True, "stream": False, "options": None}, "m")
+    assert req.kind == "text" and req.prompt == "hi"

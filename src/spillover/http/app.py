@@ -340,6 +340,10 @@ def create_app(gw: Gateway) -> GatewayLifespan:
     async def models(request: Request) -> Response:
         return plain_json({"object": "list", "data": gw.registry.listing()})
 
+    @guarded
+    async def model(request: Request) -> Response:
+        return plain_json(gw.registry.retrieve(request.path_params["model_id"]))
+
     async def embeddings(request: Request) -> Response:
         return await generate(request, "embeddings")
 
@@ -449,6 +453,7 @@ def create_app(gw: Gateway) -> GatewayLifespan:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", translations, methods=["POST"]),

@@ -71,12 +71,32 @@ def _keep_alive_ok(value: Any) -> bool:
     return isinstance(value, str) and len(value) <= 32 and _DURATION.fullmatch(value) is not None
 
 
+# Ollama's own types for its flags and texts: a "yes" or a [] is Ollama's 400 ("cannot
+# unmarshal"), not a truthy value read as true or an empty list read as "no options".
+BOOLEANS = ("raw", "stream", "verbose", "truncate")
+STRINGS = ("system", "suffix", "template")
+
+
+def check_types(body: dict[str, Any]) -> None:
+    """A 400 naming a flag that is not a boolean, a text that is not a string, or ``options``
+    that is not an object (null is absent, as Ollama reads it)."""
+    for name in BOOLEANS:
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise InvalidRequest(f"'{name}' must be true or false", param=name)
+    for name in STRINGS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidRequest(f"'{name}' must be a string", param=name)
+    if body.get("options") is not None and not isinstance(body["options"], dict):
+        raise InvalidRequest("'options' must be an object", param="options")
+
+
 def _fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     for name in body:
         if name not in allowed:
             raise InvalidRequest(f"unknown field '{name}'", param=name)
+    check_types(body)
     if not _keep_alive_ok(body.get("keep_alive")):
         raise InvalidRequest(
             "'keep_alive' must be a number of seconds or a duration such as \"5m\" (it changes nothing here)",

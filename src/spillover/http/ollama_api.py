@@ -25,6 +25,7 @@ from starlette.routing import Route
 from spillover.errors import InvalidRequest, NotFound, to_http
 from spillover.http.ollama import (
     NdjsonEncoding,
+    check_types,
     created_at,
     ollama_error_body,
     parse_ollama_chat,
@@ -52,6 +53,7 @@ class _LoadOnly(Exception):
         self.answer = answer
 
 
+SHOW_FIELDS = frozenset({"model", "name", "verbose"})  # /api/show's (Ollama's "name" is the older "model")
 FAR_FUTURE = "2999-12-31T23:59:59Z"  # expires_at: spillover does not unload on a timer
 OLLAMA_PREFIX = "/api/"  # every Ollama route's path begins so: an error there is in Ollama's shape
 
@@ -293,6 +295,10 @@ def ollama_routes(
         body = await read_json(request)
         if not isinstance(body, dict):
             raise InvalidRequest('the body must be a JSON object naming the model: {"model": ...}')
+        for name in body:
+            if name not in SHOW_FIELDS:
+                raise InvalidRequest(f"unknown field '{name}'", param=name)
+        check_types(body)
         asked = body.get("model") or body.get("name")
         if not isinstance(asked, str) or not asked:
             raise InvalidRequest("'model' is required: the name of a model this server lists", param="model")

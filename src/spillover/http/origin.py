@@ -197,15 +197,29 @@ class HostPolicy:
                     code="forbidden_origin",
                 )
         if method.upper() in BODY_METHODS and has_body:
-            media = types[0].partition(";")[0].strip().lower() if len(types) == 1 else ""
+            media, _, params = types[0].partition(";") if len(types) == 1 else ("", "", "")
             wanted = "multipart/form-data" if path.startswith(FORM_PATHS) else "application/json"
-            if media != wanted:
-                got = _show(types[0]) if len(types) == 1 else "none"
+            got = _show(types[0]) if len(types) == 1 else f"{len(types)} Content-Type headers" if types else "none"
+            if media.strip().lower() != wanted:
                 return UnsupportedMediaType(
                     f"a request body must be sent with 'Content-Type: {wanted}' (got {got})",
                     param="Content-Type",
                 )
+            if _charset(params) not in (None, "utf-8", "utf8", "us-ascii"):  # JSON is UTF-8 (RFC 8259)
+                return UnsupportedMediaType(
+                    f"a request body must be UTF-8, as JSON is (got {got})",
+                    param="Content-Type",
+                )
         return None
+
+
+def _charset(params: str) -> str | None:
+    """A media type's ``charset`` parameter, lower-case and unquoted; None when it has none."""
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
 
 
 class OriginGuard:

@@ -11,6 +11,8 @@ Rules:
    with Ollama's default tag (``name:latest``, what Ollama's clients send for ``name``) is
    the id without it, unless the tagged id itself is served.
 3. ``/v1/models`` lists every service once, by its canonical id, with its kind and aliases.
+4. ``/v1/models/{id}`` answers one of them by its id or an alias (the entry names the canonical
+   id, as OpenAI's answers the model's own).
 """
 
 from __future__ import annotations
@@ -63,13 +65,7 @@ class ModelRegistry:
 
     def resolve(self, model_id: str, kind: str) -> ServedModel:
         """The service that answers ``model_id`` on an endpoint of ``kind`` (rule 2)."""
-        m = self.lookup(model_id)
-        if m is None:
-            raise NotFound(
-                f"model {model_id!r} does not exist; this server serves {self.describe()}",
-                param="model",
-                code="model_not_found",
-            )
+        m = self._found(model_id)
         if m.kind != kind:
             raise InvalidRequest(
                 f"model {model_id!r} serves {m.kind}, not {kind}: send it to {ENDPOINT_OF_KIND[m.kind]}",
@@ -94,13 +90,30 @@ class ModelRegistry:
 
     def listing(self) -> list[dict[str, object]]:
         """``/v1/models`` entries (rule 3)."""
-        return [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "spillover",
-                "spillover": {"kind": m.kind, "aliases": list(m.aliases), "priority": m.priority},
-            }
-            for m in self.models
-        ]
+        return [self.entry(m) for m in self.models]
+
+    @staticmethod
+    def entry(m: ServedModel) -> dict[str, object]:
+        """One model as ``/v1/models`` lists it and ``/v1/models/{id}`` answers it."""
+        return {
+            "id": m.id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "spillover",
+            "spillover": {"kind": m.kind, "aliases": list(m.aliases), "priority": m.priority},
+        }
+
+    def retrieve(self, model_id: str) -> dict[str, object]:
+        """``GET /v1/models/{id}`` (openai-python's ``models.retrieve``): the entry of the
+        service an id or alias names, of any kind (rule 4); 404 ``model_not_found`` as rule 2."""
+        return self.entry(self._found(model_id))
+
+    def _found(self, model_id: str) -> ServedModel:
+        m = self.lookup(model_id)
+        if m is None:
+            raise NotFound(
+                f"model {model_id!r} does not exist; this server serves {self.describe()}",
+                param="model",
+                code="model_not_found",
+            )
+        return m
