@@ -36,7 +36,7 @@ MARGIN_MIB = 8
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", type=int, default=6, help="requests the device is sized to hold")
     ap.add_argument("--levels", default="1,2,4,6,8,10,12")
     a = ap.parse_args()

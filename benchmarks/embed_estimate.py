@@ -127,7 +127,7 @@ def grid(max_cell_tokens: int) -> list[tuple[int, int]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the encoder (default 1)")
     ap.add_argument("--record", metavar="PATH", help="write the measured table as JSON")
     ap.add_argument("--max-cell-tokens", type=int, default=8192, help="prune cells with more batch x seq tokens")

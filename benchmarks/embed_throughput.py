@@ -36,7 +36,7 @@ def sentences(n: int, words: int, salt: int) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--words", type=int, default=24)

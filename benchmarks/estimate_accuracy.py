@@ -175,7 +175,7 @@ def errors(spec: ModelSpec, cell: dict[str, Any]) -> tuple[float, float, float]:
 def main() -> int:
     from spillover.testing.gguf_arch import ARCHES
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", type=int, default=CELLS, help=f"cells sampled from the full grid (default {CELLS})")
     ap.add_argument("--full", action="store_true", help="every cell of the grid")
     ap.add_argument("--seed", type=int, default=0)

@@ -60,7 +60,7 @@ def wait_gpu(gw: GatewayProcess, not_pid: int | None) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=50)
     a = ap.parse_args()
     body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}

@@ -170,7 +170,7 @@ def run(profile: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=5, help="streams per profile (median)")
     ap.add_argument("--gpu", default="sim", help="sim (default) or cuda:N")
     ap.add_argument("--small-mib", type=int, default=160, help="sim capacity of the split profile")

@@ -470,7 +470,7 @@ def journal_alone(n: int, conc: int, body: dict[str, Any], answer: bytes) -> Jou
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--streams", type=int, default=6, help="streamed completions for the per-token figure")

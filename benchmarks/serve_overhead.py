@@ -133,7 +133,7 @@ class StreamCost:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="rounds per cell; the side measured first alternates")
     ap.add_argument("--latency-n", type=int, default=25)
     ap.add_argument("--tokens", type=int, default=128)

@@ -35,7 +35,7 @@ MARGIN_MIB = 8
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", default="1,2,4,6,8")
     ap.add_argument("--room-mib", type=int, default=160, help="device room left for requests beside the weights")
     a = ap.parse_args()

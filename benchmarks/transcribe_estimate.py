@@ -60,7 +60,7 @@ def measure(ct: str, beam: int, secs: float, model_dir: str) -> dict[str, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="record the measured table for the core tests")
     a = ap.parse_args()
     from spillover.core.transcribe_memory import TranscribeMemoryModel

@@ -32,7 +32,7 @@ from spillover.testing.audio import speech_of
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", default="10,60")
     ap.add_argument("--threads", type=int, default=1, help="must match [[services]].n_threads (default 1)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,9 @@ from spillover.config import default_model_path
 from spillover.core.routing import fault_outcome
 from spillover.engine.grammar import schema_to_grammar
 from spillover.engine.llama_engine import Engine, GenerateParams, RequestRefused, Step, Tokenizer
+from spillover.errors import InvalidRequest
+from spillover.http.schemas import parse_chat
+from spillover.runtime import prepare
 
 SCHEMA = {
     "type": "object",
@@ -72,3 +76,21 @@ def test_an_empty_prompt_is_the_requests_fault_not_the_engines() -> None:
     assert refused.value.kind == "empty_prompt"
     assert fault_outcome("empty_prompt") == "client"
     e.set_readiness("on_demand")
+
+
+def test_a_grammar_llama_cpp_refuses_is_a_400_before_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker refused it after the request was journaled (round 45b: ``{"enum": []}`` gave a
+    rule with no alternative): the gateway parses the grammar with llama.cpp itself first."""
+    tok = Tokenizer(default_model_path())
+    assert tok.grammar_parses('root ::= "a"')
+    assert not tok.grammar_parses("root ::= ( ")
+    chat = SimpleNamespace(tokenizer=tok, cpu_tokenizer=None)
+    req = parse_chat(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "m",
+    )
+    assert prepare._checked_grammar(chat, req, 65536, 512)  # type: ignore[arg-type]
+    monkeypatch.setattr(prepare, "_output_grammar", lambda *_: "root ::= ( ")
+    with pytest.raises(InvalidRequest) as e:
+        prepare._checked_grammar(chat, req, 65536, 512)  # type: ignore[arg-type]
+    assert e.value.param == "response_format.json_schema.schema"

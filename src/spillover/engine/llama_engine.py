@@ -413,6 +413,17 @@ class Tokenizer:
         flush(None)
         return out + edges[len(bos) :]
 
+    def grammar_parses(self, text: str) -> bool:
+        """Whether llama.cpp takes ``text`` as a grammar for this vocabulary: the worker's own
+        check (``Engine._grammar``), made before the request is accepted, so that a grammar
+        it would refuse (an empty ``enum`` gave a rule with no alternative) is the client's
+        400 at once, not a journaled failure after a worker saw it."""
+        probe = self._lib.llama_sampler_init_grammar(self._vocab, text.encode("utf-8"), b"root")
+        if not probe:
+            return False
+        self._lib.llama_sampler_free(probe)
+        return True
+
     def vocab_digest(self) -> str:
         """A hash of the whole vocabulary (token pieces in id order)."""
         h = hashlib.sha256()

@@ -194,6 +194,21 @@ def _output_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> 
         raise InvalidRequest(exc.message, param=f"{param}.{exc.path}" if exc.path else param) from exc
 
 
+def _checked_grammar(chat: ChatModel, req: GenerationRequest, max_bytes: int, max_repeat: int) -> str | None:
+    """``_output_grammar``, parsed by llama.cpp here for each vocabulary a lane uses: one it
+    refuses is a 400 before the request is accepted."""
+    grammar = _output_grammar(req, max_bytes, max_repeat)
+    if grammar is None:
+        return None
+    for tok in (chat.tokenizer, chat.cpu_tokenizer):
+        if tok is not None and not tok.grammar_parses(grammar):
+            raise InvalidRequest(
+                "llama.cpp cannot parse the output grammar this schema gives",
+                param="tools" if req.forced_tool is not None else "response_format.json_schema.schema",
+            )
+    return grammar
+
+
 def _check_logit_bias(chat: ChatModel, req: GenerationRequest) -> None:
     """Token ids of ``logit_bias`` exist in the served model's vocabulary, and mean the same
     tokens on every lane (not so with a fallback model of another vocabulary)."""
@@ -278,7 +293,7 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     m = gw.cfg.model
     grammar = None
     if req.forced_tool is not None or req.response_format is not None:  # building one takes a while
-        grammar = await asyncio.to_thread(_output_grammar, req, m.max_grammar_bytes, m.max_grammar_repeat)
+        grammar = await asyncio.to_thread(_checked_grammar, chat, req, m.max_grammar_bytes, m.max_grammar_repeat)
     _check_logit_bias(chat, req)
     tokens = await _render_or_400(chat.tokenizer, req)
     cpu_tokens = None
