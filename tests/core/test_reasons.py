@@ -25,6 +25,7 @@ WIRE: list[tuple[Reason, str]] = [
     (Reason.CPU_QUEUE_FULL, "cpu_queue_full"),
     (Reason.CLIENT_PREFERS_CPU, "client_prefers_cpu"),
     (Reason.CANARY, "canary"),
+    (Reason.GPU_QUEUE_FULL, "gpu_queue_full"),
     (Reason.CPU_LANE, "cpu_lane"),
     (Reason.CPU_SLOTS_BUSY, "cpu_slots_busy"),
     (Reason.NO_CPU_WORKER, "no_cpu_worker"),
@@ -51,7 +52,7 @@ def test_reason_wire_text(reason: Reason, text: str) -> None:
 def test_every_reason_has_its_wire_text_pinned() -> None:
     """A new Reason member must be added to the table above with its text."""
     assert {r for r, _ in WIRE} == set(Reason)
-    assert len(WIRE) == len(Reason) == 27
+    assert len(WIRE) == len(Reason) == 28
 
 
 @pytest.mark.parametrize(

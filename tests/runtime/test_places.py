@@ -130,3 +130,40 @@ def test_the_cpu_profiles_gpu_lane_sheds_with_the_cpu_lanes_eta_and_each_lane_co
         assert full.value.retry_after_s >= eta and s.gpu.shed_total == 1
 
     asyncio.run(main())
+
+
+def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_before_it_refuses(memory: MemoryModel) -> None:
+    """Round 45b: 22 of 40 requests got 503 queue_full at once while the CPU lane stood idle.
+    A request that finds no place on the GPU lane is promised one on the CPU lane (it starts
+    there, ``gpu_queue_full``, movable to the GPU by late binding); with no place there either
+    it is refused as before. A client's own ``prefer: cpu`` is not a spill."""
+
+    async def main() -> None:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        s = Scheduler(
+            gpu_lane=LaneConfig(slots=1, queue_depth=1),
+            cpu_lane=LaneConfig(slots=1, queue_depth=1),
+            ledger=ledger,
+            policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
+        )
+        gpu, cpu = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
+        s.gpu_workers.append(gpu)
+        s.cpu_workers.append(cpu)
+        gpu.claim_slot("running")
+        s.hold_place("a")
+        assert not s.spills_over("a")  # the GPU lane's place (its queue, or the CPU beside it)
+        waiting = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=0.0)
+        waiting.enqueued_s = 0.0
+        s.gpu.append(waiting)  # the GPU queue full: admission holds it there for the GPU
+        s.release_place("a")
+        s.hold_place("b")
+        s.hold_place("c")  # the CPU lane's free slot and its queue's place
+        assert s.spills_over("b") and s.spills_over("c") and s.cpu.promised == {"b", "c"}
+        with pytest.raises(QueueFull):
+            s.hold_place("d")
+        assert s.gpu.shed_total == 1 and s.cpu.shed_total == 0
+        s.release_place("c")
+        s.hold_place("e", "cpu")  # asked for the CPU: not a spill, but the same place
+        assert s.cpu.promised == {"b", "e"}
+
+    asyncio.run(main())

@@ -41,6 +41,7 @@ class Reason(StrEnum):
     # Started on the CPU lane (runtime.executor, runtime.scheduler).
     CLIENT_PREFERS_CPU = "client_prefers_cpu"
     CANARY = "canary"
+    GPU_QUEUE_FULL = "gpu_queue_full"  # the GPU lane had no place left; the CPU lane had one
     CPU_LANE = "cpu_lane"  # queued on the CPU lane with no other reason (no GPU lane)
     # Whether queued CPU work may start now (core.hostguard, runtime.scheduler).
     CPU_SLOTS_BUSY = "cpu_slots_busy"

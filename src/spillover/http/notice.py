@@ -26,6 +26,7 @@ WHY = {
     "gpu_unavailable": "GPU not available",
     "observation_stale": "GPU memory could not be read",
     "canary": "a routine check of the CPU path",
+    "gpu_queue_full": "GPU queue full",
     "client_prefers_cpu": "CPU asked for",
     "cpu_lane": "no GPU on this server",
     "resident_does_not_fit": "the whole model does not fit the GPU",

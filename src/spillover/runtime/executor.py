@@ -171,6 +171,7 @@ class Execution:
         )
         if self._next_lane == "cpu":
             job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
+            job.movable = not self._cause and self._cpu_reason is Reason.GPU_QUEUE_FULL  # not pinned there
             # A failover may go back to the device after a wait (``Scheduler._may_move``): once a
             # run (one that failed there again may be what fails there); not after a stall, which
             # may be the request's own doing (a hang kill is no severe fault, so the breaker stays
@@ -221,11 +222,12 @@ class Execution:
         )
 
     def prefer_cpu(self, reason: Reason = Reason.CLIENT_PREFERS_CPU) -> None:
-        """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``),
-        or this request is the CPU canary. The client's request must fit the CPU lane
-        (400 otherwise); the canary is only taken by a request that fits."""
+        """Start on the CPU lane: the client asked (``"spillover": {"prefer": "cpu"}``), this
+        request is the CPU canary, or the GPU lane had no place left (``gpu_queue_full``). The
+        client's request must fit the CPU lane (400 otherwise); the others are only taken by a
+        request that fits."""
         if not self.fits_cpu():
-            if reason is Reason.CANARY:
+            if reason is not Reason.CLIENT_PREFERS_CPU:
                 return
             cap = self.scheduler.cpu_ctx_cap_tokens()
             raise ContextLengthExceeded(

@@ -306,6 +306,8 @@ class RequestService:
         )
         if prep.req.prefer_cpu:
             exe.prefer_cpu()  # 400 (before anything is journaled) when the CPU lane cannot take it
+        elif chat.scheduler.spills_over(prep.rid) and exe.fits_cpu():  # else the GPU lane refuses it below
+            exe.prefer_cpu(Reason.GPU_QUEUE_FULL)
         elif chat.canary_due(gw.device is not None):
             exe.prefer_cpu(Reason.CANARY)
         if deadline_ms is not None:

@@ -163,12 +163,31 @@ class Scheduler:
         ``lane`` would be queued on; raise QueueFull at once when the lane is full or every
         place left (queue room and the slots that would take a job now) is promised already.
         The promise ends when its job is queued or ``release_place``; the queue's own check
-        when the job is queued stays the exact bound."""
+        when the job is queued stays the exact bound. A request that asked for no lane and
+        finds the GPU lane without a place is promised one on the CPU lane when it has one
+        (``spills_over``): route to CPU comes before reject."""
         target = self._lane(lane)
+        spill = target is self.gpu and lane is None and self.cpu_workers and self._no_place(self.gpu)
+        if spill and not self._no_place(self.cpu):
+            target = self.cpu  # it spills over (``spills_over``)
         self._check_room(target)
-        if places_promised(target.cfg.queue_depth, len(target.queue), len(target.promised), self._takers(target)):
+        if self._no_place(target):
             self._shed(target)
         target.promised.add(rid)
+
+    def _no_place(self, lane: Lane) -> bool:
+        """Every place of ``lane`` is taken or promised: its queue, and the slots that would take
+        a job now."""
+        return lane.free() <= 0 or places_promised(
+            lane.cfg.queue_depth, len(lane.queue), len(lane.promised), self._takers(lane)
+        )
+
+    def spills_over(self, rid: str) -> bool:
+        """Whether request ``rid``, which asked for no lane, was promised a place on the CPU lane
+        because the GPU lane had none left (``hold_place``): it starts there (reason
+        ``gpu_queue_full``), not refused while the CPU lane has room, and late binding may
+        still move it to the GPU (``Job.movable``) once a GPU slot frees."""
+        return self.gpu is not None and rid in self.cpu.promised
 
     def release_place(self, rid: str) -> None:
         """Request ``rid`` no longer needs the place it was promised (idempotent)."""
