@@ -215,6 +215,9 @@ def probe_prompt(llm: Any) -> str:
         return _plain_chat(messages)
 
 
+TOOL_PROBE = "spillover_probe_tool"  # a tool name no template writes of its own (``Tokenizer.takes_tools``)
+
+
 class Tokenizer:
     """Vocab-only view of a GGUF: chat template, tokenize, special tokens."""
 
@@ -236,6 +239,7 @@ class Tokenizer:
         # "assistant\n"), which every prompt repeats; bounded, emptied when full.
         self._template_runs: dict[str, list[int]] = {}
         self._edges: list[int] | None = None  # what tokenize adds to an empty text (BOS, EOS)
+        self._takes_tools: bool | None = None  # ``takes_tools``, once asked
         eos_id = self._llm.token_eos()
         bos_id = self._llm.token_bos()
         self.eos_token = self._piece(eos_id) if eos_id >= 0 else ""
@@ -253,6 +257,18 @@ class Tokenizer:
             self._formatter = _chat_formatter(self.chat_template, self.eos_token, self.bos_token)
         result = self._formatter(messages=messages, tools=tools)
         return str(result.prompt)
+
+    def takes_tools(self) -> bool:
+        """Whether the chat template puts tool definitions in the prompt (a probe tool's name
+        shows in a rendering; asked once). A model without a template takes none."""
+        if self._takes_tools is None:
+            probe = {"type": "function", "function": {"name": TOOL_PROBE, "description": "", "parameters": {}}}
+            try:
+                rendered = self.render_chat([{"role": "user", "content": "hi"}], [probe]) if self.chat_template else ""
+            except Exception:  # a template that refuses tools altogether
+                rendered = ""
+            self._takes_tools = TOOL_PROBE in rendered
+        return self._takes_tools
 
     def busy(self) -> bool:
         """Whether another thread is tokenizing now (a caller on the event loop would wait for it)."""

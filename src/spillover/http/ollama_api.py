@@ -315,7 +315,8 @@ def ollama_routes(
         if served is None or served.kind != "chat":
             raise unknown_model(gw.registry.named(asked))
         chat = gw.chat_model(served.id)
-        meta = chat.tokenizer.metadata if chat.tokenizer is not None else {}
+        tok = chat.tokenizer
+        meta = tok.metadata if tok is not None else {}
         info = {k: v for k, v in meta.items() if not k.startswith("tokenizer.") and len(str(v)) < 512}
         return plain_json(
             {
@@ -324,7 +325,8 @@ def ollama_routes(
                 "template": chat.tokenizer.chat_template if chat.tokenizer is not None else "",
                 "details": _details(chat),
                 "model_info": info,
-                "capabilities": ["completion", "tools"] if chat.has_template() else ["completion"],
+                # Ollama's clients send tools only to a model that lists them (``prepare`` rule)
+                "capabilities": ["completion", "tools"] if tok is not None and tok.takes_tools() else ["completion"],
                 "modified_at": created_at(),
             }
         )

@@ -408,6 +408,7 @@ def parse_chat(body: Any, default_model: str, ignored: tuple[str, ...] = ()) -> 
         messages=_messages(body),
         tools=tools,
         forced_tool=forced,
+        tools_unused=body.get("tool_choice") == "none",
         logprobs=_chat_logprobs(body),
         response_format=response_format,
         **common,

@@ -52,6 +52,7 @@ class GenerationRequest:
     prompt: str = ""
     tools: tuple[dict[str, Any], ...] = ()
     forced_tool: str | None = None  # a named function, or "*" for "required"
+    tools_unused: bool = False  # tool_choice "none": the tools are shown to the template, never called
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -209,6 +210,25 @@ def _checked_grammar(chat: ChatModel, req: GenerationRequest, max_bytes: int, ma
     return grammar
 
 
+def _check_tools_taken(chat: ChatModel, req: GenerationRequest) -> None:
+    """Tools a model may call of its own accord (``tool_choice`` ``auto``, or none given) reach
+    it only through its chat template: one whose template drops them (SmolLM2's) would answer
+    as if none had been sent (round 45b: the same prompt tokens with and without them). That is
+    a 400 naming ``tools``, as Ollama answers a model without tool support; a forced call
+    (``required`` or a named function) works with any model (its output is constrained)."""
+    if not req.tools or req.forced_tool is not None or req.tools_unused:
+        return
+    for tok in (chat.tokenizer, chat.cpu_tokenizer):
+        if tok is not None and not tok.takes_tools():
+            raise InvalidRequest(
+                f"model {req.model!r} does not take tools: its chat template leaves them out, so it would answer "
+                "as if none were sent; send tool_choice 'required' or a named function (the answer is then "
+                "constrained to a call), or no tools",
+                param="tools",
+                code="model_not_supported",
+            )
+
+
 def _check_logit_bias(chat: ChatModel, req: GenerationRequest) -> None:
     """Token ids of ``logit_bias`` exist in the served model's vocabulary, and mean the same
     tokens on every lane (not so with a fallback model of another vocabulary)."""
@@ -295,6 +315,7 @@ async def prepare(gw: Gateway, req: GenerationRequest, rid: str) -> Prepared:
     if req.forced_tool is not None or req.response_format is not None:  # building one takes a while
         grammar = await asyncio.to_thread(_checked_grammar, chat, req, m.max_grammar_bytes, m.max_grammar_repeat)
     _check_logit_bias(chat, req)
+    _check_tools_taken(chat, req)
     tokens = await _render_or_400(chat.tokenizer, req)
     cpu_tokens = None
     if chat.cpu_tokenizer is not None:  # a fallback model: its own template and vocabulary
