@@ -54,6 +54,9 @@ def test_the_shipped_clip_decodes_the_same_twice() -> None:
         (lambda p: p.write_bytes(CLIP.read_bytes()[:44]), "empty"),
         (lambda p: p.write_bytes(CLIP.read_bytes()[: len(CLIP.read_bytes()) // 3]), "truncated"),
         (lambda p: _wav(p, 5.0), "too_long"),
+        # 1 Hz: 1,799 such samples were 30 minutes once resampled, 34 s of CPU (round 45b)
+        (lambda p: _wav(p, 2.0, rate=1, channels=1), "low_rate"),
+        (lambda p: _wav(p, 2.0, rate=3999, channels=1), "low_rate"),
     ],
 )
 def test_bad_uploads_are_named(tmp_path: Path, make: object, reason: str) -> None:
