@@ -4,6 +4,7 @@ rebinding or a cross-site form, can neither read the gateway nor start or cancel
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,25 @@ def test_a_foreign_host_is_refused_on_every_route(gw: GatewayProcess) -> None:
     for method, path, body in ROUTES:
         r = _call(gw, method, path, {"Host": f"evil.example:{gw.port}", **JSON}, body)
         _assert_refused(r, 403, "forbidden_host")
+
+
+@e2e
+def test_an_absolute_form_target_is_judged_by_its_own_authority(gw: GatewayProcess) -> None:
+    """``GET http://evil.example/v1/status`` with a loopback Host header was served: the
+    target's authority is the request's host (RFC 9112 3.2.2), which the guard refuses."""
+
+    def raw(target: str) -> bytes:
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nConnection: close\r\n\r\n".encode())
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        return got
+
+    assert raw(f"http://evil.example:{gw.port}/v1/status").startswith(b"HTTP/1.1 403")
+    assert b"forbidden_host" in raw("http://evil.example/health")
+    assert raw(f"http://127.0.0.1:{gw.port}/health").startswith(b"HTTP/1.1 200")
+    assert raw("/health").startswith(b"HTTP/1.1 200")
 
 
 @e2e

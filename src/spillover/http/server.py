@@ -47,6 +47,9 @@ Rules:
    in the body of the request being read (a bad chunk) is that request's: answered at once
    (its app sees the client go away), or, when it was answered already, the connection closes
    with no second answer.
+8. An absolute-form request target (``GET http://host:port/path``) names the request's host:
+   its authority replaces the Host header (RFC 9112 3.2.2), so the Host guard judges what
+   the request is really for.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+import httptools
 from uvicorn.config import Config as UvicornConfig
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import Server, ServerState
@@ -272,7 +276,22 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._open_heads += 1
         self._disarm_head_deadline()
+        self._authority_is_host()
         super().on_headers_complete()
+
+    def _authority_is_host(self) -> None:
+        """Rule 8: an absolute-form target's authority is the request's host (RFC 9112 3.2.2:
+        the Host header is then ignored), so the Host guard (``http.origin``) judges it:
+        ``GET http://evil.example/v1/status`` with ``Host: 127.0.0.1`` was served."""
+        if self.url[:1] in (b"/", b"*"):
+            return
+        try:
+            url = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            return  # uvicorn's own parse refuses it
+        if url.host:
+            authority = url.host + (b":%d" % url.port if url.port else b"")
+            self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"] + [(b"host", authority)]
 
     def on_message_complete(self) -> None:
         self._in_message = False
