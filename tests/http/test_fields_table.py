@@ -140,6 +140,31 @@ def test_what_an_sdk_echoes_back_and_a_name_are_taken() -> None:
     assert req.messages[0]["name"] == "ann" and req.max_tokens == 5
 
 
+def test_what_openai_python_echoes_and_nulls_are_taken() -> None:
+    """openai-python's ``parse()`` answer appended to the conversation carries ``parsed``, its
+    stream helper's tool calls ``index`` and ``parsed_arguments``; a null is absent; Cline's
+    text parts carry ``cache_control``. Another key in a part is refused by name."""
+    fn = {"name": "f", "arguments": "{}", "parsed_arguments": {}}
+    call = {"id": "c", "type": "function", "index": 0, "function": fn}
+    parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "assistant", "content": "{}", "parsed": {"a": 1}, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": "x"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f", "description": None, "parameters": {}}}],
+            "response_format": {"type": "text", "json_schema": None},
+        },
+        "m",
+    )
+    part = {"type": "text", "text": "a", "x": 1}
+    with pytest.raises(InvalidRequest) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [part]}]}, "m")
+    assert e.value.param == "messages[0].content[0].x"
+
+
 def test_a_key_given_twice_in_one_object_is_refused() -> None:
     """``{"model": "a", "model": "b"}`` was served by ``b``: the last value won, unseen."""
     assert _one_value_a_key([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}

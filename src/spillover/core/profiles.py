@@ -6,13 +6,13 @@ Rules:
 
 1. A profile *fits* when its weights on the device plus ``slots`` requests at its context cap
    (each the memory model's request footprint: KV pages of its layers on the device for the
-   cells llama.cpp creates for that context (padded to 256), the
-   compute and output buffers that placement puts there, fragmentation) fit the device's
-   usable bytes (capacity less margin). These are the very bytes admission reserves, so a
-   planned profile is one admission can actually run, and ``spillover estimate
-   --gpu-layers N``'s device total with margin (``core.estimate``'s placement rules: a split's
-   device runs its layers' part of the graph; the logits and the output buffer stay with the
-   output layer on the host).
+   cells llama.cpp creates for that context, padded to 256; the compute and output buffers
+   that placement puts there; fragmentation) fit the device's usable bytes (capacity less
+   margin). Admission reserves the same footprint for a request's own tokens (16-token
+   pages), never more than this, so a planned profile is one admission can actually run; and
+   it is ``spillover estimate --gpu-layers N``'s device total with margin (``core.estimate``'s
+   placement rules: a split's device runs its layers' part of the graph; the logits and the
+   output buffer stay with the output layer on the host).
 2. The resident profile runs when one request at the GPU lane's cap fits beside its weights.
 3. With a split worker configured, its N is the configured one, or (``-1``) the largest N in
    1..n_layers that fits with the split worker's own slots, cap and batch (``split_layers``):
@@ -22,10 +22,11 @@ Rules:
    serves every device request: ``split``). Configured layers that do not fit that room run
    no split worker (the plan's ``why`` says so): a worker that could never load is not started.
 4. When neither fits, the model runs on the CPU only (``cpu``). Without a split worker
-   configured, the resident runs (``gpu``) as long as the smallest request (one token) fits
-   beside its weights: admission then sends what does not fit to the CPU, and the plan says
-   up to about how many tokens fit. When not even that fits, no resident worker runs: it
-   would hold the weights on the device and never be admitted a request.
+   configured, the resident runs (``gpu``) as long as the smallest context (one token: 256
+   KV cells, llama.cpp's padding) fits beside its weights: admission then sends what does not
+   fit to the CPU, and the plan says up to about how many tokens fit. When not even that
+   fits, no resident worker runs: it would hold the weights on the device and never be
+   admitted a request.
 5. ``resident_tokens`` is the most tokens (prompt and answer) of one request the resident
    can ever hold: the GPU lane's cap when it fits, rule 4's longest request when only that
    fits, 0 when it does not run. It is the resident's context cap for admission (a longer

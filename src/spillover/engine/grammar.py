@@ -21,8 +21,8 @@ Rules:
    converter reads it (``engine.schema_keywords``): a keyword it would drop without a word
    (a ``number``'s bounds, ``uniqueItems``, ``minProperties``, ``if``, ``not``, a keyword
    beside a ``$ref`` or a union...) or that no value meets (an empty ``enum``, a ``const``
-   of another type, a minimum above its maximum) is refused, and a ``required`` name
-   ``properties`` does not define is added to it as any value.
+   of another type, a minimum above its maximum) is refused, and what it would misread is
+   written as meant (a ``required`` name ``properties`` does not define is added to it).
 3. The grammar must be at most ``max_bytes`` long and nest parentheses at most
    ``max_repeat`` deep.
 
@@ -433,8 +433,12 @@ def _to_gbnf(schema: dict[str, Any]) -> str:
 def schema_to_grammar(schema: dict[str, Any], *, max_bytes: int, max_repeat: int) -> str:
     """The GBNF grammar for ``schema``, or ``GrammarRefused`` (rules 1-3)."""
     _check(schema, "", 0, max_repeat)
-    schema = normalised(schema)
-    if (bad := unenforced(schema)) is not None:
+    try:
+        schema = normalised(schema)
+        bad = unenforced(schema)
+    except RecursionError as exc:  # a default, const or example nested past Python's stack
+        raise GrammarRefused("the schema nests too deeply to convert") from exc
+    if bad is not None:
         path, why = bad
         raise GrammarRefused(why, path)
     try:

@@ -12,22 +12,33 @@ stop`` on an answer that broke the client's schema. Rules:
    as ``engine.grammar``'s converter does); a ``const``; an ``enum``; an object with
    ``properties`` (or a closed or typed ``additionalProperties``); an object's ``allOf``; an
    array with ``items`` or ``prefixItems``; a string's ``pattern``, its ``format`` (``date``,
-   ``time``, ``date-time``, ``uuid``), its length; else a bare type. Each form enforces some
-   keywords; a keyword of another type than the form's output (``minLength`` on an object) is
-   vacuous, as JSON Schema itself says; any other assertion keyword is refused (400, naming
-   it). Annotations (``title``, ``description``, ``default``, ``examples``, ...), ``format``
-   beyond the four (an annotation in JSON Schema 2020-12 unless a validator is asked to
-   assert it) and keywords JSON Schema does not define are not assertions.
-2. What no value meets is refused: an empty ``enum``, a ``const`` or ``enum`` value of another
-   type than ``type``, a minimum above its maximum, a ``required`` name that
-   ``additionalProperties: false`` forbids, an ``allOf`` of anything but object members.
-3. A ``required`` name that ``properties`` does not define is added to it as any value
-   (``normalised``): the converter dropped it, and ``{"required": ["a"]}`` gave ``{}``.
+   ``time``, ``date-time``, ``uuid``, ``uuid1``..``uuid5``), its length; else a bare type.
+   Each form enforces some keywords; a keyword of another type than the form's output
+   (``minLength`` on an object) is vacuous, as JSON Schema itself says; any other assertion
+   keyword is refused (400, naming it). Annotations (``title``, ``description``,
+   ``default``, ``examples``, ...), ``format`` beyond those (an annotation in JSON Schema
+   2020-12 unless a validator is asked to assert it) and keywords JSON Schema does not define
+   are not assertions. Every schema object is read, the targets of local ``$ref``s wherever
+   they are (``#/components/...``) too; each level once per type of its list (``unenforced``
+   is linear in the schema). ``oneOf`` is enforced as ``anyOf``: an answer that matches two
+   of its alternatives passes (a limit, not a refusal: pydantic's tagged unions cannot).
+2. What no value meets is refused: an empty ``enum``, ``anyOf``, ``oneOf`` or ``allOf``, a
+   ``const`` or ``enum`` value of another type than ``type``, a minimum above its maximum, a
+   ``required`` name that ``additionalProperties: false`` forbids, an ``allOf`` of anything
+   but object members (``$ref`` ones too), or whose members define one name twice.
+3. ``normalised`` writes what the converter would misread as what it means: a ``required``
+   name that an object's ``properties`` does not define is added to it as its
+   ``additionalProperties`` schema, or any value (the converter dropped it, and
+   ``{"required": ["a"]}`` gave ``{}``), a type list with ``object`` included; a type beside
+   ``const``/``enum`` values that all are of it goes (the values are the answer; beside them
+   a type list was read as the bare types); a one-member ``allOf`` beside annotations is its
+   member (pydantic's ``{"allOf": [{"$ref": ...}], "description": ...}``).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 __all__ = ["ANY_VALUE", "normalised", "unenforced"]
@@ -47,8 +58,9 @@ ANY_KW = frozenset(
      "$recursiveRef"}
 )  # fmt: skip
 ASSERTIONS = STRING_KW | NUMBER_KW | ARRAY_KW | OBJECT_KW | ANY_KW
+FORMS = frozenset({"$ref", "anyOf", "oneOf", "allOf", "const", "enum"})  # forms that are not an object's own
 FAMILY = {"string": STRING_KW, "number": NUMBER_KW, "integer": NUMBER_KW, "array": ARRAY_KW, "object": OBJECT_KW}
-FORMATS = ("date", "time", "date-time", "uuid")  # what the converter writes a rule for
+FORMATS = ("date", "time", "date-time")  # what the converter writes a rule for, with uuid, uuid1..uuid5
 # Any JSON value, as a type list the converter turns into a union of its primitives.
 ANY_VALUE = {"type": ["string", "number", "boolean", "null", "object", "array"]}
 _PAIRS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
@@ -61,6 +73,11 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),
     "array": (list,),
 }
+
+
+def _enforced_format(fmt: Any) -> bool:
+    """Whether the converter writes a rule for a string ``format`` (its own test)."""
+    return isinstance(fmt, str) and (fmt in FORMATS or re.fullmatch(r"uuid[1-5]?", fmt) is not None)
 
 
 def _is(value: Any, kind: Any) -> bool:
@@ -105,12 +122,12 @@ def _form(node: dict[str, Any]) -> tuple[frozenset[str], str | None] | None:
         return frozenset({"type", "allOf"}), "object"
     if kind in (None, "array") and ("items" in node or "prefixItems" in node):
         items = node.get("items") or node.get("prefixItems")
-        if isinstance(items, list):  # a tuple: exactly its items
-            return frozenset({"type", "items", "prefixItems", "minItems", "maxItems"}), "array"
+        if isinstance(items, list):  # a tuple: exactly its items (draft 7's closing additionalItems too)
+            return frozenset({"type", "items", "prefixItems", "minItems", "maxItems", "additionalItems"}), "array"
         return frozenset({"type", "items", "minItems", "maxItems"}), "array"
     if kind in (None, "string") and "pattern" in node:
         return frozenset({"type", "pattern"}), "string"
-    if kind in (None, "string") and node.get("format") in FORMATS:
+    if kind in (None, "string") and _enforced_format(node.get("format")):
         return frozenset({"type"}), "string"
     if kind == "string":
         return frozenset({"type", "minLength", "maxLength"}), "string"
@@ -126,7 +143,9 @@ def _why(node: dict[str, Any], key: str, form: frozenset[str]) -> str:
         return f"'{key}' cannot be enforced here; give 'items' (one schema for every item)"
     if key in NUMBER_KW:
         return f"'{key}' cannot be enforced by this server's output grammar (an integer's bounds can)"
-    if {"$ref", "oneOf", "anyOf"} & set(form):
+    if "$ref" in form:
+        return f"'{key}' beside '$ref' cannot be enforced; put it in the schema the reference points to"
+    if {"oneOf", "anyOf"} & set(form):
         return f"'{key}' beside '{next(iter(form))}' cannot be enforced; put it inside each alternative"
     return f"'{key}' cannot be enforced by this server's output grammar"
 
@@ -147,9 +166,12 @@ def _values(node: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _check_node(node: dict[str, Any]) -> tuple[str, str] | None:
+def _check_node(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
     """(keyword, why) for the first keyword of one schema object that would go unenforced, or
-    that no value meets; None when every keyword holds."""
+    that no value meets; None when every keyword holds (``root``: where its refs point)."""
+    for key in ("anyOf", "oneOf"):
+        if key in node and (not isinstance(node[key], list) or not node[key]):
+            return key, f"'{key}' must list at least one schema"
     for low, high in _PAIRS:
         lo, hi = node.get(low), node.get(high)
         if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
@@ -160,8 +182,10 @@ def _check_node(node: dict[str, Any]) -> tuple[str, str] | None:
     if found is None:
         return None  # a plain type list: each type is checked as its own object (``unenforced``)
     form, output = found
-    items = node.get("items") if "items" in node else node.get("prefixItems")
-    if isinstance(items, list) and "items" in node and "prefixItems" in node:
+    items = node.get("items") or node.get("prefixItems")  # as the converter takes them
+    if "additionalItems" in node and isinstance(items, list) and node["additionalItems"] is not False:
+        return "additionalItems", "'additionalItems' beside a tuple cannot be enforced (a tuple is exactly its items)"
+    if isinstance(node.get("items"), list) and "prefixItems" in node:
         return "prefixItems", "'prefixItems' beside a list of 'items' cannot both be enforced; give one"
     if isinstance(node.get("items"), dict) and "prefixItems" in node:
         return "prefixItems", "'prefixItems' with 'items' (the items after them) cannot be enforced"
@@ -174,7 +198,7 @@ def _check_node(node: dict[str, Any]) -> tuple[str, str] | None:
         ):
             if not holds:
                 return key, f"'{key}' cannot be enforced beside a tuple of {n} items (a tuple is exactly its items)"
-    if "allOf" in form and (bad := _all_of(node)) is not None:
+    if "allOf" in form and (bad := _all_of(node, root)) is not None:
         return bad
     allowed = form | _vacuous(output)
     for key in node:
@@ -187,18 +211,43 @@ def _check_node(node: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _all_of(node: dict[str, Any]) -> tuple[str, str] | None:
-    """The converter merges an ``allOf``'s members' properties (each one required): only
-    members that are objects with properties are that."""
+def _all_of(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
+    """The converter merges an ``allOf``'s members' properties (each one required; a member
+    that is a ``$ref`` is the schema it points to): only members that are objects with
+    properties, no name in two of them, are that."""
     members = node.get("allOf")
     if not isinstance(members, list) or not members:
         return "allOf", "'allOf' must list at least one schema"
+    names: set[str] = set()
     for m in members:
+        if isinstance(m, dict) and set(m) == {"$ref"}:
+            m = _pointer(root, m["$ref"])
         if not isinstance(m, dict) or m.get("type", "object") != "object" or "properties" not in m:
             return "allOf", "'allOf' can be enforced only as objects with 'properties' (their properties merged)"
         if set(m) & ASSERTIONS - {"type", "properties", "required"}:
             return "allOf", "an 'allOf' member can hold only 'type', 'properties' and 'required'"
+        props = m["properties"] if isinstance(m["properties"], dict) else {}
+        if twice := names & set(props):
+            return "allOf", f"'allOf' members both define {sorted(twice)[0]!r}: the answer would hold it twice"
+        names |= set(props)
     return None
+
+
+def _pointer(root: Any, ref: Any) -> Any:
+    """What a local ``$ref`` (``#``, ``#/$defs/A``) points to in ``root``; None when it points
+    nowhere, or elsewhere."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -230,26 +279,27 @@ def unenforced(schema: Any, path: str = "") -> tuple[str, str] | None:
     enforce or no value meets (rules 1 and 2); None when all hold. Iterative: the depth is
     bounded before (``engine.grammar`` rule 1)."""
     todo: list[tuple[Any, str]] = [(schema, path)]
+    pointed: set[str] = set()  # the refs whose targets are queued already
     while todo:
         node, where = todo.pop()
         if not isinstance(node, dict):
             continue
-        if isinstance(node.get("type"), list) and _form(node) is None:
-            todo += [({**node, "type": t}, where) for t in node["type"]]
-            continue
-        bad = _check_node(node)
-        if bad is not None:
-            key, why = bad
-            return f"{where}.{key}".lstrip("."), why
-        todo += _children(node, where)
+        plain_types = isinstance(node.get("type"), list) and _form(node) is None
+        for each in [{**node, "type": t} for t in node["type"]] if plain_types else [node]:
+            bad = _check_node(each, schema)
+            if bad is not None:
+                key, why = bad
+                return f"{where}.{key}".lstrip("."), why
+        todo += _children(node, where)  # once, whatever the types: a type list nests linearly
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in pointed:  # a target wherever it is (``#/components/...``)
+            pointed.add(ref)
+            todo.append((_pointer(schema, ref), ref.lstrip("#/").replace("/", ".")))
     return None
 
 
 def normalised(schema: Any) -> Any:
-    """A copy of ``schema`` the converter reads as JSON Schema means it: every ``required`` name
-    of an object is in its ``properties`` (rule 3: as its ``additionalProperties`` schema, or
-    any value), and an ``allOf`` of one schema beside annotations only (pydantic's
-    ``{"allOf": [{"$ref": ...}], "description": ...}``) is that schema."""
+    """A copy of ``schema`` the converter reads as JSON Schema means it (rule 3)."""
     out = copy.deepcopy(schema)
     todo: list[Any] = [out]
     while todo:
@@ -267,10 +317,15 @@ def normalised(schema: Any) -> Any:
         ):
             del node["allOf"]
             node.update(one[0])
+        values = [node["const"]] if "const" in node else node.get("enum")
+        if isinstance(values, list) and "type" in node and all(_is(v, node["type"]) for v in values):
+            del node["type"]  # the values are the answer: a type list beside them was read as bare types
         required = node.get("required")
         props = node.get("properties", {})
         extra = node.get("additionalProperties")
-        if isinstance(required, list) and node.get("type", "object") == "object" and isinstance(props, dict):
+        kind = node.get("type", "object")
+        objects = (kind == "object" or (isinstance(kind, list) and "object" in kind)) and not FORMS & node.keys()
+        if isinstance(required, list) and objects and isinstance(props, dict):
             missing = [r for r in required if isinstance(r, str) and r not in props]
             if missing and extra is not False:
                 node["properties"] = props | {

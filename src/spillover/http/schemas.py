@@ -44,8 +44,8 @@ def _only(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
     """A 400 naming the first key of ``obj`` (found at ``where``) outside ``allowed``: nothing a
     client sends is silently dropped, inside an object either (a typo such as ``paramters`` or
     ``alow_shrink`` was answered as if it had not been sent)."""
-    for key in obj:
-        if key not in allowed:
+    for key, value in obj.items():
+        if key not in allowed and value is not None:  # null is absent, as everywhere here
             raise InvalidRequest(
                 f"unknown field '{where}.{key}': this server does not ignore what it does not understand",
                 param=f"{where}.{key}",
@@ -59,16 +59,20 @@ FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 RESPONSE_FORMAT_FIELDS = frozenset({"type", "json_schema"})
 JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
 # A message's fields by role. An assistant message an SDK echoes back from an answer carries
-# ``refusal``, ``annotations``, ``audio`` and ``function_call``: taken when empty (null, []).
+# ``refusal``, ``annotations``, ``audio`` and ``function_call``: taken when empty (null, []);
+# and openai-python's ``parse()`` answers ``parsed``, a copy of ``content`` (taken, unread).
 MESSAGE_FIELDS = {
     "system": frozenset({"role", "content", "name"}),
     "developer": frozenset({"role", "content", "name"}),
     "user": frozenset({"role", "content", "name"}),
     "assistant": frozenset(
-        {"role", "content", "name", "tool_calls", "refusal", "annotations", "audio", "function_call"}
+        {"role", "content", "name", "tool_calls", "refusal", "annotations", "audio", "function_call", "parsed"}
     ),
     "tool": frozenset({"role", "content", "tool_call_id", "name"}),
 }
+# A text part's fields; ``cache_control`` (Anthropic's prompt-cache hint, which clients such as
+# Cline send to any OpenAI-compatible server) is taken and does nothing: there is no prompt cache.
+TEXT_PART_FIELDS = frozenset({"type", "text", "cache_control"})
 ECHOED_EMPTY = ("refusal", "annotations", "audio", "function_call")
 
 
@@ -229,7 +233,7 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(js, dict) or not isinstance(js.get("name"), str):
         raise InvalidRequest("'json_schema' needs a 'name' and a 'schema'", param="response_format.json_schema")
     _only(js, JSON_SCHEMA_FIELDS, "response_format.json_schema")
-    if not isinstance(js.get("description", ""), str):
+    if not isinstance(js.get("description") or "", str):
         raise InvalidRequest("'description' must be a string", param="response_format.json_schema.description")
     schema = js.get("schema", {})
     if not isinstance(schema, dict):
@@ -245,9 +249,10 @@ def _content(m: dict[str, Any], i: int) -> str | None:
         return c
     if isinstance(c, list):
         parts = []
-        for p in c:
+        for j, p in enumerate(c):
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise InvalidRequest("only text content parts are supported", param=f"messages[{i}].content")
+            _only(p, TEXT_PART_FIELDS, f"messages[{i}].content[{j}]")
             parts.append(p["text"])
         return "".join(parts)
     raise InvalidRequest("'content' must be a string or a list of text parts", param=f"messages[{i}].content")
@@ -262,8 +267,9 @@ def _assistant_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequest("each tool call needs a 'function' object with a 'name'", param=f"{where}[{j}]")
-        _only(c, frozenset({"id", "type", "function"}), f"{where}[{j}]")
-        _only(fn, frozenset({"name", "arguments"}), f"{where}[{j}].function")
+        # ``index`` and ``parsed_arguments``: what openai-python's stream and parse() helpers keep
+        _only(c, frozenset({"id", "type", "function", "index"}), f"{where}[{j}]")
+        _only(fn, frozenset({"name", "arguments", "parsed_arguments"}), f"{where}[{j}].function")
         if not isinstance(fn.get("arguments", ""), str):
             raise InvalidRequest("'arguments' must be a JSON string", param=f"{where}[{j}].function.arguments")
     return calls
@@ -357,7 +363,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
             raise InvalidRequest(
                 f"two tools are named {fn['name']!r}: a call could not say which", param=f"tools[{i}].function.name"
             )
-        if not isinstance(fn.get("description", ""), str):
+        if not isinstance(fn.get("description") or "", str):
             raise InvalidRequest("'description' must be a string", param=f"tools[{i}].function.description")
         if not isinstance(fn.get("strict", False), bool | None):
             raise InvalidRequest("'strict' must be a boolean", param=f"tools[{i}].function.strict")
