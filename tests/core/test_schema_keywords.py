@@ -102,6 +102,8 @@ ACCEPTED = [
     {"type": ["string", "number"], "enum": ["a", 1]},  # zod's union of literals
     {"type": "array", "items": [{"type": "integer"}], "additionalItems": False},  # draft 7's closed tuple
     {"$defs": {"M": OBJ}, "allOf": [{"$ref": "#/$defs/M"}, {"type": "object", "properties": {"b": {}}}]},
+    # pydantic's Any and list[Any]: a title alone was "Unrecognized", items {} a KeyError
+    {"type": "object", "properties": {"a": {"title": "A"}, "b": {"type": "array", "items": {}}}, "required": ["a"]},
 ]
 
 
@@ -148,3 +150,8 @@ def test_required_beside_a_type_list_with_object_is_enforced() -> None:
     out = normalised({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["b"]})
     assert out["properties"]["b"] == ANY_VALUE
     assert "type" not in normalised({"type": ["string", "null"], "enum": ["x"]})  # the values are the answer
+
+
+def test_a_sub_schema_without_an_assertion_is_any_value() -> None:
+    out = normalised({"type": "object", "properties": {"a": {"title": "A"}, "b": {}}, "items": {}})
+    assert out["properties"] == {"a": {"title": "A", **ANY_VALUE}, "b": ANY_VALUE} and out["items"] == ANY_VALUE

@@ -32,7 +32,8 @@ stop`` on an answer that broke the client's schema. Rules:
    ``{"required": ["a"]}`` gave ``{}``), a type list with ``object`` included; a type beside
    ``const``/``enum`` values that all are of it goes (the values are the answer; beside them
    a type list was read as the bare types); a one-member ``allOf`` beside annotations is its
-   member (pydantic's ``{"allOf": [{"$ref": ...}], "description": ...}``).
+   member (pydantic's ``{"allOf": [{"$ref": ...}], "description": ...}``); an empty
+   sub-schema is any value (it was an object, and ``items: {}`` failed to convert).
 """
 
 from __future__ import annotations
@@ -331,5 +332,25 @@ def normalised(schema: Any) -> Any:
                 node["properties"] = props | {
                     r: copy.deepcopy(extra) if isinstance(extra, dict) else dict(ANY_VALUE) for r in missing
                 }
+        _any_for_empty(node)
         todo += [child for child, _ in _children(node, "")]
     return out
+
+
+def _any_for_empty(node: dict[str, Any]) -> None:
+    """A sub-schema with no assertion (``{}``; pydantic's ``Any`` is ``{"title": "A"}``; the
+    ``items`` of ``list[Any]``) means any value; the converter wrote an object for ``{}``, and
+    failed on the others (``items: {}`` is falsy: a KeyError; a title alone: "Unrecognized")."""
+
+    def any_value(sub: Any) -> Any:
+        return {**sub, **ANY_VALUE} if isinstance(sub, dict) and not sub.keys() & ASSERTIONS else sub
+
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            node[key] = any_value(node[key])
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            node[key] = {name: any_value(sub) for name, sub in node[key].items()}
+    for key in ("prefixItems", "anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            node[key] = [any_value(sub) for sub in node[key]]
