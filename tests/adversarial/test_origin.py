@@ -215,6 +215,8 @@ def test_an_absolute_form_target_is_judged_by_its_own_authority(gw: GatewayProce
     assert raw(f"http://evil.example:{gw.port}/v1/status").startswith(b"HTTP/1.1 403")
     assert b"forbidden_host" in raw("http://evil.example/health")
     assert raw(f"http://127.0.0.1:{gw.port}/health").startswith(b"HTTP/1.1 200")
+    assert raw(f"http://[::1]:{gw.port}/health").startswith(b"HTTP/1.1 200")  # an IPv6 literal keeps its brackets
+    assert raw(f"http://127.0.0.1:{gw.port}@evil.example/health").startswith(b"HTTP/1.1 403")  # userinfo is not a host
     assert raw("/health").startswith(b"HTTP/1.1 200")
 
 

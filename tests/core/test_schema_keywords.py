@@ -59,6 +59,9 @@ def convert(schema: dict[str, Any]) -> str:
         ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 3}, "minItems"),
         ({"$ref": "#/$defs/M", "required": ["a"], "$defs": {"M": OBJ}}, "required"),
         ({"type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "string"}}, "additionalItems"),
+        # round 47's review
+        ({"type": "string", "pattern": "^a$|^b$"}, "pattern"),  # an anchor inside: a literal ^ and $
+        ({"type": "object", "properties": {"a": {}}, "required": "ab"}, "required"),  # read as {"a", "b"}
     ],
 )
 def test_a_keyword_the_grammar_would_drop_or_no_value_meets_is_refused_by_name(
@@ -155,3 +158,21 @@ def test_required_beside_a_type_list_with_object_is_enforced() -> None:
 def test_a_sub_schema_without_an_assertion_is_any_value() -> None:
     out = normalised({"type": "object", "properties": {"a": {"title": "A"}, "b": {}}, "items": {}})
     assert out["properties"] == {"a": {"title": "A", **ANY_VALUE}, "b": ANY_VALUE} and out["items"] == ANY_VALUE
+
+
+def test_an_alternation_in_a_pattern_stays_inside_the_quotes() -> None:
+    """``^a|b$`` wrote ``"\\"" "a" | "b" "\\"" space``: the closing quote went with ``b`` only."""
+    root = next(
+        line for line in convert({"type": "string", "pattern": "^a|b$"}).splitlines() if line.startswith("root")
+    )
+    assert '("a" | "b")' in root
+
+
+def test_declared_properties_with_open_extras_are_closed() -> None:
+    """The converter's extra keys could repeat a declared one with the extra schema's type
+    (``{"a": 1, "a": "x"}``, a parser keeps ``"x"``); the declared properties alone meet any."""
+    for extra in (True, {"type": "string"}):
+        out = normalised({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": extra})
+        assert "additionalProperties" not in out
+    mapping = normalised({"type": "object", "additionalProperties": {"type": "integer"}})  # dict[str, int]: kept
+    assert mapping["additionalProperties"] == {"type": "integer"}

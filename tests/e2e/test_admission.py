@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -96,3 +97,26 @@ def test_a_request_refused_after_acceptance_is_counted_and_journaled_with_its_re
         finally:
             tenant.terminate()
             tenant.wait(10)
+
+
+def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_instead_of_refusing() -> None:
+    """Round 45b: 22 of 40 requests got 503 queue_full at once while the CPU lane stood idle.
+    With one GPU slot and a GPU queue of one, a burst of 8 is served: what finds the GPU queue
+    full starts on the CPU lane (reason gpu_queue_full, degraded), none is refused."""
+    cfg = {"gpu_lane": {"slots": 1, "queue_depth": 1}, "cpu_lane": {"slots": 2, "queue_depth": 8, "canary_ratio": 0.0}}
+    with GatewayProcess(["--gpu", "sim:1024"], config=cfg) as gw:
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "temperature": 0}
+        results: list[httpx.Response] = []
+
+        def one() -> None:
+            results.append(httpx.post(f"{gw.url}/v1/completions", json=body, timeout=300))
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert [r.status_code for r in results] == [200] * 8, [r.text for r in results if r.status_code != 200]
+        spilled = [r for r in results if r.headers["x-spillover-reason"] == "gpu_queue_full"]
+        assert spilled and all(r.headers["x-spillover-route"] in ("cpu", "gpu") for r in spilled)
+        assert all(r.headers["x-spillover-degraded"] == "1" for r in spilled if r.headers["x-spillover-route"] == "cpu")

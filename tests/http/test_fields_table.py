@@ -99,6 +99,10 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         ({"tools": [{"type": "function", "function": {"name": "f", "paramters": {}}}]}, "tools[0].function.paramters"),
         ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
         ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": 0}}]},
+            "tools[0].function.description",
+        ),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "shema": {}}}}, None),
         ({"response_format": SCHEMA_FORMAT | {"strict": True}}, "response_format.strict"),
         ({"response_format": {"type": "json_object", "json_schema": {}}}, "response_format.json_schema"),

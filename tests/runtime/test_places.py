@@ -165,5 +165,16 @@ def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_before_it_refuses(memory: 
         s.release_place("c")
         s.hold_place("e", "cpu")  # asked for the CPU: not a spill, but the same place
         assert s.cpu.promised == {"b", "e"}
+        with pytest.raises(QueueFull):  # the spill that turned out too long for the CPU lane
+            s.refuse_spill()
+        assert s.gpu.shed_total == 2
+        s.release_place("e")
+        cpu.state = WorkerState.STARTING  # no ready CPU worker: nowhere to spill to
+        with pytest.raises(QueueFull):
+            s.hold_place("f")
+        cpu.state = WorkerState.READY
+        s.off_device = True  # the cpu profile's GPU lane hands every job to the CPU lane anyway
+        with pytest.raises(QueueFull):
+            s.hold_place("g")
 
     asyncio.run(main())

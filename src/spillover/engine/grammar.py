@@ -324,7 +324,9 @@ def _json_pattern(pattern: str) -> str:
       matches), as does ``.`` (``JSON_DOT``); ``\\d``, ``\\w``, ``\\s`` (and their negations) are
       classes, and an escaped character is itself (``\\.``, ``\\$``, ``\\x41``): llama.cpp's
       grammar parser refused them (pydantic writes ``\\d`` for digits);
-    - an escape that is not a character (``\\b``, ``\\p{L}``) is refused (``GrammarRefused``)."""
+    - an escape that is not a character (``\\b``, ``\\p{L}``) is refused (``GrammarRefused``);
+    - the body between the anchors is one group (``^a|b$`` wrote ``"a | b"`` without it, so
+      the closing quote went with ``b`` only: invalid JSON), and an anchor inside it is refused."""
     out, i, n = [], 0, len(pattern)
     while i < n:
         c = pattern[i]
@@ -346,10 +348,15 @@ def _json_pattern(pattern: str) -> str:
         elif c == '"' or ord(c) < 0x20 or ord(c) == 0x7F:
             out.append(_json_char(ord(c)))
             i += 1
+        elif c in "^$" and not (c == "^" and i == 0) and not (c == "$" and i == n - 1):
+            raise GrammarRefused("a 'pattern' can be enforced with '^' and '$' only at its start and end")
         else:
             out.append(c)
             i += 1
-    return "".join(out)
+    text = "".join(out)
+    if len(text) >= 2 and text[0] == "^" and text[-1] == "$":  # one group: a top-level | stays inside the quotes
+        return f"^({text[1:-1]})$"
+    return text
 
 
 def _number(schema: dict[str, Any], key: str) -> int | float | None:

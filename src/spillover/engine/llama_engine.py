@@ -262,7 +262,8 @@ class Tokenizer:
         """Whether the chat template puts tool definitions in the prompt (a probe tool's name
         shows in a rendering; asked once). A model without a template takes none."""
         if self._takes_tools is None:
-            probe = {"type": "function", "function": {"name": TOOL_PROBE, "description": "", "parameters": {}}}
+            parameters = {"type": "object", "properties": {}}  # as clients send it: a template may read it
+            probe = {"type": "function", "function": {"name": TOOL_PROBE, "description": "", "parameters": parameters}}
             try:
                 rendered = self.render_chat([{"role": "user", "content": "hi"}], [probe]) if self.chat_template else ""
             except Exception:  # a template that refuses tools altogether

@@ -33,7 +33,9 @@ stop`` on an answer that broke the client's schema. Rules:
    ``const``/``enum`` values that all are of it goes (the values are the answer; beside them
    a type list was read as the bare types); a one-member ``allOf`` beside annotations is its
    member (pydantic's ``{"allOf": [{"$ref": ...}], "description": ...}``); an empty
-   sub-schema is any value (it was an object, and ``items: {}`` failed to convert).
+   sub-schema is any value (it was an object, and ``items: {}`` failed to convert); an
+   object with ``properties`` and open ``additionalProperties`` is closed (the converter's
+   extra keys could repeat a declared one with another type; the declared ones meet any).
 """
 
 from __future__ import annotations
@@ -173,6 +175,9 @@ def _check_node(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
     for key in ("anyOf", "oneOf"):
         if key in node and (not isinstance(node[key], list) or not node[key]):
             return key, f"'{key}' must list at least one schema"
+    required = node.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):  # "ab" was {"a", "b"}
+        return "required", "'required' must be a list of property names"
     for low, high in _PAIRS:
         lo, hi = node.get(low), node.get(high)
         if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
@@ -332,6 +337,10 @@ def normalised(schema: Any) -> Any:
                 node["properties"] = props | {
                     r: copy.deepcopy(extra) if isinstance(extra, dict) else dict(ANY_VALUE) for r in missing
                 }
+        if node.get("properties") and node.get("additionalProperties") not in (None, False) and objects:
+            # The converter's extra keys may repeat a declared one with the extra schema's type
+            # ({"a": 1, "a": "x"}: a parser keeps "x"); the declared properties alone meet any.
+            del node["additionalProperties"]
         _any_for_empty(node)
         todo += [child for child, _ in _children(node, "")]
     return out

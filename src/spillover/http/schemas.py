@@ -233,7 +233,7 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(js, dict) or not isinstance(js.get("name"), str):
         raise InvalidRequest("'json_schema' needs a 'name' and a 'schema'", param="response_format.json_schema")
     _only(js, JSON_SCHEMA_FIELDS, "response_format.json_schema")
-    if not isinstance(js.get("description") or "", str):
+    if js.get("description") is not None and not isinstance(js["description"], str):
         raise InvalidRequest("'description' must be a string", param="response_format.json_schema.description")
     schema = js.get("schema", {})
     if not isinstance(schema, dict):
@@ -363,7 +363,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | None
             raise InvalidRequest(
                 f"two tools are named {fn['name']!r}: a call could not say which", param=f"tools[{i}].function.name"
             )
-        if not isinstance(fn.get("description") or "", str):
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise InvalidRequest("'description' must be a string", param=f"tools[{i}].function.description")
         if not isinstance(fn.get("strict", False), bool | None):
             raise InvalidRequest("'strict' must be a boolean", param=f"tools[{i}].function.strict")

@@ -290,7 +290,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserInvalidURLError:
             return  # uvicorn's own parse refuses it
         if url.host:
-            authority = url.host + (b":%d" % url.port if url.port else b"")
+            host = b"[" + url.host + b"]" if b":" in url.host else url.host  # an IPv6 literal, as Host writes it
+            authority = host + (b":%d" % url.port if url.port else b"")
             self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"] + [(b"host", authority)]
 
     def on_message_complete(self) -> None:

@@ -161,17 +161,26 @@ class Execution:
         if self._cancelled or self._timed_out:
             raise self._stopped_error()
         self.attempt += 1
+        # A spilled request (``Scheduler.spills_over``) may still run on the GPU (late binding):
+        # sized for it, as admission's own moves to the CPU lane are (the CPU lane cuts at dispatch);
+        # not one served by a fallback model, whose prompt and vocabulary are another model's.
+        spilled = (
+            self._next_lane == "cpu"
+            and not self._cause
+            and self._cpu_reason is Reason.GPU_QUEUE_FULL
+            and not self.cpu_fallback
+        )
         job = Job(
             rid=self.rid,
             prompt_tokens=self._job_prompt_tokens(),
-            max_tokens=self._cpu_max_tokens() if self._next_lane == "cpu" else self.max_tokens,
+            max_tokens=self._cpu_max_tokens() if self._next_lane == "cpu" and not spilled else self.max_tokens,
             arrived_s=time.monotonic(),
             allow_shrink=self._shrinkable(),
             deadline_s=self.deadline_s,
         )
         if self._next_lane == "cpu":
             job.last_reason = FailoverReason(self._cause) if self._cause else self._cpu_reason
-            job.movable = not self._cause and self._cpu_reason is Reason.GPU_QUEUE_FULL  # not pinned there
+            job.movable = spilled  # not pinned there
             # A failover may go back to the device after a wait (``Scheduler._may_move``): once a
             # run (one that failed there again may be what fails there); not after a stall, which
             # may be the request's own doing (a hang kill is no severe fault, so the breaker stays

@@ -218,15 +218,15 @@ def _check_tools_taken(chat: ChatModel, req: GenerationRequest) -> None:
     (``required`` or a named function) works with any model (its output is constrained)."""
     if not req.tools or req.forced_tool is not None or req.tools_unused:
         return
-    for tok in (chat.tokenizer, chat.cpu_tokenizer):
-        if tok is not None and not tok.takes_tools():
-            raise InvalidRequest(
-                f"model {req.model!r} does not take tools: its chat template leaves them out, so it would answer "
-                "as if none were sent; send tool_choice 'required' or a named function (the answer is then "
-                "constrained to a call), or no tools",
-                param="tools",
-                code="model_not_supported",
-            )
+    # The served model's template (a fallback model answers in its own degraded way, flagged).
+    if chat.tokenizer is not None and not chat.tokenizer.takes_tools():
+        raise InvalidRequest(
+            f"model {req.model!r} does not take tools: its chat template leaves them out, so it would answer "
+            "as if none were sent; send tool_choice 'required' or a named function (the answer is then "
+            "constrained to a call), or no tools",
+            param="tools",
+            code="model_not_supported",
+        )
 
 
 def _check_logit_bias(chat: ChatModel, req: GenerationRequest) -> None:

@@ -306,7 +306,9 @@ class RequestService:
         )
         if prep.req.prefer_cpu:
             exe.prefer_cpu()  # 400 (before anything is journaled) when the CPU lane cannot take it
-        elif chat.scheduler.spills_over(prep.rid) and exe.fits_cpu():  # else the GPU lane refuses it below
+        elif chat.scheduler.spills_over(prep.rid):
+            if not exe.fits_cpu():  # too long for the CPU lane: the GPU lane's refusal, nothing journaled
+                chat.scheduler.refuse_spill()
             exe.prefer_cpu(Reason.GPU_QUEUE_FULL)
         elif chat.canary_due(gw.device is not None):
             exe.prefer_cpu(Reason.CANARY)

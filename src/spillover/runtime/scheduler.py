@@ -1,6 +1,7 @@
 """The scheduler loop: bounded lanes, admission decisions, dispatch to worker slots.
 
-Every request enters the GPU lane (or the CPU lane when there is no GPU). The pump asks
+Every request enters the GPU lane (or the CPU lane when there is no GPU, or when the GPU
+lane had no place left and the CPU lane one: ``spills_over``). The pump asks
 ``core.admission.decide`` for each waiting GPU job and executes the decision: reserve
 pages and dispatch, wait, move to the CPU lane, or reject. A full queue answers at once.
 A job refused only because no CPU path is ready, while a worker that could take it is still
@@ -167,8 +168,8 @@ class Scheduler:
         finds the GPU lane without a place is promised one on the CPU lane when it has one
         (``spills_over``): route to CPU comes before reject."""
         target = self._lane(lane)
-        spill = target is self.gpu and lane is None and self.cpu_workers and self._no_place(self.gpu)
-        if spill and not self._no_place(self.cpu):
+        spill = target is self.gpu and lane is None and not self.off_device and self._device_places_taken()
+        if spill and any(w.state is WorkerState.READY for w in self.cpu_workers) and not self._no_place(self.cpu):
             target = self.cpu  # it spills over (``spills_over``)
         self._check_room(target)
         if self._no_place(target):
@@ -182,11 +183,29 @@ class Scheduler:
             lane.cfg.queue_depth, len(lane.queue), len(lane.promised), self._takers(lane)
         )
 
+    def _device_places_taken(self) -> bool:
+        """Every place the device itself has for a request is taken or promised: the GPU queue's
+        room and the device workers' free slots (not the CPU room ``_takers`` also counts: a
+        request promised that goes to the GPU queue all the same, and admission may hold it
+        there for the GPU; the queue then refused one after it was journaled)."""
+        assert self.gpu is not None
+        free = sum(w.free_slots for w in (*self.gpu_workers, *self.split_workers))
+        return self.gpu.free() <= 0 or places_promised(
+            self.gpu.cfg.queue_depth, len(self.gpu.queue), len(self.gpu.promised), free
+        )
+
+    def refuse_spill(self) -> None:
+        """A request promised a CPU place because the GPU lane had none (``spills_over``) that the
+        CPU lane cannot hold after all (too long for it): the GPU lane's refusal, before anything
+        is journaled (queued on the GPU past its promises, it took a place promised to another)."""
+        self._shed(self.gpu or self.cpu)
+
     def spills_over(self, rid: str) -> bool:
         """Whether request ``rid``, which asked for no lane, was promised a place on the CPU lane
         because the GPU lane had none left (``hold_place``): it starts there (reason
         ``gpu_queue_full``), not refused while the CPU lane has room, and late binding may
-        still move it to the GPU (``Job.movable``) once a GPU slot frees."""
+        still move it to the GPU (``Job.movable``) once a GPU slot frees. Only onto a ready CPU
+        worker, and not in the ``cpu`` profile (its GPU lane hands every job to the CPU anyway)."""
         return self.gpu is not None and rid in self.cpu.promised
 
     def release_place(self, rid: str) -> None:
@@ -204,7 +223,8 @@ class Scheduler:
         cpu = sum(w.free_slots for w in self.cpu_workers)
         if lane is self.cpu:
             return cpu
-        return sum(w.free_slots for w in self.gpu_workers) + cpu + max(0, self.cpu.free())
+        # the CPU lane's room less what is promised there (spilled requests, prefer: cpu)
+        return sum(w.free_slots for w in self.gpu_workers) + cpu + max(0, self.cpu.free() - len(self.cpu.promised))
 
     def _check_room(self, lane: Lane) -> None:
         if lane.free() <= 0:
