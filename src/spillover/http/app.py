@@ -342,7 +342,10 @@ def create_app(gw: Gateway) -> GatewayLifespan:
 
     @guarded
     async def model(request: Request) -> Response:
-        return plain_json(gw.registry.retrieve(request.path_params["model_id"]))
+        model_id = request.path_params["model_id"]
+        if not model_id:  # /v1/models/: no route, as any other trailing slash (``on_http_exception``)
+            raise HTTPException(404)
+        return plain_json(gw.registry.retrieve(model_id))
 
     async def embeddings(request: Request) -> Response:
         return await generate(request, "embeddings")
