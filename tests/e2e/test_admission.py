@@ -12,7 +12,7 @@ import pytest
 
 from spillover.engine.sim import MIB, SimDevice
 from spillover.testing import GatewayProcess
-from tests.e2e.helpers import wait_for
+from tests.e2e.helpers import COUNT_PROMPT, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -120,3 +120,33 @@ def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_instead_of_refusing() -> N
         spilled = [r for r in results if r.headers["x-spillover-reason"] == "gpu_queue_full"]
         assert spilled and all(r.headers["x-spillover-route"] in ("cpu", "gpu") for r in spilled)
         assert all(r.headers["x-spillover-degraded"] == "1" for r in spilled if r.headers["x-spillover-route"] == "cpu")
+
+
+def test_a_request_too_long_for_every_lane_is_a_400_even_while_every_place_is_taken() -> None:
+    """Round 48: with the queues full, a prompt longer than every lane's cap got 503 queue_full
+    (Retry-After, ``x-should-retry``: an SDK retries what can never run); its own 400 comes
+    first. A short one then is the 503, with nothing journaled."""
+    cfg = {"gpu_lane": {"slots": 1, "queue_depth": 1}, "cpu_lane": {"slots": 1, "queue_depth": 1, "canary_ratio": 0.0}}
+    with GatewayProcess(["--gpu", "sim:1024"], config=cfg) as gw:
+        long = {"prompt": COUNT_PROMPT, "max_tokens": 400, "temperature": 0}
+        threads = [
+            threading.Thread(
+                target=httpx.post, args=(f"{gw.url}/v1/completions",), kwargs={"json": long, "timeout": 300}
+            )
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        wait_for(lambda: sum(len(x["queued"]) for x in gw.status()["lanes"]) == 2, 60, "every place taken")
+        with httpx.Client(base_url=gw.url, timeout=60) as c:
+            too_long = c.post("/v1/completions", json={"prompt": "word " * 6000, "max_tokens": 8})
+            assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded", (
+                too_long.text
+            )
+            full = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full", full.text
+            assert c.get(f"/v1/requests/{full.headers['x-spillover-request-id']}").status_code == 404
+            for r in gw.status()["running"]:
+                c.delete(f"/v1/requests/{r['rid']}")
+        for t in threads:
+            t.join(300)

@@ -21,7 +21,8 @@ from spillover.engine.grammar import (
     schema_to_grammar,
 )
 from spillover.errors import InvalidRequest
-from spillover.runtime.prepare import tool_schema
+from spillover.http.schemas import parse_chat
+from spillover.runtime.prepare import _tool_grammar, tool_schema
 
 BOUNDS = {"max_bytes": 65536, "max_repeat": 512}
 
@@ -282,3 +283,32 @@ def test_a_forced_tools_defs_resolve_from_the_wrapper() -> None:
     with pytest.raises(InvalidRequest) as e:
         tool_schema(both, "*")
     assert e.value.param == "tools"
+
+
+def test_a_forced_tools_own_refs_resolve_inside_its_arguments() -> None:
+    """Round 48: zod-to-json-schema's reused part (``#/properties/a``) and a self-recursive
+    pydantic root (``$ref`` at the top, beside ``$defs``) resolved against the name/arguments
+    wrapper ("a not in {'name': ...}") or got a ``type`` beside their ``$ref``; a refusal named
+    the wrapper's ``properties.arguments`` in its path."""
+
+    def tool(name: str, params: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    zod = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"$ref": "#/properties/a"}}}
+    kids = {"type": "array", "items": {"$ref": "#/$defs/N"}}
+    recursive = {
+        "$defs": {"N": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": kids}}},
+        "$ref": "#/$defs/N",
+    }
+    for params in (zod, recursive):
+        assert schema_to_grammar(tool_schema((tool("f", params),), "f"), **BOUNDS)
+    one = tool_schema((tool("f", zod),), "f")["properties"]["arguments"]
+    assert one["properties"]["b"] == {"$ref": "#/properties/arguments/properties/a"}
+    two = tool_schema((tool("f", zod), tool("g", zod)), "*")["anyOf"][1]["properties"]["arguments"]
+    assert two["properties"]["b"] == {"$ref": "#/anyOf/1/properties/arguments/properties/a"}
+    unique = {"type": "object", "properties": {"v": {"type": "array", "uniqueItems": True, "items": {}}}}
+    messages = [{"role": "user", "content": "x"}]
+    req = parse_chat({"messages": messages, "tools": [tool("f", unique)], "tool_choice": "required"}, "m")
+    with pytest.raises(InvalidRequest) as e:
+        _tool_grammar(req, 65536, 512)
+    assert e.value.param == "tools[0].function.parameters.properties.v.uniqueItems"

@@ -178,3 +178,33 @@ def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_before_it_refuses(memory: 
             s.hold_place("g")
 
     asyncio.run(main())
+
+
+def test_the_gpu_lanes_places_are_the_devices_own(memory: MemoryModel) -> None:
+    """Round 48: the GPU lane's promises counted the CPU room admission may route to; such a
+    request went to the GPU queue all the same, admission held it there for the GPU, and the
+    queue refused one after it was journaled (every burst: 1-2 of 12-25, 4 of 12 with the CPU
+    worker dead). Its places are its queue and the device's free slots; past them a request
+    spills over to a ready CPU worker, or is refused before anything is journaled."""
+
+    async def main() -> None:
+        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+        s = Scheduler(
+            gpu_lane=LaneConfig(slots=1, queue_depth=2),
+            cpu_lane=LaneConfig(slots=2, queue_depth=8),
+            ledger=ledger,
+            policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
+        )
+        gpu, cpu = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
+        s.gpu_workers.append(gpu)
+        s.cpu_workers.append(cpu)
+        cpu.state = WorkerState.DEAD  # its queue room is no place while it is down
+        s.hold_place("a")  # the device's free slot
+        s.hold_place("b")
+        s.hold_place("c")  # the GPU queue's two places
+        assert not s.has_place()
+        with pytest.raises(QueueFull):
+            s.hold_place("d")
+        assert s.gpu.promised == {"a", "b", "c"} and not s.cpu.promised
+
+    asyncio.run(main())

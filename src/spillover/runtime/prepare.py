@@ -18,6 +18,7 @@ import jinja2
 
 from spillover.core.routing import MIN_SHRUNK_TOKENS, fits_lane
 from spillover.engine.grammar import GrammarRefused, schema_to_grammar
+from spillover.engine.schema_keywords import FORMS
 from spillover.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class GenerationRequest:
 
 
 DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps the parts its "#/..." refs name
+DEFS_REFS = ("#/$defs/", "#/definitions/")
 
 
 def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any]:
@@ -95,9 +97,10 @@ def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any
     refs resolve; two functions that define one name differently are refused (400)."""
     defs: dict[str, dict[str, Any]] = {}
 
-    def params(t: dict[str, Any]) -> dict[str, Any]:
-        p = dict(t["function"].get("parameters") or {"type": "object", "properties": {}})
-        p.setdefault("type", "object")
+    def params(t: dict[str, Any], at: str) -> dict[str, Any]:
+        p = _refs_under(dict(t["function"].get("parameters") or {"type": "object", "properties": {}}), at)
+        if not FORMS & p.keys():  # a $ref or a union is its own type (a type beside it was refused)
+            p.setdefault("type", "object")
         for key in DEFS_KEYS:
             for name, part in (p.pop(key, None) or {}).items() if isinstance(p.get(key), dict) else ():
                 if defs.setdefault(key, {}).setdefault(name, part) != part:
@@ -108,16 +111,45 @@ def tool_schema(tools: tuple[dict[str, Any], ...], forced: str) -> dict[str, Any
         return p
 
     chosen = [t for t in tools if forced == "*" or t["function"]["name"] == forced]
+    at = (
+        ["#/properties/arguments"]
+        if len(chosen) == 1
+        else [f"#/anyOf/{i}/properties/arguments" for i in range(len(chosen))]
+    )
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": params(t)},
+            "properties": {"name": {"const": t["function"]["name"]}, "arguments": params(t, where)},
             "required": ["name", "arguments"],
         }
-        for t in chosen
+        for t, where in zip(chosen, at, strict=True)
     ]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return schema | defs
+
+
+ARGUMENTS_PATH = "properties.arguments"  # where a forced call's parameters sit in its schema (``tool_schema``)
+
+
+def _refs_under(schema: dict[str, Any], at: str) -> dict[str, Any]:
+    """``schema`` (a function's parameters) with each local ``$ref`` that names a part of it
+    (``#``, ``#/properties/a``: zod-to-json-schema's reused parts, a self-recursive pydantic
+    root) pointing there inside the call's schema (``at``); ``#/$defs/...`` and
+    ``#/definitions/...`` stay, their maps move to the root. They resolved against the
+    call's wrapper: "a not in {'name': ..., 'arguments': ...}"."""
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not ref.startswith(DEFS_REFS):
+            out["$ref"] = at + ref[1:]
+        return out
+
+    return dict(moved(schema))
 
 
 @dataclass(frozen=True)
@@ -168,8 +200,9 @@ def _tool_grammar(req: GenerationRequest, max_bytes: int, max_repeat: int) -> st
             param = f"tools[{i}].function.parameters"
             try:
                 schema_to_grammar(tool_schema((t,), t["function"]["name"]), max_bytes=max_bytes, max_repeat=max_repeat)
-            except GrammarRefused as exc:
-                raise InvalidRequest(exc.message, param=f"{param}.{exc.path}" if exc.path else param) from exc
+            except GrammarRefused as exc:  # named as the client wrote it: without the call's wrapper
+                path = exc.path.removeprefix(ARGUMENTS_PATH).lstrip(".")
+                raise InvalidRequest(exc.message, param=f"{param}.{path}" if path else param) from exc
     try:
         return schema_to_grammar(tool_schema(req.tools, req.forced_tool), max_bytes=max_bytes, max_repeat=max_repeat)
     except GrammarRefused as exc:

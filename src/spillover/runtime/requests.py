@@ -10,9 +10,10 @@ Rules:
    a bug, DELETE, the client going away, the server stopping) journals exactly one terminal
    state, in the answer's own wire format, before its last bytes are sent.
 3. A request whose queue is already full is refused *before* it is accepted (503 with
-   Retry-After; nothing journaled). One that loses the last place to a concurrent request
-   while it is being accepted is journaled REJECTED (resumable with its key) and gets the
-   same 503.
+   Retry-After; nothing journaled), after its own errors (a chat request is prepared first
+   then: one too long for every lane is the 400 it always gets, not a 503 to retry). One that
+   loses the last place to a concurrent request while it is being accepted is journaled
+   REJECTED (resumable with its key) and gets the same 503.
 4. The HTTP layer registers one ``Endpoint`` per route: how a body is read and how an
    answer is encoded (``Encoding``). Nothing here knows HTTP; start-up recovery replays an
    orphan through the same endpoint (``replay``).
@@ -146,8 +147,11 @@ class RequestService:
                     req = _with_stored_seed(req, json.loads(rec.body))  # it samples as before
                 # The model's own lanes (a 404 or wrong kind is the client's error, before any place).
                 sched = self.gw.chat_model(self.gw.registry.resolve(req.model, "chat").id).scheduler
-                if sched is not None:  # rule 3 at once: a full queue costs no tokenizing
-                    sched.hold_place(rid, "cpu" if req.prefer_cpu else None)
+                if sched is not None:  # rule 3 at once
+                    lane = "cpu" if req.prefer_cpu else None
+                    if not sched.has_place(lane):  # the request's own 400 (too long for every lane) before a 503
+                        await prepare(self.gw, req, rid)
+                    sched.hold_place(rid, lane)
                 try:
                     prep = await prepare(self.gw, req, rid)
                     # The seed it runs with is journaled beside its body (any endpoint's shape): a

@@ -167,31 +167,31 @@ class Scheduler:
         when the job is queued stays the exact bound. A request that asked for no lane and
         finds the GPU lane without a place is promised one on the CPU lane when it has one
         (``spills_over``): route to CPU comes before reject."""
+        target = self._place_for(lane)
+        if target is None:
+            self._shed(self._lane(lane))
+        else:
+            target.promised.add(rid)
+
+    def has_place(self, lane: str | None = None) -> bool:
+        """Whether ``hold_place`` would promise a place now (nothing is promised or counted)."""
+        return self._place_for(lane) is not None
+
+    def _place_for(self, lane: str | None) -> Lane | None:
+        """The lane ``hold_place`` promises a place on, None when it refuses."""
         target = self._lane(lane)
-        spill = target is self.gpu and lane is None and not self.off_device and self._device_places_taken()
+        if not self._no_place(target):
+            return target
+        spill = target is self.gpu and lane is None and not self.off_device
         if spill and any(w.state is WorkerState.READY for w in self.cpu_workers) and not self._no_place(self.cpu):
-            target = self.cpu  # it spills over (``spills_over``)
-        self._check_room(target)
-        if self._no_place(target):
-            self._shed(target)
-        target.promised.add(rid)
+            return self.cpu  # it spills over (``spills_over``)
+        return None
 
     def _no_place(self, lane: Lane) -> bool:
         """Every place of ``lane`` is taken or promised: its queue, and the slots that would take
         a job now."""
         return lane.free() <= 0 or places_promised(
             lane.cfg.queue_depth, len(lane.queue), len(lane.promised), self._takers(lane)
-        )
-
-    def _device_places_taken(self) -> bool:
-        """Every place the device itself has for a request is taken or promised: the GPU queue's
-        room and the device workers' free slots (not the CPU room ``_takers`` also counts: a
-        request promised that goes to the GPU queue all the same, and admission may hold it
-        there for the GPU; the queue then refused one after it was journaled)."""
-        assert self.gpu is not None
-        free = sum(w.free_slots for w in (*self.gpu_workers, *self.split_workers))
-        return self.gpu.free() <= 0 or places_promised(
-            self.gpu.cfg.queue_depth, len(self.gpu.queue), len(self.gpu.promised), free
         )
 
     def refuse_spill(self) -> None:
@@ -218,13 +218,18 @@ class Scheduler:
         return self.cpu if self.entry_lane(lane) == "cpu" else self.gpu or self.cpu
 
     def _takers(self, lane: Lane) -> int:
-        """At most how many jobs queued on ``lane`` now would leave its queue at once: the free
-        slots, and for the GPU lane also what the CPU lane takes when admission routes there."""
+        """At most how many jobs queued on ``lane`` now would leave its queue at once: its own
+        workers' free slots (the GPU lane's: the device workers', split ones too). Not the CPU
+        room admission may route GPU work to: a request promised a place on that ground went to
+        the GPU queue all the same, admission could hold it there for the GPU, and the queue
+        refused one after it was journaled (round 48); such a request spills over instead. The
+        ``cpu`` profile's GPU lane hands every job to the CPU lane, whose room it counts."""
         cpu = sum(w.free_slots for w in self.cpu_workers)
         if lane is self.cpu:
             return cpu
-        # the CPU lane's room less what is promised there (spilled requests, prefer: cpu)
-        return sum(w.free_slots for w in self.gpu_workers) + cpu + max(0, self.cpu.free() - len(self.cpu.promised))
+        if self.off_device:
+            return cpu + max(0, self.cpu.free() - len(self.cpu.promised))
+        return sum(w.free_slots for w in (*self.gpu_workers, *self.split_workers))
 
     def _check_room(self, lane: Lane) -> None:
         if lane.free() <= 0:
