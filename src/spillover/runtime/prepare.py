@@ -255,8 +255,8 @@ def _check_tools_taken(chat: ChatModel, req: GenerationRequest) -> None:
     if chat.tokenizer is not None and not chat.tokenizer.takes_tools():
         raise InvalidRequest(
             f"model {req.model!r} does not take tools: its chat template leaves them out, so it would answer "
-            "as if none were sent; send tool_choice 'required' or a named function (the answer is then "
-            "constrained to a call), or no tools",
+            "as if none were sent; send no tools, or (OpenAI's API) tool_choice 'required' or a named function: "
+            "the answer is then constrained to a call",
             param="tools",
             code="model_not_supported",
         )
