@@ -132,6 +132,19 @@ def test_the_cpu_profiles_gpu_lane_sheds_with_the_cpu_lanes_eta_and_each_lane_co
     asyncio.run(main())
 
 
+def _gpu_and_cpu(
+    memory: MemoryModel, gpu_lane: LaneConfig, cpu_lane: LaneConfig
+) -> tuple[Scheduler, WorkerClient, WorkerClient]:
+    """A scheduler on a 1 GiB device with a ready GPU worker and a ready CPU worker."""
+    ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
+    policy = AdmissionPolicy(memory=memory, delay_max_s=2.0)
+    s = Scheduler(gpu_lane=gpu_lane, cpu_lane=cpu_lane, ledger=ledger, policy=policy)
+    gpu, cpu = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
+    s.gpu_workers.append(gpu)
+    s.cpu_workers.append(cpu)
+    return s, gpu, cpu
+
+
 def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_before_it_refuses(memory: MemoryModel) -> None:
     """Round 45b: 22 of 40 requests got 503 queue_full at once while the CPU lane stood idle.
     A request that finds no place on the GPU lane is promised one on the CPU lane (it starts
@@ -139,16 +152,7 @@ def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_before_it_refuses(memory: 
     it is refused as before. A client's own ``prefer: cpu`` is not a spill."""
 
     async def main() -> None:
-        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
-        s = Scheduler(
-            gpu_lane=LaneConfig(slots=1, queue_depth=1),
-            cpu_lane=LaneConfig(slots=1, queue_depth=1),
-            ledger=ledger,
-            policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
-        )
-        gpu, cpu = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
-        s.gpu_workers.append(gpu)
-        s.cpu_workers.append(cpu)
+        s, gpu, cpu = _gpu_and_cpu(memory, LaneConfig(slots=1, queue_depth=1), LaneConfig(slots=1, queue_depth=1))
         gpu.claim_slot("running")
         s.hold_place("a")
         assert not s.spills_over("a")  # the GPU lane's place (its queue, or the CPU beside it)
@@ -188,16 +192,7 @@ def test_the_gpu_lanes_places_are_the_devices_own(memory: MemoryModel) -> None:
     spills over to a ready CPU worker, or is refused before anything is journaled."""
 
     async def main() -> None:
-        ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
-        s = Scheduler(
-            gpu_lane=LaneConfig(slots=1, queue_depth=2),
-            cpu_lane=LaneConfig(slots=2, queue_depth=8),
-            ledger=ledger,
-            policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
-        )
-        gpu, cpu = ready_worker("gpu0", "gpu"), ready_worker("cpu0", "cpu")
-        s.gpu_workers.append(gpu)
-        s.cpu_workers.append(cpu)
+        s, _gpu, cpu = _gpu_and_cpu(memory, LaneConfig(slots=1, queue_depth=2), LaneConfig(slots=2, queue_depth=8))
         cpu.state = WorkerState.DEAD  # its queue room is no place while it is down
         s.hold_place("a")  # the device's free slot
         s.hold_place("b")

@@ -35,12 +35,11 @@ import json
 import math
 from typing import Any
 
-from spillover.engine.schema_keywords import normalised, unenforced
+from spillover.engine.schema_keywords import SCHEMA_MAPS, normalised, unenforced
 
 __all__ = ["MAX_SCHEMA_DEPTH", "GrammarRefused", "schema_to_grammar"]
 
 MAX_SCHEMA_DEPTH = 32
-SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
 REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 INT_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")

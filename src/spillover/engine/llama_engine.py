@@ -215,6 +215,15 @@ def probe_prompt(llm: Any) -> str:
         return _plain_chat(messages)
 
 
+def grammar_parses(llama_cpp: Any, vocab: Any, text: str) -> bool:
+    """Whether llama.cpp's own parser takes ``text`` as a GBNF grammar for ``vocab``."""
+    probe = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
+    if not probe:
+        return False
+    llama_cpp.llama_sampler_free(probe)
+    return True
+
+
 TOOL_PROBE = "spillover_probe_tool"  # a tool name no template writes of its own (``Tokenizer.takes_tools``)
 
 
@@ -435,11 +444,7 @@ class Tokenizer:
         check (``Engine._grammar``), made before the request is accepted, so that a grammar
         it would refuse (an empty ``enum`` gave a rule with no alternative) is the client's
         400 at once, not a journaled failure after a worker saw it."""
-        probe = self._lib.llama_sampler_init_grammar(self._vocab, text.encode("utf-8"), b"root")
-        if not probe:
-            return False
-        self._lib.llama_sampler_free(probe)
-        return True
+        return grammar_parses(self._lib, self._vocab, text)
 
     def vocab_digest(self) -> str:
         """A hash of the whole vocabulary (token pieces in id order)."""
@@ -801,11 +806,8 @@ class Engine:
         the request's error (``bad_grammar``), not an engine failure."""
         import llama_cpp
 
-        vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        probe = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
-        if not probe:
+        if not grammar_parses(llama_cpp, llama_cpp.llama_model_get_vocab(llm.model), text):
             raise RequestRefused("bad_grammar", "llama.cpp could not parse the output grammar")
-        llama_cpp.llama_sampler_free(probe)
         return llama_cpp.LlamaGrammar.from_string(text, verbose=False)  # type: ignore[attr-defined]
 
     def generate(

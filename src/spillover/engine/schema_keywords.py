@@ -256,7 +256,7 @@ def _pointer(root: Any, ref: Any) -> Any:
     return node
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_ONE = (
     "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -268,7 +268,7 @@ def _children(node: dict[str, Any], path: str) -> list[tuple[Any, str]]:
     """The sub-schemas of one schema object, with their paths (values, defaults and examples
     are data, not schemas)."""
     out: list[tuple[Any, str]] = []
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
             out += [(v, f"{path}.{key}.{name}") for name, v in node[key].items()]
     for key in _SCHEMA_LISTS + ("items",):

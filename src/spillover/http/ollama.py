@@ -77,9 +77,12 @@ BOOLEANS = ("raw", "stream", "verbose", "truncate")
 STRINGS = ("system", "suffix", "template")
 
 
-def check_types(body: dict[str, Any]) -> None:
-    """A 400 naming a flag that is not a boolean, a text that is not a string, or ``options``
-    that is not an object (null is absent, as Ollama reads it)."""
+def check_body(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    """A 400 naming a field outside ``allowed``, a flag that is not a boolean, a text that is
+    not a string, or ``options`` that is not an object (null is absent, as Ollama reads it)."""
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequest(f"unknown field '{name}'", param=name)
     for name in BOOLEANS:
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise InvalidRequest(f"'{name}' must be true or false", param=name)
@@ -93,10 +96,7 @@ def check_types(body: dict[str, Any]) -> None:
 def _fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
-    for name in body:
-        if name not in allowed:
-            raise InvalidRequest(f"unknown field '{name}'", param=name)
-    check_types(body)
+    check_body(body, allowed)
     if not _keep_alive_ok(body.get("keep_alive")):
         raise InvalidRequest(
             "'keep_alive' must be a number of seconds or a duration such as \"5m\" (it changes nothing here)",

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from spillover.errors import InvalidRequest, NotFound, to_http
 from spillover.http.ollama import (
     NdjsonEncoding,
-    check_types,
+    check_body,
     created_at,
     ollama_error_body,
     parse_ollama_chat,
@@ -295,10 +295,7 @@ def ollama_routes(
         body = await read_json(request)
         if not isinstance(body, dict):
             raise InvalidRequest('the body must be a JSON object naming the model: {"model": ...}')
-        for name in body:
-            if name not in SHOW_FIELDS:
-                raise InvalidRequest(f"unknown field '{name}'", param=name)
-        check_types(body)
+        check_body(body, SHOW_FIELDS)
         asked = body.get("model") or body.get("name")
         if not isinstance(asked, str) or not asked:
             raise InvalidRequest("'model' is required: the name of a model this server lists", param="model")
