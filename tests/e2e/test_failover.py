@@ -3,6 +3,9 @@ nothing the client saw is changed."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +136,37 @@ def test_stall_is_detected_and_replayed_on_cpu(gw: GatewayProcess, http: httpx.C
     finally:
         dev.set_hang(False)
     ready_worker(gw, "gpu", not_pid=pid)
+
+
+def test_a_failover_that_fails_before_its_start_is_reported_where_it_failed(
+    gw: GatewayProcess, http: httpx.Client
+) -> None:
+    """The GPU attempt fails (an allocation failure), the CPU replica takes the replay and hangs
+    before its start (SIGSTOP: killed by its health pings): the error's route, the journal and
+    /metrics name the attempt that failed (cpu, failover:alloc_failed), not the first one's (gpu,
+    fits) (round 49b)."""
+    cpu_pid = int(ready_worker(gw, "cpu")["pid"])
+    ready_worker(gw, "gpu")
+    os.kill(cpu_pid, signal.SIGSTOP)
+    try:
+        sim(gw).fail_next(1)
+        r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0})
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(cpu_pid, signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    assert r.headers["x-spillover-route"] == "cpu", r.headers
+    rid = r.headers["x-spillover-request-id"]
+    doc = http.get(f"/v1/requests/{rid}").json()
+    assert (doc["state"], doc["route"], doc["reason"], doc["attempts"]) == (
+        "resumable_error",
+        "cpu",
+        "failover:alloc_failed",
+        2,
+    ), doc
+    metrics = http.get("/metrics").text
+    assert 'outcome="resumable_error",reason="failover:alloc_failed",route="cpu"' in metrics
+    ready_worker(gw, "cpu", not_pid=cpu_pid)
 
 
 def test_g_breaker_opens_routes_to_cpu_half_opens_and_closes() -> None:

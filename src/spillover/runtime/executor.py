@@ -126,6 +126,7 @@ class Execution:
     delivered: list[int] = field(default_factory=list)  # this answer's tokens so far (a stream's)
     shown: bool = False  # something of this answer was sent to the client (set by the run: rule 3)
     failures: list[str] = field(default_factory=list)
+    dispatched: RouteInfo | None = None  # where the latest attempt was sent (it may fail before its start)
     _job: Job | None = None
     _next_lane: str | None = None
     _cause: str | None = None
@@ -300,6 +301,7 @@ class Execution:
                 if self._cancelled or self._timed_out:
                     raise self._stopped_error()
                 self._note_move(State.ADMITTED, route=d.route, attempts=self.attempt, reason=str(d.reason))
+                self.dispatched = self._route_info(d)  # an attempt that fails before its start is still where it ended
                 try:
                     async with contextlib.aclosing(self._run_attempt(job, d)) as attempt:
                         async for ev in attempt:
@@ -464,6 +466,23 @@ class Execution:
             raise _Failure("engine", f"a chat worker sent {type(item).__name__}")
         return item
 
+    def _route_info(self, d: Dispatch) -> RouteInfo:
+        """Where attempt ``d`` runs, as the run reports it."""
+        return RouteInfo(
+            route=d.route,
+            reason=str(d.reason),
+            attempt=self.attempt,
+            worker_id=d.worker.spec.worker_id,
+            max_tokens=d.max_tokens,
+            kv_tokens=d.kv_tokens,
+            shrunk=(d.shrunk or d.max_tokens < self.max_tokens or self.cut) and not self.open_ended,
+            queued_s=d.queued_s,
+            queue_position=d.queue_position,
+            estimated_delay_ms=d.estimated_delay_ms,
+            restart=not self.incremental or self._restart,
+            failover=self._cause,
+        )
+
     async def _run_attempt(self, job: Job, d: Dispatch) -> AsyncGenerator[Event, None]:
         if self._cancelled or self._timed_out:
             raise self._stopped_error()
@@ -478,20 +497,7 @@ class Execution:
                 raise _Failure("engine", f"unexpected worker event {first!r} before the start")
             self.scheduler.confirmed(self.rid)
             self._note_move(State.RUNNING, route=d.route, attempts=self.attempt)
-            yield RouteInfo(
-                route=d.route,
-                reason=str(d.reason),
-                attempt=self.attempt,
-                worker_id=d.worker.spec.worker_id,
-                max_tokens=d.max_tokens,
-                kv_tokens=d.kv_tokens,
-                shrunk=(d.shrunk or d.max_tokens < self.max_tokens or self.cut) and not self.open_ended,
-                queued_s=d.queued_s,
-                queue_position=d.queue_position,
-                estimated_delay_ms=d.estimated_delay_ms,
-                restart=not self.incremental or self._restart,
-                failover=self._cause,
-            )
+            yield self._route_info(d)
             self._restart = False
             first_token = True
             while True:

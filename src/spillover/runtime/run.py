@@ -301,6 +301,9 @@ class Run:
 
     def _error(self, exc: BaseException, *, committed: bool) -> Encoded:
         err = as_error(exc, self.rid)
+        last = self.exe.dispatched
+        if last is not None and (self.info is None or last.attempt > self.info.attempt):
+            self.info = last  # it ended on the attempt that failed before its start: that is its route and reason
         if self.cancelled_by_user:
             err = RequestCancelled(f"request {self.rid} was cancelled")
         elif isinstance(err, RequestCancelled):  # no DELETE: the client or the server went away

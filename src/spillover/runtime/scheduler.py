@@ -68,6 +68,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
+DEADLINE_SLACK_S = ticks.TICK_S  # a deadline's last CPU start is decided this early: a pass may come a tick late
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 RETURN_AFTER_MIN_S = 0.5  # a failover waits on the CPU lane at least this long before it may return (``_may_move``)
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
@@ -253,17 +254,33 @@ class Scheduler:
         lane.append(job)
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
 
-    def _check_deadline(self, job: Job) -> None:
-        """Refuse at once a CPU job that cannot finish before the client's deadline."""
+    def _check_deadline(self, job: Job, lane: Lane | None = None, max_tokens: int | None = None) -> None:
+        """Refuse at once a job that the lane it would start on (the CPU lane unless named)
+        cannot finish before the client's deadline."""
         if job.deadline_s is None:
             return
-        est = self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, job.max_tokens)
+        lane = lane or self.cpu
+        est = self._eta_s(job, lane, max_tokens)
         if self.clock() + est > job.deadline_s:
             raise CapacityError(
-                f"the CPU lane would finish this request in about {est:.1f}s, after its deadline",
+                f"the {lane.name.upper()} lane would finish this request in about {est:.1f}s, after its deadline",
                 retry_after_s=max(1.0, est),
                 code="deadline_exceeded",
             )
+
+    def _eta_s(self, job: Job, lane: Lane, max_tokens: int | None = None) -> float:
+        """How long ``job`` would take on ``lane`` from now: the work queued ahead of it (none
+        on the GPU lane, where it starts when admitted) and its own."""
+        ahead = self.cpu.estimated_delay_s() if lane is self.cpu else 0.0
+        return ahead + lane.job_seconds(job.prompt_tokens, job.max_tokens if max_tokens is None else max_tokens)
+
+    def _last_cpu_start_s(self, job: Job) -> float | None:
+        """The latest time a GPU-lane job with a deadline may still wait for the device: after
+        it, the CPU lane could no longer finish it in time (``DEADLINE_SLACK_S`` early, for a
+        pass that comes late). None without a deadline."""
+        if job.deadline_s is None or self.cpu is None:
+            return None
+        return job.deadline_s - self._eta_s(job, self.cpu) - DEADLINE_SLACK_S
 
     def cpu_ctx_cap_tokens(self) -> int:
         """The CPU lane's context cap (prompt + max_tokens)."""
@@ -432,11 +449,15 @@ class Scheduler:
     def _admission(self, job: Job, now: float) -> Decision:
         """``core.admission.decide`` for a queued job, on the lanes as they are now."""
         assert self.ledger is not None and self.policy is not None
+        arrived_s = job.arrived_s
+        last = self._last_cpu_start_s(job)
+        if last is not None and now >= last:  # waiting on would miss the deadline: no more delay (rule 5)
+            arrived_s = min(arrived_s, now - self.policy.delay_max_s)
         req = AdmissionRequest(
             request_id=job.rid,
             prompt_tokens=job.prompt_tokens,
             max_tokens=job.max_tokens,
-            arrived_s=job.arrived_s,
+            arrived_s=arrived_s,
             allow_shrink=job.allow_shrink,
         )
         if self._view is None:
@@ -453,19 +474,31 @@ class Scheduler:
             if split == "dispatched":  # recorded as a split decision
                 return
             if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
-                self._delay_due = min(self._delay_due, job.enqueued_s + self.policy.delay_max_s)
+                self._wake_by(job, job.enqueued_s + self.policy.delay_max_s)
                 return
             if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
             d = self._by_plan(d)
-        if isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now)):
+        last = self._last_cpu_start_s(job)
+        if (
+            isinstance(d, Reject)
+            and (last is None or now < last)  # a deadline bounds the wait as it bounds a delay
+            and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now))
+        ):
             # What could take it comes (a worker, a slot, our own requests' memory): it waits.
             job.waits_for = d.reason
-            self._delay_due = min(self._delay_due, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
+            self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
         job.waits_for = ""
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
+            try:  # the lane it starts on must meet the client's deadline too
+                self._check_deadline(job, self.gpu, d.max_tokens if isinstance(d, Shrink) else None)
+            except CapacityError as exc:
+                self.gpu.queue.remove(job)
+                self.gpu.shed_total += 1
+                self._fail(job, exc)
+                return
             self._dispatch_gpu(job, d, now, self.gpu)
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
@@ -490,10 +523,15 @@ class Scheduler:
                 ),
             )
         elif isinstance(d, Delay):  # leave it queued; a pass asks again at the latest then
-            self._delay_due = min(self._delay_due, d.until_s)
+            self._wake_by(job, d.until_s)
         elif isinstance(d, Demote):  # unload a batch service; the job waits for its memory
             self.demote(d.service, d.reason)
-            self._delay_due = min(self._delay_due, d.until_s)
+            self._wake_by(job, d.until_s)
+
+    def _wake_by(self, job: Job, until_s: float) -> None:
+        """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait."""
+        last = self._last_cpu_start_s(job)
+        self._delay_due = min(self._delay_due, until_s, until_s if last is None else last)
 
     def _reserve(self, rid: str, nbytes: int, now: float) -> bool:
         """Reserve a job's device bytes; False when they do not fit, or when an earlier
