@@ -249,3 +249,22 @@ def test_a_request_longer_than_the_split_runs_there_shrunk_when_it_allows_it(gw:
         assert sp["limits"]["max_tokens"] < 1500
         r = http.post("/v1/completions", json=body | {"max_tokens": 1100})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_plan_fits_in_the_room_other_services_keep() -> None:
+    """Round 49a: the plan counted the whole device (268 of sim:300) while other services kept
+    161 MiB of it, and a request the plan said the resident held got a 503 every time. An
+    interactive embeddings service keeps its weights (a chat model demotes only batch ones):
+    the chat model plans in what it leaves, and says so."""
+    with GatewayProcess(
+        ["--gpu", "sim:300", "--split"],
+        services=("chat", "embeddings"),
+        config={"services": [{"name": "bge-small-en", "priority": "interactive"}]},
+    ) as g:
+        st = g.status()
+        chat = next(s for s in st["services"] if s.get("profile"))
+        plan = chat["profile"]
+        assert plan["usable_bytes"] <= (268 - 40) * 2**20, plan  # bge-small-en keeps about 47 MiB
+        assert "MiB kept by bge-small-en" in plan["why"], plan
+        # all layers with a 2048-token request (243 MiB) no longer fit beside it
+        assert not (plan["profile"] == "gpu" and plan["resident_tokens"] == 2048), plan

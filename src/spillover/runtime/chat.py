@@ -41,7 +41,7 @@ from spillover.core.admission import AdmissionPolicy
 from spillover.core.breaker import BreakerPolicy
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel, ModelSpec
-from spillover.core.profiles import ProfilePlan, plan_profile
+from spillover.core.profiles import MIB, ProfilePlan, plan_profile
 from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.readiness import ReplicaReadiness
@@ -164,7 +164,7 @@ class ChatModel:
         )
         self.scheduler.cannot_start = lambda: cannot_start(f"chat model {self.name!r}", self.supervisors)
         if gpu and gw.device is not None and gw.ledger is not None:
-            self._plan_profile(gw, gw.ledger.usable_bytes)
+            self._plan_profile(gw, gw.ledger.usable_bytes, gw.held_beside(self, gw.ledger.usable_bytes))
             assert self.profile is not None
             self.scheduler.gpu_ctx_cap_tokens = self.resident_cap_tokens
             if self.resident_runs:
@@ -194,22 +194,28 @@ class ChatModel:
             self.supervisors.append(sup)
             self.scheduler.cpu_workers.append(sup.worker)
 
-    def _plan_profile(self, gw: Gateway, usable_bytes: int) -> None:
-        """Which profile runs on the device (rule 5, ``core.profiles``)."""
+    def _plan_profile(self, gw: Gateway, usable_bytes: int, held: dict[str, int]) -> None:
+        """Which profile runs on the device (rule 5, ``core.profiles``), in the room the
+        weights ``held`` beside it (by holder) leave."""
         assert self.memory is not None and self.gpu_lane is not None
         split_mm = None
         if self.split is not None:
             split_mm = dataclasses.replace(self.memory, n_batch=self.split.n_batch_tokens)
             self.split.check_layers(self.memory.spec.n_layers, self.name)
+        beside = sum(held.values())
         self.profile = plan_profile(
             self.memory,
             gpu_ctx_tokens=self.gpu_lane.ctx_cap_tokens,
-            usable_bytes=usable_bytes,
+            usable_bytes=max(0, usable_bytes - beside),
             split=split_mm,
             split_slots=self.split.slots if self.split else 1,
             split_ctx_tokens=self.split.ctx_cap_tokens if self.split else 0,
             split_gpu_layers=self.split.gpu_layers if self.split else -1,
         )
+        if beside:
+            kept = f"{beside / MIB:.0f} MiB kept by {', '.join(sorted(held))}"
+            why = f"{self.profile.why}; the device's {usable_bytes / MIB:.0f} MiB less {kept}"
+            self.profile = dataclasses.replace(self.profile, why=why)
         log.info("chat model %s on the device: profile %s (%s)", self.name, self.profile.profile, self.profile.why)
         if self.profile.profile == "cpu":
             log.warning("chat model %s runs on the CPU only (%s)", self.name, self.profile.why)

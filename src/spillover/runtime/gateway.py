@@ -169,6 +169,8 @@ class Gateway:
             )
         else:
             log.info("no GPU lane (device.gpu=%s): CPU only", self.cfg.device.gpu)
+        for svc in self.services.values():  # what each keeps on the device, before a chat model plans its room
+            await svc.read_model()
         for chat in self.chats:  # the primary's GPU worker loads first; the others' loads are reservations
             await chat.start(self)
             for s in chat.supervisors:
@@ -192,6 +194,24 @@ class Gateway:
         self.requests.orphans = {rec.id for rec in orphans}
         await self.loops.start()
         self.loops.spawn("recover", self._recover(orphans))
+
+    def held_beside(self, chat: ChatModel, usable_bytes: int) -> dict[str, int]:
+        """The device bytes, by service, that stay beside ``chat`` whatever it needs: the
+        weights of each service that keeps them (``DeviceService.keeps_device_weights``: an
+        interactive chat model may demote an idle batch service), in the order configured,
+        as long as they fit the device (one that never could holds nothing: its load waits).
+        Its profile plan fits in what they leave (round 49a: the plan counted the whole
+        device while whisper and bge held 161 of its 268 MiB, and a request the plan said fit
+        got a 503 every time); the plan may then put fewer layers on the device, never leave a
+        configured service without room. The other chat models are not counted: a second
+        one's load waits until its weights fit, its requests on its CPU lane meanwhile."""
+        room = usable_bytes
+        held = {}
+        for name, svc in self.services.items():
+            if svc.keeps_device_weights(by_interactive=chat.priority == "interactive") and svc.weights_bytes() <= room:
+                held[name] = svc.weights_bytes()
+                room -= svc.weights_bytes()
+        return held
 
     def _demotable(self) -> tuple[tuple[str, int], ...]:
         """The pressure ladder's candidates: idle batch services on the GPU, with their weights."""

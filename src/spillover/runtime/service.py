@@ -250,6 +250,7 @@ class DeviceService(abc.ABC):
         self.name = cfg.name
         self.model_dir = ""
         self.gpu: Supervisor | None = None
+        self._model_read = False
         self.cpu: Supervisor | None = None
         self.queue: deque[_Job] = deque()
         self.breaker = BreakerState()
@@ -338,14 +339,36 @@ class DeviceService(abc.ABC):
         """The host bytes its CPU replica's loaded model takes (the device figure by default)."""
         return self.weights_bytes()
 
-    async def start(self) -> None:
-        """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops).
-        A model it cannot read is a ConfigError naming the service."""
+    async def read_model(self) -> None:
+        """Read the model (once: the gateway reads every service's before the chat models plan
+        their device room, ``Gateway.held_beside``). A model it cannot read is a ConfigError
+        naming the service."""
+        if self._model_read:
+            return
         try:
             await self.load_model()
         except Exception as exc:
             where = self.model_dir or self.cfg.path or "its packaged model"
             raise ConfigError.unreadable(f"{self.kind} service {self.name!r}", where, exc) from exc
+        self._model_read = True
+
+    def keeps_device_weights(self, *, by_interactive: bool) -> bool:
+        """Whether its GPU weights stay on the device whatever a chat model needs: it runs a
+        GPU worker, and it is no batch service with a CPU path that such a chat may demote
+        (rule 6)."""
+        if not self.cfg.gpu:
+            return False
+        demotable = (
+            by_interactive
+            and self.cfg.priority == "batch"
+            and self.cfg.cpu != "none"
+            and self.gw.cfg.admission.demote_batch_services
+        )
+        return not demotable
+
+    async def start(self) -> None:
+        """Read the model, start its workers' supervisors and its pump (owned by the gateway's loops)."""
+        await self.read_model()
         gw = self.gw
         if self.cfg.gpu and gw.device is not None and gw.ledger is not None:
             spec = self._spec("gpu", gw.device.spec)
