@@ -197,7 +197,7 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
             r = by_key[f"n{i}"]
             assert r["state"] == "completed" and r["completions"] == 1, r  # none run twice
         for pid in old_workers:
-            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+            assert _gone(pid)
         with httpx.Client(base_url=g.url, timeout=60) as c:
             replay = c.post("/v1/completions", json=body, headers={"Idempotency-Key": "n0"})
             assert replay.status_code == 200 and replay.headers["idempotent-replayed"] == "true"
@@ -205,6 +205,31 @@ def test_e_gateway_sigkill_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
             assert doc["error"]["error"]["code"] == "failover_interrupted"
             assert doc["error"]["error"]["message"].startswith("The server restarted partway"), doc  # not "the GPU"
     finally:
+        g.stop()
+
+
+def _gone(pid: int) -> bool:
+    """The process ended (a zombie waiting for its reaper is gone too: it holds no memory)."""
+    return not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+
+
+def test_a_stopped_worker_dies_with_its_gateway_and_frees_the_device(tmp_path: Path) -> None:
+    """Round 49b: a worker SIGSTOPped (hung) when its gateway was SIGKILLed never read its
+    channel's end: it kept its weights and a request's reservation in the sim ledger beside the
+    next gateway's workers until someone sent it SIGCONT. The kernel kills it with its gateway."""
+    state = str(tmp_path / "state")
+    g = GatewayProcess(["--gpu", "sim:1024"], state_dir=state).start()
+    try:
+        pids = [int(ready_worker(g, lane)["pid"]) for lane in ("gpu", "cpu")]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        g.kill9()
+        wait_for(lambda: all(_gone(pid) for pid in pids), 15, "the stopped workers gone with their gateway")
+        assert not [a for a in SimDevice(state).snapshot().allocations if a[1] in pids]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         g.stop()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -239,3 +240,41 @@ def test_a_gateway_start_keeps_a_live_tenants_memory(tmp_path: Path) -> None:
         assert reading.used_bytes == 30 * MIB and reading.capacity_bytes == 200 * MIB
     finally:
         end(a)
+
+
+def test_a_full_disk_writes_the_ledger_over_its_own_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 49b: with the state folder's disk full the ledger's next copy could not be made;
+    a GPU worker's free raised, its request never ended and the worker was killed as hung.
+    The state goes over the ledger's own blocks instead, and no copy is left behind."""
+    import builtins
+    import errno
+
+    import spillover.engine.sim as sim_module
+
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    assert dev.allocate("weights", 40 * MIB, owner="gpu0")
+    assert dev.allocate("req:a", 8 * MIB, owner="gpu0")
+    real_open = builtins.open
+
+    def full_disk(path: object, *args: object, **kwargs: object) -> object:
+        if ".tmp" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(sim_module, "open", full_disk, raising=False)
+    before, size = dev.change_count(), dev.path.stat().st_size
+    assert dev.free("req:a")
+    # a shorter state padded to the old length, never cut: a process killed after its write
+    # leaves a whole ledger
+    assert dev.path.stat().st_size == size and json.loads(dev.path.read_bytes())["allocs"]
+    assert dev.allocate("req:b", 2 * MIB, owner="gpu0")
+    snap = dev.snapshot()
+    assert [(tag, nbytes) for tag, _, nbytes, _ in snap.allocations] == [("req:b", 2 * MIB), ("weights", 40 * MIB)]
+    assert dev.change_count() == before + 2
+    assert not list(tmp_path.glob("*.tmp*"))
+    big = "x" * (dev.path.stat().st_blocks * 512)  # more than the file's blocks hold: the full disk's error
+    with pytest.raises(OSError):
+        dev.allocate(f"req:{big}", MIB, owner="gpu0")
+    monkeypatch.undo()
+    assert SimDevice(tmp_path).snapshot().used_bytes == 42 * MIB  # what another process reads, whole

@@ -26,6 +26,7 @@ moves under the lock, after the new state is in place, so no write is missed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import mmap
@@ -155,11 +156,39 @@ class SimDevice:
 
     def _write(self, state: dict[str, Any]) -> None:
         seq = self._seq_map()  # mapped first: a write that cannot count itself does not happen
+        data = json.dumps(state).encode()
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(state, fh)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self._write_in_place(data)
         struct.pack_into("<Q", seq, 0, struct.unpack_from("<Q", seq, 0)[0] + 1)  # under the lock, once in place
+
+    def _write_in_place(self, data: bytes) -> None:
+        """A full disk (round 49b: the ledger's next copy could not be made, the GPU worker's
+        free raised, its request never ended and the worker was killed as hung): the new
+        state over the ledger's own blocks, padded with spaces to the old length (JSON reads
+        them as nothing), so no cut is needed and a process killed after the write leaves a
+        whole ledger. A state that needs more than the file's blocks already hold stays the
+        full disk's error (a write past them could stop halfway). Every reader takes the
+        lock, so none sees it half written; a filesystem that copies on write may refuse this
+        too."""
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            st = os.fstat(fd)
+            if len(data) > st.st_blocks * 512:
+                raise OSError(errno.ENOSPC, f"No space left on device for the sim ledger {self.path}")
+            padded = data + b" " * max(0, st.st_size - len(data))
+            if os.pwrite(fd, padded, 0) != len(padded):
+                raise OSError(errno.ENOSPC, f"the sim ledger {self.path} was written in part")
+        finally:
+            os.close(fd)
 
     def _seq_map(self) -> mmap.mmap:
         """The change counter's file, mapped (made on first use, kept for the process)."""

@@ -51,6 +51,7 @@ import abc
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -267,8 +268,15 @@ class DeviceWorker(abc.ABC):
         return self.sim.allocate(f"req:{rid}", reserve, owner=self.args.worker_id)
 
     def uncharge(self, rid: str) -> None:
-        if self.sim is not None:
+        """Give a request's reservation back to the sim ledger. A ledger that cannot be written
+        is logged, never raised: the request's last event must still go out (a worker that
+        never ends a request is killed as hung)."""
+        if self.sim is None:
+            return
+        try:
             self.sim.free(f"req:{rid}")
+        except Exception as exc:  # a ledger it cannot write or read
+            print(f"could not give back req:{rid} in the sim ledger: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _held(self) -> None:
         """Tell the gateway what the engine holds now (a ``held`` event: mode, model,
@@ -598,8 +606,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this worker when the gateway that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``); False where there is no such call. A worker notices its gateway's
+    end by its stdin's EOF, but a stopped or hung one (SIGSTOP, a wedged driver call) never
+    reads it: it kept its device memory, and its reservations in the sim ledger, past its
+    gateway's SIGKILL and beside the next gateway's workers (round 49b). A signal reaches it
+    stopped or not, and its memory goes back as a dead process's does."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m spillover.engine.worker ...``."""
+    die_with_parent()
     args = parse_args(argv)
     proto = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)
