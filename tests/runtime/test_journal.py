@@ -315,3 +315,36 @@ def test_a_group_keeps_the_high_water_mark_as_one_by_one_writes_do(tmp_path: Pat
         await j.move("f0", State.QUEUED, response="z" * 50_000)  # within the headroom kept for it
 
     with_journal(tmp_path, body, max_bytes=1024 * 1024, max=100_000)
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced", "wal removed", "linked wal removed"])
+def test_a_journal_file_removed_or_replaced_while_open_fails_every_write(tmp_path: Path, how: str) -> None:
+    """Round 49b: with the journal's files unlinked, SQLite wrote on into the removed files:
+    requests were answered 200 with no durable record, and after a restart their keys ran
+    again. Every write now fails as the journal's other write errors do (a 503
+    ``journal_unavailable`` before acceptance, an answer kept until it is durable)."""
+    path = tmp_path / "j.sqlite3"
+    wal = Path(f"{path}-wal")
+    opened = path
+    if how.startswith("linked"):  # the journal's path a symbolic link: SQLite's WAL is beside the real file
+        opened = tmp_path / "link.sqlite3"
+        opened.symlink_to(path)
+
+    async def body(j: Journal) -> None:
+        await complete(j, "r1")
+        if how == "removed":
+            path.unlink()
+            wal.unlink()
+        elif how == "replaced":
+            copy = path.read_bytes()
+            path.unlink()
+            path.write_bytes(copy)
+        else:
+            wal.unlink()
+        with pytest.raises(JournalUnavailable):
+            await accept(j, "r2")
+        assert j.failing
+        with pytest.raises(JournalUnavailable):
+            await accept(j, "r3")  # not once: every write
+
+    run_journal(opened, body)

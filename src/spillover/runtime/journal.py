@@ -44,7 +44,9 @@ Rules:
 5. The files hold every prompt and answer: they are created, and kept, mode 0600.
 6. Fault injection (the drill, tests): while a file named ``<journal>.disk-full`` exists
    (``set_disk_full``, ``spillover sim disk-full``), every write fails as on a full disk
-   (ENOSPC), through the same path as a real one.
+   (ENOSPC), through the same path as a real one. So does every write once a file it opened
+   (the database, its WAL) was removed or replaced (ENOENT, ``check_same_files``): SQLite
+   would write on into the removed file, durable nowhere anyone would find it.
 7. A request's intermediate moves (ADMITTED, RUNNING: ``note_move``) are not waited for:
    they queue behind the writes before them and commit with the next write that is waited
    for (usually the same request's next one), or after about ``DEFER_S`` (at most twice
@@ -206,6 +208,7 @@ class Journal:
         self._unwritten: dict[str, list[tuple[State, dict[str, Any], float]]] = {}
         self._tick_handle: asyncio.TimerHandle | None = None  # rule 7's DEFER_S timer, while noted moves wait
         self._closed = False
+        self._files: dict[str, tuple[int, int]] = {}  # the database and WAL it opened (``_counted``)
         self._rows = 0
         self.writes = 0
         self.write_errors = 0
@@ -385,6 +388,7 @@ class Journal:
         results: list[tuple[Any, BaseException | None]] = []
         try:
             journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6: the writes then fail one by one
+            journal_bounds.check_same_files(self._files)
             self._synchronous(full=any(op.fn.__name__ == "_accept" for op in ops))  # durable before its first byte
             db.execute("BEGIN IMMEDIATE")
             self._grouped = True
@@ -442,6 +446,7 @@ class Journal:
     def _counted(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             journal_bounds.check_disk_full(self._disk_full_marker)  # rule 6
+            journal_bounds.check_same_files(self._files)  # rule 6: the files it opened are still the journal
             out = fn(*args)
             self.failing = False
             return out
@@ -468,6 +473,7 @@ class Journal:
             db.close()
             raise
         self._restrict_files()
+        self._files = journal_bounds.file_identities(self.path)
 
     def _restrict_files(self) -> None:
         for suffix in ("", "-wal", "-shm"):

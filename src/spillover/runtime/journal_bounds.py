@@ -9,6 +9,7 @@ journal's thread, inside or around the transaction ``Journal`` opens; none commi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sqlite3
@@ -24,10 +25,12 @@ __all__ = [
     "SizeBounds",
     "cap_pages",
     "check_disk_full",
+    "check_same_files",
     "configure",
     "delete_requests",
     "disk_full_marker",
     "expired",
+    "file_identities",
     "release_space",
     "set_disk_full",
     "shed_oldest",
@@ -186,6 +189,35 @@ def set_disk_full(journal_path: Path, on: bool) -> None:
         marker.touch()
     else:
         marker.unlink(missing_ok=True)
+
+
+def file_identities(path: Path) -> dict[str, tuple[int, int]]:
+    """The journal's files as opened (the database, its WAL): each one's device and inode.
+    SQLite keeps the WAL beside the database's real file when its path is a symbolic link."""
+    found = {}
+    for name in (str(path), f"{os.path.realpath(path)}-wal"):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(name)
+            found[name] = (st.st_dev, st.st_ino)
+    return found
+
+
+def check_same_files(identities: dict[str, tuple[int, int]]) -> None:
+    """Fail as a lost file does (ENOENT) when a journal file was removed or replaced since it
+    was opened: SQLite goes on writing into the removed file, and nothing written there is
+    found after a restart (round 49b: requests answered 200 with no durable record, and their
+    Idempotency-Keys ran again after the restart)."""
+    for name, identity in identities.items():
+        try:
+            st = os.stat(name)
+        except FileNotFoundError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != identity:
+            raise OSError(
+                errno.ENOENT,
+                f"the journal file {name} was removed or replaced while the gateway ran; what would"
+                " be written now could not be found again: restart the gateway",
+            )
 
 
 def check_disk_full(marker: Path | str) -> None:
