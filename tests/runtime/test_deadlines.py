@@ -1,11 +1,14 @@
 """A client's deadline (``deadline_ms`` / ``X-Spillover-Deadline-Ms``) on the GPU lane: the
-lane a request would start on must be able to finish it in time, and a busy device's delay
-never carries it past the last moment the CPU lane could still make it (round 49b: a 200 ms
-deadline got a 200 after 2.06 s, and refusals came after the 2 s delay)."""
+lane a request would start on (the device's too, the split's too) must be able to finish it in
+time, and a wait for the device lasts only while the CPU lane could still make it, or, once it
+cannot, while the device still could (round 49b: a 200 ms deadline got a 200 after 2.06 s, and
+refusals came after the 2 s delay; round 50: a GPU ten times faster than the CPU was not waited
+for, a job waiting for a split slot past its wait woke the scheduler every millisecond)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -16,7 +19,7 @@ from spillover.core.memory import MemoryModel
 from spillover.errors import CapacityError
 from spillover.runtime.lanes import Dispatch
 from spillover.runtime.scheduler import Job, Scheduler
-from spillover.runtime.worker_client import WorkerClient
+from spillover.runtime.worker_client import WorkerClient, WorkerState
 from spillover.testing import FakeClock
 from tests.runtime.fakes import ready_worker
 
@@ -24,9 +27,9 @@ MIB = 1024 * 1024
 T0 = 100.0
 
 
-def _scheduler(memory: MemoryModel) -> tuple[Scheduler, FakeClock, WorkerClient]:
-    """One GPU slot and one CPU slot on a 1 GiB device; the lanes at their first estimates
-    (prefill 400 tok/s, decode 40 tok/s)."""
+def _scheduler(memory: MemoryModel, *, split: bool = False) -> tuple[Scheduler, FakeClock, WorkerClient]:
+    """One device slot (the resident's, or only a split worker's) and one CPU slot on a 1 GiB
+    device; the lanes at their first estimates (prefill 400 tok/s, decode 40 tok/s)."""
     clock = FakeClock(T0)
     ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
     ledger.observe(0, clock())
@@ -37,10 +40,15 @@ def _scheduler(memory: MemoryModel) -> tuple[Scheduler, FakeClock, WorkerClient]
         policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
         clock=clock,
     )
-    gpu = ready_worker("gpu0", "gpu")
-    s.gpu_workers.append(gpu)
+    device = ready_worker("split0", "split") if split else ready_worker("gpu0", "gpu")
+    if split:
+        s.split_workers.append(device)
+        s.split_memory = dataclasses.replace(memory, n_batch=128, n_gpu_layers=10)
+        s.split_ctx_cap_tokens = 1024
+    else:
+        s.gpu_workers.append(device)
     s.cpu_workers.append(ready_worker("cpu0", "cpu"))
-    return s, clock, gpu
+    return s, clock, device
 
 
 def _job(rid: str, max_tokens: int, deadline_in_s: float) -> Job:
@@ -48,6 +56,9 @@ def _job(rid: str, max_tokens: int, deadline_in_s: float) -> Job:
 
 
 def test_a_busy_device_and_a_deadline_the_cpu_cannot_meet_is_refused_at_once(memory: MemoryModel) -> None:
+    """Both lanes at 40 tokens a second: 400 tokens cannot be done in 0.2 s anywhere, and the
+    busy device's delay is not waited out first."""
+
     async def main() -> None:
         s, _clock, gpu = _scheduler(memory)
         gpu.claim_slot("running")
@@ -62,6 +73,9 @@ def test_a_busy_device_and_a_deadline_the_cpu_cannot_meet_is_refused_at_once(mem
 
 
 def test_a_deadline_ends_the_devices_delay_while_the_cpu_can_still_meet_it(memory: MemoryModel) -> None:
+    """A 1 s deadline, 0.2 s of work on the CPU lane: the job waits for the busy device until
+    the last moment the CPU lane can still finish it (a tick early), then goes there."""
+
     async def main() -> None:
         s, clock, gpu = _scheduler(memory)
         gpu.claim_slot("running")
@@ -69,7 +83,7 @@ def test_a_deadline_ends_the_devices_delay_while_the_cpu_can_still_meet_it(memor
         s.submit_nowait(job)
         assert not job.future.done()  # the device may free in time: it waits
         last = T0 + 1.0 - s.cpu.job_seconds(8, 8) - 0.1
-        assert s._delay_due <= last + 1e-9, "no pass before the deadline's last CPU start"
+        assert T0 < s._delay_due <= last + 1e-9, "no pass before the deadline's last CPU start"
         clock.advance(last - T0)
         s.pump_once()
         assert job.future.done()
@@ -80,6 +94,9 @@ def test_a_deadline_ends_the_devices_delay_while_the_cpu_can_still_meet_it(memor
 
 
 def test_the_lane_it_starts_on_must_meet_the_deadline(memory: MemoryModel) -> None:
+    """An idle device admits at once, but 0.2 s of work does not finish in 1 ms: a 503
+    naming the GPU lane; a minute is plenty."""
+
     async def main() -> None:
         s, _clock, _gpu = _scheduler(memory)
         job = _job("a", max_tokens=8, deadline_in_s=0.001)  # an idle device, but 0.2 s of work
@@ -90,5 +107,81 @@ def test_the_lane_it_starts_on_must_meet_the_deadline(memory: MemoryModel) -> No
         ok = _job("b", max_tokens=8, deadline_in_s=60.0)
         s.submit_nowait(ok)
         assert ok.future.result().route == "gpu"
+
+    asyncio.run(main())
+
+
+def test_a_faster_device_is_waited_for_while_it_can_still_make_the_deadline(memory: MemoryModel) -> None:
+    """The device measured ten times faster than the CPU lane: 100 tokens in a 1 s deadline are
+    2.5 s on the CPU lane but 0.27 s on the device, so the job waits for the busy device (not
+    a 503 at once), and takes its slot when it frees."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 400.0
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=100, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        assert not job.future.done()
+        end = T0 + 1.0 - s.gpu.job_seconds(8, 100) - 0.1
+        assert T0 < s._delay_due <= end + 1e-9
+        gpu.release_slot("running")
+        clock.advance(0.05)
+        s.pump_once()
+        assert job.future.result().route == "gpu"
+        late = _job("b", max_tokens=100, deadline_in_s=1.0)
+        s.submit_nowait(late)  # "a" holds the slot now
+        assert not late.future.done()
+        clock.advance(end - clock() + 0.01)  # the device never freed in time
+        s.pump_once()
+        with pytest.raises(CapacityError) as refused:
+            late.future.result()
+        assert refused.value.code == "deadline_exceeded"
+
+    asyncio.run(main())
+
+
+def test_without_a_cpu_path_a_deadline_waits_for_the_device_and_says_why_it_ends(memory: MemoryModel) -> None:
+    """No ready CPU worker: the job waits for the busy device while the device could still
+    finish it, and its refusal after that is ``deadline_exceeded`` (it said
+    ``cpu_unavailable`` at once)."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.cpu_workers[0].state = WorkerState.DEAD
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=8, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        assert not job.future.done()
+        clock.advance(1.0)
+        s.pump_once()
+        with pytest.raises(CapacityError) as refused:
+            job.future.result()
+        assert refused.value.code == "deadline_exceeded", refused.value
+
+    asyncio.run(main())
+
+
+def test_a_split_slot_is_waited_for_only_within_the_deadline_and_must_meet_it(memory: MemoryModel) -> None:
+    """Only the split worker on the device: a job waiting for its slot past its wait is
+    decided (no pass scheduled in the past: the scheduler woke every millisecond), and the
+    split must finish it in time too."""
+
+    async def main() -> None:
+        s, clock, split = _scheduler(memory, split=True)
+        split.claim_slot("running")
+        job = _job("a", max_tokens=8, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        assert not job.future.done()
+        clock.advance(1.0)  # past the CPU lane's last start, the split still busy
+        s.pump_once()
+        assert s._delay_due > clock(), "a pass scheduled in the past"
+        split.release_slot("running")
+        late = _job("b", max_tokens=8, deadline_in_s=0.001)
+        s.submit_nowait(late)
+        with pytest.raises(CapacityError) as refused:
+            late.future.result()
+        assert refused.value.code == "deadline_exceeded" and "GPU lane" in str(refused.value)
+        assert not split.claimed and s.ledger is not None and not s.ledger.holds("b")
 
     asyncio.run(main())

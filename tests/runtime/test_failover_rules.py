@@ -13,8 +13,8 @@ import pytest
 
 from spillover.config import FailoverConfig
 from spillover.core.routing import FailoverReason, Reason
-from spillover.errors import FailoverInterrupted, WorkerFailed
-from spillover.runtime.executor import Execution, RetryBudget, _Failure
+from spillover.errors import FailoverInterrupted, QueueFull, WorkerFailed
+from spillover.runtime.executor import Execution, RetryBudget, RouteInfo, _Failure
 
 GPU_FP = {"compat": "c1", "numerics": "n1"}
 
@@ -318,3 +318,26 @@ def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without
     asyncio.run(go())
     assert len(recovered) == 1 and 500 <= recovered[0] < 5000, recovered
     assert exe._fault_at is None
+
+
+def test_a_failover_the_cpu_lane_refuses_is_reported_on_the_cpu_lane() -> None:
+    """Round 50: a failover journaled QUEUED on the CPU lane and then refused there (a full
+    queue, a deadline, an expiry) ended reported as the failed GPU attempt (``gpu``, ``fits``):
+    where the run is, for its error, is the queued attempt."""
+
+    class FullCpuLane(FakeScheduler):
+        def submit_nowait(self, job: Any, lane: str | None = None) -> None:
+            raise QueueFull("the cpu queue is full (1 waiting)", retry_after_s=2.0)
+
+    sched = FullCpuLane([worker(GPU_FP)])
+    exe = execution(sched, attempt=1)
+    exe.dispatched = RouteInfo("gpu", "fits", 1, "gpu0", 8, 256, False, 0.0, 0, 0, False)
+    d = SimpleNamespace(route="gpu", worker=worker(GPU_FP))
+
+    async def go() -> None:
+        await exe._failover(d, _Failure("crash", "killed"))  # type: ignore[arg-type]
+
+    with pytest.raises(WorkerFailed):
+        asyncio.run(go())
+    assert exe.dispatched is not None
+    assert (exe.dispatched.route, exe.dispatched.reason, exe.dispatched.attempt) == ("cpu", "failover:crash", 2)

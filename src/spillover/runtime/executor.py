@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -126,7 +127,7 @@ class Execution:
     delivered: list[int] = field(default_factory=list)  # this answer's tokens so far (a stream's)
     shown: bool = False  # something of this answer was sent to the client (set by the run: rule 3)
     failures: list[str] = field(default_factory=list)
-    dispatched: RouteInfo | None = None  # where the latest attempt was sent (it may fail before its start)
+    dispatched: RouteInfo | None = None  # where the latest attempt was sent or queued (it may end before its start)
     _job: Job | None = None
     _next_lane: str | None = None
     _cause: str | None = None
@@ -579,6 +580,10 @@ class Execution:
         self._next_lane = "cpu"
         self.on_failover(f.kind)
         await self._move(State.QUEUED, route="cpu", attempts=self.attempt, reason=str(FailoverReason(f.kind)))
+        if self.dispatched is not None:  # where it is now, should it end before its CPU attempt starts
+            self.dispatched = dataclasses.replace(
+                self.dispatched, route="cpu", reason=str(FailoverReason(f.kind)), attempt=self.attempt + 1
+            )
         try:
             self.submit_nowait()
         except CapacityError as exc:

@@ -299,11 +299,17 @@ class Run:
         for f in outcome.frames:
             yield f
 
-    def _error(self, exc: BaseException, *, committed: bool) -> Encoded:
-        err = as_error(exc, self.rid)
+    def _ends_where_it_is(self) -> None:
+        """A run that ends on an attempt that never started (it failed before its start, or
+        was refused or expired in the CPU queue after a failover) reports that attempt's route
+        and reason, as its journal rows have it, not the last started one's (round 49b)."""
         last = self.exe.dispatched
         if last is not None and (self.info is None or last.attempt > self.info.attempt):
-            self.info = last  # it ended on the attempt that failed before its start: that is its route and reason
+            self.info = last
+
+    def _error(self, exc: BaseException, *, committed: bool) -> Encoded:
+        self._ends_where_it_is()
+        err = as_error(exc, self.rid)
         if self.cancelled_by_user:
             err = RequestCancelled(f"request {self.rid} was cancelled")
         elif isinstance(err, RequestCancelled):  # no DELETE: the client or the server went away

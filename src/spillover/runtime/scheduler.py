@@ -274,13 +274,40 @@ class Scheduler:
         ahead = self.cpu.estimated_delay_s() if lane is self.cpu else 0.0
         return ahead + lane.job_seconds(job.prompt_tokens, job.max_tokens if max_tokens is None else max_tokens)
 
-    def _last_cpu_start_s(self, job: Job) -> float | None:
-        """The latest time a GPU-lane job with a deadline may still wait for the device: after
-        it, the CPU lane could no longer finish it in time (``DEADLINE_SLACK_S`` early, for a
-        pass that comes late). None without a deadline."""
-        if job.deadline_s is None or self.cpu is None:
+    def _wait_ends_s(self, job: Job, now: float) -> float | None:
+        """Until when a GPU-lane job with a client deadline may wait for the device (a delay,
+        a slot or memory coming back, a split slot): while the CPU lane could still finish it
+        in time, until the last moment it could (then admission decides as after its delay
+        bound, and the CPU lane takes it); once it cannot (or there is no CPU path), for as
+        long as the device itself could still finish it (then its 503). Each a tick early
+        (``DEADLINE_SLACK_S``): a pass may come late. None without a deadline."""
+        if job.deadline_s is None:
             return None
-        return job.deadline_s - self._eta_s(job, self.cpu) - DEADLINE_SLACK_S
+        assert self.gpu is not None
+        if self.policy is not None and self.policy.allow_cpu_route and self.cpu_workers:
+            last_cpu = job.deadline_s - self._eta_s(job, self.cpu) - DEADLINE_SLACK_S
+            if now < last_cpu:
+                return last_cpu
+        return job.deadline_s - self.gpu.job_seconds(job.prompt_tokens, job.max_tokens) - DEADLINE_SLACK_S
+
+    def _may_wait(self, job: Job, now: float) -> bool:
+        """Whether the job's deadline (if any) still lets it wait for the device."""
+        end = self._wait_ends_s(job, now)
+        return end is None or now < end
+
+    def _late_on_device(self, job: Job, max_tokens: int) -> bool:
+        """Refuse (``deadline_exceeded``) a job the device would start now but not finish
+        before its client's deadline (the GPU lane's measured speed, the split's too): True
+        when it was refused."""
+        assert self.gpu is not None
+        try:
+            self._check_deadline(job, self.gpu, max_tokens)
+        except CapacityError as exc:
+            self.gpu.queue.remove(job)
+            self.gpu.shed_total += 1
+            self._fail(job, exc)
+            return True
+        return False
 
     def cpu_ctx_cap_tokens(self) -> int:
         """The CPU lane's context cap (prompt + max_tokens)."""
@@ -450,8 +477,7 @@ class Scheduler:
         """``core.admission.decide`` for a queued job, on the lanes as they are now."""
         assert self.ledger is not None and self.policy is not None
         arrived_s = job.arrived_s
-        last = self._last_cpu_start_s(job)
-        if last is not None and now >= last:  # waiting on would miss the deadline: no more delay (rule 5)
+        if not self._may_wait(job, now):  # waiting on would miss the deadline: decided as after its delay (rule 5)
             arrived_s = min(arrived_s, now - self.policy.delay_max_s)
         req = AdmissionRequest(
             request_id=job.rid,
@@ -473,32 +499,27 @@ class Scheduler:
             split = self._dispatch_split(job, d, now)
             if split == "dispatched":  # recorded as a split decision
                 return
+            if split == "refused":  # failed: its client's deadline
+                return
             if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
                 self._wake_by(job, job.enqueued_s + self.policy.delay_max_s)
                 return
             if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
             d = self._by_plan(d)
-        last = self._last_cpu_start_s(job)
-        if (
-            isinstance(d, Reject)
-            and (last is None or now < last)  # a deadline bounds the wait as it bounds a delay
-            and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now))
-        ):
-            # What could take it comes (a worker, a slot, our own requests' memory): it waits.
+        # What could take it comes (a worker, a slot, our own requests' memory)?
+        comes = isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now))
+        if comes and self._may_wait(job, now):  # it waits, as long as its deadline lets it
             job.waits_for = d.reason
             self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
             return
         job.waits_for = ""
+        if isinstance(d, Admit | Shrink) and self._late_on_device(
+            job, d.max_tokens if isinstance(d, Shrink) else job.max_tokens
+        ):
+            return  # the lane it would start on must meet the client's deadline too
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
-            try:  # the lane it starts on must meet the client's deadline too
-                self._check_deadline(job, self.gpu, d.max_tokens if isinstance(d, Shrink) else None)
-            except CapacityError as exc:
-                self.gpu.queue.remove(job)
-                self.gpu.shed_total += 1
-                self._fail(job, exc)
-                return
             self._dispatch_gpu(job, d, now, self.gpu)
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
@@ -514,12 +535,14 @@ class Scheduler:
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
             (self.cpu if d.refusal == Reason.CPU_QUEUE_FULL else self.gpu).shed_total += 1  # whose queue was full
+            late = comes  # it would have waited for what comes, but not past its deadline
             self._fail(
                 job,
                 CapacityError(
-                    f"no capacity for this request now ({d.reason})",
+                    f"no capacity for this request now ({d.reason})"
+                    + (", and none that would come before its deadline" if late else ""),
                     retry_after_s=d.retry_after_s,
-                    code=d.refusal,
+                    code="deadline_exceeded" if late else d.refusal,
                 ),
             )
         elif isinstance(d, Delay):  # leave it queued; a pass asks again at the latest then
@@ -529,9 +552,11 @@ class Scheduler:
             self._wake_by(job, d.until_s)
 
     def _wake_by(self, job: Job, until_s: float) -> None:
-        """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait."""
-        last = self._last_cpu_start_s(job)
-        self._delay_due = min(self._delay_due, until_s, until_s if last is None else last)
+        """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait (one
+        still ahead: a wait it ended is decided in this pass, never a pass in the past)."""
+        now = self.clock()
+        end = self._wait_ends_s(job, now)
+        self._delay_due = min(self._delay_due, until_s if end is None or end <= now else min(until_s, end))
 
     def _reserve(self, rid: str, nbytes: int, now: float) -> bool:
         """Reserve a job's device bytes; False when they do not fit, or when an earlier
@@ -659,7 +684,7 @@ class Scheduler:
 
     def _dispatch_split(
         self, job: Job, d: Route | Reject, now: float
-    ) -> Literal["dispatched", "wait", "breaker", "busy", "room", "long", "no"]:
+    ) -> Literal["dispatched", "refused", "wait", "breaker", "busy", "room", "long", "no"]:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
@@ -677,7 +702,7 @@ class Scheduler:
         stands (``long``)."""
         if self.ledger is None or self.split_memory is None or self.gpu is None or self.policy is None:
             return "no"
-        waiting = now - job.enqueued_s < self.policy.delay_max_s
+        waiting = now - job.enqueued_s < self.policy.delay_max_s and self._may_wait(job, now)
         budget = self._split_tokens(job)
         if budget is None and any(w.state is WorkerState.READY for w in self.split_workers):
             return "long"
@@ -686,6 +711,8 @@ class Scheduler:
         if isinstance(fit, str):
             return "wait" if waiting and fit in ("busy", "room") else fit
         worker, fp = fit
+        if self._late_on_device(job, max_tokens):  # its client's deadline comes first
+            return "refused"
         if not self._reserve(job.rid, fp.total_bytes, now):  # as _split_fit found, unless a lease is still out
             return "wait" if waiting else "room"
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
