@@ -581,8 +581,14 @@ class Execution:
         self.on_failover(f.kind)
         await self._move(State.QUEUED, route="cpu", attempts=self.attempt, reason=str(FailoverReason(f.kind)))
         if self.dispatched is not None:  # where it is now, should it end before its CPU attempt starts
-            self.dispatched = dataclasses.replace(
-                self.dispatched, route="cpu", reason=str(FailoverReason(f.kind)), attempt=self.attempt + 1
+            self.dispatched = dataclasses.replace(  # no worker, no place yet: only the lane and why
+                self.dispatched,
+                route="cpu",
+                reason=str(FailoverReason(f.kind)),
+                attempt=self.attempt + 1,
+                worker_id="",
+                queue_position=0,
+                estimated_delay_ms=0,
             )
         try:
             self.submit_nowait()

@@ -274,6 +274,10 @@ class Scheduler:
         ahead = self.cpu.estimated_delay_s() if lane is self.cpu else 0.0
         return ahead + lane.job_seconds(job.prompt_tokens, job.max_tokens if max_tokens is None else max_tokens)
 
+    def _cpu_path(self) -> bool:
+        """Whether a GPU-lane job may go to the CPU lane at all."""
+        return self.policy is not None and self.policy.allow_cpu_route and bool(self.cpu_workers)
+
     def _wait_ends_s(self, job: Job, now: float) -> float | None:
         """Until when a GPU-lane job with a client deadline may wait for the device (a delay,
         a slot or memory coming back, a split slot): while the CPU lane could still finish it
@@ -284,7 +288,7 @@ class Scheduler:
         if job.deadline_s is None:
             return None
         assert self.gpu is not None
-        if self.policy is not None and self.policy.allow_cpu_route and self.cpu_workers:
+        if self._cpu_path():
             last_cpu = job.deadline_s - self._eta_s(job, self.cpu) - DEADLINE_SLACK_S
             if now < last_cpu:
                 return last_cpu
@@ -295,19 +299,45 @@ class Scheduler:
         end = self._wait_ends_s(job, now)
         return end is None or now < end
 
-    def _late_on_device(self, job: Job, max_tokens: int) -> bool:
-        """Refuse (``deadline_exceeded``) a job the device would start now but not finish
-        before its client's deadline (the GPU lane's measured speed, the split's too): True
-        when it was refused."""
+    def _late_everywhere(self, job: Job, max_tokens: int, now: float) -> bool:
+        """Refuse (``deadline_exceeded``) a job the device would start now when no lane could
+        finish it before its client's deadline: not the device (the GPU lane's estimate, fed
+        by the resident's and the split's runs; before any, the lanes' common first guess), nor
+        the CPU lane from now. A device estimate alone does not refuse it (an unmeasured one is
+        a guess): True when it was refused."""
+        if job.deadline_s is None:
+            return False
         assert self.gpu is not None
-        try:
-            self._check_deadline(job, self.gpu, max_tokens)
-        except CapacityError as exc:
-            self.gpu.queue.remove(job)
-            self.gpu.shed_total += 1
-            self._fail(job, exc)
-            return True
-        return False
+        device = self.gpu.job_seconds(job.prompt_tokens, max_tokens)
+        cpu = self._eta_s(job, self.cpu) if self._cpu_path() else math.inf
+        if now + min(device, cpu) <= job.deadline_s:
+            return False
+        self.gpu.queue.remove(job)
+        self.gpu.shed_total += 1
+        on_cpu = f", the CPU lane in about {cpu:.1f}s" if cpu < math.inf else ""
+        self._fail(
+            job,
+            CapacityError(
+                f"no lane would finish this request before its deadline (the device in about {device:.1f}s{on_cpu})",
+                retry_after_s=max(1.0, min(device, cpu)),
+                code="deadline_exceeded",
+            ),
+        )
+        return True
+
+    def _waits_for_the_device(self, job: Job, d: Decision, now: float) -> bool:
+        """A job sent to the CPU lane (past its delay, say) that the CPU lane cannot finish
+        before its client's deadline waits on for the device while the device still could
+        (``_wait_ends_s``), when there is one: True when it waits."""
+        if not isinstance(d, Route) or job.deadline_s is None or not (self.gpu_workers or self.split_workers):
+            return False
+        if self._cpu_path() and now + self._eta_s(job, self.cpu) <= job.deadline_s:
+            return False
+        if not self._may_wait(job, now):
+            return False
+        assert self.gpu is not None
+        self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
+        return True
 
     def cpu_ctx_cap_tokens(self) -> int:
         """The CPU lane's context cap (prompt + max_tokens)."""
@@ -342,7 +372,7 @@ class Scheduler:
         self, lane: str, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float
     ) -> None:
         """Feed a finished request's measured speed into its lane's running estimate."""
-        target = self.gpu if lane == "gpu" else self.cpu
+        target = self.gpu if lane in DEVICE_ROUTES else self.cpu  # a split's runs are the device's (not the CPU lane's)
         if target is not None:
             target.record(prompt_tokens, completion_tokens, prefill_s, total_s)
 
@@ -502,7 +532,7 @@ class Scheduler:
             if split == "refused":  # failed: its client's deadline
                 return
             if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
-                self._wake_by(job, job.enqueued_s + self.policy.delay_max_s)
+                self._wake_by(job, job.enqueued_s + self.policy.delay_max_s, now)
                 return
             if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
@@ -511,13 +541,16 @@ class Scheduler:
         comes = isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now))
         if comes and self._may_wait(job, now):  # it waits, as long as its deadline lets it
             job.waits_for = d.reason
-            self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s)
+            self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
             return
         job.waits_for = ""
-        if isinstance(d, Admit | Shrink) and self._late_on_device(
-            job, d.max_tokens if isinstance(d, Shrink) else job.max_tokens
+        if isinstance(d, Admit | Shrink) and self._late_everywhere(
+            job, d.max_tokens if isinstance(d, Shrink) else job.max_tokens, now
         ):
-            return  # the lane it would start on must meet the client's deadline too
+            return  # the client's deadline comes first
+        if self._waits_for_the_device(job, d, now):
+            job.waits_for = f"the device, within its deadline ({d.reason})"
+            return
         self._record(job, d, now)
         if isinstance(d, Admit | Shrink):
             self._dispatch_gpu(job, d, now, self.gpu)
@@ -546,15 +579,14 @@ class Scheduler:
                 ),
             )
         elif isinstance(d, Delay):  # leave it queued; a pass asks again at the latest then
-            self._wake_by(job, d.until_s)
+            self._wake_by(job, d.until_s, now)
         elif isinstance(d, Demote):  # unload a batch service; the job waits for its memory
             self.demote(d.service, d.reason)
-            self._wake_by(job, d.until_s)
+            self._wake_by(job, d.until_s, now)
 
-    def _wake_by(self, job: Job, until_s: float) -> None:
+    def _wake_by(self, job: Job, until_s: float, now: float) -> None:
         """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait (one
         still ahead: a wait it ended is decided in this pass, never a pass in the past)."""
-        now = self.clock()
         end = self._wait_ends_s(job, now)
         self._delay_due = min(self._delay_due, until_s if end is None or end <= now else min(until_s, end))
 
@@ -711,7 +743,7 @@ class Scheduler:
         if isinstance(fit, str):
             return "wait" if waiting and fit in ("busy", "room") else fit
         worker, fp = fit
-        if self._late_on_device(job, max_tokens):  # its client's deadline comes first
+        if self._late_everywhere(job, max_tokens, now):  # its client's deadline comes first
             return "refused"
         if not self._reserve(job.rid, fp.total_bytes, now):  # as _split_fit found, unless a lease is still out
             return "wait" if waiting else "room"
