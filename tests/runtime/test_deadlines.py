@@ -72,19 +72,25 @@ def test_a_busy_device_and_a_deadline_the_cpu_cannot_meet_is_refused_at_once(mem
     asyncio.run(main())
 
 
-def test_a_deadline_ends_the_devices_delay_while_the_cpu_can_still_meet_it(memory: MemoryModel) -> None:
+@pytest.mark.parametrize("device_faster", [1.0, 10.0])
+def test_a_deadline_ends_the_devices_delay_while_the_cpu_can_still_meet_it(
+    memory: MemoryModel, device_faster: float
+) -> None:
     """A 1 s deadline, 0.2 s of work on the CPU lane: the job waits for the busy device until
-    the last moment the CPU lane can still finish it (a tick early), then goes there."""
+    the last moment the CPU lane can still finish it with half its estimate to spare (a tick
+    early), then goes there, however much faster the device is measured (round 51: a faster
+    device kept it waiting past that moment, and the CPU lane then refused it)."""
 
     async def main() -> None:
         s, clock, gpu = _scheduler(memory)
+        s.gpu.prefill_tps, s.gpu.decode_tps = 400.0 * device_faster, 40.0 * device_faster
         gpu.claim_slot("running")
         job = _job("a", max_tokens=8, deadline_in_s=1.0)  # about 0.2 s on the CPU lane
         s.submit_nowait(job)
         assert not job.future.done()  # the device may free in time: it waits
-        last = T0 + 1.0 - s.cpu.job_seconds(8, 8) - 0.1
+        last = T0 + 1.0 - 1.5 * s.cpu.job_seconds(8, 8) - 0.1  # half the CPU lane's estimate to spare
         assert T0 < s._delay_due <= last + 1e-9, "no pass before the deadline's last CPU start"
-        clock.advance(last - T0)
+        clock.advance(last - T0 + 0.05)  # the pass half a tick late
         s.pump_once()
         assert job.future.done()
         d = job.future.result()
@@ -190,15 +196,15 @@ def test_a_split_slot_is_waited_for_only_within_the_deadline_and_must_meet_it(me
 def test_past_its_delay_a_job_the_cpu_cannot_finish_waits_for_the_device_that_still_could(
     memory: MemoryModel,
 ) -> None:
-    """Round 52: the device measured ten times faster and busy, a 10.5 s deadline, 400 tokens:
-    10 s on the CPU lane, 0.22 s on the device. Past the 2 s delay admission sends it to the CPU
+    """Round 52: the device measured far faster and busy, a 10.5 s deadline, 400 tokens:
+    13.4 s on the CPU lane, 0.32 s on the device. Past the 2 s delay admission sends it to the CPU
     lane, which cannot make it: it waits on for the device (it was refused at 2 s), takes the
     slot when it frees, and is refused only once the device could not make it either."""
 
     async def main() -> None:
         s, clock, gpu = _scheduler(memory)
         s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 1800.0
-        s.cpu.prefill_tps, s.cpu.decode_tps = 400.0, 40.0
+        s.cpu.prefill_tps, s.cpu.decode_tps = 400.0, 30.0
         gpu.claim_slot("running")
         job = _job("a", max_tokens=400, deadline_in_s=10.5)
         s.submit_nowait(job)

@@ -68,6 +68,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
+DEADLINE_CPU_SPARE = 0.5  # a deadline's wait for the device leaves the CPU lane half its estimate to spare (round 51)
 DEADLINE_SLACK_S = ticks.TICK_S  # a deadline's last CPU start is decided this early: a pass may come a tick late
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 RETURN_AFTER_MIN_S = 0.5  # a failover waits on the CPU lane at least this long before it may return (``_may_move``)
@@ -281,17 +282,19 @@ class Scheduler:
     def _wait_ends_s(self, job: Job, now: float) -> float | None:
         """Until when a GPU-lane job with a client deadline may wait for the device (a delay,
         a slot or memory coming back, a split slot): while the CPU lane could still finish it
-        in time, until the last moment it could (then admission decides as after its delay
-        bound, and the CPU lane takes it); once it cannot (or there is no CPU path), for as
-        long as the device itself could still finish it (then its 503). Each a tick early
+        in time, until the last moment it could with half its estimate to spare
+        (``DEADLINE_CPU_SPARE``: an estimate on busy cores is optimistic; round 51's answers
+        came up to 0.7 s late at the last moment), then admission decides as after its delay
+        bound and the CPU lane takes it; once it cannot (or there is no CPU path), for as long
+        as the device itself could still finish it (then its 503). Each a tick early
         (``DEADLINE_SLACK_S``): a pass may come late. None without a deadline."""
         if job.deadline_s is None:
             return None
         assert self.gpu is not None
         if self._cpu_path():
-            last_cpu = job.deadline_s - self._eta_s(job, self.cpu) - DEADLINE_SLACK_S
-            if now < last_cpu:
-                return last_cpu
+            cpu = self._eta_s(job, self.cpu)
+            if now + cpu <= job.deadline_s:  # a pass late past its last start still sends it there
+                return job.deadline_s - cpu * (1 + DEADLINE_CPU_SPARE) - DEADLINE_SLACK_S
         return job.deadline_s - self.gpu.job_seconds(job.prompt_tokens, job.max_tokens) - DEADLINE_SLACK_S
 
     def _may_wait(self, job: Job, now: float) -> bool:
