@@ -248,3 +248,20 @@ def test_a_split_workers_runs_feed_the_devices_estimate_not_the_cpu_lanes(memory
     s, _clock, _split = _scheduler(memory, split=True)
     s.record_timing("split", 100, 50, 0.1, 0.6)
     assert (s.gpu.samples, s.cpu.samples) == (1, 0)
+
+
+def test_a_job_the_device_would_never_take_does_not_wait_for_it(memory: MemoryModel) -> None:
+    """Too long for the device's context and too slow on the CPU lane for its deadline: a 503
+    at once, not a wait for a device that would never take it."""
+
+    async def main() -> None:
+        s, _clock, _gpu = _scheduler(memory)
+        s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 1000.0  # the device could, were it to take it
+        s.gpu_ctx_cap_tokens = 64
+        job = _job("a", max_tokens=400, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        with pytest.raises(CapacityError) as refused:
+            job.future.result()
+        assert refused.value.code == "deadline_exceeded"
+
+    asyncio.run(main())

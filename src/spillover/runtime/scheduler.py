@@ -255,25 +255,23 @@ class Scheduler:
         lane.append(job)
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
 
-    def _check_deadline(self, job: Job, lane: Lane | None = None, max_tokens: int | None = None) -> None:
-        """Refuse at once a job that the lane it would start on (the CPU lane unless named)
-        cannot finish before the client's deadline."""
+    def _check_deadline(self, job: Job) -> None:
+        """Refuse at once a CPU job that cannot finish before the client's deadline."""
         if job.deadline_s is None:
             return
-        lane = lane or self.cpu
-        est = self._eta_s(job, lane, max_tokens)
+        est = self._eta_s(job, self.cpu)
         if self.clock() + est > job.deadline_s:
             raise CapacityError(
-                f"the {lane.name.upper()} lane would finish this request in about {est:.1f}s, after its deadline",
+                f"the CPU lane would finish this request in about {est:.1f}s, after its deadline",
                 retry_after_s=max(1.0, est),
                 code="deadline_exceeded",
             )
 
-    def _eta_s(self, job: Job, lane: Lane, max_tokens: int | None = None) -> float:
+    def _eta_s(self, job: Job, lane: Lane) -> float:
         """How long ``job`` would take on ``lane`` from now: the work queued ahead of it (none
         on the GPU lane, where it starts when admitted) and its own."""
         ahead = self.cpu.estimated_delay_s() if lane is self.cpu else 0.0
-        return ahead + lane.job_seconds(job.prompt_tokens, job.max_tokens if max_tokens is None else max_tokens)
+        return ahead + lane.job_seconds(job.prompt_tokens, job.max_tokens)
 
     def _cpu_path(self) -> bool:
         """Whether a GPU-lane job may go to the CPU lane at all."""
@@ -333,6 +331,8 @@ class Scheduler:
         before its client's deadline waits on for the device while the device still could
         (``_wait_ends_s``), when there is one: True when it waits."""
         if not isinstance(d, Route) or job.deadline_s is None or not (self.gpu_workers or self.split_workers):
+            return False
+        if d.reason in (Reason.TOO_LONG_FOR_GPU, Reason.CLIENT_PREFERS_CPU):  # the device would never take it
             return False
         if self._cpu_path() and now + self._eta_s(job, self.cpu) <= job.deadline_s:
             return False
