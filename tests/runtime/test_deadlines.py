@@ -265,3 +265,85 @@ def test_a_job_the_device_would_never_take_does_not_wait_for_it(memory: MemoryMo
         assert refused.value.code == "deadline_exceeded"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("cpu_lane", ["dead", "starting"])
+def test_a_cpu_lane_that_cannot_take_it_leaves_the_wait_to_the_device(memory: MemoryModel, cpu_lane: str) -> None:
+    """Round 53: a dead or starting CPU worker's estimate decided the wait: the job was refused
+    when the CPU lane's moment passed, though the device (ten times faster) could still make
+    it, and its slot freed in time."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.cpu_workers[0].state = WorkerState.DEAD if cpu_lane == "dead" else WorkerState.STARTING
+        s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 400.0
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=8, deadline_in_s=1.0)  # CPU lane 0.22 s, the device 0.022 s
+        s.submit_nowait(job)
+        clock.advance(0.6)
+        s.pump_once()
+        assert not job.future.done()
+        gpu.release_slot("running")
+        clock.advance(0.1)
+        s.pump_once()
+        assert job.future.result().route == "gpu"
+
+    asyncio.run(main())
+
+
+def test_a_job_queued_on_the_cpu_lane_does_not_start_past_its_deadline(memory: MemoryModel) -> None:
+    """Round 53: queued behind a long running job, a 1 s deadline for 0.2 s of work started
+    four seconds late; it is refused once it could no longer finish in time, and a pass is
+    due then."""
+
+    async def main() -> None:
+        s, clock, _gpu = _scheduler(memory)
+        s.cpu_workers[0].claim_slot("long")
+        job = _job("a", max_tokens=8, deadline_in_s=1.0)
+        s.submit_nowait(job, "cpu")
+        assert not job.future.done()
+        last = T0 + 1.0 - s.cpu.job_seconds(8, 8)
+        assert clock() < s._delay_due <= last + 0.1 + 1e-9
+        clock.advance(s._delay_due - clock())
+        s.pump_once()
+        with pytest.raises(CapacityError) as refused:
+            job.future.result()
+        assert refused.value.code == "deadline_exceeded" and not s.cpu.queue
+
+    asyncio.run(main())
+
+
+def test_a_shrinkable_job_is_timed_at_what_it_would_run_on_the_cpu_lane(memory: MemoryModel) -> None:
+    """Round 53: a shrinkable 8 + 6000-token job, the device busy past its delay, a 100 s
+    deadline: the CPU lane runs it cut to its 2048-token context (about 51 s), but its whole
+    6000 tokens (150 s) were timed and it was refused."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.gpu_ctx_cap_tokens = 8192
+        gpu.claim_slot("running")
+        job = Job(rid="a", prompt_tokens=8, max_tokens=6000, arrived_s=T0, deadline_s=T0 + 100.0, allow_shrink=True)
+        s.submit_nowait(job)
+        clock.advance(2.05)
+        s.pump_once()
+        d = job.future.result()
+        assert (d.route, d.max_tokens) == ("cpu", s.cpu.cfg.ctx_cap_tokens - 8)
+
+    asyncio.run(main())
+
+
+def test_a_dead_device_is_not_waited_for(memory: MemoryModel) -> None:
+    """Round 53: with the CPU lane too slow, a job waited for a dead GPU worker (only the
+    deadline ended the wait); no lane can finish it: a 503 at once."""
+
+    async def main() -> None:
+        s, _clock, gpu = _scheduler(memory)
+        gpu.state = WorkerState.DEAD
+        s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 400.0
+        job = _job("a", max_tokens=400, deadline_in_s=5.0)  # 10 s on the CPU lane
+        s.submit_nowait(job)
+        with pytest.raises(CapacityError) as refused:
+            job.future.result()
+        assert refused.value.code == "deadline_exceeded"
+
+    asyncio.run(main())

@@ -68,6 +68,9 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
+DEADLINE_WAITS_FOR = frozenset(  # a device sent a deadline job away for these frees as its running requests end
+    {Reason.GPU_BUSY, Reason.MARGIN, Reason.OBSERVED_PRESSURE, Reason.KV_PAGES_EXHAUSTED}
+)
 DEADLINE_CPU_SPARE = 0.5  # a deadline's wait for the device leaves the CPU lane half its estimate to spare (round 51)
 DEADLINE_SLACK_S = ticks.TICK_S  # a deadline's last CPU start is decided this early: a pass may come a tick late
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
@@ -269,13 +272,23 @@ class Scheduler:
 
     def _eta_s(self, job: Job, lane: Lane) -> float:
         """How long ``job`` would take on ``lane`` from now: the work queued ahead of it (none
-        on the GPU lane, where it starts when admitted) and its own."""
-        ahead = self.cpu.estimated_delay_s() if lane is self.cpu else 0.0
-        return ahead + lane.job_seconds(job.prompt_tokens, job.max_tokens)
+        on the GPU lane, where it starts when admitted) and its own, at the ``max_tokens`` it
+        would run with there (a shrinkable job is cut to the CPU lane's context)."""
+        if lane is not self.cpu:
+            return lane.job_seconds(job.prompt_tokens, job.max_tokens)
+        cut = lane_max_tokens(
+            job.prompt_tokens, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink
+        )
+        return self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, cut)
 
     def _cpu_path(self) -> bool:
-        """Whether a GPU-lane job may go to the CPU lane at all."""
-        return self.policy is not None and self.policy.allow_cpu_route and bool(self.cpu_workers)
+        """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, and a
+        place in its queue or a free slot (round 53: a dead worker's or a full queue's estimate
+        decided deadlines it could never meet)."""
+        if self.policy is None or not self.policy.allow_cpu_route:
+            return False
+        ready = [w for w in self.cpu_workers if w.state is WorkerState.READY]
+        return bool(ready) and (self.cpu.free() > 0 or any(w.free_slots > 0 for w in ready))
 
     def _wait_ends_s(self, job: Job, now: float) -> float | None:
         """Until when a GPU-lane job with a client deadline may wait for the device (a delay,
@@ -332,7 +345,9 @@ class Scheduler:
         (``_wait_ends_s``), when there is one: True when it waits."""
         if not isinstance(d, Route) or job.deadline_s is None or not (self.gpu_workers or self.split_workers):
             return False
-        if d.reason in (Reason.TOO_LONG_FOR_GPU, Reason.CLIENT_PREFERS_CPU):  # the device would never take it
+        if (
+            d.reason not in DEADLINE_WAITS_FOR
+        ):  # only a busy device frees in time; a dead one, an open breaker are not waited for
             return False
         if self._cpu_path() and now + self._eta_s(job, self.cpu) <= job.deadline_s:
             return False
@@ -479,6 +494,8 @@ class Scheduler:
                 )
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
+            if lane is self.cpu:
+                self._expire_past_deadline(now)
             if lane.queue and (failed := self.cannot_start()) is not None:
                 for job in lane.queue:
                     self._fail(job, self.cannot_start() or failed)  # each caller its own error
@@ -586,6 +603,31 @@ class Scheduler:
         elif isinstance(d, Demote):  # unload a batch service; the job waits for its memory
             self.demote(d.service, d.reason)
             self._wake_by(job, d.until_s, now)
+
+    def _expire_past_deadline(self, now: float) -> None:
+        """A job queued on the CPU lane that could no longer finish before its client's
+        deadline, were it to start now, is refused (``deadline_exceeded``); the others get a
+        pass when that moment comes (round 53: one queued behind a long running job started
+        four seconds past its deadline)."""
+        for job in [j for j in self.cpu.queue if j.deadline_s is not None]:
+            assert job.deadline_s is not None
+            cut = lane_max_tokens(
+                job.prompt_tokens, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink
+            )
+            last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, cut)
+            if now <= last:
+                self._delay_due = min(self._delay_due, last + DEADLINE_SLACK_S)
+                continue
+            self.cpu.queue.remove(job)
+            self.cpu.expired_total += 1
+            self._fail(
+                job,
+                CapacityError(
+                    "waited in the cpu queue until it could no longer finish before its deadline",
+                    retry_after_s=self._retry_after_s(self.cpu),
+                    code="deadline_exceeded",
+                ),
+            )
 
     def _wake_by(self, job: Job, until_s: float, now: float) -> None:
         """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait (one
