@@ -164,7 +164,13 @@ class ChatModel:
         )
         self.scheduler.cannot_start = lambda: cannot_start(f"chat model {self.name!r}", self.supervisors)
         if gpu and gw.device is not None and gw.ledger is not None:
-            self._plan_profile(gw, gw.ledger.usable_bytes, gw.held_beside(self, gw.ledger.usable_bytes))
+            usable, held = gw.ledger.usable_bytes, dict[str, int]()
+            while True:  # a plan with less room holds fewer weights, so more services fit after them
+                self._plan_profile(gw, usable, held)
+                beside = gw.held_beside(self, usable - self.device_weights_bytes())
+                if beside.keys() <= held.keys():
+                    break
+                held |= beside
             assert self.profile is not None
             self.scheduler.gpu_ctx_cap_tokens = self.resident_cap_tokens
             if self.resident_runs:
@@ -280,6 +286,15 @@ class ChatModel:
         ``gpu`` profile (``core.profiles`` rule 4: without a split worker, whenever one request
         fits beside its weights)."""
         return self.profile is None or self.profile.profile == "gpu"
+
+    def device_weights_bytes(self) -> int:
+        """The device bytes its planned workers' weights take (the resident's, the split's)."""
+        if self.profile is None or self.memory is None:
+            return 0
+        held = self.memory.weights_bytes() if self.resident_runs else 0
+        if self.split_runs:
+            held += dataclasses.replace(self.memory, n_gpu_layers=self.profile.split_layers).weights_bytes()
+        return held
 
     @property
     def split_runs(self) -> bool:

@@ -195,22 +195,24 @@ class Gateway:
         await self.loops.start()
         self.loops.spawn("recover", self._recover(orphans))
 
-    def held_beside(self, chat: ChatModel, usable_bytes: int) -> dict[str, int]:
-        """The device bytes, by service, that stay beside ``chat`` whatever it needs: the
-        weights of each service that keeps them (``DeviceService.keeps_device_weights``: an
-        interactive chat model may demote an idle batch service), in the order configured,
-        as long as they fit the device (one that never could holds nothing: its load waits).
-        Its profile plan fits in what they leave (round 49a: the plan counted the whole
-        device while whisper and bge held 161 of its 268 MiB, and a request the plan said fit
-        got a 503 every time); the plan may then put fewer layers on the device, never leave a
-        configured service without room. The other chat models are not counted: a second
-        one's load waits until its weights fit, its requests on its CPU lane meanwhile."""
-        room = usable_bytes
+    def held_beside(self, chat: ChatModel, room: int) -> dict[str, int]:
+        """The device bytes, by service, that will stay beside ``chat`` whatever it needs,
+        when ``room`` is what its own weights leave: the services load after the chat models,
+        in the order configured, each whose weights fit what is left (one that does not waits,
+        holding nothing); of those, the weights of each that keeps them
+        (``DeviceService.keeps_device_weights``: an interactive chat model may demote an idle
+        batch service, which still takes its room first). ``ChatModel.start`` plans in what
+        they leave (round 49a: the plan counted the whole device while whisper and bge held
+        161 of its 268 MiB, and a request the plan said fit got a 503 every time). The other
+        chat models are not counted: a second one's load waits until its weights fit, its
+        requests on its CPU lane meanwhile."""
         held = {}
         for name, svc in self.services.items():
-            if svc.keeps_device_weights(by_interactive=chat.priority == "interactive") and svc.weights_bytes() <= room:
+            if not svc.cfg.gpu or svc.weights_bytes() > room:
+                continue
+            room -= svc.weights_bytes()
+            if svc.keeps_device_weights(by_interactive=chat.priority == "interactive"):
                 held[name] = svc.weights_bytes()
-                room -= svc.weights_bytes()
         return held
 
     def _demotable(self) -> tuple[tuple[str, int], ...]:
