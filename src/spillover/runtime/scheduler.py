@@ -276,10 +276,14 @@ class Scheduler:
         would run with there (a shrinkable job is cut to the CPU lane's context)."""
         if lane is not self.cpu:
             return lane.job_seconds(job.prompt_tokens, job.max_tokens)
-        cut = lane_max_tokens(
+        return self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, self._cpu_max_tokens(job))
+
+    def _cpu_max_tokens(self, job: Job) -> int:
+        """The ``max_tokens`` a job runs with on the CPU lane: a shrinkable job (admission let
+        it through on that ground) gets the room the lane's context has."""
+        return lane_max_tokens(
             job.prompt_tokens, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink
         )
-        return self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, cut)
 
     def _cpu_path(self) -> bool:
         """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, and a
@@ -611,10 +615,7 @@ class Scheduler:
         four seconds past its deadline)."""
         for job in [j for j in self.cpu.queue if j.deadline_s is not None]:
             assert job.deadline_s is not None
-            cut = lane_max_tokens(
-                job.prompt_tokens, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink
-            )
-            last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, cut)
+            last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, self._cpu_max_tokens(job))
             if now <= last:
                 self._delay_due = min(self._delay_due, last + DEADLINE_SLACK_S)
                 continue
@@ -989,8 +990,7 @@ class Scheduler:
             self._note_busy(worker)
             reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
             cap = self.cpu.cfg.ctx_cap_tokens
-            # A shrinkable job (admission let it through on that ground) runs with the room here.
-            max_tokens = lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
+            max_tokens = self._cpu_max_tokens(job)
             job.future.set_result(
                 Dispatch(
                     worker,
