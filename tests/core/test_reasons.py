@@ -27,6 +27,7 @@ WIRE: list[tuple[Reason, str]] = [
     (Reason.CANARY, "canary"),
     (Reason.GPU_QUEUE_FULL, "gpu_queue_full"),
     (Reason.CPU_LANE, "cpu_lane"),
+    (Reason.CPU_MEETS_DEADLINE, "cpu_meets_deadline"),
     (Reason.CPU_SLOTS_BUSY, "cpu_slots_busy"),
     (Reason.NO_CPU_WORKER, "no_cpu_worker"),
     (Reason.HOST_GUARD_DISABLED, "host_guard_disabled"),
@@ -52,7 +53,7 @@ def test_reason_wire_text(reason: Reason, text: str) -> None:
 def test_every_reason_has_its_wire_text_pinned() -> None:
     """A new Reason member must be added to the table above with its text."""
     assert {r for r, _ in WIRE} == set(Reason)
-    assert len(WIRE) == len(Reason) == 28
+    assert len(WIRE) == len(Reason) == 29
 
 
 @pytest.mark.parametrize(

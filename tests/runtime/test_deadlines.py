@@ -347,3 +347,62 @@ def test_a_dead_device_is_not_waited_for(memory: MemoryModel) -> None:
         assert refused.value.code == "deadline_exceeded"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_an_idle_device_measured_too_slow_leaves_the_job_to_the_cpu_lane_that_meets_it(
+    memory: MemoryModel, split: bool
+) -> None:
+    """Round 53: the device (the resident, or only a split worker) measured at 10 tokens a
+    second, the CPU lane at 200: a 64-token job with a 1 s deadline (6.4 s on the device,
+    0.36 s on the CPU lane) was given to the idle device and answered five seconds late. It
+    goes to the CPU lane (``cpu_meets_deadline``), and late binding leaves it there while it
+    waits for a CPU slot."""
+
+    async def main() -> None:
+        s, clock, _device = _scheduler(memory, split=split)
+        s.record_timing("split" if split else "gpu", 8, 11, 8 / 400, 8 / 400 + 1.0)  # 10 tokens a second
+        s.cpu.prefill_tps, s.cpu.decode_tps = 2000.0, 200.0
+        cpu = s.cpu_workers[0]
+        cpu.claim_slot("running")  # it queues on the CPU lane, where late binding could move it
+        job = _job("a", max_tokens=64, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        assert not job.future.done() and list(s.cpu.queue) == [job]
+        clock.advance(0.05)
+        s.pump_once()
+        assert not job.future.done(), "moved to the device that would be late"
+        cpu.release_slot("running")
+        s.pump_once()
+        d = job.future.result()
+        assert (d.route, d.reason) == ("cpu", "cpu_meets_deadline")
+        unhurried = _job("b", max_tokens=64, deadline_in_s=60.0)  # the device makes this one
+        s.submit_nowait(unhurried)
+        assert unhurried.future.result().route == ("split" if split else "gpu")
+
+    asyncio.run(main())
+
+
+def test_a_job_too_long_for_the_cpu_lane_waits_for_the_device_as_long_as_the_device_could_make_it(
+    memory: MemoryModel,
+) -> None:
+    """A job longer than the CPU lane's context (not shrinkable) on a busy device measured fast
+    (3 s of work), the CPU lane as fast: its wait ended when the CPU lane's last start passed
+    (5.4 s of a 10 s deadline), though the CPU lane could never take it, and it was refused
+    while the device could still finish in time. It waits until the device's own last start."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.gpu_ctx_cap_tokens = 8192
+        for lane in (s.gpu, s.cpu):
+            lane.prefill_tps, lane.decode_tps = 4000.0, 1000.0
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=3000, deadline_in_s=10.0)  # 8 + 3000 > the CPU lane's 2048
+        s.submit_nowait(job)
+        clock.advance(6.0)
+        s.pump_once()
+        assert not job.future.done(), "refused while the device could still finish it"
+        gpu.release_slot("running")
+        s.pump_once()
+        assert job.future.result().route == "gpu"
+
+    asyncio.run(main())

@@ -43,6 +43,7 @@ class Reason(StrEnum):
     CANARY = "canary"
     GPU_QUEUE_FULL = "gpu_queue_full"  # the GPU lane had no place left; the CPU lane had one
     CPU_LANE = "cpu_lane"  # queued on the CPU lane with no other reason (no GPU lane)
+    CPU_MEETS_DEADLINE = "cpu_meets_deadline"  # the device would answer past the deadline, the CPU lane in time
     # Whether queued CPU work may start now (core.hostguard, runtime.scheduler).
     CPU_SLOTS_BUSY = "cpu_slots_busy"
     NO_CPU_WORKER = "no_cpu_worker"

@@ -29,6 +29,7 @@ WHY = {
     "gpu_queue_full": "GPU queue full",
     "client_prefers_cpu": "CPU asked for",
     "cpu_lane": "no GPU on this server",
+    "cpu_meets_deadline": "the GPU would answer after your deadline",
     "resident_does_not_fit": "the whole model does not fit the GPU",
 }
 

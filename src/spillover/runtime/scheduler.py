@@ -285,6 +285,25 @@ class Scheduler:
             job.prompt_tokens, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink
         )
 
+    def _cpu_eta_now_s(self, job: Job) -> float:
+        """How long the CPU lane would take to finish ``job`` were it sent there now
+        (``_eta_s``), or infinity when it could not take it: no CPU path (``_cpu_path``), or
+        the job too long for its context even at the ``max_tokens`` it would run with there."""
+        if not self._cpu_path() or job.prompt_tokens + self._cpu_max_tokens(job) > self.cpu.cfg.ctx_cap_tokens:
+            return math.inf
+        return self._eta_s(job, self.cpu)
+
+    def _device_too_slow(self, job: Job, max_tokens: int, now: float) -> bool:
+        """Whether a job the device would start now (``max_tokens`` there) would finish after its
+        client's deadline while the CPU lane would finish it in time: the CPU lane takes it
+        (``cpu_meets_deadline``; round 53: an idle device measured too slow was given it). Only
+        a measured device: its first estimate is a guess, and a job it keeps measures it."""
+        assert self.gpu is not None
+        if job.deadline_s is None or self.gpu.samples == 0:
+            return False
+        late = now + self.gpu.job_seconds(job.prompt_tokens, max_tokens) > job.deadline_s
+        return late and now + self._cpu_eta_now_s(job) <= job.deadline_s
+
     def _cpu_path(self) -> bool:
         """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, and a
         place in its queue or a free slot (round 53: a dead worker's or a full queue's estimate
@@ -306,10 +325,9 @@ class Scheduler:
         if job.deadline_s is None:
             return None
         assert self.gpu is not None
-        if self._cpu_path():
-            cpu = self._eta_s(job, self.cpu)
-            if now + cpu <= job.deadline_s:  # a pass late past its last start still sends it there
-                return job.deadline_s - cpu * (1 + DEADLINE_CPU_SPARE) - DEADLINE_SLACK_S
+        cpu = self._cpu_eta_now_s(job)
+        if now + cpu <= job.deadline_s:  # a pass late past its last start still sends it there
+            return job.deadline_s - cpu * (1 + DEADLINE_CPU_SPARE) - DEADLINE_SLACK_S
         return job.deadline_s - self.gpu.job_seconds(job.prompt_tokens, job.max_tokens) - DEADLINE_SLACK_S
 
     def _may_wait(self, job: Job, now: float) -> bool:
@@ -327,7 +345,7 @@ class Scheduler:
             return False
         assert self.gpu is not None
         device = self.gpu.job_seconds(job.prompt_tokens, max_tokens)
-        cpu = self._eta_s(job, self.cpu) if self._cpu_path() else math.inf
+        cpu = self._cpu_eta_now_s(job)
         if now + min(device, cpu) <= job.deadline_s:
             return False
         self.gpu.queue.remove(job)
@@ -353,7 +371,7 @@ class Scheduler:
             d.reason not in DEADLINE_WAITS_FOR
         ):  # only a busy device frees in time; a dead one, an open breaker are not waited for
             return False
-        if self._cpu_path() and now + self._eta_s(job, self.cpu) <= job.deadline_s:
+        if now + self._cpu_eta_now_s(job) <= job.deadline_s:
             return False
         if not self._may_wait(job, now):
             return False
@@ -558,7 +576,9 @@ class Scheduler:
             if split == "wait":  # a split slot or its room is coming back: bounded, as admission's delay
                 self._wake_by(job, job.enqueued_s + self.policy.delay_max_s, now)
                 return
-            if split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
+            if split == "slow":  # the split would finish past the client's deadline, the CPU lane in time
+                d = Route(Reason.CPU_MEETS_DEADLINE)
+            elif split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
             d = self._by_plan(d)
         # What could take it comes (a worker, a slot, our own requests' memory)?
@@ -568,10 +588,12 @@ class Scheduler:
             self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
             return
         job.waits_for = ""
-        if isinstance(d, Admit | Shrink) and self._late_everywhere(
-            job, d.max_tokens if isinstance(d, Shrink) else job.max_tokens, now
-        ):
-            return  # the client's deadline comes first
+        if isinstance(d, Admit | Shrink):
+            tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
+            if self._late_everywhere(job, tokens, now):
+                return  # the client's deadline comes first
+            if self._device_too_slow(job, tokens, now):
+                d = Route(Reason.CPU_MEETS_DEADLINE)
         if self._waits_for_the_device(job, d, now):
             job.waits_for = f"the device, within its deadline ({d.reason})"
             return
@@ -587,7 +609,7 @@ class Scheduler:
                 self._fail(job, exc)
                 return
             job.last_reason = d.reason
-            job.movable = True
+            job.movable = d.reason is not Reason.CPU_MEETS_DEADLINE  # the device would be late: it stays
             self.cpu.append(job)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
@@ -762,7 +784,7 @@ class Scheduler:
 
     def _dispatch_split(
         self, job: Job, d: Route | Reject, now: float
-    ) -> Literal["dispatched", "refused", "wait", "breaker", "busy", "room", "long", "no"]:
+    ) -> Literal["dispatched", "refused", "slow", "wait", "breaker", "busy", "room", "long", "no"]:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
@@ -791,6 +813,8 @@ class Scheduler:
         worker, fp = fit
         if self._late_everywhere(job, max_tokens, now):  # its client's deadline comes first
             return "refused"
+        if self._device_too_slow(job, max_tokens, now):
+            return "slow"
         if not self._reserve(job.rid, fp.total_bytes, now):  # as _split_fit found, unless a lease is still out
             return "wait" if waiting else "room"
         cause = d.cause if isinstance(d, Reject) else d.reason  # why it left the resident profile
