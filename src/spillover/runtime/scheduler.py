@@ -55,6 +55,7 @@ from spillover.core.breaker import (
     attempt_ended,
     probe_started,
 )
+from spillover.core.deadlines import WAITS_FOR, DeadlineFacts, device_too_slow, late_everywhere, may_wait, wait_ends_s
 from spillover.core.hostguard import HOST_REFUSALS, HostView, may_start_cpu
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import Footprint, MemoryModel
@@ -68,11 +69,7 @@ from spillover.runtime.worker_client import WorkerClient, WorkerState
 __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
-DEADLINE_WAITS_FOR = frozenset(  # a device sent a deadline job away for these frees as its running requests end
-    {Reason.GPU_BUSY, Reason.MARGIN, Reason.OBSERVED_PRESSURE, Reason.KV_PAGES_EXHAUSTED}
-)
-DEADLINE_CPU_SPARE = 0.5  # a deadline's wait for the device leaves the CPU lane half its estimate to spare (round 51)
-DEADLINE_SLACK_S = ticks.TICK_S  # a deadline's last CPU start is decided this early: a pass may come a tick late
+DEADLINE_SLACK_S = ticks.TICK_S  # a deadline's last starts are decided this early: a pass may come a tick late
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 RETURN_AFTER_MIN_S = 0.5  # a failover waits on the CPU lane at least this long before it may return (``_may_move``)
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
@@ -293,17 +290,6 @@ class Scheduler:
             return math.inf
         return self._eta_s(job, self.cpu)
 
-    def _device_too_slow(self, job: Job, max_tokens: int, now: float) -> bool:
-        """Whether a job the device would start now (``max_tokens`` there) would finish after its
-        client's deadline while the CPU lane would finish it in time: the CPU lane takes it
-        (``cpu_meets_deadline``; round 53: an idle device measured too slow was given it). Only
-        a measured device: its first estimate is a guess, and a job it keeps measures it."""
-        assert self.gpu is not None
-        if job.deadline_s is None or self.gpu.samples == 0:
-            return False
-        late = now + self.gpu.job_seconds(job.prompt_tokens, max_tokens) > job.deadline_s
-        return late and now + self._cpu_eta_now_s(job) <= job.deadline_s
-
     def _cpu_path(self) -> bool:
         """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, and a
         place in its queue or a free slot (round 53: a dead worker's or a full queue's estimate
@@ -313,67 +299,65 @@ class Scheduler:
         ready = [w for w in self.cpu_workers if w.state is WorkerState.READY]
         return bool(ready) and (self.cpu.free() > 0 or any(w.free_slots > 0 for w in ready))
 
-    def _wait_ends_s(self, job: Job, now: float) -> float | None:
-        """Until when a GPU-lane job with a client deadline may wait for the device (a delay,
-        a slot or memory coming back, a split slot): while the CPU lane could still finish it
-        in time, until the last moment it could with half its estimate to spare
-        (``DEADLINE_CPU_SPARE``: an estimate on busy cores is optimistic; round 51's answers
-        came up to 0.7 s late at the last moment), then admission decides as after its delay
-        bound and the CPU lane takes it; once it cannot (or there is no CPU path), for as long
-        as the device itself could still finish it (then its 503). Each a tick early
-        (``DEADLINE_SLACK_S``): a pass may come late. None without a deadline."""
+    def _deadline(self, job: Job, now: float, device_tokens: int | None = None) -> DeadlineFacts | None:
+        """What ``core.deadlines`` decides a job's deadline on: the device's estimate at
+        ``device_tokens`` (by default the job's ``max_tokens``), the CPU lane's from now. None
+        without a deadline."""
         if job.deadline_s is None:
             return None
         assert self.gpu is not None
-        cpu = self._cpu_eta_now_s(job)
-        if now + cpu <= job.deadline_s:  # a pass late past its last start still sends it there
-            return job.deadline_s - cpu * (1 + DEADLINE_CPU_SPARE) - DEADLINE_SLACK_S
-        return job.deadline_s - self.gpu.job_seconds(job.prompt_tokens, job.max_tokens) - DEADLINE_SLACK_S
+        tokens = job.max_tokens if device_tokens is None else device_tokens
+        return DeadlineFacts(
+            now_s=now,
+            deadline_s=job.deadline_s,
+            device_s=self.gpu.job_seconds(job.prompt_tokens, tokens),
+            cpu_s=self._cpu_eta_now_s(job),
+            device_measured=self.gpu.samples > 0,
+            slack_s=DEADLINE_SLACK_S,
+        )
 
     def _may_wait(self, job: Job, now: float) -> bool:
-        """Whether the job's deadline (if any) still lets it wait for the device."""
-        end = self._wait_ends_s(job, now)
-        return end is None or now < end
+        """Whether the job's deadline (if any) still lets it wait for the device (rule 2)."""
+        f = self._deadline(job, now)
+        return f is None or may_wait(f)
 
     def _late_everywhere(self, job: Job, max_tokens: int, now: float) -> bool:
-        """Refuse (``deadline_exceeded``) a job the device would start now when no lane could
-        finish it before its client's deadline: not the device (the GPU lane's estimate, fed
-        by the resident's and the split's runs; before any, the lanes' common first guess), nor
-        the CPU lane from now. A device estimate alone does not refuse it (an unmeasured one is
-        a guess): True when it was refused."""
-        if job.deadline_s is None:
+        """Refuse (``deadline_exceeded``) a job the device would start now (``max_tokens``
+        there) when no lane would finish it in time (``core.deadlines`` rule 3): True when it
+        was refused."""
+        f = self._deadline(job, now, max_tokens)
+        if f is None or not late_everywhere(f):
             return False
         assert self.gpu is not None
-        device = self.gpu.job_seconds(job.prompt_tokens, max_tokens)
-        cpu = self._cpu_eta_now_s(job)
-        if now + min(device, cpu) <= job.deadline_s:
-            return False
         self.gpu.queue.remove(job)
         self.gpu.shed_total += 1
-        on_cpu = f", the CPU lane in about {cpu:.1f}s" if cpu < math.inf else ""
+        on_cpu = f", the CPU lane in about {f.cpu_s:.1f}s" if f.cpu_s < math.inf else ""
         self._fail(
             job,
             CapacityError(
-                f"no lane would finish this request before its deadline (the device in about {device:.1f}s{on_cpu})",
-                retry_after_s=max(1.0, min(device, cpu)),
+                "no lane would finish this request before its deadline"
+                f" (the device in about {f.device_s:.1f}s{on_cpu})",
+                retry_after_s=max(1.0, min(f.device_s, f.cpu_s)),
                 code="deadline_exceeded",
             ),
         )
         return True
 
+    def _device_too_slow(self, job: Job, max_tokens: int, now: float) -> bool:
+        """Whether a job the device would start now (``max_tokens`` there) goes to the CPU lane
+        instead (``cpu_meets_deadline``, ``core.deadlines`` rule 4; round 53: an idle device
+        measured too slow was given it)."""
+        f = self._deadline(job, now, max_tokens)
+        return f is not None and device_too_slow(f)
+
     def _waits_for_the_device(self, job: Job, d: Decision, now: float) -> bool:
         """A job sent to the CPU lane (past its delay, say) that the CPU lane cannot finish
-        before its client's deadline waits on for the device while the device still could
-        (``_wait_ends_s``), when there is one: True when it waits."""
-        if not isinstance(d, Route) or job.deadline_s is None or not (self.gpu_workers or self.split_workers):
+        before its client's deadline waits on for a busy device while the device still could
+        (``core.deadlines`` rule 5), when there is one: True when it waits."""
+        if not isinstance(d, Route) or d.reason not in WAITS_FOR or not (self.gpu_workers or self.split_workers):
             return False
-        if (
-            d.reason not in DEADLINE_WAITS_FOR
-        ):  # only a busy device frees in time; a dead one, an open breaker are not waited for
-            return False
-        if now + self._cpu_eta_now_s(job) <= job.deadline_s:
-            return False
-        if not self._may_wait(job, now):
+        f = self._deadline(job, now)
+        if f is None or f.cpu_in_time or not may_wait(f):
             return False
         assert self.gpu is not None
         self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
@@ -655,7 +639,8 @@ class Scheduler:
     def _wake_by(self, job: Job, until_s: float, now: float) -> None:
         """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait (one
         still ahead: a wait it ended is decided in this pass, never a pass in the past)."""
-        end = self._wait_ends_s(job, now)
+        f = self._deadline(job, now)
+        end = None if f is None else wait_ends_s(f)
         self._delay_due = min(self._delay_due, until_s if end is None or end <= now else min(until_s, end))
 
     def _reserve(self, rid: str, nbytes: int, now: float) -> bool:
