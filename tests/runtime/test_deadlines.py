@@ -14,28 +14,33 @@ import pytest
 
 from spillover.config import LaneConfig
 from spillover.core.admission import AdmissionPolicy
+from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
 from spillover.errors import CapacityError
 from spillover.runtime.lanes import Dispatch
-from spillover.runtime.scheduler import Job, Scheduler
+from spillover.runtime.scheduler import DEADLINE_SLACK_S, Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 from spillover.testing import FakeClock
 from tests.runtime.fakes import ready_worker
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 T0 = 100.0
 
 
-def _scheduler(memory: MemoryModel, *, split: bool = False) -> tuple[Scheduler, FakeClock, WorkerClient]:
-    """One device slot (the resident's, or only a split worker's) and one CPU slot on a 1 GiB
-    device; the lanes at their first estimates (prefill 400 tok/s, decode 40 tok/s)."""
+def _scheduler(
+    memory: MemoryModel, *, split: bool = False, resident: bool | None = None, cpu_depth: int = 4
+) -> tuple[Scheduler, FakeClock, WorkerClient]:
+    """One device slot (the resident's, or only a split worker's; with ``resident`` as well,
+    the resident's is ``gpu_workers[0]``) and one CPU slot on a 1 GiB device; the lanes at
+    their first estimates (prefill 400 tok/s, decode 40 tok/s)."""
     clock = FakeClock(T0)
     ledger = DeviceLedger("sim", 1024 * MIB, 16 * MIB, freshness_s=1e9)
     ledger.observe(0, clock())
     s = Scheduler(
         gpu_lane=LaneConfig(slots=1, queue_depth=4),
-        cpu_lane=LaneConfig(slots=1, queue_depth=4),
+        cpu_lane=LaneConfig(slots=1, queue_depth=cpu_depth),
         ledger=ledger,
         policy=AdmissionPolicy(memory=memory, delay_max_s=2.0),
         clock=clock,
@@ -45,8 +50,8 @@ def _scheduler(memory: MemoryModel, *, split: bool = False) -> tuple[Scheduler, 
         s.split_workers.append(device)
         s.split_memory = dataclasses.replace(memory, n_batch=128, n_gpu_layers=10)
         s.split_ctx_cap_tokens = 1024
-    else:
-        s.gpu_workers.append(device)
+    if not split or resident:
+        s.gpu_workers.append(device if not split else ready_worker("gpu0", "gpu"))
     s.cpu_workers.append(ready_worker("cpu0", "cpu"))
     return s, clock, device
 
@@ -404,5 +409,204 @@ def test_a_job_too_long_for_the_cpu_lane_waits_for_the_device_as_long_as_the_dev
         gpu.release_slot("running")
         s.pump_once()
         assert job.future.result().route == "gpu"
+
+    asyncio.run(main())
+
+
+def _measured_slow(s: Scheduler) -> None:
+    """The device measured at 10 tokens a second, the CPU lane at 200 (64 tokens: 6.4 s there,
+    0.36 s on the CPU lane)."""
+    s.record_timing("gpu", 8, 11, 8 / 400, 8 / 400 + 1.0)
+    s.cpu.prefill_tps, s.cpu.decode_tps = 2000.0, 200.0
+
+
+def test_a_busy_device_measured_too_slow_is_not_waited_for(memory: MemoryModel) -> None:
+    """Round 54b: free or not, a device measured too slow leaves the job to the CPU lane at once
+    (it waited out the busy device's delay, then went as ``gpu_busy``, movable)."""
+
+    async def main() -> None:
+        s, _clock, gpu = _scheduler(memory)
+        _measured_slow(s)
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=64, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        d = job.future.result()
+        assert (d.route, d.reason) == ("cpu", "cpu_meets_deadline")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["gpu", "split", "spilled"])
+def test_late_binding_does_not_move_a_job_onto_a_device_that_would_miss_its_deadline(
+    memory: MemoryModel, where: str
+) -> None:
+    """Round 54b: a deadline job waiting on the CPU lane (its slot busy) was moved onto the
+    freed device (the resident, a split counted at the device's speed, or after a spill-over)
+    that needs 6.4 s for its 1 s deadline."""
+
+    async def main() -> None:
+        s, clock, device = _scheduler(memory, split=where == "split", resident=where != "split" or None)
+        _measured_slow(s)
+        cpu = s.cpu_workers[0]
+        cpu.claim_slot("running-cpu")
+        device.claim_slot("running")
+        job = _job("a", max_tokens=64, deadline_in_s=1.0)
+        if where == "spilled":
+            job.movable = True
+            s.submit_nowait(job, lane="cpu")
+        else:
+            s.submit_nowait(job)
+        clock.advance(0.45)  # past the wait for the device (0.36 s): on the CPU queue, as gpu_busy before
+        s.pump_once()
+        assert not job.future.done() and list(s.cpu.queue) == [job]
+        device.release_slot("running")
+        s.pump_once()
+        assert not job.future.done() and list(s.cpu.queue) == [job]
+        cpu.release_slot("running-cpu")
+        s.pump_once()
+        assert job.future.result().route == "cpu"
+
+    asyncio.run(main())
+
+
+def test_a_cpu_queued_job_the_freed_device_can_still_finish_is_moved_not_expired(memory: MemoryModel) -> None:
+    """Round 54b: the device ten times faster than the CPU lane; a job routed to the CPU queue
+    (its slot busy) past its last CPU start was refused in the very pass the device freed,
+    before late binding looked."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.record_timing("gpu", 8, 101, 8 / 4000, 8 / 4000 + 0.25)  # 400 tokens a second
+        s.cpu_workers[0].claim_slot("running-cpu")
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=20, deadline_in_s=1.0)  # 0.52 s on the CPU lane, 0.05 s on the device
+        s.submit_nowait(job)
+        clock.advance(0.3)  # past the wait for the device: the CPU queue
+        s.pump_once()
+        assert list(s.cpu.queue) == [job]
+        clock.advance(0.3)  # past its last CPU start (0.48 s)
+        gpu.release_slot("running")
+        s.pump_once()
+        assert job.future.result().route == "gpu"
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cause", ["gpu_busy", "cpu_meets_deadline"])
+def test_a_job_queued_on_the_cpu_lane_in_a_pass_gets_a_pass_at_its_last_start(memory: MemoryModel, cause: str) -> None:
+    """Round 54b: a job the pass itself put on the CPU queue (its slot busy) got no pass at its
+    last CPU start: the next came from the 0.5 s safety net, after its deadline."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        if cause == "cpu_meets_deadline":
+            _measured_slow(s)
+        else:
+            s.cpu.prefill_tps, s.cpu.decode_tps = 2000.0, 200.0
+        s.cpu_workers[0].claim_slot("running-cpu")
+        gpu.claim_slot("running")
+        job = _job("a", max_tokens=64, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        clock.advance(0.6)
+        s.pump_once()
+        assert list(s.cpu.queue) == [job] and job.last_reason == cause
+        last = job.deadline_s - s.cpu.job_seconds(8, 64)  # type: ignore[operator]
+        assert clock() < s._delay_due <= last + DEADLINE_SLACK_S + 1e-9
+
+    asyncio.run(main())
+
+
+def test_a_shrinkable_jobs_wait_for_the_device_is_timed_at_what_the_device_runs(memory: MemoryModel) -> None:
+    """Round 54b: a shrinkable 8 + 3000-token job on a busy device whose context is 1024 (1.0 s
+    of work there, 3.0 s whole), the CPU lane too slow: its wait ended at 1.9 s and it was
+    refused, though the device could finish it until 3.9 s."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.gpu_ctx_cap_tokens = 1024
+        s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 1000.0
+        gpu.claim_slot("running")
+        job = Job(rid="a", prompt_tokens=8, max_tokens=3000, arrived_s=T0, deadline_s=T0 + 5.0, allow_shrink=True)
+        s.submit_nowait(job)
+        clock.advance(2.5)
+        s.pump_once()
+        assert not job.future.done(), "refused while the device could still finish it"
+        gpu.release_slot("running")
+        s.pump_once()
+        d = job.future.result()
+        assert (d.route, d.max_tokens) == ("gpu", 1024 - 8)
+
+    asyncio.run(main())
+
+
+def test_a_busy_split_beside_the_resident_is_waited_for_within_the_deadline(memory: MemoryModel) -> None:
+    """Round 54b: a job only the split can take (too long for the resident), the split busy
+    past the delay, the CPU lane too slow: refused at 2 s beside a resident (the reason stayed
+    ``too_long_for_gpu``), though the split could finish it until 9.1 s."""
+
+    async def main() -> None:
+        s, clock, split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 512
+        s.gpu.prefill_tps, s.gpu.decode_tps = 4000.0, 1000.0
+        split.claim_slot("running")
+        job = _job("a", max_tokens=800, deadline_in_s=10.0)  # 20 s on the CPU lane
+        s.submit_nowait(job)
+        clock.advance(2.01)
+        s.pump_once()
+        assert not job.future.done(), "refused while the split could still finish it"
+        clock.advance(1.0)
+        split.release_slot("running")
+        s.pump_once()
+        assert job.future.result().route == "split"
+
+    asyncio.run(main())
+
+
+def test_the_cpu_lane_held_by_the_host_guard_takes_no_deadline_job_past_its_depth(memory: MemoryModel) -> None:
+    """Round 54b: the CPU queue full (depth 1) and held by the host-RAM guard, a slot free: a
+    job the slow device would be late for was appended anyway (2 queued of 1)."""
+
+    async def main() -> None:
+        s, _clock, _gpu = _scheduler(memory, cpu_depth=1)
+        _measured_slow(s)
+        s.host_view = lambda running: HostView(  # over its budget: nothing starts
+            running=0,
+            contexts=0,
+            slots=1,
+            predicted_bytes=GIB,
+            observed_bytes=GIB,
+            slot_bytes=GIB,
+            budget_bytes=GIB,
+            available_bytes=8 * GIB,
+            min_free_bytes=0,
+        )
+        held = _job("held", max_tokens=8, deadline_in_s=60.0)
+        s.submit_nowait(held, lane="cpu")
+        job = _job("a", max_tokens=64, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        assert len(s.cpu.queue) <= 1
+        assert job.future.done() and job.future.exception() is not None
+
+    asyncio.run(main())
+
+
+def test_the_cpu_lanes_wait_counts_a_shrinkable_job_at_its_cut(memory: MemoryModel) -> None:
+    """Round 54b: a shrinkable 8000-token job queued on the CPU lane runs 2040 tokens there
+    (51 s), but the lane's wait counted 8000 (200 s): a 90 s deadline behind it was refused."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.gpu_ctx_cap_tokens = 8192
+        gpu.claim_slot("running")
+        s.cpu_workers[0].claim_slot("running-cpu")
+        ahead = Job(rid="ahead", prompt_tokens=8, max_tokens=8000, arrived_s=T0, allow_shrink=True)
+        s.submit_nowait(ahead)
+        clock.advance(2.01)
+        s.pump_once()
+        assert list(s.cpu.queue) == [ahead]
+        assert s.cpu.estimated_delay_s() == pytest.approx(s.cpu.job_seconds(8, 2040))
+        late = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 90.0)
+        s.submit_nowait(late, lane="cpu")
+        assert not late.future.done()
 
     asyncio.run(main())

@@ -5,8 +5,9 @@ A job's ``DeadlineFacts`` hold, at ``now_s``, its client's ``deadline_s``, the d
 estimate of its own work (``device_s``: the GPU lane's measured speed, fed by the resident's
 and the split's runs; before any, the lanes' common first guess) and the CPU lane's from now
 (``cpu_s``: the work queued ahead of it and its own, at the ``max_tokens`` it would run with
-there; infinite when the CPU lane could not take it: no ready worker with a place, no CPU
-route, or the job too long for its context).
+there; infinite when the CPU lane could not take it: no ready worker, no place in its queue,
+held by the host-RAM guard, no CPU route, or the job too long for its context). Each lane's
+estimate is at the ``max_tokens`` the job runs with there (a shrinkable job cut to its context).
 
 Rules:
 
@@ -19,8 +20,9 @@ Rules:
    slack_s``. Past that moment, admission decides as after its delay bound.
 3. A job the device would start now is refused (``deadline_exceeded``) when no lane is in
    time. The device's estimate alone does not refuse it: an unmeasured one is a guess.
-4. A job the device would start now goes to the CPU lane (``cpu_meets_deadline``) when the
-   device, *measured*, is not in time and the CPU lane is. Late binding leaves it there.
+4. A job on the GPU lane goes to the CPU lane (``cpu_meets_deadline``), whether the device is
+   free or busy, when the device, *measured*, is not in time and the CPU lane is. Late binding
+   never moves a job onto a device measured not in time for it.
 5. A job sent off a busy device (``WAITS_FOR``: a slot or memory that frees as running
    requests end) that the CPU lane cannot finish in time waits for the device while rule 2
    lets it; a dead device or an open breaker is not waited for.

@@ -16,6 +16,7 @@ from typing import Any
 
 from spillover.config import LaneConfig
 from spillover.core.reasons import RouteReason
+from spillover.core.routing import lane_max_tokens
 from spillover.runtime.worker_client import WorkerClient
 
 __all__ = ["Dispatch", "Job", "Lane", "LaneStatistics", "fingerprint_of", "places_promised"]
@@ -142,10 +143,17 @@ class Lane:
         """Estimated service time of one job on one slot of this lane."""
         return prompt_tokens / max(self.prefill_tps, 1e-3) + max_tokens / max(self.decode_tps, 1e-3)
 
+    def max_tokens_of(self, job: Job) -> int:
+        """The ``max_tokens`` ``job`` runs with on this lane: a shrinkable one (admission let it
+        through on that ground) gets the room the lane's context has."""
+        return lane_max_tokens(job.prompt_tokens, job.max_tokens, self.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink)
+
     def estimated_delay_s(self) -> float:
-        """Wait before a new job starts: the queued work ahead of it spread over the lane's
-        slots (the running requests' remaining work is not counted)."""
-        work = sum(self.job_seconds(j.prompt_tokens, j.max_tokens) for j in self.queue)
+        """Wait before a new job starts: the queued work ahead of it, each job at what it runs
+        with here (``max_tokens_of``; round 54b: a shrinkable job queued on the CPU lane was
+        counted at its whole GPU-sized ``max_tokens``), spread over the lane's slots (the
+        running requests' remaining work is not counted)."""
+        work = sum(self.job_seconds(j.prompt_tokens, self.max_tokens_of(j)) for j in self.queue)
         return work / max(1, self.cfg.slots)
 
     def __repr__(self) -> str:

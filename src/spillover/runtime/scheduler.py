@@ -87,6 +87,9 @@ SPLIT_REFUSALS = {
     "long": Reason.TOO_LONG_FOR_GPU,
 }
 
+# What ``Scheduler._dispatch_split`` did with a job the resident profile could not take.
+SplitOutcome = Literal["dispatched", "refused", "slow", "wait", "breaker", "busy", "room", "long", "no"]
+
 
 class Scheduler:
     """Owns the lanes, the GPU ledger and breaker, and assigns jobs to workers."""
@@ -273,40 +276,41 @@ class Scheduler:
         would run with there (a shrinkable job is cut to the CPU lane's context)."""
         if lane is not self.cpu:
             return lane.job_seconds(job.prompt_tokens, job.max_tokens)
-        return self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, self._cpu_max_tokens(job))
+        return self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, self.cpu.max_tokens_of(job))
 
-    def _cpu_max_tokens(self, job: Job) -> int:
-        """The ``max_tokens`` a job runs with on the CPU lane: a shrinkable job (admission let
-        it through on that ground) gets the room the lane's context has."""
-        return lane_max_tokens(
-            job.prompt_tokens, job.max_tokens, self.cpu.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink
-        )
+    def _device_max_tokens(self, job: Job) -> int:
+        """The ``max_tokens`` a job runs with on the device at most: a shrinkable one is cut to
+        the resident's context (the split's when only the split runs); admission may shrink it
+        further to the memory there is."""
+        cap = self.gpu_ctx_cap_tokens if self.gpu_workers or not self.split_workers else self.split_ctx_cap_tokens
+        return lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
 
     def _cpu_eta_now_s(self, job: Job) -> float:
         """How long the CPU lane would take to finish ``job`` were it sent there now
         (``_eta_s``), or infinity when it could not take it: no CPU path (``_cpu_path``), or
         the job too long for its context even at the ``max_tokens`` it would run with there."""
-        if not self._cpu_path() or job.prompt_tokens + self._cpu_max_tokens(job) > self.cpu.cfg.ctx_cap_tokens:
+        if not self._cpu_path() or job.prompt_tokens + self.cpu.max_tokens_of(job) > self.cpu.cfg.ctx_cap_tokens:
             return math.inf
         return self._eta_s(job, self.cpu)
 
     def _cpu_path(self) -> bool:
-        """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, and a
-        place in its queue or a free slot (round 53: a dead worker's or a full queue's estimate
-        decided deadlines it could never meet)."""
-        if self.policy is None or not self.policy.allow_cpu_route:
+        """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, a
+        place in its queue (admission's rule 7), and the lane not held by the host-RAM guard
+        (round 53: a dead worker's or a full queue's estimate decided deadlines it could never
+        meet; round 54b: a held lane's free slot let one more in past the queue's depth)."""
+        if self.policy is None or not self.policy.allow_cpu_route or self._host_held:
             return False
-        ready = [w for w in self.cpu_workers if w.state is WorkerState.READY]
-        return bool(ready) and (self.cpu.free() > 0 or any(w.free_slots > 0 for w in ready))
+        return self.cpu.free() > 0 and any(w.state is WorkerState.READY for w in self.cpu_workers)
 
     def _deadline(self, job: Job, now: float, device_tokens: int | None = None) -> DeadlineFacts | None:
         """What ``core.deadlines`` decides a job's deadline on: the device's estimate at
-        ``device_tokens`` (by default the job's ``max_tokens``), the CPU lane's from now. None
-        without a deadline."""
+        ``device_tokens`` (by default what it would run with there, ``_device_max_tokens``;
+        round 54b: a shrinkable job's wait was timed at its whole ``max_tokens``), the CPU
+        lane's from now. None without a deadline."""
         if job.deadline_s is None:
             return None
         assert self.gpu is not None
-        tokens = job.max_tokens if device_tokens is None else device_tokens
+        tokens = self._device_max_tokens(job) if device_tokens is None else device_tokens
         return DeadlineFacts(
             now_s=now,
             deadline_s=job.deadline_s,
@@ -350,11 +354,13 @@ class Scheduler:
         f = self._deadline(job, now, max_tokens)
         return f is not None and device_too_slow(f)
 
-    def _waits_for_the_device(self, job: Job, d: Decision, now: float) -> bool:
+    def _waits_for_the_device(self, job: Job, d: Decision, now: float, split_busy: bool) -> bool:
         """A job sent to the CPU lane (past its delay, say) that the CPU lane cannot finish
-        before its client's deadline waits on for a busy device while the device still could
+        before its client's deadline waits on for a busy device (the resident's reason, or
+        ``split_busy``: the split's slot or room, round 54b) while the device still could
         (``core.deadlines`` rule 5), when there is one: True when it waits."""
-        if not isinstance(d, Route) or d.reason not in WAITS_FOR or not (self.gpu_workers or self.split_workers):
+        busy = isinstance(d, Route) and (d.reason in WAITS_FOR or split_busy)
+        if not busy or not (self.gpu_workers or self.split_workers):
             return False
         f = self._deadline(job, now)
         if f is None or f.cpu_in_time or not may_wait(f):
@@ -500,8 +506,6 @@ class Scheduler:
                 )
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
-            if lane is self.cpu:
-                self._expire_past_deadline(now)
             if lane.queue and (failed := self.cannot_start()) is not None:
                 for job in lane.queue:
                     self._fail(job, self.cannot_start() or failed)  # each caller its own error
@@ -515,6 +519,9 @@ class Scheduler:
             self._view = None
             self._rebind_to_gpu(now)
             self._rebind_to_split(now)
+        # After late binding (a freed device may still take a job in time) and for the jobs
+        # this pass queued too (their last start gets a pass): round 54b.
+        self._expire_past_deadline(now)
         self._dispatch_cpu(now)
 
     def _record(self, job: Job, d: Decision, now: float) -> None:
@@ -548,10 +555,16 @@ class Scheduler:
 
     def _decide_gpu(self, job: Job, now: float) -> None:
         assert self.gpu is not None and self.ledger is not None and self.policy is not None
-        d = self._admission(job, now)
-        if not isinstance(d, Delay):  # anything else may change the lanes: the next job looks again
+        d: Decision
+        split: SplitOutcome = "no"
+        if self._device_too_slow(job, self._device_max_tokens(job), now):  # free or busy (round 54b)
+            d = Route(Reason.CPU_MEETS_DEADLINE)
             self._view = None
-        if isinstance(d, Route | Reject):
+        else:
+            d = self._admission(job, now)
+            if not isinstance(d, Delay):  # anything else may change the lanes: the next job looks again
+                self._view = None
+        if isinstance(d, Route | Reject) and d.reason is not Reason.CPU_MEETS_DEADLINE:
             split = self._dispatch_split(job, d, now)
             if split == "dispatched":  # recorded as a split decision
                 return
@@ -578,7 +591,7 @@ class Scheduler:
                 return  # the client's deadline comes first
             if self._device_too_slow(job, tokens, now):
                 d = Route(Reason.CPU_MEETS_DEADLINE)
-        if self._waits_for_the_device(job, d, now):
+        if self._waits_for_the_device(job, d, now, split in ("busy", "room")):
             job.waits_for = f"the device, within its deadline ({d.reason})"
             return
         self._record(job, d, now)
@@ -621,7 +634,7 @@ class Scheduler:
         four seconds past its deadline)."""
         for job in [j for j in self.cpu.queue if j.deadline_s is not None]:
             assert job.deadline_s is not None
-            last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, self._cpu_max_tokens(job))
+            last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, self.cpu.max_tokens_of(job))
             if now <= last:
                 self._delay_due = min(self._delay_due, last + DEADLINE_SLACK_S)
                 continue
@@ -767,9 +780,7 @@ class Scheduler:
         wait = self.split_breaker.retry_after_s(now) if why == "breaker" else 0.0
         return dataclasses.replace(d, cause=reason, retry_after_s=max(d.retry_after_s, wait))
 
-    def _dispatch_split(
-        self, job: Job, d: Route | Reject, now: float
-    ) -> Literal["dispatched", "refused", "slow", "wait", "breaker", "busy", "room", "long", "no"]:
+    def _dispatch_split(self, job: Job, d: Route | Reject, now: float) -> SplitOutcome:
         """A job the resident profile cannot take (admission routed it off the GPU or refused
         it) runs on a split worker instead, when one has a free slot, the job fits its context
         cap and its reservation (KV of the layers on the device, compute, fragmentation) fits
@@ -965,7 +976,12 @@ class Scheduler:
         queue_timeout while the restarted device worker stood idle (round 19), where a resend
         with its key ran on the device at once. It goes back through admission, its breaker's
         probe included, and its run's ``max_attempts`` still bounds it; a continuation only to
-        workers of the failed one's fingerprint (``Job.fingerprint``: a token-identical answer)."""
+        workers of the failed one's fingerprint (``Job.fingerprint``: a token-identical answer).
+        Never a job whose client's deadline the measured device would miss (round 54b: one was
+        moved onto the device it had left for being too slow)."""
+        f = self._deadline(job, now)
+        if f is not None and f.device_measured and not f.device_in_time:  # core.deadlines rule 4 (round 54b)
+            return False
         if job.movable:
             return True
         if not job.returns or self.policy is None:
@@ -999,7 +1015,7 @@ class Scheduler:
             self._note_busy(worker)
             reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
             cap = self.cpu.cfg.ctx_cap_tokens
-            max_tokens = self._cpu_max_tokens(job)
+            max_tokens = self.cpu.max_tokens_of(job)
             job.future.set_result(
                 Dispatch(
                     worker,
