@@ -139,6 +139,11 @@ def test_deadline_that_cpu_cannot_meet_is_refused_at_once() -> None:
         r = c.post("/v1/completions", json={**LONG, "max_tokens": 500, "spillover": {"deadline_ms": 50}})
         assert r.status_code == 503 and r.json()["error"]["code"] == "deadline_exceeded"
         assert time.perf_counter() - t0 < 0.5 and int(r.headers["retry-after"]) >= 1
+        # accepted, then refused as it was queued: its error names it (round 54a: it had the
+        # body of a refusal before acceptance, with no request_id), as the journal does
+        rid = r.headers["x-spillover-request-id"]
+        assert r.json()["error"]["request_id"] == rid
+        assert c.get(f"/v1/requests/{rid}").json()["state"] == "rejected"
         r = c.post("/v1/completions", json={**LONG, "max_tokens": 500}, headers={"X-Spillover-Deadline-Ms": "50"})
         assert r.status_code == 503
         ok = c.post(

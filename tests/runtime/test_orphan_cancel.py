@@ -1,6 +1,6 @@
-"""A DELETE of an orphan (unfinished at start, replayed by start-up recovery) and its replay
-take one lock: the DELETE either ends it before the replay begins or cancels the replayed run,
-never neither."""
+"""A DELETE of an orphan (unfinished at start, replayed by start-up recovery), or of a keyed
+request that ended resumable, and its replay or resume take one lock: the DELETE either ends
+it before the replay or resume begins or cancels the run it became, never neither."""
 
 from __future__ import annotations
 
@@ -93,6 +93,41 @@ def test_a_delete_before_the_replay_ends_the_orphan_and_nothing_runs(tmp_path: P
             assert rec is not None and rec.state is State.CANCELLED and "r1" not in svc.orphans
             await svc.replay(rec)  # its replay, spawned before the DELETE, runs nothing
             assert not svc.live
+        finally:
+            await j.close()
+
+    asyncio.run(main())
+
+
+def test_a_delete_that_races_a_resume_with_its_key_cancels_the_resumed_run(tmp_path: Path, monkeypatch: Any) -> None:
+    """Round 54a: a keyed request that ended resumable; its resend with the key began (live,
+    journaled QUEUED) while the DELETE read its record: the DELETE found it neither resumable
+    nor live, answered 200, and the resumed run completed."""
+
+    async def main() -> None:
+        j = Journal(tmp_path / "j.sqlite3", retention_s=3600.0, max_requests=100)
+        await j.open()
+        body = json.dumps({"endpoint": "chat", "body": {}})
+        await j.accept(rid="r1", idem_key="k1", body_hash="h", kind="chat", stream=False, body=body, model="m",
+                       queued={"attempts": 1})  # fmt: skip
+        await j.move("r1", State.RESUMABLE_ERROR, error="client_disconnected")
+        svc = RequestService(SimpleNamespace(journal=j, keys=KeyLocks()))  # type: ignore[arg-type]
+        run = FakeRun()
+        read = j.get
+
+        async def get_as_the_resume_begins(rid: str) -> Any:
+            got = await read(rid)
+            if not svc.live:  # the resend with its key, as RequestService.submit makes it live
+                async with svc.gw.keys.hold("k1"):
+                    svc.live["r1"] = run  # type: ignore[assignment]
+                    await j.move("r1", State.QUEUED, attempts=2, **requests_mod.RESUMED)
+                got = await read(rid)
+            return got
+
+        monkeypatch.setattr(j, "get", get_as_the_resume_begins)
+        try:
+            await asyncio.wait_for(svc.cancel("r1"), 5)
+            assert run.cancelled, "the DELETE was answered while the resumed run ran on"
         finally:
             await j.close()
 

@@ -314,8 +314,9 @@ def create_app(gw: Gateway) -> GatewayLifespan:
                     endpoint, body, idem_key=key, deadline_ms=deadline_ms, on_live=client.watch
                 )
             except Refused as exc:
-                if not exc.counted:
-                    gw.metrics.request_refused(exc.error)
+                if exc.answer is not None:  # refused as it was queued: its journaled error
+                    return _answer(exc.answer)
+                gw.metrics.request_refused(exc.error)
                 return refuse(exc.error, exc.rid)
             if isinstance(got, Answer):  # a stored answer, or a whole one (embeddings, transcription)
                 return _answer(got)

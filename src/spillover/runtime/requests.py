@@ -83,15 +83,17 @@ class Endpoint:
 
 class Refused(Exception):
     """A request refused before it was accepted (nothing journaled), naming the request id
-    its error belongs to (the key's request for an Idempotency-Key error); ``counted``: one
-    refused as it was queued, just after its acceptance, whose end is journaled and counted
-    in /metrics already (``Run._store``)."""
+    its error belongs to (the key's request for an Idempotency-Key error); with ``answer``:
+    one refused as it was queued, just after its acceptance, whose end is journaled and
+    counted in /metrics already (``Run._store``), and ``answer`` its journaled error (naming
+    its request id, with its ``spillover`` object: round 54a, it was answered in the shape of
+    a refusal before acceptance)."""
 
-    def __init__(self, error: SpilloverError, rid: str, *, counted: bool = False) -> None:
+    def __init__(self, error: SpilloverError, rid: str, *, answer: Answer | None = None) -> None:
         super().__init__(error.message)
         self.error = error
         self.rid = rid
-        self.counted = counted
+        self.answer = answer
 
 
 class RequestService:
@@ -346,7 +348,7 @@ class RequestService:
             exe.cancel()
             await asyncio.shield(run._end(run._error(exc, committed=False), failed=exc))
             if isinstance(exc, SpilloverError):  # its end is journaled and counted: once
-                raise Refused(exc, prep.rid, counted=True) from exc
+                raise Refused(exc, prep.rid, answer=run._answer()) from exc
             raise
         return run
 
@@ -388,8 +390,11 @@ class RequestService:
         if self.gw.journal is None or ((run := self.live.get(rid)) is not None and not run.ended.is_set()):
             return
         rec = await self.gw.journal.get(rid)
-        if rec is None or not self._cancellable(rec):
+        if rec is None or (rec.terminal and not self._cancellable(rec)):
             return
+        # Resumable, or not ended: a resume with its key may have begun while the record was
+        # read (round 54a: the DELETE found it QUEUED, not live, and answered 200 while it ran
+        # to completion). Under the key's lock a resume that began is live.
         async with self.gw.keys.hold(orphan_lock(rec)):
             run = self.live.get(rid)
             if run is None or run.ended.is_set():  # none, or one whose end is journaled
