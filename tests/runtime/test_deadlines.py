@@ -14,12 +14,13 @@ import pytest
 
 from spillover.config import LaneConfig
 from spillover.core.admission import AdmissionPolicy
+from spillover.core.breaker import Circuit
 from spillover.core.hostguard import HostView
 from spillover.core.ledger import DeviceLedger
 from spillover.core.memory import MemoryModel
 from spillover.errors import CapacityError
 from spillover.runtime.lanes import Dispatch
-from spillover.runtime.scheduler import DEADLINE_SLACK_S, Job, Scheduler
+from spillover.runtime.scheduler import DEADLINE_SLACK_S, DEVICE_ESTIMATE_FRESH_S, Job, Scheduler
 from spillover.runtime.worker_client import WorkerClient, WorkerState
 from spillover.testing import FakeClock
 from tests.runtime.fakes import ready_worker
@@ -608,5 +609,174 @@ def test_the_cpu_lanes_wait_counts_a_shrinkable_job_at_its_cut(memory: MemoryMod
         late = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 90.0)
         s.submit_nowait(late, lane="cpu")
         assert not late.future.done()
+
+    asyncio.run(main())
+
+
+def test_a_cpu_job_past_its_deadline_leaves_its_place_before_the_gpu_lane_is_decided(memory: MemoryModel) -> None:
+    """Round 55 (a regression of round 54b's fix): a CPU-queued job past its last start held
+    the one place in the CPU queue while the pass decided the GPU lane, so a request with no
+    deadline, sent to the CPU lane by a dead device, was refused ``cpu_queue_full``."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory, cpu_depth=1)
+        s.cpu_workers[0].claim_slot("running-cpu")
+        late = _job("d", max_tokens=8, deadline_in_s=1.0)  # 0.22 s on the CPU lane: last start 0.78 s
+        s.submit_nowait(late, lane="cpu")
+        gpu.state = WorkerState.DEAD
+        clock.advance(0.8)
+        plain = Job(rid="n", prompt_tokens=8, max_tokens=8, arrived_s=clock())
+        s.submit_nowait(plain)
+        assert late.future.exception() is not None
+        assert not plain.future.done() and list(s.cpu.queue) == [plain]
+
+    asyncio.run(main())
+
+
+def test_the_host_guard_is_asked_afresh_whether_the_cpu_lane_can_take_a_deadline_job(memory: MemoryModel) -> None:
+    """Round 55: the last pass's hold was read after host memory came back (no event between),
+    and a job the CPU lane would finish in time (the device measured too slow) was refused."""
+
+    async def main() -> None:
+        s, clock, _gpu = _scheduler(memory)
+        _measured_slow(s)
+        views = {"held": _host(budget_bytes=GIB, predicted_bytes=GIB), "free": _host(budget_bytes=8 * GIB)}
+        now = {"view": views["held"]}
+        s.host_view = lambda running: now["view"]
+        waiting = _job("c", max_tokens=8, deadline_in_s=60.0)
+        s.submit_nowait(waiting, lane="cpu")
+        assert not waiting.future.done()
+        now["view"] = views["free"]
+        clock.advance(0.05)
+        job = Job(rid="a", prompt_tokens=8, max_tokens=64, arrived_s=clock(), deadline_s=clock() + 1.0)
+        s.submit_nowait(job)
+        assert waiting.future.done(), "the pass found the host fine"
+        assert not job.future.done() and job.last_reason == "cpu_meets_deadline"  # behind it, not refused
+
+    asyncio.run(main())
+
+
+def _host(*, budget_bytes: int, predicted_bytes: int = 0) -> HostView:
+    return HostView(
+        running=0,
+        contexts=0,
+        slots=1,
+        predicted_bytes=predicted_bytes,
+        observed_bytes=predicted_bytes,
+        slot_bytes=GIB,
+        budget_bytes=budget_bytes,
+        available_bytes=8 * GIB,
+        min_free_bytes=0,
+    )
+
+
+@pytest.mark.parametrize("resident", ["dead", "breaker_open"])
+def test_a_shrinkable_job_the_split_would_run_is_timed_at_the_splits_cut(memory: MemoryModel, resident: str) -> None:
+    """Round 55: with the resident unable to take it, a shrinkable 8 + 2000-token job was timed
+    at the resident's context (20 s at 100 tokens a second) and sent to the CPU lane (13 s),
+    though the split would run it cut to 1016 tokens in 10 s, within its 14 s deadline."""
+
+    async def main() -> None:
+        s, clock, _split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 8192
+        s.record_timing("gpu", 8, 101, 8 / 400, 8 / 400 + 1.0)  # 100 tokens a second
+        s.cpu.prefill_tps, s.cpu.decode_tps = 2000.0, 150.0
+        if resident == "dead":
+            s.gpu_workers[0].state = WorkerState.DEAD
+        else:
+            s.breaker = dataclasses.replace(s.breaker, circuit=Circuit.OPEN, opened_at_s=clock(), cooldown_s=60.0)
+        job = Job(rid="a", prompt_tokens=8, max_tokens=2000, arrived_s=T0, deadline_s=T0 + 14.0, allow_shrink=True)
+        s.submit_nowait(job)
+        d = job.future.result()
+        assert (d.route, d.max_tokens) == ("split", 1024 - 8)
+
+    asyncio.run(main())
+
+
+def test_a_job_sent_to_the_cpu_lane_for_its_deadline_moves_to_a_device_measured_in_time_again(
+    memory: MemoryModel,
+) -> None:
+    """Round 55: a ``cpu_meets_deadline`` job was pinned to the CPU lane; the device's later
+    runs were fast and the CPU worker died, and the free device never took it."""
+
+    async def main() -> None:
+        s, clock, _gpu = _scheduler(memory)
+        _measured_slow(s)
+        cpu = s.cpu_workers[0]
+        cpu.claim_slot("running-cpu")
+        job = _job("a", max_tokens=64, deadline_in_s=3.0)
+        s.submit_nowait(job)
+        assert job.last_reason == "cpu_meets_deadline" and list(s.cpu.queue) == [job]
+        for _ in range(12):
+            s.record_timing("gpu", 8, 401, 8 / 4000, 8 / 4000 + 1.0)  # about 400 tokens a second now
+        cpu.state = WorkerState.DEAD
+        clock.advance(0.5)
+        s.pump_once()
+        assert job.future.result().route == "gpu"
+
+    asyncio.run(main())
+
+
+def test_a_deadline_job_goes_to_the_cpu_lane_only_with_room_for_its_least_answer(memory: MemoryModel) -> None:
+    """Round 55: a shrinkable 2040-token prompt on the CPU lane's 2048-token context (the device
+    measured too slow) was sent there with ``max_tokens`` 8, under admission's 16."""
+
+    async def main() -> None:
+        s, _clock, _gpu = _scheduler(memory)
+        s.gpu_ctx_cap_tokens = 8192
+        _measured_slow(s)
+        job = Job(rid="a", prompt_tokens=2040, max_tokens=100, arrived_s=T0, deadline_s=T0 + 2.0, allow_shrink=True)
+        s.submit_nowait(job)
+        assert not (job.future.done() and job.future.exception() is None and job.future.result().route == "cpu")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("deadline_in_s", [30.0, None])
+def test_a_busy_split_is_waited_for_when_the_cpu_lane_cannot_take_the_job(
+    memory: MemoryModel, deadline_in_s: float | None
+) -> None:
+    """Round 55: a job only the split can take (beside a resident), its slot busy past the
+    delay, the CPU worker dead: refused ``cpu_unavailable`` at 2 s, though the slot came back."""
+
+    async def main() -> None:
+        s, clock, split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 512
+        split.claim_slot("running")
+        s.cpu_workers[0].state = WorkerState.DEAD
+        job = Job(
+            rid="a",
+            prompt_tokens=8,
+            max_tokens=900,
+            arrived_s=T0,
+            deadline_s=None if deadline_in_s is None else T0 + deadline_in_s,
+        )
+        s.submit_nowait(job)
+        clock.advance(2.01)
+        s.pump_once()
+        assert not job.future.done(), "refused while the split's slot was coming back"
+        split.release_slot("running")
+        clock.advance(1.0)
+        s.pump_once()
+        assert job.future.result().route == "split"
+
+    asyncio.run(main())
+
+
+def test_a_slow_measurement_stops_sending_deadline_work_away_once_it_is_old(memory: MemoryModel) -> None:
+    """Round 55: one slow run kept an idle device from every request with a deadline for good
+    (nothing else measured it again); past ``DEVICE_ESTIMATE_FRESH_S`` the device gets the next."""
+
+    async def main() -> None:
+        s, clock, _gpu = _scheduler(memory)
+        _measured_slow(s)
+        first = _job("a", max_tokens=64, deadline_in_s=1.0)
+        s.submit_nowait(first)
+        assert first.future.result().reason == "cpu_meets_deadline"
+        s.cpu_workers[0].release_slot("a")
+        clock.advance(DEVICE_ESTIMATE_FRESH_S + 1.0)
+        later = Job(rid="b", prompt_tokens=8, max_tokens=64, arrived_s=clock(), deadline_s=clock() + 1.0)
+        s.submit_nowait(later)
+        assert later.future.result().route == "gpu"
 
     asyncio.run(main())

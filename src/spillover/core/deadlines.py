@@ -21,7 +21,8 @@ Rules:
 3. A job the device would start now is refused (``deadline_exceeded``) when no lane is in
    time. The device's estimate alone does not refuse it: an unmeasured one is a guess.
 4. A job on the GPU lane goes to the CPU lane (``cpu_meets_deadline``), whether the device is
-   free or busy, when the device, *measured*, is not in time and the CPU lane is. Late binding
+   free or busy, when the device, *measured* (``device_measured``: a run fed its estimate
+   lately; the runtime says how lately), is not in time and the CPU lane is. Late binding
    never moves a job onto a device measured not in time for it.
 5. A job sent off a busy device (``WAITS_FOR``: a slot or memory that frees as running
    requests end) that the CPU lane cannot finish in time waits for the device while rule 2

@@ -70,6 +70,10 @@ __all__ = ["Dispatch", "Job", "LaneStatistics", "Scheduler"]
 
 log = logging.getLogger("spillover.scheduler")
 DEADLINE_SLACK_S = ticks.TICK_S  # a deadline's last starts are decided this early: a pass may come a tick late
+# The device's estimate sends deadline work away (core.deadlines rule 4) only this long after a
+# run last fed it: then the device gets the next one and is measured again (round 55: one slow
+# first run kept an idle device from every request with a deadline for good).
+DEVICE_ESTIMATE_FRESH_S = 60.0
 IDLE_WAKE_S = 0.5  # a safety net only: nothing needs a pass without an event or a deadline
 RETURN_AFTER_MIN_S = 0.5  # a failover waits on the CPU lane at least this long before it may return (``_may_move``)
 HOST_RECHECK_S = 0.25  # how often CPU work held back by the host-RAM guard is looked at again
@@ -133,6 +137,7 @@ class Scheduler:
         self._delay_due = math.inf  # the earliest end of an admission delay seen by the last pass
         self._view: LaneView | None = None  # the lanes as a pass saw them (see pump_once)
         self._host_held = False  # the last pass held CPU work back for host memory
+        self.device_measured_s = -math.inf  # when the device's estimate was last fed a run
         # The pressure ladder's demotion step (set by the gateway when it has batch services):
         # idle batch services on the GPU, weights of demotions under way, and the action.
         self.demotable: Callable[[], tuple[tuple[str, int], ...]] = tuple
@@ -280,27 +285,48 @@ class Scheduler:
 
     def _device_max_tokens(self, job: Job) -> int:
         """The ``max_tokens`` a job runs with on the device at most: a shrinkable one is cut to
-        the resident's context (the split's when only the split runs); admission may shrink it
+        the resident's context while a resident could take it (ready, its breaker letting
+        requests through), else the split's when a split worker is ready (round 55: a dead
+        resident's context timed a job only the split would run); admission may shrink it
         further to the memory there is."""
-        cap = self.gpu_ctx_cap_tokens if self.gpu_workers or not self.split_workers else self.split_ctx_cap_tokens
+        assert self.policy is not None
+        resident = any(w.state is WorkerState.READY for w in self.gpu_workers) and allows(
+            self.breaker, self.policy.breaker
+        )
+        split = any(w.state is WorkerState.READY for w in self.split_workers)
+        cap = self.split_ctx_cap_tokens if split and not resident else self.gpu_ctx_cap_tokens
         return lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
 
     def _cpu_eta_now_s(self, job: Job) -> float:
         """How long the CPU lane would take to finish ``job`` were it sent there now
         (``_eta_s``), or infinity when it could not take it: no CPU path (``_cpu_path``), or
-        the job too long for its context even at the ``max_tokens`` it would run with there."""
-        if not self._cpu_path() or job.prompt_tokens + self.cpu.max_tokens_of(job) > self.cpu.cfg.ctx_cap_tokens:
+        the job too long for its context, as admission has it (a shrinkable one keeps at least
+        ``MIN_SHRUNK_TOKENS``: round 55)."""
+        if not self._cpu_path() or not fits_lane(
+            job.prompt_tokens,
+            job.max_tokens,
+            self.cpu.cfg.ctx_cap_tokens,
+            shrinkable=job.allow_shrink,
+            min_tokens=MIN_SHRUNK_TOKENS,
+        ):
             return math.inf
         return self._eta_s(job, self.cpu)
 
     def _cpu_path(self) -> bool:
         """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, a
-        place in its queue (admission's rule 7), and the lane not held by the host-RAM guard
-        (round 53: a dead worker's or a full queue's estimate decided deadlines it could never
-        meet; round 54b: a held lane's free slot let one more in past the queue's depth)."""
-        if self.policy is None or not self.policy.allow_cpu_route or self._host_held:
+        place in its queue (admission's rule 7), and the host-RAM guard letting a request
+        start there now, asked afresh (round 53: a dead worker's or a full queue's estimate
+        decided deadlines it could never meet; round 54b: a held lane's free slot let one more
+        in past the queue's depth; round 55: the last pass's hold was stale)."""
+        if self.policy is None or not self.policy.allow_cpu_route or self.cpu.free() <= 0:
             return False
-        return self.cpu.free() > 0 and any(w.state is WorkerState.READY for w in self.cpu_workers)
+        ready = [w for w in self.cpu_workers if w.state is WorkerState.READY]
+        if not ready:
+            return False
+        if self.host_view is None:
+            return True
+        worker = next((w for w in ready if w.free_slots > 0), ready[0])
+        return may_start_cpu(self.host_view(worker.busy), self.host_guard)[0]
 
     def _deadline(self, job: Job, now: float, device_tokens: int | None = None) -> DeadlineFacts | None:
         """What ``core.deadlines`` decides a job's deadline on: the device's estimate at
@@ -316,7 +342,7 @@ class Scheduler:
             deadline_s=job.deadline_s,
             device_s=self.gpu.job_seconds(job.prompt_tokens, tokens),
             cpu_s=self._cpu_eta_now_s(job),
-            device_measured=self.gpu.samples > 0,
+            device_measured=self.gpu.samples > 0 and now - self.device_measured_s <= DEVICE_ESTIMATE_FRESH_S,
             slack_s=DEADLINE_SLACK_S,
         )
 
@@ -405,6 +431,8 @@ class Scheduler:
         target = self.gpu if lane in DEVICE_ROUTES else self.cpu  # a split's runs are the device's (not the CPU lane's)
         if target is not None:
             target.record(prompt_tokens, completion_tokens, prefill_s, total_s)
+        if target is self.gpu:
+            self.device_measured_s = self.clock()
 
     def confirmed(self, rid: str) -> None:
         """The worker reports the request's device memory allocated."""
@@ -506,6 +534,8 @@ class Scheduler:
                 )
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
+            if lane is self.cpu:
+                self._expire_past_deadline(now, before_binding=True)
             if lane.queue and (failed := self.cannot_start()) is not None:
                 for job in lane.queue:
                     self._fail(job, self.cannot_start() or failed)  # each caller its own error
@@ -519,9 +549,7 @@ class Scheduler:
             self._view = None
             self._rebind_to_gpu(now)
             self._rebind_to_split(now)
-        # After late binding (a freed device may still take a job in time) and for the jobs
-        # this pass queued too (their last start gets a pass): round 54b.
-        self._expire_past_deadline(now)
+        self._expire_past_deadline(now)  # what late binding left, and the jobs this pass queued
         self._dispatch_cpu(now)
 
     def _record(self, job: Job, d: Decision, now: float) -> None:
@@ -579,7 +607,12 @@ class Scheduler:
                 d = self._split_refused(d, split, now)
             d = self._by_plan(d)
         # What could take it comes (a worker, a slot, our own requests' memory)?
-        comes = isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now))
+        comes = isinstance(d, Reject) and (
+            split == "busy"  # a split slot comes back as its running request ends (round 55)
+            or self._coming(d)
+            or self._slot_coming(d)
+            or self._memory_coming(job, d, now)
+        )
         if comes and self._may_wait(job, now):  # it waits, as long as its deadline lets it
             job.waits_for = d.reason
             self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
@@ -606,7 +639,7 @@ class Scheduler:
                 self._fail(job, exc)
                 return
             job.last_reason = d.reason
-            job.movable = d.reason is not Reason.CPU_MEETS_DEADLINE  # the device would be late: it stays
+            job.movable = True  # late binding checks the deadline itself (``_may_move``)
             self.cpu.append(job)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
@@ -627,16 +660,21 @@ class Scheduler:
             self.demote(d.service, d.reason)
             self._wake_by(job, d.until_s, now)
 
-    def _expire_past_deadline(self, now: float) -> None:
+    def _expire_past_deadline(self, now: float, *, before_binding: bool = False) -> None:
         """A job queued on the CPU lane that could no longer finish before its client's
         deadline, were it to start now, is refused (``deadline_exceeded``); the others get a
         pass when that moment comes (round 53: one queued behind a long running job started
-        four seconds past its deadline)."""
+        four seconds past its deadline). A pass runs it before the GPU lane's decisions (their
+        view of the CPU queue without the jobs it refuses: round 55) and again after late
+        binding (for the jobs the pass queued); the first spares a job that a free device
+        could still finish in time, for late binding to move (round 54b)."""
         for job in [j for j in self.cpu.queue if j.deadline_s is not None]:
             assert job.deadline_s is not None
             last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, self.cpu.max_tokens_of(job))
             if now <= last:
                 self._delay_due = min(self._delay_due, last + DEADLINE_SLACK_S)
+                continue
+            if before_binding and self._device_could_take(job, now):
                 continue
             self.cpu.queue.remove(job)
             self.cpu.expired_total += 1
@@ -648,6 +686,13 @@ class Scheduler:
                     code="deadline_exceeded",
                 ),
             )
+
+    def _device_could_take(self, job: Job, now: float) -> bool:
+        """Whether late binding might still move a CPU-queued job onto a device worker with a
+        free slot that would finish it before its deadline."""
+        f = self._deadline(job, now)
+        free = [w for w in self.gpu_workers + self.split_workers if w.state is WorkerState.READY and w.free_slots > 0]
+        return f is not None and f.device_in_time and bool(free) and (job.movable or job.returns)
 
     def _wake_by(self, job: Job, until_s: float, now: float) -> None:
         """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait (one
