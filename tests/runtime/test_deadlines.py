@@ -470,10 +470,12 @@ def test_late_binding_does_not_move_a_job_onto_a_device_that_would_miss_its_dead
     asyncio.run(main())
 
 
-def test_a_cpu_queued_job_the_freed_device_can_still_finish_is_moved_not_expired(memory: MemoryModel) -> None:
+def test_a_cpu_queued_job_moves_to_a_device_that_frees_before_its_last_cpu_start(memory: MemoryModel) -> None:
     """Round 54b: the device ten times faster than the CPU lane; a job routed to the CPU queue
-    (its slot busy) past its last CPU start was refused in the very pass the device freed,
-    before late binding looked."""
+    (its slot busy) is moved by late binding when the device frees before its last CPU start
+    (0.48 s), and refused at the pass its last start brings when it has not (a job whose last
+    start passed is refused even if a device frees in that same pass: rounds 55 and 56 found
+    that sparing it kept its place from a request without a deadline)."""
 
     async def main() -> None:
         s, clock, gpu = _scheduler(memory)
@@ -485,10 +487,21 @@ def test_a_cpu_queued_job_the_freed_device_can_still_finish_is_moved_not_expired
         clock.advance(0.3)  # past the wait for the device: the CPU queue
         s.pump_once()
         assert list(s.cpu.queue) == [job]
-        clock.advance(0.3)  # past its last CPU start (0.48 s)
+        assert s._delay_due == pytest.approx(T0 + 0.48 + DEADLINE_SLACK_S)  # a pass at its last start
+        clock.advance(0.1)
         gpu.release_slot("running")
         s.pump_once()
         assert job.future.result().route == "gpu"
+        other = _job("b", max_tokens=20, deadline_in_s=1.0)
+        other.arrived_s = other.enqueued_s = clock()
+        other.deadline_s = clock() + 1.0
+        s.submit_nowait(other)  # "a" holds the device now
+        clock.advance(0.3)
+        s.pump_once()
+        assert list(s.cpu.queue) == [other]
+        clock.advance(s._delay_due - clock())
+        s.pump_once()
+        assert other.future.exception() is not None
 
     asyncio.run(main())
 
@@ -613,17 +626,28 @@ def test_the_cpu_lanes_wait_counts_a_shrinkable_job_at_its_cut(memory: MemoryMod
     asyncio.run(main())
 
 
-def test_a_cpu_job_past_its_deadline_leaves_its_place_before_the_gpu_lane_is_decided(memory: MemoryModel) -> None:
-    """Round 55 (a regression of round 54b's fix): a CPU-queued job past its last start held
-    the one place in the CPU queue while the pass decided the GPU lane, so a request with no
-    deadline, sent to the CPU lane by a dead device, was refused ``cpu_queue_full``."""
+@pytest.mark.parametrize("device", ["dead", "breaker_open"])
+def test_a_cpu_job_past_its_deadline_leaves_its_place_before_the_gpu_lane_is_decided(
+    memory: MemoryModel, device: str
+) -> None:
+    """Rounds 55 and 56 (regressions of round 54b's fix): a CPU-queued job past its last start
+    held the one place in the CPU queue while the pass decided the GPU lane (also when it was
+    spared for a free device measured in time whose breaker was open), so a request with no
+    deadline, sent to the CPU lane, was refused ``cpu_queue_full``."""
 
     async def main() -> None:
         s, clock, gpu = _scheduler(memory, cpu_depth=1)
         s.cpu_workers[0].claim_slot("running-cpu")
         late = _job("d", max_tokens=8, deadline_in_s=1.0)  # 0.22 s on the CPU lane: last start 0.78 s
+        late.movable = True
+        gpu.claim_slot("running")
         s.submit_nowait(late, lane="cpu")
-        gpu.state = WorkerState.DEAD
+        if device == "dead":
+            gpu.state = WorkerState.DEAD
+        else:  # ready, a free slot, fast: but its breaker sends nothing there
+            s.record_timing("gpu", 8, 101, 8 / 4000, 8 / 4000 + 0.25)
+            s.breaker = dataclasses.replace(s.breaker, circuit=Circuit.OPEN, opened_at_s=clock(), cooldown_s=60.0)
+            gpu.release_slot("running")
         clock.advance(0.8)
         plain = Job(rid="n", prompt_tokens=8, max_tokens=8, arrived_s=clock())
         s.submit_nowait(plain)
@@ -656,9 +680,10 @@ def test_the_host_guard_is_asked_afresh_whether_the_cpu_lane_can_take_a_deadline
     asyncio.run(main())
 
 
-def _host(*, budget_bytes: int, predicted_bytes: int = 0) -> HostView:
+def _host(*, budget_bytes: int, predicted_bytes: int = 0, running: int = 0) -> HostView:
+    """What the host-RAM guard sees: one CPU slot, ``running`` of it taken, a GiB a context."""
     return HostView(
-        running=0,
+        running=running,
         contexts=0,
         slots=1,
         predicted_bytes=predicted_bytes,
@@ -778,5 +803,131 @@ def test_a_slow_measurement_stops_sending_deadline_work_away_once_it_is_old(memo
         later = Job(rid="b", prompt_tokens=8, max_tokens=64, arrived_s=clock(), deadline_s=clock() + 1.0)
         s.submit_nowait(later)
         assert later.future.result().route == "gpu"
+
+    asyncio.run(main())
+
+
+def test_a_cpu_only_model_refuses_a_late_cpu_job_and_serves_the_next(memory: MemoryModel) -> None:
+    """Round 56: on a model with no GPU lane, a CPU-queued job past its last start made every
+    pass raise (the device's estimate was asked for), and the jobs behind it never started."""
+
+    async def main() -> None:
+        clock = FakeClock(T0)
+        s = Scheduler(gpu_lane=None, cpu_lane=LaneConfig(slots=1, queue_depth=4), ledger=None, policy=None, clock=clock)
+        cpu = ready_worker("cpu0", "cpu")
+        s.cpu_workers.append(cpu)
+        cpu.claim_slot("running")
+        late = _job("d", max_tokens=8, deadline_in_s=1.0)
+        s.submit_nowait(late, lane="cpu")
+        plain = Job(rid="n", prompt_tokens=8, max_tokens=8, arrived_s=T0)
+        s.submit_nowait(plain, lane="cpu")
+        clock.advance(0.9)
+        cpu.release_slot("running")
+        s.pump_once()
+        assert late.future.exception() is not None
+        assert plain.future.result().route == "cpu"
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_busy_cpu_slot_is_a_queue_not_a_hold(memory: MemoryModel, guard: bool) -> None:
+    """Round 56: with every CPU slot busy, the host guard's "slots busy" read as a hold, so the
+    CPU lane never counted: a job the device (measured too slow) would be late for and the
+    CPU lane would finish in time behind its running request was refused."""
+
+    async def main() -> None:
+        s, _clock, _gpu = _scheduler(memory)
+        _measured_slow(s)
+        s.host_guard = guard
+        s.host_view = lambda running: _host(budget_bytes=8 * GIB, running=running)
+        s.cpu_workers[0].claim_slot("running-cpu")
+        job = _job("a", max_tokens=64, deadline_in_s=1.0)
+        s.submit_nowait(job)
+        assert not job.future.done() and job.last_reason == "cpu_meets_deadline"
+
+    asyncio.run(main())
+
+
+def test_a_job_too_long_for_the_resident_is_timed_at_the_splits_cut(memory: MemoryModel) -> None:
+    """Round 56: a shrinkable 300-token prompt beside a resident of 256 tokens was timed at one
+    token (the resident's cut), so late binding moved it onto a split measured too slow for
+    its deadline, in the pass that had sent it to the CPU lane for that."""
+
+    async def main() -> None:
+        s, _clock, _split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 256
+        s.record_timing("gpu", 8, 11, 8 / 400, 8 / 400 + 1.0)  # 10 tokens a second
+        s.cpu.prefill_tps, s.cpu.decode_tps = 4000.0, 200.0
+        job = Job(rid="a", prompt_tokens=300, max_tokens=2000, arrived_s=T0, deadline_s=T0 + 15.0, allow_shrink=True)
+        s.submit_nowait(job)
+        d = job.future.result()
+        assert (d.route, d.reason) == ("cpu", "cpu_meets_deadline")
+
+    asyncio.run(main())
+
+
+def test_a_busy_split_is_not_waited_for_when_its_room_cannot_come(memory: MemoryModel) -> None:
+    """Round 56: another process held the device, leaving room for half the split's
+    reservation; a job only the split could take waited out the queue's 60 s for its busy slot
+    and ended ``queue_timeout``. Memory another process holds is not waited for."""
+
+    async def main() -> None:
+        s, clock, split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 512
+        split.claim_slot("running")
+        s.cpu_workers[0].state = WorkerState.DEAD
+        assert s.ledger is not None and s.split_memory is not None
+        need = s.split_memory.request_footprint(8, 900).total_bytes
+        s.ledger.observe(s.ledger.capacity_bytes - s.ledger.margin_bytes - need // 2, clock())  # a tenant's
+        job = Job(rid="a", prompt_tokens=8, max_tokens=900, arrived_s=T0)
+        s.submit_nowait(job)
+        clock.advance(2.01)
+        s.pump_once()
+        assert job.future.done() and job.future.exception() is not None
+
+    asyncio.run(main())
+
+
+def test_a_starting_split_is_waited_for_beside_a_ready_resident(memory: MemoryModel) -> None:
+    """Round 56: a job only the split can take, the split worker restarting, the CPU worker
+    dead: refused ``cpu_unavailable`` at once, where a starting worker that could take it is
+    waited for."""
+
+    async def main() -> None:
+        s, clock, split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 512
+        split.state = WorkerState.STARTING
+        s.cpu_workers[0].state = WorkerState.DEAD
+        job = Job(rid="a", prompt_tokens=8, max_tokens=900, arrived_s=T0)
+        s.submit_nowait(job)
+        clock.advance(2.01)
+        s.pump_once()
+        assert not job.future.done()
+        split.state = WorkerState.READY
+        s.pump_once()
+        assert job.future.result().route == "split"
+
+    asyncio.run(main())
+
+
+def test_a_refusal_for_the_splits_breaker_beside_a_resident_waits_out_its_cooldown(memory: MemoryModel) -> None:
+    """Round 56: a job only the split can take, its breaker open for 60 s, the CPU worker
+    dead: the 503 said to retry in a second."""
+
+    async def main() -> None:
+        s, clock, _split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 512
+        s.split_breaker = dataclasses.replace(
+            s.split_breaker, circuit=Circuit.OPEN, opened_at_s=clock(), cooldown_s=60.0
+        )
+        s.cpu_workers[0].state = WorkerState.DEAD
+        job = Job(rid="a", prompt_tokens=8, max_tokens=900, arrived_s=T0)
+        s.submit_nowait(job)
+        clock.advance(2.01)
+        s.pump_once()
+        with pytest.raises(CapacityError) as refused:
+            job.future.result()
+        assert refused.value.retry_after_s >= 57.0
 
     asyncio.run(main())

@@ -138,6 +138,7 @@ class Scheduler:
         self._view: LaneView | None = None  # the lanes as a pass saw them (see pump_once)
         self._host_held = False  # the last pass held CPU work back for host memory
         self.device_measured_s = -math.inf  # when the device's estimate was last fed a run
+        self._cpu_may_start: bool | None = None  # the host guard's answer, asked once a pass (``_cpu_path``)
         # The pressure ladder's demotion step (set by the gateway when it has batch services):
         # idle batch services on the GPU, weights of demotions under way, and the action.
         self.demotable: Callable[[], tuple[tuple[str, int], ...]] = tuple
@@ -286,12 +287,21 @@ class Scheduler:
     def _device_max_tokens(self, job: Job) -> int:
         """The ``max_tokens`` a job runs with on the device at most: a shrinkable one is cut to
         the resident's context while a resident could take it (ready, its breaker letting
-        requests through), else the split's when a split worker is ready (round 55: a dead
-        resident's context timed a job only the split would run); admission may shrink it
+        requests through, the job within its context), else the split's when a split worker is
+        ready (round 55: a dead resident's context timed a job only the split would run; round
+        56: one too long for the resident was timed at one token); admission may shrink it
         further to the memory there is."""
         assert self.policy is not None
-        resident = any(w.state is WorkerState.READY for w in self.gpu_workers) and allows(
-            self.breaker, self.policy.breaker
+        resident = (
+            any(w.state is WorkerState.READY for w in self.gpu_workers)
+            and allows(self.breaker, self.policy.breaker)
+            and fits_lane(
+                job.prompt_tokens,
+                job.max_tokens,
+                self.gpu_ctx_cap_tokens,
+                shrinkable=job.allow_shrink,
+                min_tokens=MIN_SHRUNK_TOKENS,
+            )
         )
         split = any(w.state is WorkerState.READY for w in self.split_workers)
         cap = self.split_ctx_cap_tokens if split and not resident else self.gpu_ctx_cap_tokens
@@ -320,12 +330,19 @@ class Scheduler:
         in past the queue's depth; round 55: the last pass's hold was stale)."""
         if self.policy is None or not self.policy.allow_cpu_route or self.cpu.free() <= 0:
             return False
-        ready = [w for w in self.cpu_workers if w.state is WorkerState.READY]
-        if not ready:
+        if not any(w.state is WorkerState.READY for w in self.cpu_workers):
             return False
-        if self.host_view is None:
+        if self._cpu_may_start is None:  # once a pass: no CPU request starts before its dispatch
+            self._cpu_may_start = self._host_lets_cpu_start()
+        return self._cpu_may_start
+
+    def _host_lets_cpu_start(self) -> bool:
+        """The host-RAM guard's answer for the next CPU request on a ready worker with a free
+        slot; with every slot busy, the request queues (the lane's wait counts what is queued
+        ahead: round 56, a busy slot read as a hold)."""
+        worker = next((w for w in self.cpu_workers if w.state is WorkerState.READY and w.free_slots > 0), None)
+        if self.host_view is None or worker is None:
             return True
-        worker = next((w for w in ready if w.free_slots > 0), ready[0])
         return may_start_cpu(self.host_view(worker.busy), self.host_guard)[0]
 
     def _deadline(self, job: Job, now: float, device_tokens: int | None = None) -> DeadlineFacts | None:
@@ -512,6 +529,7 @@ class Scheduler:
         """One pass: expire old jobs, decide GPU jobs, dispatch CPU jobs."""
         now = self.clock()
         self._delay_due = math.inf
+        self._cpu_may_start = None
         if self.policy is not None:
             self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.policy.breaker)
             self.split_breaker = advance(self.split_breaker, BreakerEvent.TICK, now, self.policy.breaker)
@@ -535,7 +553,7 @@ class Scheduler:
             for job in [j for j in lane.queue if j.future.done()]:
                 lane.queue.remove(job)
             if lane is self.cpu:
-                self._expire_past_deadline(now, before_binding=True)
+                self._expire_past_deadline(now)
             if lane.queue and (failed := self.cannot_start()) is not None:
                 for job in lane.queue:
                     self._fail(job, self.cannot_start() or failed)  # each caller its own error
@@ -549,7 +567,7 @@ class Scheduler:
             self._view = None
             self._rebind_to_gpu(now)
             self._rebind_to_split(now)
-        self._expire_past_deadline(now)  # what late binding left, and the jobs this pass queued
+        self._expire_past_deadline(now)  # the jobs this pass queued: a pass at their last start
         self._dispatch_cpu(now)
 
     def _record(self, job: Job, d: Decision, now: float) -> None:
@@ -605,16 +623,16 @@ class Scheduler:
                 d = Route(Reason.CPU_MEETS_DEADLINE)
             elif split != "no" and not self.gpu_workers:  # only the split runs: why it could not is the device's
                 d = self._split_refused(d, split, now)
+            elif split == "breaker" and isinstance(d, Reject):  # beside a resident: its cooldown still counts
+                d = dataclasses.replace(d, retry_after_s=max(d.retry_after_s, self.split_breaker.retry_after_s(now)))
             d = self._by_plan(d)
         # What could take it comes (a worker, a slot, our own requests' memory)?
+        split_comes = isinstance(d, Reject) and self._split_coming(job, d, split, now)
         comes = isinstance(d, Reject) and (
-            split == "busy"  # a split slot comes back as its running request ends (round 55)
-            or self._coming(d)
-            or self._slot_coming(d)
-            or self._memory_coming(job, d, now)
+            split_comes or self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now)
         )
         if comes and self._may_wait(job, now):  # it waits, as long as its deadline lets it
-            job.waits_for = d.reason
+            job.waits_for = f"the split worker ({split})" if split_comes else d.reason
             self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
             return
         job.waits_for = ""
@@ -660,21 +678,20 @@ class Scheduler:
             self.demote(d.service, d.reason)
             self._wake_by(job, d.until_s, now)
 
-    def _expire_past_deadline(self, now: float, *, before_binding: bool = False) -> None:
+    def _expire_past_deadline(self, now: float) -> None:
         """A job queued on the CPU lane that could no longer finish before its client's
         deadline, were it to start now, is refused (``deadline_exceeded``); the others get a
         pass when that moment comes (round 53: one queued behind a long running job started
         four seconds past its deadline). A pass runs it before the GPU lane's decisions (their
-        view of the CPU queue without the jobs it refuses: round 55) and again after late
-        binding (for the jobs the pass queued); the first spares a job that a free device
-        could still finish in time, for late binding to move (round 54b)."""
+        view of the CPU queue without the jobs it refuses: round 55) and again at its end (the
+        jobs it queued get their pass: round 54b). A job whose last start came while no pass
+        ran is refused even when a device frees in the same pass: late binding had the passes
+        before it (a pass comes at each last start, ``DEADLINE_SLACK_S`` late at most)."""
         for job in [j for j in self.cpu.queue if j.deadline_s is not None]:
             assert job.deadline_s is not None
             last = job.deadline_s - self.cpu.job_seconds(job.prompt_tokens, self.cpu.max_tokens_of(job))
             if now <= last:
                 self._delay_due = min(self._delay_due, last + DEADLINE_SLACK_S)
-                continue
-            if before_binding and self._device_could_take(job, now):
                 continue
             self.cpu.queue.remove(job)
             self.cpu.expired_total += 1
@@ -686,13 +703,6 @@ class Scheduler:
                     code="deadline_exceeded",
                 ),
             )
-
-    def _device_could_take(self, job: Job, now: float) -> bool:
-        """Whether late binding might still move a CPU-queued job onto a device worker with a
-        free slot that would finish it before its deadline."""
-        f = self._deadline(job, now)
-        free = [w for w in self.gpu_workers + self.split_workers if w.state is WorkerState.READY and w.free_slots > 0]
-        return f is not None and f.device_in_time and bool(free) and (job.movable or job.returns)
 
     def _wake_by(self, job: Job, until_s: float, now: float) -> None:
         """A pass at ``until_s`` at the latest, or when the job's deadline ends its wait (one
@@ -761,6 +771,28 @@ class Scheduler:
             and starting(self.cpu_workers)
         )
         return device or cpu
+
+    def _split_coming(self, job: Job, d: Reject, split: SplitOutcome, now: float) -> bool:
+        """A refusal of a job the split could take, for want of a CPU path, when the split comes
+        for it: its busy slot, which a running request gives back as it ends, when the job's
+        reservation fits the room that comes back with it (not memory another process holds:
+        round 56, a job whose room never came waited out the queue's age), or a split worker
+        starting (round 56: refused at once beside a ready resident). It waits, as for the
+        resident's slot (``_slot_coming``), up to the GPU lane's ``queue_max_age_s``."""
+        if d.refusal not in (Reason.CPU_UNAVAILABLE, Reason.TOO_LONG_FOR_CPU, Reason.CPU_QUEUE_FULL):
+            return False
+        if self.ledger is None or self.split_memory is None:
+            return False
+        budget = self._split_tokens(job)
+        if budget is None:  # longer than the split's context: no split slot would take it
+            return False
+        if split == "no":  # no split worker ready: one that is starting comes
+            return any(w.state is WorkerState.STARTING for w in self.split_workers)
+        if split != "busy":
+            return False
+        room = self.ledger.headroom(now)
+        need = self.split_memory.request_footprint(job.prompt_tokens, budget[0]).total_bytes
+        return room is not None and need <= room + returning_bytes(self.ledger, now)
 
     def _slot_coming(self, d: Reject) -> bool:
         """A refusal of a job that fits the device and found every GPU slot taken past
