@@ -757,37 +757,6 @@ def test_a_deadline_job_goes_to_the_cpu_lane_only_with_room_for_its_least_answer
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("deadline_in_s", [30.0, None])
-def test_a_busy_split_is_waited_for_when_the_cpu_lane_cannot_take_the_job(
-    memory: MemoryModel, deadline_in_s: float | None
-) -> None:
-    """Round 55: a job only the split can take (beside a resident), its slot busy past the
-    delay, the CPU worker dead: refused ``cpu_unavailable`` at 2 s, though the slot came back."""
-
-    async def main() -> None:
-        s, clock, split = _scheduler(memory, split=True, resident=True)
-        s.gpu_ctx_cap_tokens = 512
-        split.claim_slot("running")
-        s.cpu_workers[0].state = WorkerState.DEAD
-        job = Job(
-            rid="a",
-            prompt_tokens=8,
-            max_tokens=900,
-            arrived_s=T0,
-            deadline_s=None if deadline_in_s is None else T0 + deadline_in_s,
-        )
-        s.submit_nowait(job)
-        clock.advance(2.01)
-        s.pump_once()
-        assert not job.future.done(), "refused while the split's slot was coming back"
-        split.release_slot("running")
-        clock.advance(1.0)
-        s.pump_once()
-        assert job.future.result().route == "split"
-
-    asyncio.run(main())
-
-
 def test_a_slow_measurement_stops_sending_deadline_work_away_once_it_is_old(memory: MemoryModel) -> None:
     """Round 55: one slow run kept an idle device from every request with a deadline for good
     (nothing else measured it again); past ``DEVICE_ESTIMATE_FRESH_S`` the device gets the next."""
@@ -867,10 +836,11 @@ def test_a_job_too_long_for_the_resident_is_timed_at_the_splits_cut(memory: Memo
     asyncio.run(main())
 
 
-def test_a_busy_split_is_not_waited_for_when_its_room_cannot_come(memory: MemoryModel) -> None:
+def test_a_busy_split_is_not_waited_for_when_the_cpu_lane_cannot_take_the_job(memory: MemoryModel) -> None:
     """Round 56: another process held the device, leaving room for half the split's
     reservation; a job only the split could take waited out the queue's 60 s for its busy slot
-    and ended ``queue_timeout``. Memory another process holds is not waited for."""
+    and ended ``queue_timeout`` (a wait round 55 had added, which round 57 found holding the
+    GPU queue's places from the idle resident's requests: refused after the delay, as before)."""
 
     async def main() -> None:
         s, clock, split = _scheduler(memory, split=True, resident=True)
@@ -885,28 +855,6 @@ def test_a_busy_split_is_not_waited_for_when_its_room_cannot_come(memory: Memory
         clock.advance(2.01)
         s.pump_once()
         assert job.future.done() and job.future.exception() is not None
-
-    asyncio.run(main())
-
-
-def test_a_starting_split_is_waited_for_beside_a_ready_resident(memory: MemoryModel) -> None:
-    """Round 56: a job only the split can take, the split worker restarting, the CPU worker
-    dead: refused ``cpu_unavailable`` at once, where a starting worker that could take it is
-    waited for."""
-
-    async def main() -> None:
-        s, clock, split = _scheduler(memory, split=True, resident=True)
-        s.gpu_ctx_cap_tokens = 512
-        split.state = WorkerState.STARTING
-        s.cpu_workers[0].state = WorkerState.DEAD
-        job = Job(rid="a", prompt_tokens=8, max_tokens=900, arrived_s=T0)
-        s.submit_nowait(job)
-        clock.advance(2.01)
-        s.pump_once()
-        assert not job.future.done()
-        split.state = WorkerState.READY
-        s.pump_once()
-        assert job.future.result().route == "split"
 
     asyncio.run(main())
 
@@ -929,5 +877,27 @@ def test_a_refusal_for_the_splits_breaker_beside_a_resident_waits_out_its_cooldo
         with pytest.raises(CapacityError) as refused:
             job.future.result()
         assert refused.value.retry_after_s >= 57.0
+
+    asyncio.run(main())
+
+
+def test_a_shrinkable_job_waiting_for_a_starting_split_is_timed_at_its_cut(memory: MemoryModel) -> None:
+    """Round 57: the split-only profile, its worker starting: a shrinkable 8 + 2000-token job
+    was timed at 2000 tokens (50 s) and refused for its 30 s deadline, though the split runs it
+    cut to 1016 (25 s)."""
+
+    async def main() -> None:
+        s, clock, split = _scheduler(memory, split=True)
+        s.gpu_ctx_cap_tokens = 8192
+        split.state = WorkerState.STARTING
+        s.cpu_workers[0].state = WorkerState.DEAD
+        job = Job(rid="a", prompt_tokens=8, max_tokens=2000, arrived_s=T0, deadline_s=T0 + 30.0, allow_shrink=True)
+        s.submit_nowait(job)
+        assert not job.future.done(), "refused on the GPU lane's context"
+        split.state = WorkerState.READY
+        clock.advance(1.0)
+        s.pump_once()
+        d = job.future.result()
+        assert (d.route, d.max_tokens) == ("split", 1024 - 8)
 
     asyncio.run(main())

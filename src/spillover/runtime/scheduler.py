@@ -287,10 +287,11 @@ class Scheduler:
     def _device_max_tokens(self, job: Job) -> int:
         """The ``max_tokens`` a job runs with on the device at most: a shrinkable one is cut to
         the resident's context while a resident could take it (ready, its breaker letting
-        requests through, the job within its context), else the split's when a split worker is
-        ready (round 55: a dead resident's context timed a job only the split would run; round
-        56: one too long for the resident was timed at one token); admission may shrink it
-        further to the memory there is."""
+        requests through, the job within its context), else the split's when there is a split
+        worker, starting or not (round 55: a dead resident's context timed a job only the split
+        would run; round 56: one too long for the resident was timed at one token; round 57: the
+        split-only profile's starting split at the GPU lane's); admission may shrink it further
+        to the memory there is."""
         assert self.policy is not None
         resident = (
             any(w.state is WorkerState.READY for w in self.gpu_workers)
@@ -303,8 +304,7 @@ class Scheduler:
                 min_tokens=MIN_SHRUNK_TOKENS,
             )
         )
-        split = any(w.state is WorkerState.READY for w in self.split_workers)
-        cap = self.split_ctx_cap_tokens if split and not resident else self.gpu_ctx_cap_tokens
+        cap = self.split_ctx_cap_tokens if self.split_workers and not resident else self.gpu_ctx_cap_tokens
         return lane_max_tokens(job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink)
 
     def _cpu_eta_now_s(self, job: Job) -> float:
@@ -627,12 +627,11 @@ class Scheduler:
                 d = dataclasses.replace(d, retry_after_s=max(d.retry_after_s, self.split_breaker.retry_after_s(now)))
             d = self._by_plan(d)
         # What could take it comes (a worker, a slot, our own requests' memory)?
-        split_comes = isinstance(d, Reject) and self._split_coming(job, d, split, now)
-        comes = isinstance(d, Reject) and (
-            split_comes or self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now)
-        )
+        # Not a split worker's slot or start (round 57: such waits held the GPU queue's places
+        # from requests the idle resident would run).
+        comes = isinstance(d, Reject) and (self._coming(d) or self._slot_coming(d) or self._memory_coming(job, d, now))
         if comes and self._may_wait(job, now):  # it waits, as long as its deadline lets it
-            job.waits_for = f"the split worker ({split})" if split_comes else d.reason
+            job.waits_for = d.reason
             self._wake_by(job, job.enqueued_s + self.gpu.cfg.queue_max_age_s, now)
             return
         job.waits_for = ""
@@ -771,28 +770,6 @@ class Scheduler:
             and starting(self.cpu_workers)
         )
         return device or cpu
-
-    def _split_coming(self, job: Job, d: Reject, split: SplitOutcome, now: float) -> bool:
-        """A refusal of a job the split could take, for want of a CPU path, when the split comes
-        for it: its busy slot, which a running request gives back as it ends, when the job's
-        reservation fits the room that comes back with it (not memory another process holds:
-        round 56, a job whose room never came waited out the queue's age), or a split worker
-        starting (round 56: refused at once beside a ready resident). It waits, as for the
-        resident's slot (``_slot_coming``), up to the GPU lane's ``queue_max_age_s``."""
-        if d.refusal not in (Reason.CPU_UNAVAILABLE, Reason.TOO_LONG_FOR_CPU, Reason.CPU_QUEUE_FULL):
-            return False
-        if self.ledger is None or self.split_memory is None:
-            return False
-        budget = self._split_tokens(job)
-        if budget is None:  # longer than the split's context: no split slot would take it
-            return False
-        if split == "no":  # no split worker ready: one that is starting comes
-            return any(w.state is WorkerState.STARTING for w in self.split_workers)
-        if split != "busy":
-            return False
-        room = self.ledger.headroom(now)
-        need = self.split_memory.request_footprint(job.prompt_tokens, budget[0]).total_bytes
-        return room is not None and need <= room + returning_bytes(self.ledger, now)
 
     def _slot_coming(self, d: Reject) -> bool:
         """A refusal of a job that fits the device and found every GPU slot taken past
