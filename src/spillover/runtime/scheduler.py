@@ -325,9 +325,10 @@ class Scheduler:
     def _cpu_path(self) -> bool:
         """Whether a GPU-lane job may go to the CPU lane now: allowed, a ready CPU worker, a
         place in its queue (admission's rule 7), and the host-RAM guard letting a request
-        start there now, asked afresh (round 53: a dead worker's or a full queue's estimate
-        decided deadlines it could never meet; round 54b: a held lane's free slot let one more
-        in past the queue's depth; round 55: the last pass's hold was stale)."""
+        start there (``_host_lets_cpu_start``, asked once a pass: round 55, the last pass's
+        hold was stale) (round 53: a dead worker's or a full queue's estimate decided deadlines
+        it could never meet; round 54b: a held lane's free slot let one more in past the
+        queue's depth)."""
         if self.policy is None or not self.policy.allow_cpu_route or self.cpu.free() <= 0:
             return False
         if not any(w.state is WorkerState.READY for w in self.cpu_workers):
