@@ -901,3 +901,47 @@ def test_a_shrinkable_job_waiting_for_a_starting_split_is_timed_at_its_cut(memor
         assert (d.route, d.max_tokens) == ("split", 1024 - 8)
 
     asyncio.run(main())
+
+
+def test_late_binding_times_a_move_onto_the_split_at_the_splits_tokens(memory: MemoryModel) -> None:
+    """Round 58: a shrinkable 8 + 900-token job, the measured device too slow for it on the free
+    split (900 tokens) and the CPU lane in time, went to the CPU lane, and late binding moved it
+    onto the split in the same pass, timing it at the busy resident's 248 tokens."""
+
+    async def main() -> None:
+        s, _clock, _split = _scheduler(memory, split=True, resident=True)
+        s.gpu_ctx_cap_tokens = 256
+        s.record_timing("gpu", 8, 50, 0.2, 3.0)  # about 18 tokens a second
+        s.gpu_workers[0].claim_slot("running")
+        job = Job(rid="a", prompt_tokens=8, max_tokens=900, arrived_s=T0, deadline_s=T0 + 30.0, allow_shrink=True)
+        assert s.gpu.job_seconds(8, 900) > 30.0 > s.gpu.job_seconds(8, 248)
+        s.submit_nowait(job)
+        d = job.future.result()
+        assert (d.route, d.reason) == ("cpu", "cpu_meets_deadline")
+
+    asyncio.run(main())
+
+
+def test_late_binding_does_not_start_a_job_no_lane_would_finish_in_time(memory: MemoryModel) -> None:
+    """Round 58: a job queued on the CPU lane whose worker then died, the device back with a
+    first estimate past the deadline: late binding started it on the device, where a new job
+    in the same state is refused (rule 3); it stays until its last CPU start refuses it."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        s.record_timing("cpu", 8, 50, 0.01, 0.3)  # the CPU lane measured faster than the device's guess
+        gpu.state = WorkerState.DEAD
+        cpu = s.cpu_workers[0]
+        cpu.claim_slot("running")
+        job = Job(rid="a", prompt_tokens=100, max_tokens=16, arrived_s=T0, deadline_s=T0 + 0.6)
+        s.submit_nowait(job)
+        assert list(s.cpu.queue) == [job]
+        gpu.state = WorkerState.READY
+        cpu.state = WorkerState.DEAD
+        s.pump_once()
+        assert not job.future.done() or job.future.exception() is not None
+        clock.advance(s._delay_due - clock())
+        s.pump_once()
+        assert job.future.exception() is not None
+
+    asyncio.run(main())

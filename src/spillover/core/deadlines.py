@@ -19,7 +19,8 @@ Rules:
    slack_s``. Once it is not, until the device's own last start: ``deadline - device_s -
    slack_s``. Past that moment, admission decides as after its delay bound.
 3. A job the device would start now is refused (``deadline_exceeded``) when no lane is in
-   time. The device's estimate alone does not refuse it: an unmeasured one is a guess.
+   time. The device's estimate alone does not refuse it: an unmeasured one is a guess. Late
+   binding starts no such job on the device either.
 4. A job on the GPU lane goes to the CPU lane (``cpu_meets_deadline``), whether the device is
    free or busy, when the device, *measured* (``device_measured``: a run fed its estimate
    lately; the runtime says how lately), is not in time and the CPU lane is. Late binding

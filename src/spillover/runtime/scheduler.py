@@ -1032,10 +1032,12 @@ class Scheduler:
         with its key ran on the device at once. It goes back through admission, its breaker's
         probe included, and its run's ``max_attempts`` still bounds it; a continuation only to
         workers of the failed one's fingerprint (``Job.fingerprint``: a token-identical answer).
-        Never a job whose client's deadline the measured device would miss (round 54b: one was
-        moved onto the device it had left for being too slow)."""
-        f = self._deadline(job, now)
-        if f is not None and f.device_measured and not f.device_in_time:  # core.deadlines rule 4 (round 54b)
+        Never a job whose client's deadline the measured device would miss (``core.deadlines``
+        rule 4; round 54b: one was moved onto the device it had left for being too slow), timed
+        at what ``workers`` would run (round 58: the split's tokens, not the resident's cut),
+        nor one no lane would finish in time (rule 3: its last start on the CPU lane refuses it)."""
+        f = self._deadline(job, now, self._tokens_on(job, workers))
+        if f is not None and (late_everywhere(f) or (f.device_measured and not f.device_in_time)):
             return False
         if job.movable:
             return True
@@ -1049,6 +1051,14 @@ class Scheduler:
             return True
         self._delay_due = min(self._delay_due, due)  # a pass then, if the device can take it before
         return False
+
+    def _tokens_on(self, job: Job, workers: list[WorkerClient]) -> int:
+        """The ``max_tokens`` ``job`` would run with on ``workers`` (the split's, or the
+        resident's), cut to their context when it may shrink."""
+        if workers is self.split_workers:
+            budget = self._split_tokens(job)
+            return job.max_tokens if budget is None else budget[0]
+        return lane_max_tokens(job.prompt_tokens, job.max_tokens, self.gpu_ctx_cap_tokens, shrinkable=job.allow_shrink)
 
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""
