@@ -583,17 +583,7 @@ def test_the_cpu_lane_held_by_the_host_guard_takes_no_deadline_job_past_its_dept
     async def main() -> None:
         s, _clock, _gpu = _scheduler(memory, cpu_depth=1)
         _measured_slow(s)
-        s.host_view = lambda running: HostView(  # over its budget: nothing starts
-            running=0,
-            contexts=0,
-            slots=1,
-            predicted_bytes=GIB,
-            observed_bytes=GIB,
-            slot_bytes=GIB,
-            budget_bytes=GIB,
-            available_bytes=8 * GIB,
-            min_free_bytes=0,
-        )
+        s.host_view = lambda running: _host(budget_bytes=GIB, predicted_bytes=GIB)  # over its budget: nothing starts
         held = _job("held", max_tokens=8, deadline_in_s=60.0)
         s.submit_nowait(held, lane="cpu")
         job = _job("a", max_tokens=64, deadline_in_s=1.0)
