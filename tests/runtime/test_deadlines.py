@@ -608,7 +608,7 @@ def test_the_cpu_lanes_wait_counts_a_shrinkable_job_at_its_cut(memory: MemoryMod
         clock.advance(2.01)
         s.pump_once()
         assert list(s.cpu.queue) == [ahead]
-        assert s.cpu.estimated_delay_s() == pytest.approx(s.cpu.job_seconds(8, 2040))
+        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 2040))
         late = Job(rid="b", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 90.0)
         s.submit_nowait(late, lane="cpu")
         assert not late.future.done()
@@ -935,3 +935,59 @@ def test_late_binding_does_not_start_a_job_no_lane_would_finish_in_time(memory: 
         assert job.future.exception() is not None
 
     asyncio.run(main())
+
+
+def test_the_cpu_lanes_running_work_counts_for_a_deadline(memory: MemoryModel) -> None:
+    """No device worker, and the CPU lane's one slot runs a request with about 25 s of work
+    left: a job with a 5 s deadline (0.2 s of its own work) would start only after it, so it is
+    refused at once, sent to the CPU lane or to the GPU lane alike (round 59: the running work
+    was not counted, so the job was queued and refused seconds later); once the running one has
+    run past its estimate, or given its slot back, the same job is taken."""
+
+    async def main() -> None:
+        s, clock, _gpu = _scheduler(memory)
+        s.gpu_workers.clear()  # the GPU lane hands its jobs to the CPU lane
+        long = Job(rid="long", prompt_tokens=8, max_tokens=1000, arrived_s=T0)  # about 25 s on the CPU lane
+        s.submit_nowait(long, lane="cpu")
+        d = long.future.result()
+        assert d.route == "cpu" and s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 1000))
+        clock.advance(5.0)
+        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 1000) - 5.0)
+        for lane in ("cpu", "gpu"):
+            job = Job(rid=f"late-{lane}", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 5.0)
+            try:
+                s.submit_nowait(job, lane=lane)
+            except CapacityError as exc:  # refused as it was queued
+                refused = exc
+            else:
+                assert job.future.done(), f"{lane}: queued behind 20 s of running work with a 5 s deadline"
+                with pytest.raises(CapacityError) as caught:
+                    job.future.result()
+                refused = caught.value
+            assert refused.code == "deadline_exceeded", lane
+            assert not s.cpu.queue
+        clock.advance(s.cpu.job_seconds(8, 1000))  # past its estimate: counted as done
+        assert s.cpu.estimated_delay_s(clock()) == 0.0
+        s.cpu_workers[0].release_slot("long")
+        s.finished("long", d, "ok")
+        assert s.cpu.running == {}
+        taken = Job(rid="taken", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 5.0)
+        s.submit_nowait(taken, lane="cpu")
+        assert taken.future.result().route == "cpu"
+
+    asyncio.run(main())
+
+
+def test_a_request_with_a_deadline_is_never_the_cpu_canary() -> None:
+    """The canary pins a request to the CPU lane: one with a deadline is never taken for it
+    (round 59: a canary the CPU lane would finish late was refused while the idle device would
+    have finished it in time), nor counted, so the others keep the configured share."""
+    from spillover.config import CpuLaneConfig
+    from spillover.runtime.chat import ChatModel
+
+    chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(canary_ratio=0.5))
+    picks = [chat.canary_due(True, deadline=i % 2 == 0) for i in range(8)]
+    assert picks == [False, False, False, True, False, False, False, True]
+    assert not ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(canary_ratio=1.0)).canary_due(
+        True, deadline=True
+    )

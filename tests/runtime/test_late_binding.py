@@ -208,7 +208,7 @@ def test_a_full_queue_says_retry_after_its_eta(memory: MemoryModel) -> None:
             s.submit_nowait(Job(rid=f"j{i}", prompt_tokens=100, max_tokens=100, arrived_s=clock()), lane="cpu")
         with pytest.raises(QueueFull) as e:
             s.check_room_nowait("cpu")
-        eta = s.cpu.estimated_delay_s()
+        eta = s.cpu.estimated_delay_s(clock())
         assert eta > 10 and e.value.retry_after_s == pytest.approx(eta)
 
     asyncio.run(main())

@@ -115,8 +115,8 @@ def test_the_cpu_profiles_gpu_lane_sheds_with_the_cpu_lanes_eta_and_each_lane_co
         for rid in ("q1", "q2"):  # the CPU queue full, with minutes of work ahead
             queued = Job(rid=rid, prompt_tokens=64, max_tokens=1000, arrived_s=clock())
             queued.enqueued_s = clock()
-            s.cpu.append(queued)
-        eta = s.cpu.estimated_delay_s()
+            s.cpu.append(queued, clock())
+        eta = s.cpu.estimated_delay_s(clock())
         assert eta > 5
         job = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=clock())
         s.submit_nowait(job)  # the GPU lane: admission routes it to the full CPU lane
@@ -158,7 +158,7 @@ def test_a_full_gpu_queue_spills_over_to_the_cpu_lane_before_it_refuses(memory: 
         assert not s.spills_over("a")  # the GPU lane's place (its queue, or the CPU beside it)
         waiting = Job(rid="a", prompt_tokens=8, max_tokens=8, arrived_s=0.0)
         waiting.enqueued_s = 0.0
-        s.gpu.append(waiting)  # the GPU queue full: admission holds it there for the GPU
+        s.gpu.append(waiting, 0.0)  # the GPU queue full: admission holds it there for the GPU
         s.release_place("a")
         s.hold_place("b")
         s.hold_place("c")  # the CPU lane's free slot and its queue's place

@@ -320,10 +320,12 @@ class ChatModel:
         n_train = self.tokenizer.n_ctx_train if self.tokenizer is not None else max(caps, default=0)
         return min(max(caps, default=0), n_train)
 
-    def canary_due(self, gpu: bool) -> bool:
-        """Whether this request is the CPU canary (a fixed share of normal traffic)."""
+    def canary_due(self, gpu: bool, deadline: bool = False) -> bool:
+        """Whether this request is the CPU canary (a fixed share of normal traffic). A request
+        with a deadline never is, nor counts towards the share: pinned to the CPU lane, it was
+        refused while an idle device would have finished it in time (round 59)."""
         ratio = self.cpu_lane.canary_ratio
-        if ratio <= 0 or not gpu or not self.cpu_path:
+        if ratio <= 0 or not gpu or not self.cpu_path or deadline:
             return False
         self._canary_n += 1
         return int(self._canary_n * ratio) > int((self._canary_n - 1) * ratio)

@@ -10,6 +10,7 @@ leaves which lane for which worker.
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,9 @@ class Lane:
         self.shed_total = 0
         self.expired_total = 0
         self.promised: set[str] = set()  # requests being accepted that were promised a place
+        # the requests running on its slots: when each started, and its estimated service time
+        # (``started``, ``ended``; only the CPU lane's are kept: its wait counts their remaining work)
+        self.running: dict[str, tuple[float, float]] = {}
         # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
         self.prefill_tps = 400.0
         self.decode_tps = 40.0
@@ -148,22 +152,37 @@ class Lane:
         through on that ground) gets the room the lane's context has."""
         return lane_max_tokens(job.prompt_tokens, job.max_tokens, self.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink)
 
-    def estimated_delay_s(self) -> float:
-        """Wait before a new job starts: the queued work ahead of it, each job at what it runs
-        with here (``max_tokens_of``; round 54b: a shrinkable job queued on the CPU lane was
-        counted at its whole GPU-sized ``max_tokens``), spread over the lane's slots (the
-        running requests' remaining work is not counted)."""
-        work = sum(self.job_seconds(j.prompt_tokens, self.max_tokens_of(j)) for j in self.queue)
-        return work / max(1, self.cfg.slots)
+    def started(self, job: Job, now: float) -> None:
+        """``job`` started on one of this lane's slots at ``now``, for its estimated time here."""
+        self.running[job.rid] = (now, self.job_seconds(job.prompt_tokens, self.max_tokens_of(job)))
+
+    def ended(self, rid: str) -> None:
+        """A request that ran here gave its slot back (no-op for one not running here)."""
+        self.running.pop(rid, None)
+
+    def estimated_delay_s(self, now: float) -> float:
+        """Wait before a new job starts: each slot is free once its running request's remaining
+        work is done (round 59: with every slot busy, a job no lane would finish in time was
+        queued, and refused seconds later, where the running work said so at once; one past its
+        estimate counts as done), and the queued jobs ahead take the earliest free slot in turn,
+        each at what it runs with here (``max_tokens_of``; round 54b: a shrinkable job queued on
+        the CPU lane was counted at its whole GPU-sized ``max_tokens``)."""
+        slots = max(1, self.cfg.slots, len(self.running))
+        free_at = [max(0.0, t + s - now) for t, s in self.running.values()]
+        free_at += [0.0] * (slots - len(free_at))
+        heapq.heapify(free_at)
+        for j in self.queue:
+            heapq.heappush(free_at, heapq.heappop(free_at) + self.job_seconds(j.prompt_tokens, self.max_tokens_of(j)))
+        return free_at[0]
 
     def __repr__(self) -> str:
         return f"<Lane {self.name} queued={len(self.queue)}/{self.cfg.queue_depth}>"
 
-    def append(self, job: Job) -> None:
-        """Put a job at the end of this lane, with its position and the estimated wait here."""
+    def append(self, job: Job, now: float) -> None:
+        """Put a job at the end of this lane at ``now``, with its position and the estimated wait here."""
         job.lane = self.name
         job.position = len(self.queue) + 1
-        job.estimated_delay_ms = int(self.estimated_delay_s() * 1000)
+        job.estimated_delay_ms = int(self.estimated_delay_s(now) * 1000)
         self.queue.append(job)
 
     def statistics(self, now: float, workers: list[WorkerClient], ctx_cap_tokens: int | None = None) -> LaneStatistics:
@@ -182,7 +201,7 @@ class Lane:
             expired_total=self.expired_total,
             prefill_tps=round(self.prefill_tps, 1),
             decode_tps=round(self.decode_tps, 1),
-            estimated_delay_ms=int(self.estimated_delay_s() * 1000),
+            estimated_delay_ms=int(self.estimated_delay_s(now) * 1000),
             queued=tuple(
                 {
                     "rid": j.rid,

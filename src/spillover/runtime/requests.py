@@ -316,7 +316,7 @@ class RequestService:
             if not exe.fits_cpu():  # too long for the CPU lane: the GPU lane's refusal, nothing journaled
                 chat.scheduler.refuse_spill()
             exe.prefer_cpu(Reason.GPU_QUEUE_FULL)
-        elif chat.canary_due(gw.device is not None):
+        elif chat.canary_due(gw.device is not None, deadline=deadline_ms is not None):
             exe.prefer_cpu(Reason.CANARY)
         if deadline_ms is not None:
             exe.deadline_s = time.monotonic() + deadline_ms / 1000

@@ -261,7 +261,7 @@ class Scheduler:
             self._check_deadline(job)
         self._check_room(lane)
         job.enqueued_s = self.clock()
-        lane.append(job)
+        lane.append(job, job.enqueued_s)
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
 
     def _check_deadline(self, job: Job) -> None:
@@ -282,7 +282,9 @@ class Scheduler:
         would run with there (a shrinkable job is cut to the CPU lane's context)."""
         if lane is not self.cpu:
             return lane.job_seconds(job.prompt_tokens, job.max_tokens)
-        return self.cpu.estimated_delay_s() + self.cpu.job_seconds(job.prompt_tokens, self.cpu.max_tokens_of(job))
+        return self.cpu.estimated_delay_s(self.clock()) + self.cpu.job_seconds(
+            job.prompt_tokens, self.cpu.max_tokens_of(job)
+        )
 
     def _device_max_tokens(self, job: Job) -> int:
         """The ``max_tokens`` a job runs with on the device at most: a shrinkable one is cut to
@@ -464,6 +466,8 @@ class Scheduler:
         ``client`` only end a probe)."""
         if d.route in DEVICE_ROUTES and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
+        if d.route == "cpu":
+            self.cpu.ended(rid)
         if self.policy is not None and outcome in ATTEMPT_OUTCOMES:
             if d.route == "gpu":
                 self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, self.clock(), self.policy.breaker)
@@ -658,7 +662,7 @@ class Scheduler:
                 return
             job.last_reason = d.reason
             job.movable = True  # late binding checks the deadline itself (``_may_move``)
-            self.cpu.append(job)
+            self.cpu.append(job, now)
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
             (self.cpu if d.refusal == Reason.CPU_QUEUE_FULL else self.gpu).shed_total += 1  # whose queue was full
@@ -1063,6 +1067,9 @@ class Scheduler:
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""
         self._host_held = False
+        claimed = {rid for w in self.cpu_workers for rid in w.claimed}
+        for rid in [r for r in self.cpu.running if r not in claimed]:  # its slot went back without ``finished``
+            self.cpu.ended(rid)
         while self.cpu.queue:
             worker = next((w for w in self.cpu_workers if w.free_slots > 0), None)
             if worker is None:
@@ -1077,6 +1084,7 @@ class Scheduler:
             job = self.cpu.queue.popleft()
             self.cpu.admitted_total += 1
             worker.claim_slot(job.rid)
+            self.cpu.started(job, now)
             self._note_busy(worker)
             reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
             cap = self.cpu.cfg.ctx_cap_tokens
@@ -1117,10 +1125,11 @@ class Scheduler:
         worker of its own (the ``cpu`` profile) hands all its jobs to the CPU lane: the CPU
         lane's ETA is its own."""
         lane = lane or self.cpu
-        eta = lane.estimated_delay_s()
+        now = self.clock()
+        eta = lane.estimated_delay_s(now)
         if lane is self.gpu and not (self.gpu_workers or self.split_workers):
-            eta = max(eta, self.cpu.estimated_delay_s())
-        return max(1.0, self.breaker.retry_after_s(self.clock()), eta)
+            eta = max(eta, self.cpu.estimated_delay_s(now))
+        return max(1.0, self.breaker.retry_after_s(now), eta)
 
     def statistics(self) -> list[LaneStatistics]:
         """A frozen snapshot of each lane, the GPU lane first."""
