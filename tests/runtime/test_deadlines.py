@@ -937,43 +937,40 @@ def test_late_binding_does_not_start_a_job_no_lane_would_finish_in_time(memory: 
     asyncio.run(main())
 
 
-def test_the_cpu_lanes_running_work_counts_for_a_deadline(memory: MemoryModel) -> None:
-    """No device worker, and the CPU lane's one slot runs a request with about 25 s of work
-    left: a job with a 5 s deadline (0.2 s of its own work) would start only after it, so it is
-    refused at once, sent to the CPU lane or to the GPU lane alike (round 59: the running work
-    was not counted, so the job was queued and refused seconds later); once the running one has
-    run past its estimate, or given its slot back, the same job is taken."""
+def test_the_cpu_lanes_running_work_counts_for_its_wait_not_for_a_deadline(memory: MemoryModel) -> None:
+    """No device worker, and the CPU lane's one slot runs a request with at most 25 s of work
+    left: the lane's estimated wait and Retry-After count it (round 59: they left it out), but
+    a job with a 5 s deadline (0.2 s of its own) is queued, not refused at once, as the running
+    one may end at its next token (round 60: counted at its ``max_tokens``, it had such jobs
+    refused that it would have let through in time). It ends a second later and the job is
+    taken; one queued behind a request that outlasts its last start is refused then."""
 
     async def main() -> None:
         s, clock, _gpu = _scheduler(memory)
         s.gpu_workers.clear()  # the GPU lane hands its jobs to the CPU lane
-        long = Job(rid="long", prompt_tokens=8, max_tokens=1000, arrived_s=T0)  # about 25 s on the CPU lane
+        long = Job(rid="long", prompt_tokens=8, max_tokens=1000, arrived_s=T0)  # at most 25 s
         s.submit_nowait(long, lane="cpu")
         d = long.future.result()
         assert d.route == "cpu" and s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 1000))
-        clock.advance(5.0)
-        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 1000) - 5.0)
+        clock.advance(0.5)
+        assert s._retry_after_s(s.cpu) == pytest.approx(s.cpu.job_seconds(8, 1000) - 0.5)
+        assert abs(s.statistics()[-1].estimated_delay_ms - 1000 * (s.cpu.job_seconds(8, 1000) - 0.5)) <= 1
         for lane in ("cpu", "gpu"):
-            job = Job(rid=f"late-{lane}", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 5.0)
-            try:
-                s.submit_nowait(job, lane=lane)
-            except CapacityError as exc:  # refused as it was queued
-                refused = exc
-            else:
-                assert job.future.done(), f"{lane}: queued behind 20 s of running work with a 5 s deadline"
-                with pytest.raises(CapacityError) as caught:
-                    job.future.result()
-                refused = caught.value
-            assert refused.code == "deadline_exceeded", lane
-            assert not s.cpu.queue
-        clock.advance(s.cpu.job_seconds(8, 1000))  # past its estimate: counted as done
-        assert s.cpu.estimated_delay_s(clock()) == 0.0
+            job = Job(rid=f"early-{lane}", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 5.0)
+            s.submit_nowait(job, lane=lane)
+            assert not job.future.done(), f"{lane}: refused on work that may end at its next token"
+        clock.advance(0.5)
         s.cpu_workers[0].release_slot("long")
         s.finished("long", d, "ok")
-        assert s.cpu.running == {}
-        taken = Job(rid="taken", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 5.0)
-        s.submit_nowait(taken, lane="cpu")
-        assert taken.future.result().route == "cpu"
+        s.pump_once()
+        taken = s.cpu.queue[0] if s.cpu.queue else None
+        assert set(s.cpu.running) == {"early-cpu"} and taken is not None and taken.rid == "early-gpu"
+        late_by = s.cpu.job_seconds(8, 8)
+        clock.advance(5.0 - 0.5 - late_by + 0.01)  # early-cpu still runs past early-gpu's last start
+        s.pump_once()
+        with pytest.raises(CapacityError) as refused:
+            taken.future.result()
+        assert refused.value.code == "deadline_exceeded"
 
     asyncio.run(main())
 

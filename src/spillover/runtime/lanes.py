@@ -122,9 +122,10 @@ class Lane:
         self.shed_total = 0
         self.expired_total = 0
         self.promised: set[str] = set()  # requests being accepted that were promised a place
-        # the requests running on its slots: when each started, and its estimated service time
-        # (``started``, ``ended``; only the CPU lane's are kept: its wait counts their remaining work)
-        self.running: dict[str, tuple[float, float]] = {}
+        # the requests running on its slots: when each started, its prompt and ``max_tokens`` here
+        # (``started``, ``ended``; only the CPU lane's are kept: its wait counts their remaining
+        # work, at the lane's speed now)
+        self.running: dict[str, tuple[float, int, int]] = {}
         # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
         self.prefill_tps = 400.0
         self.decode_tps = 40.0
@@ -153,22 +154,23 @@ class Lane:
         return lane_max_tokens(job.prompt_tokens, job.max_tokens, self.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink)
 
     def started(self, job: Job, now: float) -> None:
-        """``job`` started on one of this lane's slots at ``now``, for its estimated time here."""
-        self.running[job.rid] = (now, self.job_seconds(job.prompt_tokens, self.max_tokens_of(job)))
+        """``job`` started on one of this lane's slots at ``now``."""
+        self.running[job.rid] = (now, job.prompt_tokens, self.max_tokens_of(job))
 
     def ended(self, rid: str) -> None:
         """A request that ran here gave its slot back (no-op for one not running here)."""
         self.running.pop(rid, None)
 
-    def estimated_delay_s(self, now: float) -> float:
+    def estimated_delay_s(self, now: float, running: bool = True) -> float:
         """Wait before a new job starts: each slot is free once its running request's remaining
-        work is done (round 59: with every slot busy, a job no lane would finish in time was
-        queued, and refused seconds later, where the running work said so at once; one past its
-        estimate counts as done), and the queued jobs ahead take the earliest free slot in turn,
+        work is done (one past its estimate counts as done; with ``running`` False, every slot
+        is taken as free now), and the queued jobs ahead take the earliest free slot in turn,
         each at what it runs with here (``max_tokens_of``; round 54b: a shrinkable job queued on
-        the CPU lane was counted at its whole GPU-sized ``max_tokens``)."""
+        the CPU lane was counted at its whole GPU-sized ``max_tokens``). A running request is
+        timed at its whole ``max_tokens``, the most it may take: Retry-After and ``/v1/status``
+        count it (round 59: they left it out), a client's deadline does not (``Scheduler._eta_s``)."""
         slots = max(1, self.cfg.slots, len(self.running))
-        free_at = [max(0.0, t + s - now) for t, s in self.running.values()]
+        free_at = [max(0.0, t + self.job_seconds(p, m) - now) for t, p, m in self.running.values()] if running else []
         free_at += [0.0] * (slots - len(free_at))
         heapq.heapify(free_at)
         for j in self.queue:

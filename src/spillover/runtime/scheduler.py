@@ -277,12 +277,17 @@ class Scheduler:
             )
 
     def _eta_s(self, job: Job, lane: Lane) -> float:
-        """How long ``job`` would take on ``lane`` from now: the work queued ahead of it (none
-        on the GPU lane, where it starts when admitted) and its own, at the ``max_tokens`` it
-        would run with there (a shrinkable job is cut to the CPU lane's context)."""
+        """How long ``job`` would take on ``lane`` from now, for its deadline: the work queued
+        ahead of it (none on the GPU lane, where it starts when admitted) and its own, at the
+        ``max_tokens`` it would run with there (a shrinkable job is cut to the CPU lane's
+        context). The CPU lane's running requests are not counted: any of them may end at its
+        next token, so a job they would make late at their ``max_tokens`` is queued, and
+        refused at its last start if they have not ended by then (round 60: counted at their
+        ``max_tokens``, they had a quarter of the deadline requests a CPU-only lane would have
+        served in time refused at once, where answers end early)."""
         if lane is not self.cpu:
             return lane.job_seconds(job.prompt_tokens, job.max_tokens)
-        return self.cpu.estimated_delay_s(self.clock()) + self.cpu.job_seconds(
+        return self.cpu.estimated_delay_s(self.clock(), running=False) + self.cpu.job_seconds(
             job.prompt_tokens, self.cpu.max_tokens_of(job)
         )
 
