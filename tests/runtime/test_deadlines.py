@@ -959,6 +959,12 @@ def test_the_cpu_lanes_running_work_counts_for_its_wait_not_for_a_deadline(memor
             job = Job(rid=f"early-{lane}", prompt_tokens=8, max_tokens=8, arrived_s=clock(), deadline_s=clock() + 5.0)
             s.submit_nowait(job, lane=lane)
             assert not job.future.done(), f"{lane}: refused on work that may end at its next token"
+        own = Job(rid="own", prompt_tokens=8, max_tokens=400, arrived_s=clock(), deadline_s=clock() + 5.0)
+        with pytest.raises(CapacityError) as too_long:  # 10 s of its own: refused at once, and told
+            s.submit_nowait(own, lane="cpu")  # to come back once the running and queued work is done
+        waits = s.cpu.estimated_delay_s(clock()) + s.cpu.job_seconds(8, 400)
+        assert too_long.value.code == "deadline_exceeded" and too_long.value.retry_after_s == pytest.approx(waits)
+        assert waits > s.cpu.job_seconds(8, 1000)  # round 61: the running one's 24.5 s were left out
         clock.advance(0.5)
         s.cpu_workers[0].release_slot("long")
         s.finished("long", d, "ok")

@@ -265,29 +265,31 @@ class Scheduler:
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
 
     def _check_deadline(self, job: Job) -> None:
-        """Refuse at once a CPU job that cannot finish before the client's deadline."""
+        """Refuse at once a CPU job that cannot finish before the client's deadline; the
+        refusal's estimate and Retry-After count the lane's running requests too (round 61:
+        they did not, so a client that retried then was refused again)."""
         if job.deadline_s is None:
             return
-        est = self._eta_s(job, self.cpu)
-        if self.clock() + est > job.deadline_s:
+        if self.clock() + self._eta_s(job, self.cpu) > job.deadline_s:
+            est = self._eta_s(job, self.cpu, running=True)
             raise CapacityError(
                 f"the CPU lane would finish this request in about {est:.1f}s, after its deadline",
                 retry_after_s=max(1.0, est),
                 code="deadline_exceeded",
             )
 
-    def _eta_s(self, job: Job, lane: Lane) -> float:
+    def _eta_s(self, job: Job, lane: Lane, running: bool = False) -> float:
         """How long ``job`` would take on ``lane`` from now, for its deadline: the work queued
         ahead of it (none on the GPU lane, where it starts when admitted) and its own, at the
         ``max_tokens`` it would run with there (a shrinkable job is cut to the CPU lane's
-        context). The CPU lane's running requests are not counted: any of them may end at its
-        next token, so a job they would make late at their ``max_tokens`` is queued, and
-        refused at its last start if they have not ended by then (round 60: counted at their
-        ``max_tokens``, they had a quarter of the deadline requests a CPU-only lane would have
-        served in time refused at once, where answers end early)."""
+        context). The CPU lane's running requests are counted only with ``running``: any of
+        them may end at its next token, so a job they would make late at their ``max_tokens``
+        is queued, and refused at its last start if they have not ended by then (round 60:
+        counted at their ``max_tokens``, they had a quarter of the deadline requests a CPU-only
+        lane would have served in time refused at once, where answers end early)."""
         if lane is not self.cpu:
             return lane.job_seconds(job.prompt_tokens, job.max_tokens)
-        return self.cpu.estimated_delay_s(self.clock(), running=False) + self.cpu.job_seconds(
+        return self.cpu.estimated_delay_s(self.clock(), running=running) + self.cpu.job_seconds(
             job.prompt_tokens, self.cpu.max_tokens_of(job)
         )
 
