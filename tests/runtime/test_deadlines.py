@@ -994,3 +994,30 @@ def test_a_request_with_a_deadline_is_never_the_cpu_canary() -> None:
     assert not ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(canary_ratio=1.0)).canary_due(
         True, deadline=True
     )
+
+
+def test_the_gpu_lanes_wait_counts_its_running_requests(memory: MemoryModel) -> None:
+    """A request running on the device's one slot: the GPU lane's estimated wait (``/v1/status``,
+    a GPU-queued job's ``estimated_delay_ms``, Retry-After of its full queue) is its remaining
+    work, as the CPU lane's is (round 60: it read 0 with every device slot busy); it is 0 once
+    the request ended, or once its worker let go of it without an end (a worker that died)."""
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        first = Job(rid="first", prompt_tokens=8, max_tokens=400, arrived_s=T0)
+        s.submit_nowait(first)
+        d = first.future.result()
+        assert d.route == "gpu" and set(s.gpu.running) == {"first"}
+        clock.advance(1.0)
+        assert abs(s.statistics()[0].estimated_delay_ms - 1000 * (s.gpu.job_seconds(8, 400) - 1.0)) <= 1
+        gpu.release_slot("first")
+        s.finished("first", d, "ok")
+        assert s.gpu.running == {} and s.statistics()[0].estimated_delay_ms == 0
+        again = Job(rid="again", prompt_tokens=8, max_tokens=400, arrived_s=clock())
+        s.submit_nowait(again)
+        assert again.future.result().route == "gpu" and set(s.gpu.running) == {"again"}
+        gpu.release_slot("again")  # its worker died: the slot went back, no ``finished`` yet
+        s.pump_once()
+        assert s.gpu.running == {} and s.gpu.estimated_delay_s(clock()) == 0.0
+
+    asyncio.run(main())

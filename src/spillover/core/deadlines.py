@@ -5,8 +5,9 @@ A job's ``DeadlineFacts`` hold, at ``now_s``, its client's ``deadline_s``, the d
 estimate of its own work (``device_s``: the GPU lane's measured speed, fed by the resident's
 and the split's runs; before any, the lanes' common first guess) and the CPU lane's from now
 (``cpu_s``: the work queued ahead of it and its own, at the ``max_tokens`` it would run with
-there, not its running requests', which may end at any token; infinite when the CPU lane could not take it: no ready worker, no place in its queue,
-held by the host-RAM guard, no CPU route, or the job too long for its context). Each lane's
+there, not its running requests', which may end at any token; infinite when the CPU lane
+could not take it: no ready worker, no place in its queue, held by the host-RAM guard, no CPU
+route, or the job too long for its context). Each lane's
 estimate is at the ``max_tokens`` the job runs with there (a shrinkable job cut to its context).
 
 Rules:

@@ -122,9 +122,9 @@ class Lane:
         self.shed_total = 0
         self.expired_total = 0
         self.promised: set[str] = set()  # requests being accepted that were promised a place
-        # the requests running on its slots: when each started, its prompt and ``max_tokens`` here
-        # (``started``, ``ended``; only the CPU lane's are kept: its wait counts their remaining
-        # work, at the lane's speed now)
+        # the requests running on its workers' slots: when each started, its prompt and
+        # ``max_tokens`` there (``started``, ``ended``): its wait counts their remaining work, at
+        # the lane's speed now
         self.running: dict[str, tuple[float, int, int]] = {}
         # Running estimates (EWMA) of this lane's speed, from the workers' own timings.
         self.prefill_tps = 400.0
@@ -153,13 +153,20 @@ class Lane:
         through on that ground) gets the room the lane's context has."""
         return lane_max_tokens(job.prompt_tokens, job.max_tokens, self.cfg.ctx_cap_tokens, shrinkable=job.allow_shrink)
 
-    def started(self, job: Job, now: float) -> None:
-        """``job`` started on one of this lane's slots at ``now``."""
-        self.running[job.rid] = (now, job.prompt_tokens, self.max_tokens_of(job))
+    def started(self, job: Job, now: float, max_tokens: int) -> None:
+        """``job`` started on one of this lane's workers at ``now``, with ``max_tokens`` there."""
+        self.running[job.rid] = (now, job.prompt_tokens, max_tokens)
 
     def ended(self, rid: str) -> None:
         """A request that ran here gave its slot back (no-op for one not running here)."""
         self.running.pop(rid, None)
+
+    def forget_unclaimed(self, workers: list[WorkerClient]) -> None:
+        """End the running requests none of ``workers`` holds a slot for any more (a worker
+        that died or restarted let go of them before their ``ended``)."""
+        claimed = {rid for w in workers for rid in w.claimed}
+        for rid in [r for r in self.running if r not in claimed]:
+            del self.running[rid]
 
     def estimated_delay_s(self, now: float, running: bool = True) -> float:
         """Wait before a new job starts: each slot is free once its running request's remaining

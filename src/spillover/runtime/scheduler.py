@@ -473,8 +473,9 @@ class Scheduler:
         ``client`` only end a probe)."""
         if d.route in DEVICE_ROUTES and self.ledger is not None and self.ledger.holds(rid):
             self.ledger.release(rid, self.clock())
-        if d.route == "cpu":
-            self.cpu.ended(rid)
+        lane = self.gpu if d.route in DEVICE_ROUTES else self.cpu
+        if lane is not None:  # the attempt's own lane (a failover's next attempt may run already)
+            lane.ended(rid)
         if self.policy is not None and outcome in ATTEMPT_OUTCOMES:
             if d.route == "gpu":
                 self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, self.clock(), self.policy.breaker)
@@ -542,6 +543,9 @@ class Scheduler:
         now = self.clock()
         self._delay_due = math.inf
         self._cpu_may_start = None
+        self.cpu.forget_unclaimed(self.cpu_workers)
+        if self.gpu is not None:
+            self.gpu.forget_unclaimed(self.gpu_workers + self.split_workers)
         if self.policy is not None:
             self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.policy.breaker)
             self.split_breaker = advance(self.split_breaker, BreakerEvent.TICK, now, self.policy.breaker)
@@ -741,6 +745,7 @@ class Scheduler:
         self.gpu.admitted_total += 1
         max_tokens = d.max_tokens if isinstance(d, Shrink) else job.max_tokens
         worker.claim_slot(job.rid)
+        self.gpu.started(job, now, max_tokens)
         job.future.set_result(
             Dispatch(
                 worker,
@@ -901,7 +906,7 @@ class Scheduler:
         """Hand ``job`` (queued on ``lane``, its reservation ``fp`` made) the split worker's slot;
         ``cause``: why it left the resident profile (``resident_does_not_fit`` when only the
         split runs)."""
-        assert self.policy is not None
+        assert self.policy is not None and self.gpu is not None
         self.split_breaker, probe_round = probe_started(self.split_breaker, now, self.policy.breaker)
         lane.queue.remove(job)
         self.split_total += 1
@@ -913,6 +918,7 @@ class Scheduler:
             {"t_s": round(now, 3), "rid": job.rid, "decision": "split", "reason": str(reason), "route": "split"}
         )
         worker.claim_slot(job.rid)
+        self.gpu.started(job, now, max_tokens)
         job.future.set_result(
             Dispatch(
                 worker,
@@ -1074,9 +1080,6 @@ class Scheduler:
     def _dispatch_cpu(self, now: float) -> None:
         self.cpu_blocked = ""
         self._host_held = False
-        claimed = {rid for w in self.cpu_workers for rid in w.claimed}
-        for rid in [r for r in self.cpu.running if r not in claimed]:  # its slot went back without ``finished``
-            self.cpu.ended(rid)
         while self.cpu.queue:
             worker = next((w for w in self.cpu_workers if w.free_slots > 0), None)
             if worker is None:
@@ -1091,11 +1094,11 @@ class Scheduler:
             job = self.cpu.queue.popleft()
             self.cpu.admitted_total += 1
             worker.claim_slot(job.rid)
-            self.cpu.started(job, now)
+            max_tokens = self.cpu.max_tokens_of(job)
+            self.cpu.started(job, now, max_tokens)
             self._note_busy(worker)
             reason = job.last_reason if job.last_reason is not None else Reason.CPU_LANE
             cap = self.cpu.cfg.ctx_cap_tokens
-            max_tokens = self.cpu.max_tokens_of(job)
             job.future.set_result(
                 Dispatch(
                     worker,
