@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,7 @@ class Lane:
         self.prefill_tps = 400.0
         self.decode_tps = 40.0
         self.samples = 0
+        self.completion_tokens: float | None = None  # tokens a finished request wrote (EWMA)
 
     def free(self) -> int:
         return self.cfg.queue_depth - len(self.queue)
@@ -142,6 +144,8 @@ class Lane:
         decode_s = total_s - prefill_s
         if decode_s > 0 and completion_tokens > 1:
             self.decode_tps += alpha * ((completion_tokens - 1) / decode_s - self.decode_tps)
+        last = self.completion_tokens
+        self.completion_tokens = completion_tokens if last is None else last + alpha * (completion_tokens - last)
         self.samples += 1
 
     def job_seconds(self, prompt_tokens: int, max_tokens: int) -> float:
@@ -168,49 +172,61 @@ class Lane:
         for rid in [r for r in self.running if r not in claimed]:
             del self.running[rid]
 
-    def estimated_delay_s(self, now: float, running: bool = True) -> float:
-        """Wait before a new job starts: each slot is free once its running request's remaining
-        work is done (one past its estimate counts as done; with ``running`` False, every slot
-        is taken as free now), and the queued jobs ahead take the earliest free slot in turn,
-        each at what it runs with here (``max_tokens_of``; round 54b: a shrinkable job queued on
-        the CPU lane was counted at its whole GPU-sized ``max_tokens``). A running request is
-        timed at its whole ``max_tokens``, the most it may take: Retry-After and ``/v1/status``
-        count it (round 59: they left it out), a client's deadline does not (``Scheduler._eta_s``)."""
-        slots = max(1, self.cfg.slots, len(self.running))
-        free_at = [max(0.0, t + self.job_seconds(p, m) - now) for t, p, m in self.running.values()] if running else []
+    def estimated_delay_s(self, now: float, slots: int | None = None, running: bool = True) -> float:
+        """Wait before a new job starts on ``slots`` (its workers' slots; by default the lane's
+        configured count): each slot is free once its running request's remaining work is done,
+        and the queued jobs ahead take the earliest free slot in turn, each at what it runs with
+        here (``max_tokens_of``; round 54b: a shrinkable job queued on the CPU lane was counted
+        at its whole GPU-sized ``max_tokens``); never under the queued work spread over the
+        slots (round 62: a lane held by the host-RAM guard, or with its worker down, read 0
+        with a job queued: nothing starts there). A running request is timed at the tokens this
+        lane's requests have been writing (at most its ``max_tokens``, all of it before any
+        ended: round 62, an open-ended one counted its whole context), and counts as done once
+        past that; Retry-After and ``/v1/status`` count it (round 59: they left it out), a
+        client's deadline does not (``running`` False: ``Scheduler._eta_s``)."""
+        slots = max(1, self.cfg.slots if slots is None else slots, len(self.running))
+        ahead = [self.job_seconds(j.prompt_tokens, self.max_tokens_of(j)) for j in self.queue]
+        free_at = [max(0.0, t + self._expected_s(p, m) - now) for t, p, m in self.running.values()] if running else []
         free_at += [0.0] * (slots - len(free_at))
         heapq.heapify(free_at)
-        for j in self.queue:
-            heapq.heappush(free_at, heapq.heappop(free_at) + self.job_seconds(j.prompt_tokens, self.max_tokens_of(j)))
-        return free_at[0]
+        for work in ahead:
+            heapq.heappush(free_at, heapq.heappop(free_at) + work)
+        return max(free_at[0], sum(ahead) / slots)
+
+    def _expected_s(self, prompt_tokens: int, max_tokens: int) -> float:
+        """A running request's expected service time here (``estimated_delay_s``)."""
+        tokens = max_tokens if self.completion_tokens is None else min(max_tokens, math.ceil(self.completion_tokens))
+        return self.job_seconds(prompt_tokens, tokens)
 
     def __repr__(self) -> str:
         return f"<Lane {self.name} queued={len(self.queue)}/{self.cfg.queue_depth}>"
 
-    def append(self, job: Job, now: float) -> None:
-        """Put a job at the end of this lane at ``now``, with its position and the estimated wait here."""
+    def append(self, job: Job, now: float, slots: int | None = None) -> None:
+        """Put a job at the end of this lane at ``now``, with its position and the estimated
+        wait here (on ``slots``: ``estimated_delay_s``)."""
         job.lane = self.name
         job.position = len(self.queue) + 1
-        job.estimated_delay_ms = int(self.estimated_delay_s(now) * 1000)
+        job.estimated_delay_ms = int(self.estimated_delay_s(now, slots) * 1000)
         self.queue.append(job)
 
     def statistics(self, now: float, workers: list[WorkerClient], ctx_cap_tokens: int | None = None) -> LaneStatistics:
         """A frozen snapshot of this lane, served by ``workers`` whose longest context is
         ``ctx_cap_tokens`` (by default the lane's configured cap)."""
+        slots = sum(w.spec.slots for w in workers)
         return LaneStatistics(
             lane=self.name,
             depth=len(self.queue),
             max_depth=self.cfg.queue_depth,
             oldest_age_s=round(now - self.queue[0].enqueued_s, 3) if self.queue else 0.0,
             running=sum(w.busy for w in workers),
-            slots=sum(w.spec.slots for w in workers),
+            slots=slots,
             ctx_cap_tokens=self.cfg.ctx_cap_tokens if ctx_cap_tokens is None else ctx_cap_tokens,
             admitted_total=self.admitted_total,
             shed_total=self.shed_total,
             expired_total=self.expired_total,
             prefill_tps=round(self.prefill_tps, 1),
             decode_tps=round(self.decode_tps, 1),
-            estimated_delay_ms=int(self.estimated_delay_s(now) * 1000),
+            estimated_delay_ms=int(self.estimated_delay_s(now, slots) * 1000),
             queued=tuple(
                 {
                     "rid": j.rid,

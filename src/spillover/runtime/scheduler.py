@@ -261,7 +261,7 @@ class Scheduler:
             self._check_deadline(job)
         self._check_room(lane)
         job.enqueued_s = self.clock()
-        lane.append(job, job.enqueued_s)
+        lane.append(job, job.enqueued_s, self._slots(lane))
         self.pump_once()  # a free slot takes the job at once: queue bounds stay exact
 
     def _check_deadline(self, job: Job) -> None:
@@ -278,6 +278,13 @@ class Scheduler:
                 code="deadline_exceeded",
             )
 
+    def _slots(self, lane: Lane) -> int:
+        """The slots of the workers that take ``lane``'s jobs: the CPU workers', or the
+        resident's and the split worker's (round 62: the GPU lane's configured count left the
+        split's out, or counted a resident the split-only profile does not have)."""
+        workers = self.cpu_workers if lane is self.cpu else self.gpu_workers + self.split_workers
+        return sum(w.spec.slots for w in workers)
+
     def _eta_s(self, job: Job, lane: Lane, running: bool = False) -> float:
         """How long ``job`` would take on ``lane`` from now, for its deadline: the work queued
         ahead of it (none on the GPU lane, where it starts when admitted) and its own, at the
@@ -289,7 +296,7 @@ class Scheduler:
         lane would have served in time refused at once, where answers end early)."""
         if lane is not self.cpu:
             return lane.job_seconds(job.prompt_tokens, job.max_tokens)
-        return self.cpu.estimated_delay_s(self.clock(), running=running) + self.cpu.job_seconds(
+        return self.cpu.estimated_delay_s(self.clock(), self._slots(self.cpu), running) + self.cpu.job_seconds(
             job.prompt_tokens, self.cpu.max_tokens_of(job)
         )
 
@@ -673,7 +680,7 @@ class Scheduler:
                 return
             job.last_reason = d.reason
             job.movable = True  # late binding checks the deadline itself (``_may_move``)
-            self.cpu.append(job, now)
+            self.cpu.append(job, now, self._slots(self.cpu))
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
             (self.cpu if d.refusal == Reason.CPU_QUEUE_FULL else self.gpu).shed_total += 1  # whose queue was full
@@ -1136,9 +1143,9 @@ class Scheduler:
         lane's ETA is its own."""
         lane = lane or self.cpu
         now = self.clock()
-        eta = lane.estimated_delay_s(now)
+        eta = lane.estimated_delay_s(now, self._slots(lane))
         if lane is self.gpu and not (self.gpu_workers or self.split_workers):
-            eta = max(eta, self.cpu.estimated_delay_s(now))
+            eta = max(eta, self.cpu.estimated_delay_s(now, self._slots(self.cpu)))
         return max(1.0, self.breaker.retry_after_s(now), eta)
 
     def statistics(self) -> list[LaneStatistics]:

@@ -1,0 +1,95 @@
+"""A lane's estimated wait (``Lane.estimated_delay_s``: Retry-After, ``/v1/status``, a queued
+job's ``X-Spillover-Estimated-Delay-Ms``) on the slots of the workers that take its jobs, with
+its running requests at the tokens its requests have been writing (round 62: the GPU lane's
+configured slots left the split's out; a held lane read 0 with a job queued; an open-ended
+running request counted its whole context)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from spillover.core.memory import MemoryModel
+from spillover.runtime.scheduler import Job
+from tests.runtime.fakes import ready_worker
+from tests.runtime.test_deadlines import T0, _host, _scheduler
+
+
+def _close(ms: int, seconds: float) -> bool:
+    return abs(ms - 1000 * seconds) <= 1
+
+
+def test_the_split_workers_slot_is_one_of_the_gpu_lanes(memory: MemoryModel) -> None:
+    """Split-only (its one slot; ``[gpu_lane]`` says two, the resident's, which this profile
+    does not run): a request running there is the lane's whole wait (round 62: 0)."""
+
+    async def main() -> None:
+        s, _clock, _split = _scheduler(memory, split=True)
+        s.gpu.cfg = dataclasses.replace(s.gpu.cfg, slots=2)
+        job = Job(rid="a", prompt_tokens=8, max_tokens=400, arrived_s=T0)
+        s.submit_nowait(job)
+        assert job.future.result().route == "split" and s.statistics()[0].slots == 1
+        assert _close(s.statistics()[0].estimated_delay_ms, s.gpu.job_seconds(8, 400))
+
+    asyncio.run(main())
+
+
+def test_a_free_resident_slot_beside_a_busy_split_is_no_wait(memory: MemoryModel) -> None:
+    """A resident with two slots and the split's one: a request running on the split and one
+    on the resident leave a resident slot free, so the GPU lane's wait is 0 (round 62: its
+    configured one slot made it 3.7 s)."""
+
+    async def main() -> None:
+        s, _clock, split = _scheduler(memory, split=True, resident=True)
+        s.gpu_workers[0] = resident = ready_worker("gpu0", "gpu", slots=2)
+        for worker, rid in ((resident, "on-resident"), (split, "on-split")):
+            worker.claim_slot(rid)
+            s.gpu.started(Job(rid=rid, prompt_tokens=8, max_tokens=400, arrived_s=T0), T0, 400)
+        s.pump_once()
+        stats = s.statistics()[0]
+        assert (stats.running, stats.slots, stats.estimated_delay_ms) == (2, 3, 0)
+        resident.claim_slot("third")
+        s.gpu.started(Job(rid="third", prompt_tokens=8, max_tokens=40, arrived_s=T0), T0, 40)
+        assert _close(s.statistics()[0].estimated_delay_ms, s.gpu.job_seconds(8, 40))  # the soonest to end
+
+    asyncio.run(main())
+
+
+def test_a_held_lane_waits_its_queued_work(memory: MemoryModel) -> None:
+    """Two CPU slots, both free, held by the host-RAM guard with one job queued: nothing
+    starts, so the wait is the queued work over the slots, not 0 (round 62: 0 ms in
+    ``/v1/status``, Retry-After a second)."""
+
+    async def main() -> None:
+        s, _clock, _gpu = _scheduler(memory)
+        s.cpu_workers[0] = ready_worker("cpu0", "cpu", slots=2)
+        s.host_view = lambda running: _host(budget_bytes=1)  # no room for a context
+        held = Job(rid="held", prompt_tokens=8, max_tokens=400, arrived_s=T0)
+        s.submit_nowait(held, lane="cpu")
+        assert not held.future.done() and list(s.cpu.queue) == [held]
+        assert _close(s.statistics()[-1].estimated_delay_ms, s.cpu.job_seconds(8, 400) / 2)
+        assert s._retry_after_s(s.cpu) == pytest.approx(s.cpu.job_seconds(8, 400) / 2)
+
+    asyncio.run(main())
+
+
+def test_a_running_request_is_timed_at_what_the_lanes_requests_write(memory: MemoryModel) -> None:
+    """An open-ended request (2,040 tokens of room) runs on the CPU lane's slot: before any
+    request ended, its wait is that whole room; once requests have been ending after about 20
+    tokens, it is 20 tokens' time, and 0 once past that."""
+
+    async def main() -> None:
+        s, clock, _gpu = _scheduler(memory)
+        s.gpu_workers.clear()
+        long = Job(rid="open", prompt_tokens=8, max_tokens=2040, arrived_s=T0)
+        s.submit_nowait(long, lane="cpu")
+        assert long.future.result().route == "cpu"
+        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 2040))
+        s.record_timing("cpu", prompt_tokens=8, completion_tokens=20, prefill_s=0.02, total_s=0.5)
+        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 20))
+        clock.advance(s.cpu.job_seconds(8, 20) + 0.01)
+        assert s.cpu.estimated_delay_s(clock()) == 0.0 and s._retry_after_s(s.cpu) == 1.0
+
+    asyncio.run(main())
