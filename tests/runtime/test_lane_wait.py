@@ -78,7 +78,9 @@ def test_a_held_lane_waits_its_queued_work(memory: MemoryModel) -> None:
 def test_a_running_request_is_timed_at_what_the_lanes_requests_write(memory: MemoryModel) -> None:
     """An open-ended request (2,040 tokens of room) runs on the CPU lane's slot: before any
     request ended, its wait is that whole room; once requests have been ending after about 20
-    tokens, it is 20 tokens' time, and 0 once past that."""
+    tokens, it is 20 tokens' time; past that it is a long answer, timed at its whole room again
+    (round 63: it counted as done, so Retry-After said a second while it held the slot); 0 once
+    past that too."""
 
     async def main() -> None:
         s, clock, _gpu = _scheduler(memory)
@@ -86,10 +88,37 @@ def test_a_running_request_is_timed_at_what_the_lanes_requests_write(memory: Mem
         long = Job(rid="open", prompt_tokens=8, max_tokens=2040, arrived_s=T0)
         s.submit_nowait(long, lane="cpu")
         assert long.future.result().route == "cpu"
-        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 2040))
+
+        def whole() -> float:  # its room's time at the lane's speed now
+            return s.cpu.job_seconds(8, 2040)
+
+        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(whole())
         s.record_timing("cpu", prompt_tokens=8, completion_tokens=20, prefill_s=0.02, total_s=0.5)
         assert s.cpu.estimated_delay_s(clock()) == pytest.approx(s.cpu.job_seconds(8, 20))
         clock.advance(s.cpu.job_seconds(8, 20) + 0.01)
+        assert s.cpu.estimated_delay_s(clock()) == pytest.approx(whole() - (clock() - T0))
+        s.record_timing("cpu", prompt_tokens=8, completion_tokens=0, prefill_s=0.02, total_s=0.02)
+        clock.advance(30.0)  # past any typical length: what is left of its room
+        assert s._retry_after_s(s.cpu) == pytest.approx(whole() - (clock() - T0))
+        clock.advance(whole())
         assert s.cpu.estimated_delay_s(clock()) == 0.0 and s._retry_after_s(s.cpu) == 1.0
+
+    asyncio.run(main())
+
+
+def test_the_chat_rows_eta_is_the_soonest_lane_with_workers(memory: MemoryModel) -> None:
+    """The ``cpu`` profile (no device worker): the chat row's ``eta_s`` in ``/v1/status`` is
+    the CPU lane's wait, not the empty GPU lane's 0 (round 63)."""
+    from spillover.config import CpuLaneConfig, LaneConfig
+    from spillover.runtime.chat import ChatModel
+
+    async def main() -> None:
+        s, _clock, _gpu = _scheduler(memory)
+        s.gpu_workers.clear()
+        s.off_device = True
+        s.submit_nowait(Job(rid="long", prompt_tokens=8, max_tokens=400, arrived_s=T0), lane="cpu")
+        chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(), scheduler=s)
+        row = chat.status_row(None, primary=True)
+        assert row["eta_s"] == pytest.approx(s.cpu.job_seconds(8, 400), abs=0.002)
 
     asyncio.run(main())

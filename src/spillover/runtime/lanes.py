@@ -179,24 +179,29 @@ class Lane:
         here (``max_tokens_of``; round 54b: a shrinkable job queued on the CPU lane was counted
         at its whole GPU-sized ``max_tokens``); never under the queued work spread over the
         slots (round 62: a lane held by the host-RAM guard, or with its worker down, read 0
-        with a job queued: nothing starts there). A running request is timed at the tokens this
-        lane's requests have been writing (at most its ``max_tokens``, all of it before any
-        ended: round 62, an open-ended one counted its whole context), and counts as done once
-        past that; Retry-After and ``/v1/status`` count it (round 59: they left it out), a
-        client's deadline does not (``running`` False: ``Scheduler._eta_s``)."""
+        with a job queued: nothing starts there). A running request's remaining work is
+        ``_remaining_s``'s; Retry-After and ``/v1/status`` count it (round 59: they left it
+        out), a client's deadline does not (``running`` False: ``Scheduler._eta_s``)."""
         slots = max(1, self.cfg.slots if slots is None else slots, len(self.running))
         ahead = [self.job_seconds(j.prompt_tokens, self.max_tokens_of(j)) for j in self.queue]
-        free_at = [max(0.0, t + self._expected_s(p, m) - now) for t, p, m in self.running.values()] if running else []
+        free_at = [self._remaining_s(t, p, m, now) for t, p, m in self.running.values()] if running else []
         free_at += [0.0] * (slots - len(free_at))
         heapq.heapify(free_at)
         for work in ahead:
             heapq.heappush(free_at, heapq.heappop(free_at) + work)
         return max(free_at[0], sum(ahead) / slots)
 
-    def _expected_s(self, prompt_tokens: int, max_tokens: int) -> float:
-        """A running request's expected service time here (``estimated_delay_s``)."""
-        tokens = max_tokens if self.completion_tokens is None else min(max_tokens, math.ceil(self.completion_tokens))
-        return self.job_seconds(prompt_tokens, tokens)
+    def _remaining_s(self, started_s: float, prompt_tokens: int, max_tokens: int, now: float) -> float:
+        """The work left to a request running here since ``started_s``: until the tokens this
+        lane's requests have been writing (round 62: an open-ended one counted its whole
+        context), and once past that, or before any request ended, until its ``max_tokens``
+        (round 63: one past the typical length counted as done, so Retry-After said a second
+        while a long answer held the slot); 0 once past its ``max_tokens``."""
+        ends = [started_s + self.job_seconds(prompt_tokens, max_tokens)]
+        if self.completion_tokens is not None:
+            typical = min(max_tokens, math.ceil(self.completion_tokens))
+            ends.insert(0, started_s + self.job_seconds(prompt_tokens, typical))
+        return max(0.0, next((end for end in ends if end > now), now) - now)
 
     def __repr__(self) -> str:
         return f"<Lane {self.name} queued={len(self.queue)}/{self.cfg.queue_depth}>"
