@@ -291,7 +291,7 @@ def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without
     from spillover.runtime.lanes import Dispatch
 
     recovered: list[float] = []
-    sched = SimpleNamespace(confirmed=lambda rid: None, record_timing=lambda *a: None, finished=lambda *a: None)
+    sched = SimpleNamespace(confirmed=lambda rid: None, record_timing=lambda *a, **k: None, finished=lambda *a: None)
     exe = execution(sched, on_recovered=recovered.append)  # type: ignore[arg-type]
     exe._fault_at = time.monotonic() - 0.5  # the GPU attempt failed half a second ago
 
@@ -318,6 +318,48 @@ def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without
     asyncio.run(go())
     assert len(recovered) == 1 and 500 <= recovered[0] < 5000, recovered
     assert exe._fault_at is None
+
+
+def test_a_continuation_feeds_its_prefill_and_its_answers_length() -> None:
+    """A streamed answer resumed after 3 delivered tokens writes 5 more: its lane's speed is fed
+    the tokens the attempt prefilled (the 3-token prompt and the 3 delivered) and the 5 it
+    wrote, its typical answer length the 8 the client got (round 63: the prefill counted the
+    new tokens too, the length only the attempt's)."""
+    from spillover.core.routing import Reason as R
+    from spillover.runtime.events import Done, Started, Token
+    from spillover.runtime.lanes import Dispatch
+
+    fed: list[tuple[Any, ...]] = []
+    sched = SimpleNamespace(
+        confirmed=lambda rid: None,
+        record_timing=lambda *a, **k: fed.append((*a, k)),
+        finished=lambda *a: None,
+    )
+    exe = execution(sched, incremental=True)  # type: ignore[arg-type]
+    exe.delivered.extend([7, 8, 9])
+
+    async def generate(_msg: dict[str, Any]) -> Any:
+        yield Started()
+        for i in range(5):
+            yield Token(i, "x")
+        yield Done("stop", 5, 0.01, 0.2)
+
+    w = SimpleNamespace(
+        generate=generate,
+        has_event=lambda rid: False,
+        interrupt=lambda rid: None,
+        when_stopped=lambda rid: None,
+        release_slot=lambda rid: None,
+        spec=SimpleNamespace(worker_id="cpu0"),
+    )
+    d = Dispatch(w, "cpu", R.CPU_LANE, 8, 11, 0, False, 0.0)  # type: ignore[arg-type]
+    job = SimpleNamespace(running=False, released=False, dispatch=d)
+
+    async def go() -> list[Any]:
+        return [ev async for ev in exe._run_attempt(job, d)]  # type: ignore[arg-type]
+
+    asyncio.run(go())
+    assert fed == [("cpu", 6, 5, 0.01, 0.2, {"answer_tokens": 8})]
 
 
 def test_a_failover_the_cpu_lane_refuses_is_reported_on_the_cpu_lane() -> None:

@@ -122,3 +122,16 @@ def test_the_chat_rows_eta_is_the_soonest_lane_with_workers(memory: MemoryModel)
         assert row["eta_s"] == pytest.approx(s.cpu.job_seconds(8, 400), abs=0.002)
 
     asyncio.run(main())
+
+
+def test_the_typical_length_is_the_answers_not_the_attempts() -> None:
+    """A continuation's attempt wrote 2 tokens of a 200-token answer: the lane's speed takes
+    the 2, its typical answer length the 200 (round 63: it took the 2)."""
+    from spillover.config import LaneConfig
+    from spillover.runtime.lanes import Lane
+
+    lane = Lane("cpu", LaneConfig())
+    lane.record(8, 2, 0.02, 0.07, answer_tokens=200)
+    assert lane.completion_tokens == 200 and lane.decode_tps == pytest.approx(1 / 0.05)
+    lane.record(8, 100, 0.02, 2.5)  # a whole answer: its own tokens
+    assert lane.completion_tokens == pytest.approx(200 + 0.3 * (100 - 200))

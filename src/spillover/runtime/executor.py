@@ -488,6 +488,7 @@ class Execution:
         if self._cancelled or self._timed_out:
             raise self._stopped_error()
         job.running = True
+        prefix = len(self.delivered)  # a continuation's tokens, prefilled after its prompt
         it = d.worker.generate(self._msg(d))
         pending = functools.partial(d.worker.has_event, self.rid)
         steady_s = self._stall_s(d, prefill=False)
@@ -512,14 +513,15 @@ class Execution:
                     yield ev
                 elif isinstance(ev, Done):
                     outcome = "ok"
-                    self.scheduler.record_timing(
+                    total = len(self.delivered) if self.incremental else ev.completion_tokens
+                    self.scheduler.record_timing(  # the attempt's prefill and tokens; the answer's length
                         d.route,
-                        len(self._prompt(d.route)) + len(self.delivered),
+                        len(self._prompt(d.route)) + prefix,
                         ev.completion_tokens,
                         ev.prefill_s,
                         ev.total_s,
+                        answer_tokens=total,
                     )
-                    total = len(self.delivered) if self.incremental else ev.completion_tokens
                     yield Finished(ev.finish_reason, total)
                     return
         except _Stopped:

@@ -136,16 +136,26 @@ class Lane:
     def free(self) -> int:
         return self.cfg.queue_depth - len(self.queue)
 
-    def record(self, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float) -> None:
-        """Feed one finished request's measured timings into the speed estimates."""
+    def record(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        prefill_s: float,
+        total_s: float,
+        answer_tokens: int | None = None,
+    ) -> None:
+        """Feed one finished attempt's measured timings into the speed estimates, and its
+        answer's length (``answer_tokens``, by default ``completion_tokens``) into the typical
+        length (round 63: a continuation fed only its own tokens)."""
         alpha = 0.3 if self.samples else 1.0
         if prefill_s > 0 and prompt_tokens > 0:
             self.prefill_tps += alpha * (prompt_tokens / prefill_s - self.prefill_tps)
         decode_s = total_s - prefill_s
         if decode_s > 0 and completion_tokens > 1:
             self.decode_tps += alpha * ((completion_tokens - 1) / decode_s - self.decode_tps)
+        answer = completion_tokens if answer_tokens is None else answer_tokens
         last = self.completion_tokens
-        self.completion_tokens = completion_tokens if last is None else last + alpha * (completion_tokens - last)
+        self.completion_tokens = answer if last is None else last + alpha * (answer - last)
         self.samples += 1
 
     def job_seconds(self, prompt_tokens: int, max_tokens: int) -> float:

@@ -459,12 +459,20 @@ class Scheduler:
             self._wake.set()
 
     def record_timing(
-        self, lane: str, prompt_tokens: int, completion_tokens: int, prefill_s: float, total_s: float
+        self,
+        lane: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        prefill_s: float,
+        total_s: float,
+        answer_tokens: int | None = None,
     ) -> None:
-        """Feed a finished request's measured speed into its lane's running estimate."""
+        """Feed a finished attempt's measured speed (the tokens it prefilled and wrote) and its
+        answer's length (``answer_tokens``, a continuation's delivered tokens too; by default
+        ``completion_tokens``) into its lane's running estimates."""
         target = self.gpu if lane in DEVICE_ROUTES else self.cpu  # a split's runs are the device's (not the CPU lane's)
         if target is not None:
-            target.record(prompt_tokens, completion_tokens, prefill_s, total_s)
+            target.record(prompt_tokens, completion_tokens, prefill_s, total_s, answer_tokens)
         if target is self.gpu:
             self.device_measured_s = self.clock()
 
