@@ -76,21 +76,30 @@ def test_a_budget_between_the_modes_picks_the_cheapest_that_meets_it() -> None:
     """The budget set halfway between two modes' measured figures (read from a first run)
     picks the cheapest mode that meets it by the second run's own figures: mmap, unless the
     second run measured differently (on two busy cores a figure can move by more than the
-    gap), and then the mode those figures call for, never another."""
+    gap), and then the mode those figures call for, never another. A new measurement is picked
+    on at the next host reading, so the mode is read once it follows the figures it is shown
+    with (a snapshot between the two showed mmap with figures that called for on_demand)."""
     with gateway("auto", budget_ms=1.0) as gw:
         rec = settled(gw, "warm")["recovery_ms"]
     budget = (rec["mmap"] + rec["on_demand"]) / 2  # mmap meets it, on_demand does not
     with gateway("auto", budget_ms=budget) as gw:
+        seen: list[dict[str, Any]] = []
 
         def picked() -> dict[str, Any] | None:
             r = readiness(gw)
-            return r if r["mode"] == r["holding"] and r["why"] != "not_measured" else None
+            seen.append(r)
+            if r["mode"] != r["holding"] or r["why"] == "not_measured":
+                return None
+            now = r["recovery_ms"]
+            return (
+                r if r["mode"] == next((m for m in ("on_demand", "mmap", "warm") if now[m] <= budget), "warm") else None
+            )
 
-        r = wait_for(picked, 30, "CPU replica settled")
-        now = r["recovery_ms"]
-        expected = next((m for m in ("on_demand", "mmap", "warm") if now[m] <= budget), "warm")
-        assert r["mode"] == expected, (budget, rec, r)
-        if expected == "mmap":  # the usual case (the first run's figures held)
+        try:
+            r = wait_for(picked, 30, "CPU replica settled on the mode its figures call for")
+        except TimeoutError:
+            raise AssertionError((budget, rec, seen[-1])) from None
+        if r["mode"] == "mmap":  # the usual case (the first run's figures held)
             assert r["why"] == "cheapest_within_budget" and r["model_loaded"] and r["contexts"] == 0
 
 
