@@ -281,25 +281,18 @@ def test_a_failover_does_not_return_after_a_stall_or_with_its_runs_last_attempt(
     assert sched.submitted[0][0].returns
 
 
-@pytest.mark.parametrize("tokens", [0, 2])
-def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without_a_token(tokens: int) -> None:
-    """Round 27: after a fault, the CPU replica's recovery (fault to first CPU result) is told
-    at its first token; when its answer has none (the first token it samples ends it), at its
-    end. Before, such an answer left ``last_failover`` at the failover before."""
+def _run_cpu_attempt(exe: Execution, tokens: int, done: Any) -> None:
+    """Run one attempt of ``exe`` on a stand-in CPU worker that starts, writes ``tokens``
+    tokens and ends with ``done``."""
     from spillover.core.routing import Reason as R
-    from spillover.runtime.events import Done, Started, Token
+    from spillover.runtime.events import Started, Token
     from spillover.runtime.lanes import Dispatch
-
-    recovered: list[float] = []
-    sched = SimpleNamespace(confirmed=lambda rid: None, record_timing=lambda *a, **k: None, finished=lambda *a: None)
-    exe = execution(sched, on_recovered=recovered.append)  # type: ignore[arg-type]
-    exe._fault_at = time.monotonic() - 0.5  # the GPU attempt failed half a second ago
 
     async def generate(_msg: dict[str, Any]) -> Any:
         yield Started()
         for i in range(tokens):
             yield Token(i, "x")
-        yield Done("stop", tokens, 0.01, 0.02)
+        yield done
 
     w = SimpleNamespace(
         generate=generate,
@@ -316,6 +309,20 @@ def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without
         return [ev async for ev in exe._run_attempt(job, d)]  # type: ignore[arg-type]
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_a_replicas_recovery_is_timed_to_its_first_result_even_an_answer_without_a_token(tokens: int) -> None:
+    """Round 27: after a fault, the CPU replica's recovery (fault to first CPU result) is told
+    at its first token; when its answer has none (the first token it samples ends it), at its
+    end. Before, such an answer left ``last_failover`` at the failover before."""
+    from spillover.runtime.events import Done
+
+    recovered: list[float] = []
+    sched = SimpleNamespace(confirmed=lambda rid: None, record_timing=lambda *a, **k: None, finished=lambda *a: None)
+    exe = execution(sched, on_recovered=recovered.append)  # type: ignore[arg-type]
+    exe._fault_at = time.monotonic() - 0.5  # the GPU attempt failed half a second ago
+    _run_cpu_attempt(exe, tokens, Done("stop", tokens, 0.01, 0.02))
     assert len(recovered) == 1 and 500 <= recovered[0] < 5000, recovered
     assert exe._fault_at is None
 
@@ -325,9 +332,7 @@ def test_a_continuation_feeds_its_prefill_and_its_answers_length() -> None:
     the tokens the attempt prefilled (the 3-token prompt and the 3 delivered) and the 5 it
     wrote, its typical answer length the 8 the client got (round 63: the prefill counted the
     new tokens too, the length only the attempt's)."""
-    from spillover.core.routing import Reason as R
-    from spillover.runtime.events import Done, Started, Token
-    from spillover.runtime.lanes import Dispatch
+    from spillover.runtime.events import Done
 
     fed: list[tuple[Any, ...]] = []
     sched = SimpleNamespace(
@@ -337,28 +342,7 @@ def test_a_continuation_feeds_its_prefill_and_its_answers_length() -> None:
     )
     exe = execution(sched, incremental=True)  # type: ignore[arg-type]
     exe.delivered.extend([7, 8, 9])
-
-    async def generate(_msg: dict[str, Any]) -> Any:
-        yield Started()
-        for i in range(5):
-            yield Token(i, "x")
-        yield Done("stop", 5, 0.01, 0.2)
-
-    w = SimpleNamespace(
-        generate=generate,
-        has_event=lambda rid: False,
-        interrupt=lambda rid: None,
-        when_stopped=lambda rid: None,
-        release_slot=lambda rid: None,
-        spec=SimpleNamespace(worker_id="cpu0"),
-    )
-    d = Dispatch(w, "cpu", R.CPU_LANE, 8, 11, 0, False, 0.0)  # type: ignore[arg-type]
-    job = SimpleNamespace(running=False, released=False, dispatch=d)
-
-    async def go() -> list[Any]:
-        return [ev async for ev in exe._run_attempt(job, d)]  # type: ignore[arg-type]
-
-    asyncio.run(go())
+    _run_cpu_attempt(exe, 5, Done("stop", 5, 0.01, 0.2))
     assert fed == [("cpu", 6, 5, 0.01, 0.2, {"answer_tokens": 8})]
 
 

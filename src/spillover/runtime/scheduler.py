@@ -278,12 +278,15 @@ class Scheduler:
                 code="deadline_exceeded",
             )
 
+    def _workers_of(self, lane: Lane) -> list[WorkerClient]:
+        """The workers that take ``lane``'s jobs: the CPU workers, or the resident and the
+        split worker."""
+        return self.cpu_workers if lane is self.cpu else self.gpu_workers + self.split_workers
+
     def _slots(self, lane: Lane) -> int:
-        """The slots of the workers that take ``lane``'s jobs: the CPU workers', or the
-        resident's and the split worker's (round 62: the GPU lane's configured count left the
+        """The slots of ``_workers_of(lane)`` (round 62: the GPU lane's configured count left the
         split's out, or counted a resident the split-only profile does not have)."""
-        workers = self.cpu_workers if lane is self.cpu else self.gpu_workers + self.split_workers
-        return sum(w.spec.slots for w in workers)
+        return sum(w.spec.slots for w in self._workers_of(lane))
 
     def _eta_s(self, job: Job, lane: Lane, running: bool = False) -> float:
         """How long ``job`` would take on ``lane`` from now, for its deadline: the work queued
@@ -558,9 +561,9 @@ class Scheduler:
         now = self.clock()
         self._delay_due = math.inf
         self._cpu_may_start = None
-        self.cpu.forget_unclaimed(self.cpu_workers)
-        if self.gpu is not None:
-            self.gpu.forget_unclaimed(self.gpu_workers + self.split_workers)
+        for lane in (self.cpu, self.gpu):
+            if lane is not None:
+                lane.forget_unclaimed(self._workers_of(lane))
         if self.policy is not None:
             self.breaker = advance(self.breaker, BreakerEvent.TICK, now, self.policy.breaker)
             self.split_breaker = advance(self.split_breaker, BreakerEvent.TICK, now, self.policy.breaker)
@@ -1159,7 +1162,7 @@ class Scheduler:
     def statistics(self) -> list[LaneStatistics]:
         """A frozen snapshot of each lane, the GPU lane first."""
         now = self.clock()
-        out = [self.cpu.statistics(now, self.cpu_workers)]
+        out = [self.cpu.statistics(now, self._workers_of(self.cpu))]
         if self.gpu is not None:  # the longest context it serves: the resident's (fewer tokens on a
             # small device) or the split worker's, as admission counts them (it showed its configured
             # cap); none by plan (the cpu profile)
@@ -1167,5 +1170,5 @@ class Scheduler:
             caps += [self.split_ctx_cap_tokens] if self.split_workers else []
             cap = max(caps) if caps else 0 if self.off_device else None
             # its running and slots: the resident's and the split worker's (both take its jobs)
-            out.insert(0, self.gpu.statistics(now, self.gpu_workers + self.split_workers, cap))
+            out.insert(0, self.gpu.statistics(now, self._workers_of(self.gpu), cap))
         return out
