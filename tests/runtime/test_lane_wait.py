@@ -124,6 +124,26 @@ def test_the_chat_rows_eta_is_the_soonest_lane_with_workers(memory: MemoryModel)
     asyncio.run(main())
 
 
+def test_the_chat_rows_eta_leaves_out_a_lane_whose_workers_are_down(memory: MemoryModel) -> None:
+    """The device's worker dead and the CPU lane's one slot running a request: the chat row's
+    ``eta_s`` is the CPU lane's wait, where a request starts now, not the dead device's empty
+    lane's 0 (round 64); with the device back, its 0 again."""
+    from spillover.config import CpuLaneConfig, LaneConfig
+    from spillover.runtime.chat import ChatModel
+    from spillover.runtime.worker_client import WorkerState
+
+    async def main() -> None:
+        s, _clock, gpu = _scheduler(memory)
+        s.submit_nowait(Job(rid="long", prompt_tokens=8, max_tokens=400, arrived_s=T0), lane="cpu")
+        chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(), scheduler=s)
+        gpu.state = WorkerState.DEAD
+        assert chat.status_row(None, primary=True)["eta_s"] == pytest.approx(s.cpu.job_seconds(8, 400), abs=0.002)
+        gpu.state = WorkerState.READY
+        assert chat.status_row(None, primary=True)["eta_s"] == 0
+
+    asyncio.run(main())
+
+
 def test_the_typical_length_is_the_answers_not_the_attempts() -> None:
     """A continuation's attempt wrote 2 tokens of a 200-token answer: the lane's speed takes
     the 2, its typical answer length the 200 (round 63: it took the 2)."""

@@ -388,8 +388,7 @@ class ChatModel:
             "why": why,
             "queued": queued,
             "running": sum(x.running for x in lanes),
-            # the soonest of the lanes with workers (round 63: the cpu profile's GPU lane has none)
-            "eta_s": round(min((x.estimated_delay_ms for x in lanes if x.slots), default=0) / 1000, 3),
+            "eta_s": round(self.scheduler.soonest_wait_s(), 3),
             "device_bytes": self.device_bytes(ledger),
             "cpu_readiness": self.readiness.status() if self.readiness is not None else None,
             "profile": (

@@ -1159,6 +1159,16 @@ class Scheduler:
             eta = max(eta, self.cpu.estimated_delay_s(now, self._slots(self.cpu)))
         return max(1.0, self.breaker.retry_after_s(now), eta)
 
+    def soonest_wait_s(self) -> float:
+        """The chat row's ``eta_s`` in ``/v1/status``: the soonest wait of a lane with a ready
+        worker, else of a lane with workers at all (round 63: the ``cpu`` profile's GPU lane has
+        none; round 64: a dead worker's lane read 0 while its requests went to the other), 0
+        with none."""
+        now = self.clock()
+        lanes = [lane for lane in (self.gpu, self.cpu) if lane is not None and self._workers_of(lane)]
+        ready = [lane for lane in lanes if any(w.state is WorkerState.READY for w in self._workers_of(lane))]
+        return min((lane.estimated_delay_s(now, self._slots(lane)) for lane in ready or lanes), default=0.0)
+
     def statistics(self) -> list[LaneStatistics]:
         """A frozen snapshot of each lane, the GPU lane first."""
         now = self.clock()
