@@ -412,6 +412,8 @@ def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
         retry_s = max(0.0, float(retry))
         headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
         headers["retry-after-ms"] = str(int(retry_s * 1000))
+        if isinstance(exc, CapacityError):  # the wait it was refused for (round 65: the answer's own said 0)
+            headers["X-Spillover-Estimated-Delay-Ms"] = headers["retry-after-ms"]
     person = for_people(exc)
     body: dict[str, Any] = {
         "error": {

@@ -187,12 +187,14 @@ def test_parse_device() -> None:
 
 
 def test_to_http_shapes() -> None:
-    """Errors map to OpenAI-shaped bodies; capacity errors carry Retry-After."""
+    """Errors map to OpenAI-shaped bodies; capacity errors carry Retry-After, and the same wait
+    as their estimated delay (round 65: a refusal's answer said 0 beside Retry-After: 16)."""
     e = to_http(InvalidRequest("bad", param="temperature"))
     assert e.status == 400 and e.body["error"]["param"] == "temperature"
     assert to_http(ContextLengthExceeded("long")).body["error"]["code"] == "context_length_exceeded"
     q = to_http(QueueFull("full", retry_after_s=2.5))
     assert q.status == 503 and q.headers["Retry-After"] == "3" and q.headers["retry-after-ms"] == "2500"
+    assert q.headers["X-Spillover-Estimated-Delay-Ms"] == "2500"  # the wait it was refused for, not 0
     assert to_http(RuntimeError("x")).status == 500
 
 
