@@ -46,7 +46,7 @@ from spillover.errors import ConfigError
 from spillover.runtime.executor import Execution
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.scheduler import Scheduler
-from spillover.runtime.supervisor import Supervisor, cannot_start
+from spillover.runtime.supervisor import Supervisor, back_in_s, cannot_start
 from spillover.runtime.worker_client import WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
@@ -163,6 +163,9 @@ class ChatModel:
             host_guard=gw.cfg.device.host_guard,
         )
         self.scheduler.cannot_start = lambda: cannot_start(f"chat model {self.name!r}", self.supervisors)
+        self.scheduler.device_back_in_s = lambda: back_in_s(
+            [s for s in self.supervisors if s.worker.spec.lane != "cpu"], time.monotonic()
+        )
         if gpu and gw.device is not None and gw.ledger is not None:
             usable, held = gw.ledger.usable_bytes, dict[str, int]()
             while True:  # a plan with less room holds fewer weights, so more services fit after them

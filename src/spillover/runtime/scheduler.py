@@ -147,6 +147,9 @@ class Scheduler:
         # The refusal while no worker of the model can start (set by the chat model:
         # ``runtime.supervisor.cannot_start``); None while one is ready or has not failed.
         self.cannot_start: Callable[[], NoWorkerReady | None] = lambda: None
+        # How soon a device worker is expected ready (set by the chat model:
+        # ``runtime.supervisor.back_in_s`` over its resident and split workers; inf: not expected).
+        self.device_back_in_s: Callable[[], float] = lambda: math.inf
         self.decisions: deque[dict[str, Any]] = deque(maxlen=50)
         self.decision_counts: dict[str, int] = {}
         self.rebound_total = 0  # jobs routed to the CPU lane that the GPU took after all (late binding)
@@ -272,11 +275,28 @@ class Scheduler:
             return
         if self.clock() + self._eta_s(job, self.cpu) > job.deadline_s:
             est = self._eta_s(job, self.cpu, running=True)
+            back = self._device_back_s(job)
+            again = f"; the device is expected back in about {back:.1f}s" if back < est else ""
             raise CapacityError(
-                f"the CPU lane would finish this request in about {est:.1f}s, after its deadline",
-                retry_after_s=max(1.0, est),
+                f"the CPU lane would finish this request in about {est:.1f}s, after its deadline{again}",
+                retry_after_s=max(1.0, min(est, back)),
                 code="deadline_exceeded",
             )
+
+    def _device_back_s(self, job: Job) -> float:
+        """While no device worker is ready: how soon a device worker is expected ready to take
+        ``job`` (``device_back_in_s``, and the device breaker's cooldown should it have opened)
+        and finish it (round 65: a refusal while the device restarted in 2 s said 16 s, the CPU
+        lane's queue); infinity while one is ready (its own estimates decide) or none is
+        expected."""
+        device = self.gpu_workers + self.split_workers
+        if self.gpu is None or not device or any(w.state is WorkerState.READY for w in device):
+            return math.inf
+        back = self.device_back_in_s()
+        if back == math.inf:
+            return back
+        back = max(back, self.breaker.retry_after_s(self.clock()))
+        return back + self.gpu.job_seconds(job.prompt_tokens, job.max_tokens)
 
     def _workers_of(self, lane: Lane) -> list[WorkerClient]:
         """The workers that take ``lane``'s jobs: the CPU workers, or the resident and the
@@ -732,7 +752,7 @@ class Scheduler:
                 job,
                 CapacityError(
                     "waited in the cpu queue until it could no longer finish before its deadline",
-                    retry_after_s=self._retry_after_s(self.cpu),
+                    retry_after_s=max(1.0, min(self._retry_after_s(self.cpu), self._device_back_s(job))),
                     code="deadline_exceeded",
                 ),
             )

@@ -28,6 +28,10 @@ Rules:
    is told (the owner's pass on that event already sees it), the attempt after it counts as a
    restart, and its Retry-After is that attempt's time (while a retry runs, the time of the
    one after it, should the retry fail as the last start did).
+9. Each successful start's length is kept (``start_took_s``): how soon a dead worker is expected
+   back (``back_in_s``: its back-off's rest, then a start as long as its last) tells a client
+   refused meanwhile when to come back (round 65: a refusal while the device restarted in 2 s
+   said 16 s, the CPU lane's queue).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -76,6 +81,24 @@ def cannot_start(what: str, supervisors: Iterable[Supervisor]) -> NoWorkerReady 
     )
 
 
+def back_in_s(supervisors: Iterable[Supervisor], now: float) -> float:
+    """Rule 9: how soon one of ``supervisors``' workers is expected ready, from ``now``
+    (monotonic): 0 when one is; one starting, at its last start's length from when it began;
+    one waiting out its back-off (or the device's release), that wait and then such a start.
+    Infinity when none is expected: no start measured yet, parked, stopped, or its last start
+    failed (rule 8 answers for those)."""
+    soonest = math.inf
+    for s in supervisors:
+        if s.worker.state is WorkerState.READY:
+            return 0.0
+        took = s.start_took_s
+        if took is None or not s.restarting or s.start_failure is not None:
+            continue
+        start = s.start_began_s if s.starting else max(now, s.next_start_s)
+        soonest = min(soonest, max(0.0, start + took - now))
+    return soonest
+
+
 class Supervisor:
     """Keeps one worker running."""
 
@@ -105,6 +128,8 @@ class Supervisor:
         self._failed_start_s = 0.0  # how long the last failed start took to fail
         self.failed_starts = 0  # starts that failed since the worker was last ready
         self._starting = False  # a start is under way: its worker's death is a failed start
+        self.start_began_s = 0.0  # when the last start began (monotonic)
+        self.start_took_s: float | None = None  # how long the last successful start took (rule 9)
         self._stopping = False
         self._may_run = asyncio.Event()  # cleared while parked (rule 7)
         self._may_run.set()
@@ -132,6 +157,11 @@ class Supervisor:
     @property
     def parked(self) -> bool:
         return not self._may_run.is_set()
+
+    @property
+    def starting(self) -> bool:
+        """A start is under way (spawned, loading)."""
+        return self._starting
 
     @property
     def coming_back(self) -> bool:
@@ -201,7 +231,7 @@ class Supervisor:
             await self._wait_released(pid_before)
         if self._before_start is not None:  # e.g. the load's device memory must fit first (rule 6)
             await self._before_start(self.worker)
-        began = time.monotonic()
+        began = self.start_began_s = time.monotonic()
         if self.start_failure is not None:  # a retry: refusals meanwhile name the try after it
             self.next_start_s = began + self._failed_start_s + self.backoff_s
         try:
@@ -213,6 +243,7 @@ class Supervisor:
                 self._starting = False
             self.start_failure = None
             self.failed_starts = 0
+            self.start_took_s = time.monotonic() - began
             self._event(K.READY, f"pid={info.get('pid')}")
         except Exception as exc:
             self.start_failure = str(exc) or type(exc).__name__
