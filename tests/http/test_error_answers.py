@@ -99,3 +99,31 @@ def test_an_unexpected_error_answers_in_the_shape_of_its_route(path: str) -> Non
         assert body == {"error": "internal error: RuntimeError", "code": "internal_error", "param": None}
     else:
         assert body["error"]["code"] == "internal_error" and body["error"]["message"] == "internal error: RuntimeError"
+
+
+@pytest.mark.parametrize("generate", [False, True])
+def test_an_ollama_refusal_says_the_wait_it_was_refused_for_in_its_body_as_in_its_header(generate: bool) -> None:
+    """A 503 for capacity under /api/: the ``spillover`` object's ``estimated_delay_ms`` is the
+    wait the header gives (round 66: the body said 0 beside ``X-Spillover-Estimated-Delay-Ms:
+    2500``)."""
+    from types import SimpleNamespace
+
+    from spillover.errors import CapacityError
+    from spillover.http.ollama import NdjsonEncoding
+
+    run = SimpleNamespace(
+        rid="r1",
+        info=None,
+        req=SimpleNamespace(kind="chat", stream=False),
+        prep=SimpleNamespace(max_tokens=8, seed=1),
+        exe=SimpleNamespace(attempt=1),
+        degraded=lambda: False,
+        reason=lambda: None,
+        served_model=lambda: "m",
+        on_fallback=lambda: False,
+    )
+    err = CapacityError("the CPU lane would finish it late", retry_after_s=2.5, code="deadline_exceeded")
+    out = NdjsonEncoding(run, generate=generate).error(err, committed=False)  # type: ignore[arg-type]
+    body = json.loads(b"".join(out.frames))
+    assert out.status == 503 and out.headers["X-Spillover-Estimated-Delay-Ms"] == "2500"
+    assert body["spillover"]["estimated_delay_ms"] == 2500

@@ -144,6 +144,32 @@ def test_the_chat_rows_eta_leaves_out_a_lane_whose_workers_are_down(memory: Memo
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("why", ["breaker open", "dead cpu worker"])
+def test_the_chat_rows_eta_counts_only_the_slots_that_take_requests(memory: MemoryModel, why: str) -> None:
+    """The device ready but its breaker open (its requests go to the CPU lane), or a second
+    CPU worker dead beside the busy one: ``eta_s`` is the busy CPU slot's wait, not 0 (round
+    66: the open breaker's device read as taking requests, the dead worker's slot as free)."""
+    from spillover.config import CpuLaneConfig, LaneConfig
+    from spillover.core.breaker import Circuit
+    from spillover.runtime.chat import ChatModel
+    from spillover.runtime.worker_client import WorkerState
+
+    async def main() -> None:
+        s, clock, gpu = _scheduler(memory)
+        if why == "breaker open":
+            s.breaker = dataclasses.replace(s.breaker, circuit=Circuit.OPEN, opened_at_s=clock(), cooldown_s=30.0)
+        else:
+            gpu.state = WorkerState.DEAD
+            dead = ready_worker("cpu1", "cpu")
+            dead.state = WorkerState.DEAD
+            s.cpu_workers.append(dead)
+        s.submit_nowait(Job(rid="long", prompt_tokens=8, max_tokens=400, arrived_s=T0), lane="cpu")
+        chat = ChatModel("m", (), "normal", "m.gguf", LaneConfig(), CpuLaneConfig(), scheduler=s)
+        assert chat.status_row(None, primary=True)["eta_s"] == pytest.approx(s.cpu.job_seconds(8, 400), abs=0.002)
+
+    asyncio.run(main())
+
+
 def test_the_typical_length_is_the_answers_not_the_attempts() -> None:
     """A continuation's attempt wrote 2 tokens of a 200-token answer: the lane's speed takes
     the 2, its typical answer length the 200 (round 63: it took the 2)."""

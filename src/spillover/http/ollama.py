@@ -298,7 +298,10 @@ class NdjsonEncoding(AnswerShapes):
 
     def error(self, err: SpilloverError, *, committed: bool) -> Encoded:
         e = to_http(err, self.run.rid)
-        body = ollama_error_body(err) | {"spillover": self.spillover_object()}
+        sp = self.spillover_object()
+        if (refused_for := e.headers.get("X-Spillover-Estimated-Delay-Ms")) is not None:
+            sp["estimated_delay_ms"] = int(refused_for)  # as the header says (round 66)
+        body = ollama_error_body(err) | {"spillover": sp}
         if committed:
             return Encoded(200, [self._line(body)], self.headers(), NDJSON, e.body)
         return Encoded(e.status, [json.dumps(body).encode()], self.headers() | e.headers, JSON, e.body)

@@ -270,33 +270,56 @@ class Scheduler:
     def _check_deadline(self, job: Job) -> None:
         """Refuse at once a CPU job that cannot finish before the client's deadline; the
         refusal's estimate and Retry-After count the lane's running requests too (round 61:
-        they did not, so a client that retried then was refused again)."""
+        they did not, so a client that retried then was refused again), and, for a job the
+        device may take (``Job.movable``), the device's return while its worker restarts
+        (``_device_done_s``) when that is sooner."""
         if job.deadline_s is None:
             return
         if self.clock() + self._eta_s(job, self.cpu) > job.deadline_s:
-            est = self._eta_s(job, self.cpu, running=True)
-            back = self._device_back_s(job)
-            again = f"; the device is expected back in about {back:.1f}s" if back < est else ""
+            est = retry = self._eta_s(job, self.cpu, running=True)
+            again = ""
+            if (done := self._device_done_s(job)) < est:
+                retry, again = done, f"; the device is expected back in about {self._device_back_s(job):.1f}s"
             raise CapacityError(
                 f"the CPU lane would finish this request in about {est:.1f}s, after its deadline{again}",
-                retry_after_s=max(1.0, min(est, back)),
+                retry_after_s=max(1.0, retry),
                 code="deadline_exceeded",
             )
 
     def _device_back_s(self, job: Job) -> float:
-        """While no device worker is ready: how soon a device worker is expected ready to take
-        ``job`` (``device_back_in_s``, and the device breaker's cooldown should it have opened)
-        and finish it (round 65: a refusal while the device restarted in 2 s said 16 s, the CPU
-        lane's queue); infinity while one is ready (its own estimates decide) or none is
-        expected."""
+        """While no device worker is ready: how soon one is expected ready to take ``job``
+        (``device_back_in_s``; past the cooldown of its breaker should it have opened: the
+        resident's, or the split's for the split-only profile), round 65: a refusal while the
+        device restarted in 2 s said 16 s, the CPU lane's queue. Infinity while one is ready (its
+        own estimates decide), when none is expected, or for a job longer than the device's
+        context (the CPU lane's own)."""
         device = self.gpu_workers + self.split_workers
         if self.gpu is None or not device or any(w.state is WorkerState.READY for w in device):
+            return math.inf
+        cap = max(
+            self.gpu_ctx_cap_tokens if self.gpu_workers else 0, self.split_ctx_cap_tokens if self.split_workers else 0
+        )
+        if not fits_lane(
+            job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink, min_tokens=MIN_SHRUNK_TOKENS
+        ):
             return math.inf
         back = self.device_back_in_s()
         if back == math.inf:
             return back
-        back = max(back, self.breaker.retry_after_s(self.clock()))
-        return back + self.gpu.job_seconds(job.prompt_tokens, job.max_tokens)
+        now = self.clock()
+        breakers = [self.breaker] if self.gpu_workers else [self.split_breaker]
+        return max(back, min(b.retry_after_s(now) for b in breakers))
+
+    def _device_job_s(self, job: Job) -> float:
+        """The device's estimate of ``job``'s own work, at what it would run with there."""
+        assert self.gpu is not None
+        return self.gpu.job_seconds(job.prompt_tokens, self._device_max_tokens(job))
+
+    def _device_done_s(self, job: Job) -> float:
+        """For a job the device may take (``Job.movable``): how soon the device, restarting,
+        would be back and have finished it (``_device_back_s``); infinity otherwise."""
+        back = self._device_back_s(job) if job.movable else math.inf
+        return back if back == math.inf else back + self._device_job_s(job)
 
     def _workers_of(self, lane: Lane) -> list[WorkerClient]:
         """The workers that take ``lane``'s jobs: the CPU workers, or the resident and the
@@ -703,6 +726,7 @@ class Scheduler:
             self._dispatch_gpu(job, d, now, self.gpu)
         elif isinstance(d, Route):
             self.gpu.queue.remove(job)
+            job.movable = True  # late binding checks the deadline itself (``_may_move``); its refusal too
             try:
                 self._check_deadline(job)
             except CapacityError as exc:
@@ -710,7 +734,6 @@ class Scheduler:
                 self._fail(job, exc)
                 return
             job.last_reason = d.reason
-            job.movable = True  # late binding checks the deadline itself (``_may_move``)
             self.cpu.append(job, now, self._slots(self.cpu))
         elif isinstance(d, Reject):
             self.gpu.queue.remove(job)
@@ -752,7 +775,7 @@ class Scheduler:
                 job,
                 CapacityError(
                     "waited in the cpu queue until it could no longer finish before its deadline",
-                    retry_after_s=max(1.0, min(self._retry_after_s(self.cpu), self._device_back_s(job))),
+                    retry_after_s=max(1.0, min(self._retry_after_s(self.cpu), self._device_done_s(job))),
                     code="deadline_exceeded",
                 ),
             )
@@ -1180,14 +1203,27 @@ class Scheduler:
         return max(1.0, self.breaker.retry_after_s(now), eta)
 
     def soonest_wait_s(self) -> float:
-        """The chat row's ``eta_s`` in ``/v1/status``: the soonest wait of a lane with a ready
-        worker, else of a lane with workers at all (round 63: the ``cpu`` profile's GPU lane has
-        none; round 64: a dead worker's lane read 0 while its requests went to the other), 0
-        with none."""
+        """The chat row's ``eta_s`` in ``/v1/status``: the soonest wait of a lane that takes
+        requests now, over its slots that do (``_taking_slots``: round 66, a dead worker's slot
+        read as free, and a ready device behind an open breaker as taking them), else of a lane
+        with workers at all (round 63: the ``cpu`` profile's GPU lane has none; round 64: a dead
+        worker's lane read 0 while its requests went to the other), 0 with none."""
         now = self.clock()
         lanes = [lane for lane in (self.gpu, self.cpu) if lane is not None and self._workers_of(lane)]
-        ready = [lane for lane in lanes if any(w.state is WorkerState.READY for w in self._workers_of(lane))]
-        return min((lane.estimated_delay_s(now, self._slots(lane)) for lane in ready or lanes), default=0.0)
+        taking = [(lane, n) for lane in lanes if (n := self._taking_slots(lane))]
+        if taking:
+            return min(lane.estimated_delay_s(now, n) for lane, n in taking)
+        return min((lane.estimated_delay_s(now, self._slots(lane)) for lane in lanes), default=0.0)
+
+    def _taking_slots(self, lane: Lane) -> int:
+        """The slots of ``lane``'s ready workers whose breaker lets requests through."""
+        if lane is self.cpu:
+            return sum(w.spec.slots for w in self.cpu_workers if w.state is WorkerState.READY)
+        n = 0
+        for workers, breaker in ((self.gpu_workers, self.breaker), (self.split_workers, self.split_breaker)):
+            if self.policy is None or allows(breaker, self.policy.breaker):
+                n += sum(w.spec.slots for w in workers if w.state is WorkerState.READY)
+        return n
 
     def statistics(self) -> list[LaneStatistics]:
         """A frozen snapshot of each lane, the GPU lane first."""

@@ -12,15 +12,15 @@ Rules:
    is not counted against the worker, and what its pipe already holds is read before the
    verdict: a starved gateway never kills a worker whose pong waits unread.
 4. Nothing here touches another worker or lane.
+5. The loop never ends by accident: an exception in one round (a device that cannot be
+   read, a spawn that raises) is logged with its traceback and the round is retried after
+   the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
+   fails while waiting for release counts as "not released yet" (rule 2's bound holds).
 6. A start may wait for a condition given by the owner (``before_start``): a GPU worker's
    load is a device reservation, and it is not attempted before its weights fit. The owner
    says what it waits for in the worker's ``waiting`` (``Gateway.reserve_weights``).
 7. The owner may park a worker (``park``: it is stopped, its memory given back, and not
    restarted) and resume it later (``resume``): a demoted batch service's GPU worker.
-5. The loop never ends by accident: an exception in one round (a device that cannot be
-   read, a spawn that raises) is logged with its traceback and the round is retried after
-   the capped back-off. Only ``stop()`` or cancellation ends it. A device reading that
-   fails while waiting for release counts as "not released yet" (rule 2's bound holds).
 8. A start that fails (a model the worker cannot load, or an engine that aborts loading it) is
    kept as ``start_failure`` until a start succeeds: the owner can answer at once instead of
    queueing for a worker that keeps failing the same way (``cannot_start``: every model and
@@ -83,19 +83,26 @@ def cannot_start(what: str, supervisors: Iterable[Supervisor]) -> NoWorkerReady 
 
 def back_in_s(supervisors: Iterable[Supervisor], now: float) -> float:
     """Rule 9: how soon one of ``supervisors``' workers is expected ready, from ``now``
-    (monotonic): 0 when one is; one starting, at its last start's length from when it began;
-    one waiting out its back-off (or the device's release), that wait and then such a start.
-    Infinity when none is expected: no start measured yet, parked, stopped, or its last start
-    failed (rule 8 answers for those)."""
+    (monotonic): 0 when one is; one starting, what is left of a start as long as its last;
+    one waiting out its back-off (or about to: the back-off it will sleep), that wait and then
+    such a start. Infinity when none is expected: no start measured yet, parked, stopped, its
+    last start failed (rule 8 answers for those), waiting for the device's memory (rules 2 and
+    6: no telling how long), or a start already longer than its last (round 66: it read 0)."""
     soonest = math.inf
     for s in supervisors:
         if s.worker.state is WorkerState.READY:
             return 0.0
         took = s.start_took_s
-        if took is None or not s.restarting or s.start_failure is not None:
+        if took is None or not s.restarting or s.start_failure is not None or s.worker.waiting:
             continue
-        start = s.start_began_s if s.starting else max(now, s.next_start_s)
-        soonest = min(soonest, max(0.0, start + took - now))
+        if s.starting:
+            left = s.start_began_s + took - now
+            if left < 0:
+                continue
+        else:  # next_start_s from before this life's start: its back-off is not set yet
+            backoff_ends = s.next_start_s if s.next_start_s > s.start_began_s else now + s.backoff_s
+            left = max(0.0, backoff_ends - now) + took
+        soonest = min(soonest, left)
     return soonest
 
 
