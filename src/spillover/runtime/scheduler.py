@@ -288,11 +288,11 @@ class Scheduler:
 
     def _device_back_s(self, job: Job) -> float:
         """While no device worker is ready: how soon one is expected ready to take ``job``
-        (``device_back_in_s``; past the cooldown of its breaker should it have opened: the
-        resident's, or the split's for the split-only profile), round 65: a refusal while the
-        device restarted in 2 s said 16 s, the CPU lane's queue. Infinity while one is ready (its
-        own estimates decide), when none is expected, or for a job longer than the device's
-        context (the CPU lane's own)."""
+        (``device_back_in_s``, and past the cooldown of its breaker should it have opened: the
+        resident's, or the split's in the split-only profile; round 65: a refusal while the
+        device restarted in 2 s said 16 s, the CPU lane's queue). Infinity while one is ready
+        (its own estimates decide), when none is expected, or for a job longer than the
+        device's context (the CPU lane's own)."""
         device = self.gpu_workers + self.split_workers
         if self.gpu is None or not device or any(w.state is WorkerState.READY for w in device):
             return math.inf
