@@ -296,9 +296,7 @@ class Scheduler:
         device = self.gpu_workers + self.split_workers
         if self.gpu is None or not device or any(w.state is WorkerState.READY for w in device):
             return math.inf
-        cap = max(
-            self.gpu_ctx_cap_tokens if self.gpu_workers else 0, self.split_ctx_cap_tokens if self.split_workers else 0
-        )
+        cap = self._device_ctx_cap_tokens() or 0
         if not fits_lane(
             job.prompt_tokens, job.max_tokens, cap, shrinkable=job.allow_shrink, min_tokens=MIN_SHRUNK_TOKENS
         ):
@@ -306,9 +304,15 @@ class Scheduler:
         back = self.device_back_in_s()
         if back == math.inf:
             return back
-        now = self.clock()
-        breakers = [self.breaker] if self.gpu_workers else [self.split_breaker]
-        return max(back, min(b.retry_after_s(now) for b in breakers))
+        breaker = self.breaker if self.gpu_workers else self.split_breaker
+        return max(back, breaker.retry_after_s(self.clock()))
+
+    def _device_ctx_cap_tokens(self) -> int | None:
+        """The longest context the device's workers serve: the resident's (fewer tokens on a
+        small device) or the split worker's, as admission counts them; None with neither."""
+        caps = [self.gpu_ctx_cap_tokens] if self.gpu_workers else []
+        caps += [self.split_ctx_cap_tokens] if self.split_workers else []
+        return max(caps, default=None)
 
     def _device_job_s(self, job: Job) -> float:
         """The device's estimate of ``job``'s own work, at what it would run with there."""
@@ -1229,12 +1233,10 @@ class Scheduler:
         """A frozen snapshot of each lane, the GPU lane first."""
         now = self.clock()
         out = [self.cpu.statistics(now, self._workers_of(self.cpu))]
-        if self.gpu is not None:  # the longest context it serves: the resident's (fewer tokens on a
-            # small device) or the split worker's, as admission counts them (it showed its configured
+        if self.gpu is not None:  # the longest context its workers serve (it showed its configured
             # cap); none by plan (the cpu profile)
-            caps = [self.gpu_ctx_cap_tokens] if self.gpu_workers else []
-            caps += [self.split_ctx_cap_tokens] if self.split_workers else []
-            cap = max(caps) if caps else 0 if self.off_device else None
+            cap = self._device_ctx_cap_tokens()
+            cap = 0 if cap is None and self.off_device else cap
             # its running and slots: the resident's and the split worker's (both take its jobs)
             out.insert(0, self.gpu.statistics(now, self._workers_of(self.gpu), cap))
         return out
