@@ -13,7 +13,7 @@ from spillover.runtime import readiness as readiness_mod
 from spillover.runtime.events import AudioInfo, Segment
 from spillover.runtime.readiness import ReplicaReadiness
 from spillover.runtime.service import _Recovery
-from spillover.runtime.worker_client import WorkerClient, WorkerSpec, WorkerState
+from spillover.runtime.worker_client import STEP_SAMPLES, WorkerClient, WorkerSpec, WorkerState
 
 W, C = 100, 30
 TIMINGS = {"load_ms": 300.0, "ctx_ms": 40.0, "first_ms": 60.0}
@@ -112,6 +112,42 @@ def test_a_failover_is_shown_but_does_not_move_the_prediction() -> None:
     assert r.recovery() == before
     assert r.status()["last_failover"]["recovery_ms"] == 7000.0
     assert r.tick(10_000) is None  # still on_demand
+
+
+def measured(w: WorkerClient, load_ms: float) -> None:
+    """A report after the replica loaded its model again, in ``load_ms``."""
+    w._held({"mode": "on_demand", "model": False, "contexts": 0, "timings": TIMINGS | {"load_ms": load_ms}})
+
+
+def test_the_prediction_takes_each_steps_slowest_recent_measurement() -> None:
+    """One load's time varies by a third between loads: the prediction is the slowest of the
+    step's last STEP_SAMPLES, so the next recovery does not overrun what was promised."""
+    w = worker("on_demand", False, 0)  # load 300
+    r = replica(w)
+    measured(w, 450.0)
+    measured(w, 320.0)  # the latest is faster than the one before
+    assert r.recovery()["on_demand"] == 450.0 + 40.0 + 60.0
+    assert r.status()["recovery_ms"]["on_demand"] == 550.0 and r.status()["timings_ms"]["load_ms"] == 320.0
+    for _ in range(3):
+        measured(w, 320.0)  # the same figure reported again is not a new measurement
+    assert list(w.step_samples["load_ms"]) == [300.0, 450.0, 320.0]
+    for ms in (311.0, 312.0, 313.0):  # three new ones: 450 is the oldest of the last five
+        measured(w, ms)
+    assert len(w.step_samples["load_ms"]) == STEP_SAMPLES == 5 and r.recovery()["on_demand"] == 550.0
+    measured(w, 314.0)  # the next pushes it out
+    assert r.recovery()["on_demand"] == 320.0 + 40.0 + 60.0
+
+
+def test_a_restarted_replicas_measurements_join_the_ones_before() -> None:
+    w = worker("on_demand", False, 0)
+    r = replica(w)
+    measured(w, 500.0)
+    assert r.recovery()["on_demand"] == 600.0
+    w.held, w.contexts = {}, 0  # the process exits (what the worker client does then)
+    measured(w, 500.0)  # the new process reports the same figure: its own measurement
+    measured(w, 200.0)
+    assert r.recovery()["on_demand"] == 600.0  # the slow loads are still among the last five
+    assert list(w.step_samples["load_ms"]) == [300.0, 500.0, 500.0, 200.0]
 
 
 def test_status_of_a_dead_replica_holds_nothing() -> None:

@@ -13,10 +13,13 @@ the replica's process was seen holding past its count too, less what of it it ho
 room has lasted ``UP_HOLD_S``.
 
 The prediction is kept current by the replica itself: it re-measures a step every time it
-really does one (a model load, a context). ``observe`` records a failover's fault-to-first-
-CPU-token time for /v1/status; it does not feed the prediction, because it also holds the
-client prompt's prefill and any CPU queue wait, which no readiness mode changes (one long
-prompt would otherwise hold the replica warm for good).
+really does one (a model load, a context). Each step's figure in the prediction is the slowest
+of its last ``STEP_SAMPLES`` measurements (``WorkerClient.step_samples``, across the replica's
+restarts): a load's time varied by a third from one load to the next here (67-114 ms for
+SmolLM2), so the latest alone promised a recovery the next failover overran. ``observe``
+records a failover's fault-to-first-CPU-token time for /v1/status; it does not feed the
+prediction, because it also holds the client prompt's prefill and any CPU queue wait, which no
+readiness mode changes (one long prompt would otherwise hold the replica warm for good).
 """
 
 from __future__ import annotations
@@ -80,10 +83,18 @@ class ReplicaReadiness:
         """The mode the worker reports it is in ('' before its first report)."""
         return str(w.held.get("mode", ""))
 
-    def recovery(self) -> dict[str, float]:
+    def steps(self) -> dict[str, float]:
+        """Each step's figure the prediction takes: the slowest of its latest measurements
+        (``WorkerClient.step_samples``, kept across the replica's restarts). Empty while the
+        replica has not reported since its start (dead, starting: it holds nothing)."""
         w = self.worker()
-        timings = (w.held.get("timings") or {}) if w is not None else {}
-        return recovery_ms(timings)
+        if w is None or not w.held.get("timings"):
+            return {}
+        return {step: max(kept) for step, kept in w.step_samples.items() if kept}
+
+    def recovery(self) -> dict[str, float]:
+        """Each mode's predicted recovery time from ``steps``; empty before the replica measured every step."""
+        return recovery_ms(self.steps())
 
     def held_bytes(self, w: WorkerClient) -> int:
         """Host bytes the replica reports holding (its model when loaded, its contexts)."""
@@ -203,7 +214,8 @@ class ReplicaReadiness:
             "recovery_budget_ms": self.budget_ms,
             "recovery_ms": {k: round(v, 1) for k, v in self.recovery().items()},
             "meets_budget": self.recovery().get(self.choice.mode, float("inf")) <= self.budget_ms,
-            "timings_ms": dict((w.held.get("timings") or {}) if w is not None else {}),
+            "timings_ms": dict((w.held.get("timings") or {}) if w is not None else {}),  # the latest of each
+            "predicted_steps_ms": {k: round(v, 3) for k, v in self.steps().items()},  # what recovery_ms adds up
             "model_loaded": bool(w.held.get("model")) if w is not None else False,
             "contexts": w.contexts if w is not None else 0,
             "host_bytes": self.host_bytes(w) if w is not None else 0,
