@@ -16,7 +16,11 @@ The prediction is kept current by the replica itself: it re-measures a step ever
 really does one (a model load, a context). Each step's figure in the prediction is the slowest
 of its last ``STEP_SAMPLES`` measurements (``WorkerClient.step_samples``, across the replica's
 restarts): a load's time varied by a third from one load to the next here (67-114 ms for
-SmolLM2), so the latest alone promised a recovery the next failover overran. ``observe``
+SmolLM2), so the latest alone promised a recovery the next failover overran. The gateway's
+start-up measurement counts only until a step has another: taken while every worker loads at
+once from a cold page cache, it ran 2-4 times what later loads took for the embeddings and
+transcription models (a transcription load 783 ms against 217-357 after; round 67), which no
+failover repeats, and kept for five loads it would hold ``auto`` in a dearer mode. ``observe``
 records a failover's fault-to-first-CPU-token time for /v1/status; it does not feed the
 prediction, because it also holds the client prompt's prefill and any CPU queue wait, which no
 readiness mode changes (one long prompt would otherwise hold the replica warm for good).
@@ -84,13 +88,14 @@ class ReplicaReadiness:
         return str(w.held.get("mode", ""))
 
     def steps(self) -> dict[str, float]:
-        """Each step's figure the prediction takes: the slowest of its latest measurements
-        (``WorkerClient.step_samples``, kept across the replica's restarts). Empty while the
-        replica has not reported since its start (dead, starting: it holds nothing)."""
+        """Each step's figure the prediction takes: the slowest of its latest measurements after
+        the first (``WorkerClient.step_samples``, kept across the replica's restarts), the first
+        while it has no other. Empty while the replica has not reported since its start (dead,
+        starting: it holds nothing)."""
         w = self.worker()
         if w is None or not w.held.get("timings"):
             return {}
-        return {step: max(kept) for step, kept in w.step_samples.items() if kept}
+        return {step: max(w.step_samples.get(step) or [first]) for step, first in w.step_first.items()}
 
     def recovery(self) -> dict[str, float]:
         """Each mode's predicted recovery time from ``steps``; empty before the replica measured every step."""

@@ -33,8 +33,8 @@ __all__ = ["WORKER_TRANSITIONS", "WorkerClient", "WorkerGone", "WorkerSpec", "Wo
 
 log = logging.getLogger("spillover.worker_client")
 _LINE_LIMIT = 8 * 1024 * 1024
-# How many of a readiness step's latest measurements are kept (``step_samples``): the recovery
-# prediction takes the slowest of them (``runtime.readiness``).
+# How many of a readiness step's latest measurements after its first are kept (``step_samples``):
+# the recovery prediction takes the slowest of them (``runtime.readiness``).
 STEP_SAMPLES = 5
 _SAID_LIMIT = 4096  # bytes of one standard-error line kept (the rest passes through unread)
 DRAIN_TIMEOUT_S = 5.0  # longest a message to a worker may wait for room in its channel: past it, the worker is hung
@@ -275,9 +275,12 @@ class WorkerClient:
         self.contexts = 0
         self.held: dict[str, Any] = {}  # the worker's last ``held`` report: mode, model, contexts, timings
         self.held_seq = 0  # bumped by each report
-        # Each readiness step's latest measurements, oldest first, across the worker's restarts:
-        # a report brings the latest of each, and one that differs from the report before (or
-        # is the first of a new process) is a new measurement (``runtime.readiness``).
+        # Each readiness step's measurements, across the worker's restarts: a report brings the
+        # latest of each, and one that differs from the report before (or is the first of a new
+        # process) is a new measurement. The very first (``step_first``: its start-up, beside
+        # every other worker's load from a cold page cache) is kept apart from the later ones
+        # (``step_samples``, the latest ``STEP_SAMPLES``, oldest first): ``runtime.readiness``.
+        self.step_first: dict[str, float] = {}
         self.step_samples: dict[str, deque[float]] = {}
         self.waiting: str | None = None  # what its next start waits for (set by the supervisor's owner)
         self.waits_for_room = False  # its next start waits for room on the device (which may take any time)
@@ -415,7 +418,9 @@ class WorkerClient:
     def _held(self, msg: dict[str, Any]) -> None:
         before = self.held.get("timings") or {}
         for step, value in (msg.get("timings") or {}).items():
-            if before.get(step) != value:
+            if step not in self.step_first:
+                self.step_first[step] = float(value)
+            elif before.get(step) != value:
                 self.step_samples.setdefault(step, deque(maxlen=STEP_SAMPLES)).append(float(value))
         self.held = {k: msg[k] for k in ("mode", "model", "contexts", "timings") if k in msg}
         self.contexts = int(msg.get("contexts") or 0)
