@@ -105,7 +105,16 @@ def test_errors_come_in_ollama_shape(gw: GatewayProcess, client: ollama.Client) 
     assert e.value.status_code == 400 and "num_gpu" in str(e.value.error)
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=MODEL, input="hello")
-    assert e.value.status_code == 400 and "/v1/chat/completions" in str(e.value.error)
+    assert e.value.status_code == 400 and "send it to /api/chat" in str(e.value.error)  # Ollama's route (round 68)
+    with pytest.raises(ollama.ResponseError) as e:  # an option's error names it where Ollama's body has it
+        client.chat(model=MODEL, messages=ASK, options={"temperature": -1})
+    assert (
+        e.value.status_code == 400
+        and httpx.post(
+            f"{gw.url}/api/chat", json={"model": MODEL, "messages": ASK, "options": {"temperature": -1}}
+        ).json()["param"]
+        == "options.temperature"
+    )
     # /api/show reads its body as every route does: bounded (it buffered any size, for any time)
     big = httpx.post(f"{gw.url}/api/show", content=b" " * (2 << 20), headers={"content-type": "application/json"})
     assert big.status_code == 413 and big.json()["code"] == "payload_too_large", big.text
@@ -160,6 +169,9 @@ def test_a_load_request_is_answered_at_once_and_runs_nothing(gw: GatewayProcess,
     assert chat.done and chat.done_reason == "load" and chat.message.content == ""
     assert gen.done and gen.done_reason == "load" and gen.response == "" and not gen.eval_count
     assert len(streamed) == 1 and streamed[0].done_reason == "load"
+    stop = httpx.post(f"{gw.url}/api/generate", json={"model": MODEL, "keep_alive": 0}, timeout=30).json()
+    assert stop["done_reason"] == "unload" and "stays loaded" in stop["spillover"]["notice"]  # `ollama stop`
+    assert client.chat(model=MODEL, messages=[], keep_alive="0s").done_reason == "unload"
     assert journaled() == before
     with pytest.raises(ollama.ResponseError) as e:  # an unknown model is still a 404
         client.chat(model="nope", messages=[])

@@ -6,8 +6,14 @@ from typing import Any
 
 import pytest
 
-from spillover.errors import InvalidRequest
-from spillover.http.ollama import parse_ollama_chat, parse_ollama_generate
+from spillover.errors import ContextLengthExceeded, InvalidRequest
+from spillover.http.ollama import (
+    ollama_error_body,
+    ollama_param,
+    parse_ollama_chat,
+    parse_ollama_generate,
+    unloads,
+)
 
 ASK = {"role": "user", "content": "Weather in Oslo?"}
 
@@ -58,3 +64,96 @@ def test_ollamas_flags_and_texts_of_another_type_are_a_400_naming_them(body: dic
 def test_ollamas_flags_of_their_own_type_pass() -> None:
     req = parse_ollama_generate({"model": "m", "prompt": "hi", "raw": True, "stream": False, "options": None}, "m")
     assert req.kind == "text" and req.prompt == "hi"
+
+
+def test_raw_takes_no_system_as_ollamas_refuses_it() -> None:
+    """Round 68: ``raw`` with ``system`` answered as if ``system`` were not there."""
+    with pytest.raises(InvalidRequest) as e:
+        parse_ollama_generate({"model": "m", "prompt": "The sky is", "raw": True, "system": "say banana"}, "m")
+    assert e.value.param == "system"
+    assert parse_ollama_generate({"model": "m", "prompt": "hi", "raw": True, "system": ""}, "m").kind == "text"
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": "hi", "foo": 1}, "messages[1].foo"),  # dropped before (round 68)
+        ({"role": "user", "content": "hi", "name": "ann"}, "messages[1].name"),
+        ({"role": "tool", "content": "12 C", "tool_call_id": "call_1"}, "messages[1].tool_call_id"),
+        ({"role": "assistant", "content": "", "thinking": "hmm"}, "messages[1].thinking"),
+        ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, "messages[1].content"),  # a string in Ollama's
+        ({"role": "user", "content": 5}, "messages[1].content"),
+    ],
+)
+def test_a_messages_key_ollama_does_not_serve_here_is_a_400_naming_it(message: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        parse_ollama_chat({"model": "m", "messages": [ASK, message]}, "m")
+    assert e.value.param == param
+    if param.endswith("tool_call_id"):
+        assert "tool_name" in e.value.message
+
+
+def test_a_messages_null_or_absent_content_is_empty_as_ollama_reads_it() -> None:
+    msgs = [ASK, {"role": "assistant", "content": None, "thinking": ""}, {"role": "user"}]
+    req = parse_ollama_chat({"model": "m", "messages": msgs}, "m")
+    assert [m["content"] for m in req.messages] == [ASK["content"], "", ""]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1, "repeat_last_n": 64, "penalize_newline": True},
+        {"num_keep": 4},
+        {"num_keep": -1, "mirostat": None},
+    ],
+)
+def test_options_at_what_spillover_does_anyway_pass(options: dict[str, Any]) -> None:
+    """Round 68: Ollama's clients send these at their defaults; each was a 400."""
+    req = parse_ollama_chat({"model": "m", "messages": [ASK], "options": options}, "m")
+    assert req.temperature == 0.8  # Ollama's defaults still apply
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mirostat": 2},
+        {"typical_p": 0.5},
+        {"tfs_z": 0.9},
+        {"repeat_last_n": 128},
+        {"penalize_newline": False},
+        {"penalize_newline": 1},  # true, not one
+        {"mirostat": False},
+        {"num_keep": "4"},
+        {"num_keep": -2},
+        {"mirostat_tau": 5.0},
+    ],
+)
+def test_options_that_ask_for_something_else_are_a_400_naming_them(options: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        parse_ollama_chat({"model": "m", "messages": [ASK], "options": options}, "m")
+    assert e.value.param == f"options.{next(iter(options))}"
+
+
+def test_an_error_names_the_field_of_ollamas_body_and_ollamas_route() -> None:
+    """Round 68: under /api/ the params were the translated OpenAI request's, and a model of
+    another kind was sent to an OpenAI route."""
+    assert ollama_param("temperature") == "options.temperature" and ollama_param("stop") == "options.stop"
+    assert ollama_param("max_tokens") == "options.num_predict"
+    assert ollama_param("response_format.json_schema.schema.properties.a") == "format.properties.a"
+    assert ollama_param("messages", generate=True) == "prompt" and ollama_param("messages") == "messages"
+    assert ollama_param("messages[0].content") == "messages[0].content" and ollama_param(None) is None
+    assert ollama_param("options.num_ctx") == "options.num_ctx" and ollama_param("model") == "model"
+    wrong_kind = InvalidRequest(
+        "model 'bge' serves embeddings, not chat: send it to /v1/embeddings", param="model", code="model_not_supported"
+    )
+    assert ollama_error_body(wrong_kind)["error"].endswith("send it to /api/embed")
+    long = ollama_error_body(ContextLengthExceeded("too long", param="messages"), generate=True)
+    assert long["param"] == "prompt" and long["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(("value", "unload"), [
+    (0, True), (0.0, True), ("0", True), ("0s", True), ("0m0s", True), ("0.0h", True),
+    ("5m", False), (-1, False), ("-1s", False), (None, False), ("zero", False), (False, False), ("0m1s", False),
+])  # fmt: skip
+def test_a_keep_alive_of_zero_asks_to_unload(value: Any, unload: bool) -> None:
+    assert unloads(value) is unload

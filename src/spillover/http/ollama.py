@@ -18,7 +18,12 @@ Rules:
 2. Options that place or load a model (``num_gpu``, ``num_thread``, ``use_mmap``, ...) are
    refused: spillover decides placement. ``keep_alive`` is accepted: the model stays loaded
    while spillover runs, and the pressure ladder, not the client, moves it.
-3. Anything else unknown is a 400 naming it.
+3. Anything else unknown is a 400 naming it, a message's own keys too. Sampling options Ollama
+   clients send at the value that asks for what spillover does anyway are accepted
+   (``NO_OP_OPTIONS``: ``mirostat`` 0, ``typical_p`` 1, ``tfs_z`` 1, ``repeat_last_n`` 64,
+   ``penalize_newline`` true), another value is a 400; so is ``num_keep`` accepted, since the
+   context never shifts here (a generation stops when it is full). ``raw`` takes no
+   ``system``, as Ollama's refuses it.
 4. Every answer carries the ``X-Spillover-*`` headers; the last line (or the one object) has
    a ``spillover`` object (route, degraded, reason).
 """
@@ -40,7 +45,14 @@ from spillover.runtime.executor import TokenOut
 from spillover.runtime.prepare import GenerationRequest
 from spillover.runtime.run import Encoded, Run
 
-__all__ = ["NdjsonEncoding", "ollama_error_body", "parse_ollama_chat", "parse_ollama_generate"]
+__all__ = [
+    "NdjsonEncoding",
+    "ollama_error_body",
+    "ollama_param",
+    "parse_ollama_chat",
+    "parse_ollama_generate",
+    "unloads",
+]
 
 NDJSON = "application/x-ndjson"
 JSON = "application/json"
@@ -49,8 +61,18 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_pe
             "frequency_penalty")  # fmt: skip
 PLACEMENT = frozenset(
     {"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only",
-     "num_keep", "f16_kv", "logits_all", "embedding_only"}
+     "f16_kv", "logits_all", "embedding_only"}
 )  # fmt: skip
+# Rule 3: accepted at the value that asks for what spillover does anyway (llama-cpp-python's
+# sampler: no mirostat, no typical or tail-free sampling, penalties over the last 64 tokens,
+# newlines penalized as any token), with why another value is refused.
+NO_OP_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "mirostat": ((0,), "mirostat sampling is not supported"),
+    "typical_p": ((1, 1.0), "typical sampling is not supported"),
+    "tfs_z": ((1, 1.0), "tail-free sampling is not supported"),
+    "repeat_last_n": ((64,), "penalties look at the last 64 tokens"),
+    "penalize_newline": ((True,), "newlines are penalized as any other token"),
+}
 CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think",
                          "logprobs", "top_logprobs"})  # fmt: skip
 GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
@@ -69,6 +91,15 @@ def _keep_alive_ok(value: Any) -> bool:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return math.isfinite(value)
     return isinstance(value, str) and len(value) <= 32 and _DURATION.fullmatch(value) is not None
+
+
+def unloads(value: Any) -> bool:
+    """Whether ``keep_alive`` asks to unload now (0, "0", "0s", "0m0s": Ollama's unload request)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value == 0
+    if isinstance(value, str) and _keep_alive_ok(value):
+        return all(float(n) == 0 for n in re.findall(r"\d+(?:\.\d*)?|\.\d+", value))
+    return False
 
 
 # Ollama's own types for its flags and texts: a "yes" or a [] is Ollama's 400 ("cannot
@@ -121,9 +152,21 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
             raise InvalidRequest(
                 f"option '{name}' is not supported: spillover decides where the model runs", param=f"options.{name}"
             )
-        if name not in SAMPLING and name not in ("num_predict", "num_ctx"):
+        if name not in SAMPLING and name not in ("num_predict", "num_ctx", "num_keep") and name not in NO_OP_OPTIONS:
             raise InvalidRequest(f"option '{name}' is not supported", param=f"options.{name}")
         if value is None:  # null: not given, as Ollama reads it
+            continue
+        if name in NO_OP_OPTIONS:
+            allowed, why = NO_OP_OPTIONS[name]
+            if isinstance(value, bool) is not isinstance(allowed[0], bool) or value not in allowed:
+                raise InvalidRequest(
+                    f"option '{name}'={value!r} is not supported: {why} (only {allowed[0]!r} is accepted)",
+                    param=f"options.{name}",
+                )
+            continue
+        if name == "num_keep":  # no effect: the context never shifts here (rule 3)
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise InvalidRequest("'num_keep' must be -1 or a non-negative integer", param="options.num_keep")
             continue
         if name in SAMPLING:
             out[name] = value
@@ -168,12 +211,30 @@ def _tool_call(c: Any, param: str, call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": text}}
 
 
+MESSAGE_FIELDS = frozenset({"role", "content", "images", "tool_calls", "tool_name", "thinking"})
+
+
 def _message(m: Any, i: int) -> dict[str, Any]:
+    """An Ollama chat message as OpenAI's: ``content`` a string (absent or null: empty, as
+    Ollama reads it), and nothing else it carries dropped (rule 3)."""
     if not isinstance(m, dict):
         raise InvalidRequest("each message must be an object", param=f"messages[{i}]")
+    for name in m:
+        if name not in MESSAGE_FIELDS:
+            hint = " (a tool message names its tool in 'tool_name')" if name == "tool_call_id" else ""
+            raise InvalidRequest(f"unknown field '{name}' in a message{hint}", param=f"messages[{i}].{name}")
     if m.get("images"):
         raise InvalidRequest("images are not supported by the served model", param=f"messages[{i}].images")
-    out: dict[str, Any] = {"role": m.get("role"), "content": m.get("content", "")}
+    if m.get("thinking"):
+        raise InvalidRequest(
+            "'thinking' is not supported: the served model does not think in separate steps, and an earlier"
+            " turn's thinking would not be shown to it; leave it out",
+            param=f"messages[{i}].thinking",
+        )
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):
+        raise InvalidRequest("'content' must be a string", param=f"messages[{i}].content")
+    out: dict[str, Any] = {"role": m.get("role"), "content": content or ""}
     if calls := m.get("tool_calls"):
         if not isinstance(calls, list):
             raise InvalidRequest("'tool_calls' must be an array", param=f"messages[{i}].tool_calls")
@@ -209,6 +270,8 @@ def parse_ollama_generate(body: Any, default_model: str) -> GenerationRequest:
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string", param="prompt")
     if body.get("raw"):
+        if body.get("system"):  # as Ollama's: "raw mode does not support template, system, or context"
+            raise InvalidRequest("'system' needs the chat template ('raw': false)", param="system")
         if fields.pop("response_format", None) is not None:
             raise InvalidRequest("'format' needs the chat template ('raw': false)", param="format")
         fields.pop("logprobs", None)
@@ -228,13 +291,42 @@ def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
     return dataclasses.replace(req, ctx_limit=num_ctx, stops_at_context=True)
 
 
-def ollama_error_body(err: BaseException) -> dict[str, Any]:
+# Where a request's fields sit in Ollama's body (``ollama_param``): the translated OpenAI request
+# names them its own way.
+_OPTION_PARAMS = {name: f"options.{name}" for name in SAMPLING} | {"max_tokens": "options.num_predict"}
+# The route a request of another kind belongs on, in Ollama's API (``ENDPOINT_OF_KIND`` is OpenAI's).
+_OLLAMA_ROUTES = {"/v1/chat/completions": "/api/chat", "/v1/embeddings": "/api/embed"}
+
+
+def ollama_param(param: str | None, *, generate: bool = False) -> str | None:
+    """An error's ``param`` as the field of Ollama's body that it names: a sampling field is
+    an option (``options.temperature``), ``max_tokens`` is ``options.num_predict``,
+    ``response_format``'s schema is ``format``, and ``/api/generate``'s prompt is ``prompt``."""
+    if param is None:
+        return None
+    if param in _OPTION_PARAMS:
+        return _OPTION_PARAMS[param]
+    for openai, ollama in (("response_format.json_schema.schema", "format"), ("response_format", "format")):
+        if param == openai or param.startswith(openai + "."):
+            return ollama + param[len(openai) :]
+    if generate and (param == "messages" or param.startswith("messages[")):
+        return "prompt"
+    return param
+
+
+def ollama_error_body(err: BaseException, *, generate: bool = False) -> dict[str, Any]:
     """Ollama's error shape; the machine-readable code stays with it, and the technical
     account (``detail``: a model load's failures, each worker's) where there is one. Any
-    exception: one that is not a ``SpilloverError`` is an ``internal_error`` (``to_http``)."""
+    exception: one that is not a ``SpilloverError`` is an ``internal_error`` (``to_http``).
+    ``param`` names the field of Ollama's body (``ollama_param``), and a model of another
+    kind is sent to Ollama's route for it."""
     e = to_http(err).body["error"]
     detail = {"detail": e["detail"]} if "detail" in e else {}
-    return {"error": e["message"], "code": e["code"], "param": e["param"]} | detail
+    message = e["message"]
+    if e["code"] == "model_not_supported":
+        for openai, ollama in _OLLAMA_ROUTES.items():
+            message = message.replace(f"send it to {openai}", f"send it to {ollama}")
+    return {"error": message, "code": e["code"], "param": ollama_param(e["param"], generate=generate)} | detail
 
 
 def created_at() -> str:
@@ -301,7 +393,7 @@ class NdjsonEncoding(AnswerShapes):
         sp = self.spillover_object()
         if (refused_for := e.headers.get("X-Spillover-Estimated-Delay-Ms")) is not None:
             sp["estimated_delay_ms"] = int(refused_for)  # as the header says (round 66)
-        body = ollama_error_body(err) | {"spillover": sp}
+        body = ollama_error_body(err, generate=self.generate) | {"spillover": sp}
         if committed:
             return Encoded(200, [self._line(body)], self.headers(), NDJSON, e.body)
         return Encoded(e.status, [json.dumps(body).encode()], self.headers() | e.headers, JSON, e.body)

@@ -30,6 +30,7 @@ from spillover.http.ollama import (
     ollama_error_body,
     parse_ollama_chat,
     parse_ollama_generate,
+    unloads,
 )
 from spillover.http.routes import Handler, plain_json
 from spillover.runtime.registry import ENDPOINT_OF_KIND
@@ -55,15 +56,17 @@ class _LoadOnly(Exception):
 
 SHOW_FIELDS = frozenset({"model", "name", "verbose"})  # /api/show's (Ollama's "name" is the older "model")
 FAR_FUTURE = "2999-12-31T23:59:59Z"  # expires_at: spillover does not unload on a timer
+UNLOAD_NOTICE = "the model stays loaded: spillover keeps its models while it runs and moves them under pressure"
 OLLAMA_PREFIX = "/api/"  # every Ollama route's path begins so: an error there is in Ollama's shape
 
 
-def ollama_error(err: BaseException, rid: str) -> Response:
+def ollama_error(err: BaseException, rid: str, *, generate: bool = False) -> Response:
     """An error in Ollama's shape, with the same status and headers as the OpenAI routes (any
-    exception: one that is not a ``SpilloverError`` is an ``internal_error``)."""
+    exception: one that is not a ``SpilloverError`` is an ``internal_error``); ``generate``:
+    an ``/api/generate`` request's (its prompt is ``prompt``)."""
     e = to_http(err)
     headers = dict(e.headers) | {"X-Spillover-Request-Id": rid, "X-Spillover-Route": "none"}
-    return JSONResponse(ollama_error_body(err), status_code=e.status, headers=headers)
+    return JSONResponse(ollama_error_body(err, generate=generate), status_code=e.status, headers=headers)
 
 
 def ollama_endpoints(gw: Gateway) -> list[Endpoint]:
@@ -169,9 +172,11 @@ def ollama_routes(
         """The body, read as ``generate`` reads it; a request whose ``field`` is missing or
         empty (``messages: []``, ``prompt: ""``) is Ollama's load request: the ollama CLI's
         preload before its prompt. It is answered at once (``done_reason: "load"``) for a
-        model this server serves, and runs nothing: spillover keeps its models loaded (a
-        ``keep_alive`` of 0 unloads nothing either). Its other fields are checked as a run's
-        are (``parse`` with ``stand_in`` as its ``field``): a refused option is refused."""
+        model this server serves, and runs nothing: spillover keeps its models loaded. A
+        ``keep_alive`` of 0 (``ollama stop``) unloads nothing either: it is answered
+        ``done_reason: "unload"``, as Ollama's, with a ``spillover.notice`` that says so. Its
+        other fields are checked as a run's are (``parse`` with ``stand_in`` as its ``field``):
+        a refused option is refused."""
 
         async def read(request: Request) -> Any:
             body = await read_json(request)
@@ -180,15 +185,19 @@ def ollama_routes(
                 asked = str(body.get("model") or gw.cfg.model.name)  # as the request's own parse defaults it
                 served = gw.registry.resolve(asked, "chat")  # an unknown model's 404, another kind's 400, as a run's
                 chat = gw.chat_model(served.id)
-                raise _LoadOnly({"model": chat.name, "created_at": created_at(), **empty, "done_reason": "load",
-                                 "done": True})  # fmt: skip
+                answer = {"model": chat.name, "created_at": created_at(), **empty, "done_reason": "load", "done": True}
+                if unloads(body.get("keep_alive")):  # `ollama stop`: answered as Ollama's, and told the truth
+                    answer["done_reason"] = "unload"
+                    answer["spillover"] = {"notice": UNLOAD_NOTICE}
+                raise _LoadOnly(answer)
             return body
 
         return read
 
     async def load_or_run(request: Request, endpoint: str, read: Callable[[Request], Awaitable[Any]]) -> Response:
         try:
-            return await generate(request, endpoint, ollama_error, read)
+            refuse = functools.partial(ollama_error, generate=endpoint == "ollama-generate")
+            return await generate(request, endpoint, refuse, read)
         except _LoadOnly as load:
             return plain_json(load.answer)
 
