@@ -193,8 +193,8 @@ def test_idempotency_key_replays_the_same_bytes(gw: GatewayProcess) -> None:
 
 
 def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
-    """/api/embed answers the ollama client with the same vectors as /v1/embeddings, and
-    list() names both services."""
+    """/api/embed answers the ollama client with the same vectors as /v1/embeddings, list()
+    names both services, and `ollama stop` of either is answered as Ollama's."""
     import ollama
 
     client = ollama.Client(host=gw.url, timeout=60)
@@ -208,6 +208,8 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
         shown = [client.show(name) for name in ("bge-small-en", "bge-small", "bge-small-en:latest")]
         legacy = client.embeddings(model="bge-small", prompt=PARAPHRASES[0])  # /api/embeddings: it was a 404
         running = {m.model: m for m in client.ps().models}
+        # `ollama stop` of each model ps() lists (round 69: the embeddings model's was a 400)
+        stopped = {name: client.generate(model=name, prompt="", keep_alive=0).done_reason for name in running}
     finally:
         client._client.close()
     ref = httpx.post(gw.url + "/v1/embeddings", json={"model": "bge-small-en", "input": PARAPHRASES}).json()
@@ -218,6 +220,7 @@ def test_ollama_embed_and_the_ollama_client(gw: GatewayProcess) -> None:
     assert e.value.status_code == 404
     assert listed == ["smollm2-135m-instruct", "bge-small-en"]
     assert all(s.capabilities == ["embedding"] and s.modelinfo["bert.embedding_length"] == 384 for s in shown)
+    assert stopped == {"smollm2-135m-instruct": "unload", "bge-small-en": "unload"}, stopped
     bge = running["bge-small-en"]
     row = next(r for r in gw.status()["services"] if r["name"] == "bge-small-en")
     assert bge.size_vram and bge.size >= bge.size_vram, bge  # its GPU worker holds its weights

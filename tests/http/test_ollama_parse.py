@@ -78,8 +78,9 @@ def test_raw_takes_no_system_as_ollamas_refuses_it() -> None:
     ("message", "param"),
     [
         ({"role": "user", "content": "hi", "foo": 1}, "messages[1].foo"),  # dropped before (round 68)
-        ({"role": "user", "content": "hi", "name": "ann"}, "messages[1].name"),
-        ({"role": "tool", "content": "12 C", "tool_call_id": "call_1"}, "messages[1].tool_call_id"),
+        ({"role": "user", "content": "hi", "tool_call_id": "call_1"}, "messages[1].tool_call_id"),  # a tool's
+        ({"role": "tool", "content": "12 C", "tool_call_id": 7}, "messages[1].tool_call_id"),
+        ({"role": "user", "content": "hi", "name": 5}, "messages[1].name"),  # OpenAI's check
         ({"role": "assistant", "content": "", "thinking": "hmm"}, "messages[1].thinking"),
         ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, "messages[1].content"),  # a string in Ollama's
         ({"role": "user", "content": 5}, "messages[1].content"),
@@ -89,8 +90,19 @@ def test_a_messages_key_ollama_does_not_serve_here_is_a_400_naming_it(message: d
     with pytest.raises(InvalidRequest) as e:
         parse_ollama_chat({"model": "m", "messages": [ASK, message]}, "m")
     assert e.value.param == param
-    if param.endswith("tool_call_id"):
-        assert "tool_name" in e.value.message
+
+
+def test_openais_name_and_a_tool_messages_call_id_mean_the_same_here() -> None:
+    """Round 69: code written for OpenAI sends them to /api/chat (ad2cb90 refused them)."""
+    msgs = [
+        ASK,
+        {"role": "user", "content": "and Bergen?", "name": "ann"},
+        {"role": "tool", "content": "9 C", "tool_call_id": "call_7"},
+        {"role": "tool", "content": "8 C", "tool_call_id": "c", "tool_name": "w"},
+    ]
+    req = parse_ollama_chat({"model": "m", "messages": msgs}, "m")
+    assert req.messages[1]["name"] == "ann"
+    assert [m["tool_call_id"] for m in req.messages[2:]] == ["call_7", "w"]
 
 
 def test_a_messages_null_or_absent_content_is_empty_as_ollama_reads_it() -> None:
@@ -105,6 +117,9 @@ def test_a_messages_null_or_absent_content_is_empty_as_ollama_reads_it() -> None
         {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1, "repeat_last_n": 64, "penalize_newline": True},
         {"num_keep": 4},
         {"num_keep": -1, "mirostat": None},
+        {"num_gpu": None, "bogus": None, "mirostat_eta": None},  # null is not given, whatever its name (round 69)
+        {"mirostat_tau": 5.0, "mirostat_eta": 0.1},  # Ollama's defaults: they tune mirostat, which is off
+        {"mirostat": 0, "mirostat_tau": 3},
     ],
 )
 def test_options_at_what_spillover_does_anyway_pass(options: dict[str, Any]) -> None:
@@ -125,7 +140,9 @@ def test_options_at_what_spillover_does_anyway_pass(options: dict[str, Any]) -> 
         {"mirostat": False},
         {"num_keep": "4"},
         {"num_keep": -2},
-        {"mirostat_tau": 5.0},
+        {"mirostat_tau": "5"},
+        {"mirostat_eta": float("nan")},
+        {"mirostat": 1, "mirostat_tau": 5.0},
     ],
 )
 def test_options_that_ask_for_something_else_are_a_400_naming_them(options: dict[str, Any]) -> None:
@@ -147,12 +164,18 @@ def test_an_error_names_the_field_of_ollamas_body_and_ollamas_route() -> None:
         "model 'bge' serves embeddings, not chat: send it to /v1/embeddings", param="model", code="model_not_supported"
     )
     assert ollama_error_body(wrong_kind)["error"].endswith("send it to /api/embed")
+    no_template = InvalidRequest(
+        "model 'm' has no chat template: it serves completions only; send a prompt to /v1/completions",
+        code="model_not_supported",
+    )
+    assert ollama_error_body(no_template)["error"].endswith('send a prompt to /api/generate with "raw": true')
     long = ollama_error_body(ContextLengthExceeded("too long", param="messages"), generate=True)
     assert long["param"] == "prompt" and long["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize(("value", "unload"), [
-    (0, True), (0.0, True), ("0", True), ("0s", True), ("0m0s", True), ("0.0h", True),
+    (0, True), (0.0, True), (0.5, True), (1e-9, True), (1, False), ("0", True), ("0s", True), ("0m0s", True),
+    ("0.0h", True), ("0.5s", False),
     ("5m", False), (-1, False), ("-1s", False), (None, False), ("zero", False), (False, False), ("0m1s", False),
 ])  # fmt: skip
 def test_a_keep_alive_of_zero_asks_to_unload(value: Any, unload: bool) -> None:

@@ -21,9 +21,11 @@ Rules:
 3. Anything else unknown is a 400 naming it, a message's own keys too. Sampling options Ollama
    clients send at the value that asks for what spillover does anyway are accepted
    (``NO_OP_OPTIONS``: ``mirostat`` 0, ``typical_p`` 1, ``tfs_z`` 1, ``repeat_last_n`` 64,
-   ``penalize_newline`` true), another value is a 400; so is ``num_keep`` accepted, since the
-   context never shifts here (a generation stops when it is full). ``raw`` takes no
-   ``system``, as Ollama's refuses it.
+   ``penalize_newline`` true; ``mirostat_tau`` and ``mirostat_eta`` while mirostat is off),
+   another value is a 400; so is ``num_keep`` accepted, since the context never shifts here (a
+   generation stops when it is full); an option sent as null is not given, whatever its name.
+   ``raw`` takes no ``system``, as Ollama's refuses it. A message takes Ollama's keys and
+   OpenAI's ``name`` and a tool message's ``tool_call_id`` (``MESSAGE_FIELDS``).
 4. Every answer carries the ``X-Spillover-*`` headers; the last line (or the one object) has
    a ``spillover`` object (route, degraded, reason).
 """
@@ -73,6 +75,7 @@ NO_OP_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "repeat_last_n": ((64,), "penalties look at the last 64 tokens"),
     "penalize_newline": ((True,), "newlines are penalized as any other token"),
 }
+MIROSTAT_TUNING = ("mirostat_tau", "mirostat_eta")  # any number while mirostat is off (rule 3)
 CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think",
                          "logprobs", "top_logprobs"})  # fmt: skip
 GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
@@ -94,9 +97,10 @@ def _keep_alive_ok(value: Any) -> bool:
 
 
 def unloads(value: Any) -> bool:
-    """Whether ``keep_alive`` asks to unload now (0, "0", "0s", "0m0s": Ollama's unload request)."""
+    """Whether ``keep_alive`` asks to unload now (Ollama's unload request: 0, or under a second
+    as a number, which Ollama truncates to whole seconds; "0", "0s", "0m0s")."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return value == 0
+        return 0 <= value < 1  # Ollama truncates a number of seconds to whole ones
     if isinstance(value, str) and _keep_alive_ok(value):
         return all(float(n) == 0 for n in re.findall(r"\d+(?:\.\d*)?|\.\d+", value))
     return False
@@ -147,15 +151,20 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         raise InvalidRequest("'options' must be an object", param="options")
     out: dict[str, Any] = dict(DEFAULTS)
     num_ctx = None
+    mirostat_off = opts.get("mirostat") in (None, 0)
     for name, value in opts.items():
+        if value is None:  # null: not given, as Ollama reads it (the ollama client sends them)
+            continue
+        if name in MIROSTAT_TUNING and mirostat_off:  # they tune mirostat, which is off: no effect (rule 3)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidRequest(f"'{name}' must be a number", param=f"options.{name}")
+            continue
         if name in PLACEMENT:
             raise InvalidRequest(
                 f"option '{name}' is not supported: spillover decides where the model runs", param=f"options.{name}"
             )
         if name not in SAMPLING and name not in ("num_predict", "num_ctx", "num_keep") and name not in NO_OP_OPTIONS:
             raise InvalidRequest(f"option '{name}' is not supported", param=f"options.{name}")
-        if value is None:  # null: not given, as Ollama reads it
-            continue
         if name in NO_OP_OPTIONS:
             allowed, why = NO_OP_OPTIONS[name]
             if isinstance(value, bool) is not isinstance(allowed[0], bool) or value not in allowed:
@@ -211,7 +220,10 @@ def _tool_call(c: Any, param: str, call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": text}}
 
 
-MESSAGE_FIELDS = frozenset({"role", "content", "images", "tool_calls", "tool_name", "thinking"})
+# A message's keys (rule 3): Ollama's, and two of OpenAI's that code written for it sends to
+# /api/chat and that mean the same here: ``name`` (the speaker, given to the template as
+# OpenAI's is) and a tool message's ``tool_call_id`` (its call, beside or for ``tool_name``).
+MESSAGE_FIELDS = frozenset({"role", "content", "images", "tool_calls", "tool_name", "thinking", "name", "tool_call_id"})
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
@@ -221,8 +233,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         raise InvalidRequest("each message must be an object", param=f"messages[{i}]")
     for name in m:
         if name not in MESSAGE_FIELDS:
-            hint = " (a tool message names its tool in 'tool_name')" if name == "tool_call_id" else ""
-            raise InvalidRequest(f"unknown field '{name}' in a message{hint}", param=f"messages[{i}].{name}")
+            raise InvalidRequest(f"unknown field '{name}' in a message", param=f"messages[{i}].{name}")
     if m.get("images"):
         raise InvalidRequest("images are not supported by the served model", param=f"messages[{i}].images")
     if m.get("thinking"):
@@ -240,8 +251,15 @@ def _message(m: Any, i: int) -> dict[str, Any]:
             raise InvalidRequest("'tool_calls' must be an array", param=f"messages[{i}].tool_calls")
         param = f"messages[{i}].tool_calls"
         out["tool_calls"] = [_tool_call(c, f"{param}[{j}]", f"call_{i}_{j}") for j, c in enumerate(calls)]
+    if m.get("name") is not None:
+        out["name"] = m["name"]  # OpenAI's checks it (a string) and hands it to the template
     if m.get("role") == "tool":
-        out["tool_call_id"] = str(m.get("tool_name") or "tool")
+        call_id = m.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequest("'tool_call_id' must be a string", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = str(m.get("tool_name") or call_id or "tool")
+    elif m.get("tool_call_id") is not None:
+        raise InvalidRequest("'tool_call_id' belongs to a tool message", param=f"messages[{i}].tool_call_id")
     return out
 
 
@@ -295,7 +313,11 @@ def _with_ctx(req: GenerationRequest, num_ctx: int | None) -> GenerationRequest:
 # names them its own way.
 _OPTION_PARAMS = {name: f"options.{name}" for name in SAMPLING} | {"max_tokens": "options.num_predict"}
 # The route a request of another kind belongs on, in Ollama's API (``ENDPOINT_OF_KIND`` is OpenAI's).
-_OLLAMA_ROUTES = {"/v1/chat/completions": "/api/chat", "/v1/embeddings": "/api/embed"}
+_OLLAMA_ROUTES = {
+    "send it to /v1/chat/completions": "send it to /api/chat",
+    "send it to /v1/embeddings": "send it to /api/embed",
+    "send a prompt to /v1/completions": 'send a prompt to /api/generate with "raw": true',
+}
 
 
 def ollama_param(param: str | None, *, generate: bool = False) -> str | None:
@@ -325,7 +347,7 @@ def ollama_error_body(err: BaseException, *, generate: bool = False) -> dict[str
     message = e["message"]
     if e["code"] == "model_not_supported":
         for openai, ollama in _OLLAMA_ROUTES.items():
-            message = message.replace(f"send it to {openai}", f"send it to {ollama}")
+            message = message.replace(openai, ollama)
     return {"error": message, "code": e["code"], "param": ollama_param(e["param"], generate=generate)} | detail
 
 

@@ -173,8 +173,9 @@ def ollama_routes(
         empty (``messages: []``, ``prompt: ""``) is Ollama's load request: the ollama CLI's
         preload before its prompt. It is answered at once (``done_reason: "load"``) for a
         model this server serves, and runs nothing: spillover keeps its models loaded. A
-        ``keep_alive`` of 0 (``ollama stop``) unloads nothing either: it is answered
-        ``done_reason: "unload"``, as Ollama's, with a ``spillover.notice`` that says so. Its
+        ``keep_alive`` of 0 (``ollama stop``, for a chat or an embeddings model: ``/api/ps``
+        lists both) unloads nothing either: it is answered ``done_reason: "unload"``, as
+        Ollama's, with a ``spillover.notice`` that says so. Its
         other fields are checked as a run's are (``parse`` with ``stand_in`` as its ``field``):
         a refused option is refused."""
 
@@ -183,10 +184,14 @@ def ollama_routes(
             if isinstance(body, dict) and body.get(field) in (None, "", []):
                 parse({**body, field: stand_in}, gw.cfg.model.name)  # its 400s, as a run's
                 asked = str(body.get("model") or gw.cfg.model.name)  # as the request's own parse defaults it
-                served = gw.registry.resolve(asked, "chat")  # an unknown model's 404, another kind's 400, as a run's
-                chat = gw.chat_model(served.id)
-                answer = {"model": chat.name, "created_at": created_at(), **empty, "done_reason": "load", "done": True}
-                if unloads(body.get("keep_alive")):  # `ollama stop`: answered as Ollama's, and told the truth
+                unload = unloads(body.get("keep_alive"))
+                listed = gw.registry.lookup(asked) if unload else None  # `ollama stop` of any model /api/ps lists
+                if listed is not None and listed.kind == "embeddings":
+                    name = listed.id
+                else:  # an unknown model's 404, another kind's 400, as a run's
+                    name = gw.chat_model(gw.registry.resolve(asked, "chat").id).name
+                answer = {"model": name, "created_at": created_at(), **empty, "done_reason": "load", "done": True}
+                if unload:  # `ollama stop`: answered as Ollama's, and told the truth
                     answer["done_reason"] = "unload"
                     answer["spillover"] = {"notice": UNLOAD_NOTICE}
                 raise _LoadOnly(answer)

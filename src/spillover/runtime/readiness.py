@@ -93,7 +93,7 @@ class ReplicaReadiness:
         while it has no other. Empty while the replica has not reported since its start (dead,
         starting: it holds nothing)."""
         w = self.worker()
-        if w is None or not w.held.get("timings"):
+        if w is None or not w.held:
             return {}
         return {step: max(w.step_samples.get(step) or [first]) for step, first in w.step_first.items()}
 
