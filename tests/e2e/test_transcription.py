@@ -220,6 +220,38 @@ def test_a_hung_gpu_is_a_stall_replayed_on_cpu_and_its_worker_restarted() -> Non
         wait_for(lambda: (w := _worker(g, "gpu"))["state"] == "ready" and w["pid"] != pid, 90, "a new gpu worker")
 
 
+def test_a_gpu_that_hangs_mid_file_is_caught_within_a_window_not_the_files_length() -> None:
+    """Round 70: the stall bound covered all the audio after the last segment, so a device that
+    hung early in a long file held it for minutes (305 s in a 600 s file). The worker now says
+    each 30 s window begun (``engine.transcribe_worker`` rule 4), and a wait covers one window:
+    here at most ``4 x`` the GPU's seconds for 30 s of audio, not for the 270 s left."""
+    long_clip = speech_of(300.0)
+    with GatewayProcess(
+        ["--gpu", "sim:1024"], services=("chat", "transcription"), config={"failover": {"stall_timeout_s": 3.0}}
+    ) as g:
+        ref = _post(g, {}, CLIP)  # the GPU's speed, measured
+        assert ref.headers["x-spillover-route"] == "gpu", ref.text
+        pid = _worker(g, "gpu")["pid"]
+        got: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: got.append(_post(g, {}, long_clip)))
+        t.start()
+        on_gpu = lambda: any(r["route"] == "gpu" for r in g.status()["running"]) or None  # noqa: E731
+        wait_for(on_gpu, 30, "the file running on the GPU")
+        time.sleep(2.0)  # its first windows decoded (the whole file takes the GPU about 11 s here)
+        dev = SimDevice(g.state_dir)
+        dev.set_hang(True)
+        hung_at = time.monotonic()
+        try:
+            wait_for(lambda: _worker(g, "gpu")["pid"] != pid or None, 60, "the hung GPU worker killed")
+            caught_s = time.monotonic() - hung_at
+        finally:
+            dev.set_hang(False)
+        t.join(180)
+        assert got and got[0].status_code == 200, got
+        assert got[0].headers["x-spillover-reason"] == "failover:stall", got[0].headers
+        assert caught_s < 20.0, caught_s  # a window's bound; the audio left took about 50 s before
+
+
 def test_idempotency_key_replays_the_same_bytes_and_another_file_is_422(gw: GatewayProcess) -> None:
     first = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})
     again = _post(gw, {"response_format": "verbose_json"}, CLIP, headers={"Idempotency-Key": "tx-1"})

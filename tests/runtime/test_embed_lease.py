@@ -133,25 +133,23 @@ def test_the_stall_bound_covers_the_next_chunk_at_a_rate_that_errs_long() -> Non
     assert fresh.stall_bound_s(big, 2) < 2 * STALL_FACTOR * 2 * 50e-6 * big
 
 
-def test_a_transcriptions_stall_bound_covers_the_audio_after_its_last_segment() -> None:
-    """Until the audio is decoded a wait covers all of it (its header's length, then the decoded
-    one); after each segment, the audio after that segment's end; in whole 30 s windows, at
-    least one (Whisper pads the last)."""
-    from spillover.runtime.events import AudioInfo, Segment
+def test_a_transcriptions_stall_bound_covers_one_window_after_the_worker_says_what_it_heard() -> None:
+    """Until the worker says what it heard, a wait covers all the audio (its decoding, the
+    language's), in whole 30 s windows; after that and after every event (a segment, a
+    window's progress: ``engine.transcribe_worker`` rule 4) one window. Round 70: a wait over
+    all the audio after the last segment let a hung device run 305 s in a 600 s file."""
+    from spillover.runtime.events import AudioInfo, Progress, Segment
     from spillover.runtime.transcription import TranscriptionService
 
-    steps = TranscriptionService.stall_steps(None, {}, 100.0)  # type: ignore[arg-type]
-    assert steps.units == 120.0  # whole 30 s windows
-    steps.after(AudioInfo("en", 90.0))
-    assert steps.units == 90.0
-    steps.after(Segment({"end": 30.0, "text": " a"}))
-    assert steps.units == 60.0
+    steps = TranscriptionService.stall_steps(None, {}, 600.0)  # type: ignore[arg-type]
+    assert steps.units == 600.0  # whole 30 s windows
+    steps.after(AudioInfo("en", 600.0))
+    assert steps.units == 30.0
+    steps.after(Progress(1))  # a window without speech: no segment, but its progress
+    assert steps.units == 30.0
     steps.after(Segment({"end": 61.0, "text": " b"}))
     assert steps.units == 30.0
-    steps.after(Segment({"end": 95.0, "text": " c"}))  # past the end: the last window still runs
-    assert steps.units == 30.0
-    steps.after(Segment({"text": " no end"}))
-    assert steps.units == 30.0
+    assert TranscriptionService.stall_steps(None, {}, 100.0).units == 120.0  # type: ignore[arg-type]
     assert TranscriptionService.stall_units(None, {}, 1.0) == 30.0  # type: ignore[arg-type]
 
 

@@ -10,6 +10,7 @@ Worker -> gateway (besides ``ready``, ``pong`` and ``fatal``, as for chat)::
     {"ev": "started", "rid"}                          its device memory is granted
     {"ev": "audio", "rid", "language", "duration"}    the language heard (or given), the seconds
     {"ev": "segment", "rid", "seg": {...}}            one decoded segment, in order
+    {"ev": "progress", "rid", "done"}                 a 30 s window is decoded and another begins
     {"ev": "done", "rid", "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens", "timings"}
     {"ev": "error", "rid", "kind", "message"}         alloc_failed | oom | engine | cancelled | bad_audio
 
@@ -25,10 +26,15 @@ Rules:
    delivered, so the replay is still a whole, fresh answer).
 3. Between segments the worker checks for a cancel, a device hang (progress stops) and, on
    ``sim``, an injected running fault (``oom``), as the embeddings worker does between chunks.
+4. Each 30 s window's start (faster-whisper's ``encode``) after the first says ``progress``,
+   after a cancel and hang check of its own: a window without speech gives no segment, so
+   without it the gateway's stall bound had to cover all the audio after the last segment
+   (a hung device went unnoticed for 305 s in a 600 s file: round 70).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -44,10 +50,30 @@ def compute_type(kind: str) -> str:
     return "float16" if kind == "cuda" else "int8"
 
 
+class _Ended(Exception):
+    """A window's check found its request ended (a cancel): its last event (rule 4)."""
+
+    def __init__(self, end: dict[str, Any]) -> None:
+        super().__init__(end.get("kind"))
+        self.end = end
+
+
 class TranscribeWorker(UnaryWorker):
     """A transcription worker (``--kind transcription``)."""
 
     request_op = "transcribe"
+    _decoding = threading.local()  # the request this slot's thread decodes, and its windows begun (rule 4)
+
+    def _window(self) -> None:
+        """A window begins (rule 4): after the first, ``progress``; then the cancel and hang check."""
+        rid = getattr(self._decoding, "rid", None)
+        if rid is None:  # the readiness probe
+            return
+        if self._decoding.windows:
+            self.chan.send({"ev": "progress", "rid": rid, "done": self._decoding.windows})
+        self._decoding.windows += 1
+        if (end := self.between_steps(rid, "encoder", faults=False)) is not None:
+            raise _Ended(end)
 
     def model_fingerprint(self) -> dict[str, str]:
         from pathlib import Path
@@ -65,7 +91,7 @@ class TranscribeWorker(UnaryWorker):
         from faster_whisper import WhisperModel
 
         index = int(self.args.device.split(":", 1)[1]) if self.kind == "cuda" else 0
-        return WhisperModel(
+        model = WhisperModel(
             self.args.model,
             device="cuda" if self.kind == "cuda" else "cpu",
             device_index=index,
@@ -74,6 +100,14 @@ class TranscribeWorker(UnaryWorker):
             num_workers=1,
             local_files_only=True,
         )
+        encode = model.encode
+
+        def each_window(features: Any) -> Any:  # faster-whisper encodes each 30 s window once (rule 4)
+            self._window()
+            return encode(features)
+
+        model.encode = each_window
+        return model
 
     def probe(self, model: Any) -> None:
         import numpy as np
@@ -99,6 +133,15 @@ class TranscribeWorker(UnaryWorker):
             return _error(rid, "bad_audio", str(exc))
         except OSError as exc:
             return _error(rid, "engine", f"the stored upload cannot be read: {exc}")
+        self._decoding.rid, self._decoding.windows = rid, 0
+        try:
+            return self._transcribe(model, rid, msg, audio, t0)
+        except _Ended as ended:
+            return ended.end
+        finally:
+            self._decoding.rid = None
+
+    def _transcribe(self, model: Any, rid: str, msg: dict[str, Any], audio: Any, t0: float) -> dict[str, Any]:
         temperature = float(msg.get("temperature") or 0.0)
         if temperature > 0:
             import ctranslate2

@@ -405,15 +405,15 @@ class UnaryWorker(DeviceWorker):
     def run_request(self, msg: dict[str, Any]) -> None:
         self.run_charged(msg, self._compute)
 
-    def between_steps(self, rid: str, part: str) -> dict[str, Any] | None:
-        """Before each step of a request (a chunk, a segment): wait while the (sim) device
-        hangs; then its last event if it was cancelled, or if an injected fault fails the
-        running ``part`` (the encoder, the decoder); None to go on."""
+    def between_steps(self, rid: str, part: str, *, faults: bool = True) -> dict[str, Any] | None:
+        """Before each step of a request (a chunk, a segment, a window): wait while the (sim)
+        device hangs; then its last event if it was cancelled, or (``faults``) if an injected
+        fault fails the running ``part`` (the encoder, the decoder); None to go on."""
         while self.hang.is_set() and rid not in self.cancelled:
             time.sleep(0.01)
         if rid in self.cancelled:
             return _error(rid, "cancelled", "cancelled")
-        if self.sim is not None and self.oom_armed.is_set() and self.sim.take_running_fault():
+        if faults and self.sim is not None and self.oom_armed.is_set() and self.sim.take_running_fault():
             return _error(rid, "oom", f"device out of memory in the {part}")
         return None
 

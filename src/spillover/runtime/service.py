@@ -25,7 +25,7 @@ Rules:
    stall (which may be the request's own doing) and not on the run's last attempt. A GPU
    attempt stalls when its next event does not come within ``STALL_FACTOR`` times the
    expected time of what the worker computes before it (its kind's ``StallSteps``: an
-   embeddings chunk, a transcription's audio left; at the GPU's seconds a unit: the first
+   embeddings chunk, a transcription's window; at the GPU's seconds a unit: the first
    attempt's, then rising at once to a slower one's and falling a fifth of the way to a faster
    one's; a request's fixed cost counted apart), times the worker's slots (that many may
    share the device), and never sooner than ``[failover].stall_timeout_s``: a hung device

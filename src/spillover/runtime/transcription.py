@@ -20,7 +20,6 @@ Rules (beside the service's own):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -62,22 +61,17 @@ def windows_s(seconds: float) -> float:
     return WINDOW_S * max(1, math.ceil(seconds / WINDOW_S - 1e-9))
 
 
-class _AudioLeft(StallSteps):
-    """A transcription's steps (``runtime.service`` rule 3), in seconds of audio rounded up to
-    whole windows: until its audio is decoded, all of it; then the audio after the last
-    segment's end (windows without speech give no segment)."""
+class _Windows(StallSteps):
+    """A transcription's steps (``runtime.service`` rule 3), in seconds of audio: until the
+    worker says what it heard, the whole file in windows (its decoding, the language's); then
+    one window, since each event (a segment, a window's ``Progress``,
+    ``engine.transcribe_worker`` rule 4) comes within one window's decoding."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__(windows_s(seconds))
-        self._total = seconds
 
     def after(self, ev: RequestEvent) -> None:
-        if isinstance(ev, AudioInfo):
-            self._total = ev.duration_s
-            self.units = windows_s(ev.duration_s)
-        elif isinstance(ev, Segment):
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                self.units = windows_s(max(0.0, self._total - float(ev.data["end"])))
+        self.units = WINDOW_S
 
 
 class TranscriptionService(DeviceService):
@@ -92,7 +86,7 @@ class TranscriptionService(DeviceService):
         return windows_s(work)
 
     def stall_steps(self, msg: dict[str, Any], work: float) -> StallSteps:
-        return _AudioLeft(work)
+        return _Windows(work)
 
     shape: WhisperShape | None = None
     memory: TranscribeMemoryModel | None = None
