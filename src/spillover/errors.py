@@ -58,6 +58,7 @@ __all__ = [
     "ClientError",
     "ConfigError",
     "ContextLengthExceeded",
+    "DeadlineTooShort",
     "FailoverInterrupted",
     "Forbidden",
     "HttpError",
@@ -241,6 +242,18 @@ class CapacityError(SpilloverError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineTooShort(SpilloverError):
+    """The request alone takes longer than its deadline allows on the lane that would run it,
+    with nothing ahead of it there: a retry would be refused the same way. Answered as a
+    deadline refusal (503 ``deadline_exceeded``), without Retry-After and with
+    ``x-should-retry: false`` (round 70: the openai SDK retried a 1 ms deadline for 50 s)."""
+
+    status = 503
+    type = "server_overloaded"
+    code = "deadline_exceeded"
+    variant = "alone"
+
+
 class QueueFull(CapacityError):
     """A lane's bounded queue is full; answered at once."""
 
@@ -331,6 +344,8 @@ _FOR_PEOPLE: dict[str, str] = {
         "Try again in {s}, or start a shorter conversation."
     ),
     "deadline_exceeded": "This answer cannot be ready before its deadline right now. Try later or allow more time.",
+    "deadline_exceeded/alone": "This answer takes longer than its deadline allows, even with nothing ahead of it. "
+    "Allow more time.",
     "no_worker_ready": "The model is still loading. Please try again in {s}.",
     "model_load_failed": (
         "The server cannot load the model for this request right now (its status page says why). "

@@ -263,12 +263,22 @@ def test_idempotency_key_replays_the_same_bytes_and_another_file_is_422(gw: Gate
     assert doc["state"] == "completed" and doc["kind"] == "transcription"
 
 
-def test_a_deadline_the_service_cannot_meet_is_refused_at_once_with_the_eta(gw: GatewayProcess) -> None:
+def test_a_deadline_the_service_cannot_meet_is_refused_at_once_and_not_retried(gw: GatewayProcess) -> None:
+    """A deadline shorter than the file alone takes, with nothing ahead of it, is refused at
+    once, and told not to retry (round 70: `x-should-retry: true` and Retry-After, so the openai
+    SDK retried a 1 ms deadline for 50 s); the SDK raises at once."""
     t0 = time.monotonic()
     r = _post(gw, {}, _long_clip(4), headers={"X-Spillover-Deadline-Ms": "50"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "deadline_exceeded", r.text
-    assert float(r.headers["retry-after"]) >= 1 and time.monotonic() - t0 < 10
-    assert r.headers["x-should-retry"] == "true"
+    assert "retry-after" not in r.headers and time.monotonic() - t0 < 10
+    assert r.headers["x-should-retry"] == "false" and "alone" in r.json()["error"]["detail"]
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x")  # default max_retries=2
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        client.audio.transcriptions.create(
+            model="whisper-1", file=("clip.wav", _long_clip(4)), extra_headers={"X-Spillover-Deadline-Ms": "1"}
+        )
+    assert e.value.status_code == 503 and time.monotonic() - t0 < 5  # no retries
 
 
 def test_a_gpu_fault_mid_transcription_replays_on_cpu_with_the_same_text(gw: GatewayProcess) -> None:

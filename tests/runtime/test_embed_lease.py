@@ -466,3 +466,30 @@ def test_a_cancelled_attempt_s_worker_has_as_long_to_stop_as_its_next_event_may_
         return kills
 
     assert asyncio.run(main()) == (["hung"] if killed else [])
+
+
+def test_a_deadline_the_request_alone_overruns_is_refused_without_a_retry() -> None:
+    """Round 70: a deadline the request alone overruns, with nothing ahead of it, was a
+    retryable 503 with Retry-After (the openai SDK retried a 1 ms deadline for 50 s); with work
+    ahead of it, the refusal still says when to retry."""
+    from spillover.errors import CapacityError, DeadlineTooShort, to_http
+
+    async def main() -> None:
+        _, svc, gpu, _ = _two_lanes()
+        with pytest.raises(DeadlineTooShort) as alone:
+            svc.hold_place("r1", nbytes=MIB, work=10.0, deadline_s=0.001)
+        http = to_http(alone.value)
+        assert http.status == 503 and http.body["error"]["code"] == "deadline_exceeded"
+        assert http.headers["x-should-retry"] == "false" and "Retry-After" not in http.headers
+        assert "even with nothing ahead" in http.body["error"]["message"]
+        own = svc.lane_eta_s("gpu", 10.0)
+        svc.hold_place("r2", nbytes=MIB, work=10.0, deadline_s=own * 1.5)  # in time alone: promised
+        svc.release_place("r2")
+        gpu.claim_slot("busy")
+        svc._running_work["busy"] = 100.0  # a long request ahead of it on the GPU
+        with pytest.raises(CapacityError) as queued:
+            svc.hold_place("r3", nbytes=MIB, work=10.0, deadline_s=own * 1.5)
+        assert not isinstance(queued.value, DeadlineTooShort)
+        assert to_http(queued.value).headers["x-should-retry"] == "true"
+
+    asyncio.run(main())

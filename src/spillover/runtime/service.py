@@ -90,7 +90,15 @@ from spillover.core.breaker import (
 from spillover.core.placement import PlacementView, place, promote_due
 from spillover.core.reasons import FailoverReason, Reason
 from spillover.core.routing import fault_outcome
-from spillover.errors import CapacityError, ConfigError, NoWorkerReady, QueueFull, RequestCancelled, WorkerFailed
+from spillover.errors import (
+    CapacityError,
+    ConfigError,
+    DeadlineTooShort,
+    NoWorkerReady,
+    QueueFull,
+    RequestCancelled,
+    WorkerFailed,
+)
 from spillover.runtime import ticks
 from spillover.runtime.events import (
     AudioInfo,
@@ -448,6 +456,13 @@ class DeviceService(abc.ABC):
             lane = place(self._view(nbytes, False, now)).lane
             lane = "gpu" if lane == "gpu" or self.cpu is None else "cpu"  # waiting: the CPU path is its way out
             eta = self.lane_eta_s(lane, work)
+            lanes = (("gpu", self.gpu), ("cpu", self.cpu))
+            alone = min((work * self._rate[name] for name, sup in lanes if sup is not None), default=math.inf)
+            if alone > deadline_s:  # even the faster path, with nothing ahead: a retry would wait in vain
+                raise DeadlineTooShort(
+                    f"the {self.name} service's faster path would take about {alone:.1f}s for this request alone,"
+                    f" with nothing ahead of it, longer than its deadline ({deadline_s:.1f}s)"
+                )
             if eta > deadline_s:
                 raise CapacityError(
                     f"the {self.name} {lane.upper()} path would finish this request in "
