@@ -27,6 +27,8 @@
     │       └── FailoverInterrupted     code=failover_interrupted: tokens were delivered and
     │           │                       no provably identical continuation exists
     │           └── RestartInterrupted  the same, the gateway having restarted (its own sentence)
+    ├── DeadlineTooShort                503 code=deadline_exceeded, no Retry-After, not retried:
+    │                                   the request alone overruns its deadline
     ├── IdempotencyError                the Idempotency-Key was used differently
     │   ├── IdempotencyInFlight         409 + Retry-After: the first request is still running
     │   └── IdempotencyMismatch         422: same key, different body
@@ -243,8 +245,8 @@ class CapacityError(SpilloverError):
 
 
 class DeadlineTooShort(SpilloverError):
-    """The request alone takes longer than its deadline allows on the lane that would run it,
-    with nothing ahead of it there: a retry would be refused the same way. Answered as a
+    """The request alone takes longer than its deadline allows on the faster of its service's
+    lanes, with nothing ahead of it: a retry would be refused the same way. Answered as a
     deadline refusal (503 ``deadline_exceeded``), without Retry-After and with
     ``x-should-retry: false`` (round 70: the openai SDK retried a 1 ms deadline for 50 s)."""
 
@@ -421,7 +423,7 @@ def to_http(exc: BaseException, request_id: str | None = None) -> HttpError:
         exc = SpilloverError(f"internal error: {type(exc).__name__}")
     headers: dict[str, str] = {"x-should-retry": "true" if should_retry(exc) else "false"}
     retry = getattr(exc, "retry_after_s", None)
-    if isinstance(exc, CapacityError) and exc.code:
+    if isinstance(exc, CapacityError | DeadlineTooShort) and exc.code:
         headers["X-Spillover-Reason"] = exc.code  # why there was no room, like every other answer
     if isinstance(exc, CapacityError | IdempotencyInFlight) and retry is not None:
         retry_s = max(0.0, float(retry))

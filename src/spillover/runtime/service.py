@@ -130,6 +130,7 @@ IDLE_WAKE_S = 0.5  # the pump's safety net (on the shared tick): a pass needs an
 HOST_SHORT_WORDS = ": the host-RAM guard has no room for its CPU replica's model (host_budget)"
 STOP_WAIT_S = 5.0  # the least a cancelled attempt waits for its worker to stop (``DeviceService.stop_bound_s``)
 STOP_WAIT_MAX_S = 30.0  # the most it waits: past it, the worker is hung and killed
+FASTEST_KEPT = 5  # measured rates a lane keeps for a deadline the request alone overruns (``hold_place``)
 STALL_FACTOR = 4.0  # a GPU attempt stalls past this many times its expected time (rule 3)
 
 
@@ -155,6 +156,12 @@ class StallSteps:
 
     def __init__(self, units: float) -> None:
         self.units = units  # before the next event
+
+    @property
+    def stop_units(self) -> float:
+        """What a cancelled attempt's worker may still compute before it stops (rule 4): by
+        default what comes before the next event."""
+        return self.units
 
     def after(self, ev: RequestEvent) -> None:
         """An event came: what is computed before the next one."""
@@ -270,6 +277,9 @@ class DeviceService(abc.ABC):
         self.load_waiting = False
         self.last_choice = ("none", "starting")
         self._rate = dict(self.initial_rate)  # running mean seconds per unit of work, per lane
+        # Each lane's latest measured seconds a unit of work (``hold_place``'s refusal of a
+        # deadline the request alone overruns: never on a guess, and at the fastest of them).
+        self._fastest: dict[str, deque[float]] = {"gpu": deque(maxlen=FASTEST_KEPT), "cpu": deque(maxlen=FASTEST_KEPT)}
         # Seconds a stall unit per lane (rule 3's bound: the GPU's; rule 4's stop: each lane's),
         # measured or not: the CPU's first guess is the GPU's, as much slower as the initial rates say.
         cpu_slower = self.initial_rate["cpu"] / self.initial_rate["gpu"]
@@ -288,6 +298,7 @@ class DeviceService(abc.ABC):
         self.host_lane: CpuLaneHost | None = None
 
     initial_rate = {"gpu": 0.05, "cpu": 0.1}
+    work_is_size = False  # whether a request's ``work`` grows with it (a transcription's seconds), not 1 a request
     initial_stall_rate = 0.05  # GPU seconds a stall unit until measured (rule 3; a kind sets its own)
     stall_overhead_units = 0.0  # a request's fixed cost (the channel, a launch), in stall units
 
@@ -456,9 +467,10 @@ class DeviceService(abc.ABC):
             lane = place(self._view(nbytes, False, now)).lane
             lane = "gpu" if lane == "gpu" or self.cpu is None else "cpu"  # waiting: the CPU path is its way out
             eta = self.lane_eta_s(lane, work)
-            lanes = (("gpu", self.gpu), ("cpu", self.cpu))
-            alone = min((work * self._rate[name] for name, sup in lanes if sup is not None), default=math.inf)
-            if alone > deadline_s:  # even the faster path, with nothing ahead: a retry would wait in vain
+            lanes = [name for name, sup in (("gpu", self.gpu), ("cpu", self.cpu)) if sup is not None]
+            fastest = [min(self._fastest[name]) for name in lanes if self._fastest[name]]
+            alone = work * min(fastest) if self.work_is_size and len(fastest) == len(lanes) else 0.0
+            if alone > deadline_s:  # even the faster path at its fastest, with nothing ahead: a retry is in vain
                 raise DeadlineTooShort(
                     f"the {self.name} service's faster path would take about {alone:.1f}s for this request alone,"
                     f" with nothing ahead of it, longer than its deadline ({deadline_s:.1f}s)"
@@ -617,7 +629,7 @@ class DeviceService(abc.ABC):
             return ("exited", "the worker channel ended")
         except BaseException:
             d.worker.interrupt(rid)
-            await self._until_stopped(d, rid, self.stop_bound_s(d, steps.units))
+            await self._until_stopped(d, rid, self.stop_bound_s(d, steps.stop_units))
             self._note(d, "cancelled", 0.0)
             raise
         finally:
@@ -660,6 +672,7 @@ class DeviceService(abc.ABC):
         """Feed the breaker (GPU) and the ETA (``rate``: seconds per unit of work)."""
         if outcome == "ok":
             self._rate[d.lane] = 0.8 * self._rate[d.lane] + 0.2 * rate
+            self._fastest[d.lane].append(rate)
         if d.lane == "gpu":
             self.breaker = attempt_ended(self.breaker, outcome, d.probe_round, time.monotonic(), self.breaker_policy)
 

@@ -20,6 +20,7 @@ Rules (beside the service's own):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from spillover.core.transcribe_memory import TranscribeMemoryModel
 from spillover.errors import FailoverInterrupted, InvalidRequest, WorkerFailed
-from spillover.runtime.events import AudioInfo, RequestEvent, Segment
+from spillover.runtime.events import AudioInfo, Progress, RequestEvent, Segment
 from spillover.runtime.service import DeviceService, StallSteps
 
 if TYPE_CHECKING:
@@ -65,13 +66,29 @@ class _Windows(StallSteps):
     """A transcription's steps (``runtime.service`` rule 3), in seconds of audio: until the
     worker says what it heard, the whole file in windows (its decoding, the language's); then
     one window, since each event (a segment, a window's ``Progress``,
-    ``engine.transcribe_worker`` rule 4) comes within one window's decoding."""
+    ``engine.transcribe_worker`` rule 4) comes within one window's decoding. A cancelled
+    attempt's worker may take as long as the audio after the last segment (``stop_units``,
+    rule 4): it stops at its next window, and a wait cut to one window's average killed a
+    healthy worker busy with a dense one (round 31)."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__(windows_s(seconds))
+        self._total = seconds
+        self._left = windows_s(seconds)
+
+    @property
+    def stop_units(self) -> float:
+        return self._left
 
     def after(self, ev: RequestEvent) -> None:
-        self.units = WINDOW_S
+        if isinstance(ev, AudioInfo):
+            self._total = ev.duration_s
+            self._left = windows_s(ev.duration_s)
+        elif isinstance(ev, Segment):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self._left = windows_s(max(0.0, self._total - float(ev.data["end"])))
+        if isinstance(ev, AudioInfo | Progress | Segment):  # ``Started`` comes before the file is decoded
+            self.units = WINDOW_S
 
 
 class TranscriptionService(DeviceService):
@@ -80,6 +97,7 @@ class TranscriptionService(DeviceService):
     kind = "transcription"
     op = "transcribe"
     initial_rate = {"gpu": 0.2, "cpu": 0.3}  # real-time factors until measured
+    work_is_size = True  # its work is the file's seconds
     initial_stall_rate = 0.2  # the GPU's, for the stall bound (its units: seconds of audio)
 
     def stall_units(self, msg: dict[str, Any], work: float) -> float:
