@@ -231,8 +231,11 @@ def test_a_request_longer_than_the_resident_can_ever_hold_is_a_400_or_shrinks_to
             assert a["eval_count"] == 64 - a["prompt_eval_count"] or a["done_reason"] == "stop", a
             # the client's own limit cut it, not spillover's: not shrunk, no notice
             assert (a["spillover"]["shrunk"], a["spillover"]["notice"]) == (False, None), a
-            # a null option is not given, but an option that is never taken is refused, null or not
-            r = http.post("/api/generate", json=ollama | {"options": {"num_gpu": None}})
+            # a null option is not given, whatever its name (as Ollama reads it: round 69, the ollama
+            # client sends a dict's nulls), and an option that is never taken is refused when given
+            r = http.post("/api/generate", json=ollama | {"options": {"num_gpu": None, "num_predict": 1}})
+            assert r.status_code == 200, r.text
+            r = http.post("/api/generate", json=ollama | {"options": {"num_gpu": 1}})
             assert r.status_code == 400 and r.json()["param"] == "options.num_gpu", r.text
 
 
