@@ -175,9 +175,8 @@ def ollama_routes(
         model this server serves, and runs nothing: spillover keeps its models loaded. A
         ``keep_alive`` of 0 (``ollama stop``, for a chat or an embeddings model: ``/api/ps``
         lists both) unloads nothing either: it is answered ``done_reason: "unload"``, as
-        Ollama's, with a ``spillover.notice`` that says so. Its
-        other fields are checked as a run's are (``parse`` with ``stand_in`` as its ``field``):
-        a refused option is refused."""
+        Ollama's, with a ``spillover.notice`` that says so. Its other fields are checked as a
+        run's are (``parse`` with ``stand_in`` as its ``field``): a refused option is refused."""
 
         async def read(request: Request) -> Any:
             body = await read_json(request)

@@ -210,6 +210,8 @@ class ReplicaReadiness:
     def status(self) -> dict[str, Any]:
         """Its part of the service's /v1/status row (``cpu_readiness``)."""
         w = self.worker()
+        steps = self.steps()
+        recovery = recovery_ms(steps)
         return {
             "configured": self.configured,
             "mode": self.choice.mode,
@@ -217,10 +219,10 @@ class ReplicaReadiness:
             "why": str(self.choice.why),
             "wanted": self.choice.wanted,
             "recovery_budget_ms": self.budget_ms,
-            "recovery_ms": {k: round(v, 1) for k, v in self.recovery().items()},
-            "meets_budget": self.recovery().get(self.choice.mode, float("inf")) <= self.budget_ms,
+            "recovery_ms": {k: round(v, 1) for k, v in recovery.items()},
+            "meets_budget": recovery.get(self.choice.mode, float("inf")) <= self.budget_ms,
             "timings_ms": dict((w.held.get("timings") or {}) if w is not None else {}),  # the latest of each
-            "predicted_steps_ms": {k: round(v, 3) for k, v in self.steps().items()},  # what recovery_ms adds up
+            "predicted_steps_ms": {k: round(v, 3) for k, v in steps.items()},  # what recovery_ms adds up
             "model_loaded": bool(w.held.get("model")) if w is not None else False,
             "contexts": w.contexts if w is not None else 0,
             "host_bytes": self.host_bytes(w) if w is not None else 0,
