@@ -243,9 +243,11 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         raise ConfigError("estimate: --device-mib must be at least 1")
     if a.reserve_mib is not None and a.device_mib is None:
         raise ConfigError("estimate: --reserve-mib is taken from --device-mib: give both")
+    reserve_given = a.reserve_mib is not None
     a.reserve_mib = DeviceConfig().margin_mib if a.reserve_mib is None else a.reserve_mib
     if a.reserve_mib < 0 or (a.device_mib is not None and a.reserve_mib >= a.device_mib):
-        raise ConfigError("estimate: --reserve-mib must be at least 0 and less than --device-mib")
+        given = "" if reserve_given else f" (by default {a.reserve_mib}: [device].margin_mib)"
+        raise ConfigError(f"estimate: --reserve-mib{given} must be at least 0 and less than --device-mib")
     if not 0 <= a.margin < 1:
         raise ConfigError("estimate: --margin is a share, from 0 to below 1")
     if a.placement == "cpu" and (a.gpu_layers is not None or a.device_mib is not None):
@@ -429,11 +431,16 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
         if fit["largest_ctx"] == fit["ctx_limit"] and fit["ctx_limit_source"] == "training context":
             ctx = f"largest context {fit['largest_ctx']}, the model's training context (at {at}; more may fit)"
         layers = fit["largest_gpu_layers"]
-        every = " (every layer and the output layer)" if layers == out["n_layers"] + 1 else ""
+        every = (  # round 73: serve's split keeps the output layer on the host (``core.profiles.split_layers``)
+            f": every layer and the output layer (a spillover serve split worker puts at most {out['n_layers']}"
+            " there: it keeps the output layer on the host)"
+            if layers == out["n_layers"] + 1
+            else ""
+        )
         usable = f"{fit['device_mib'] - fit['reserve_mib']} MiB of it usable: --reserve-mib {fit['reserve_mib']}"
         lines.append(
             f"in {fit['device_mib']} MiB of device memory ({usable}): {'fits' if fit['fits'] else 'does NOT fit'}; "
-            f"{ctx}, largest --gpu-layers {layers}{every} (at context {out['n_ctx']})"
+            f"{ctx}, largest --gpu-layers {layers} (at context {out['n_ctx']}){every}"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from spillover.core.memory import MemoryModel
-from spillover.core.profiles import ProfilePlan, device_bytes, plan_profile, split_layers
+from spillover.core.profiles import ProfilePlan, _longest_request, device_bytes, plan_profile, split_layers
 
 MIB = 1024 * 1024
 GPU_CTX, SPLIT_CTX = 2048, 1024
@@ -70,6 +70,24 @@ def test_a_device_too_small_for_the_whole_model_runs_the_largest_split(memory: M
     assert plan.split_layers == split_layers(split, 1, SPLIT_CTX, usable)
     assert plan.split_bytes <= usable
     assert f"{plan.split_layers} of {memory.spec.n_layers} layers fit" in plan.why
+
+
+def test_a_split_plan_names_the_cap_that_keeps_the_resident(memory: MemoryModel) -> None:
+    """Round 73: a device just short of the resident at its cap runs the split for every request;
+    the why names the longest request the resident alone would take there, and that cap plans it
+    resident (a device too small for even a 1-token request names none)."""
+    resident, split = models(memory)
+    usable = device_bytes(resident, 1, GPU_CTX) - 1
+    plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
+    longest = _longest_request(resident, GPU_CTX, usable)
+    assert plan.profile == "split" and 0 < longest < GPU_CTX
+    assert f"[gpu_lane] ctx_cap_tokens = {longest} keeps them there" in plan.why
+    kept = plan_profile(resident, gpu_ctx_tokens=longest, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
+    assert kept.profile == "gpu" and kept.resident_tokens == longest
+    tiny = plan_profile(
+        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=60 * MIB, split=split, split_ctx_tokens=SPLIT_CTX
+    )
+    assert tiny.profile == "split" and "ctx_cap_tokens" not in tiny.why
 
 
 def test_two_split_slots_fit_fewer_layers(memory: MemoryModel) -> None:

@@ -19,8 +19,10 @@ Rules:
    beside the resident's bytes when the resident fits (the split worker then serves what the
    resident cannot take: a request too long for its lane, no room beside its running
    requests, its worker down), in the whole device when it does not (the split worker then
-   serves every device request: ``split``). Configured layers that do not fit that room run
-   no split worker (the plan's ``why`` says so): a worker that could never load is not started.
+   serves every device request: ``split``; its ``why`` gives the longest request the resident
+   alone could take there, and the GPU lane's cap that keeps it resident). Configured layers
+   that do not fit that room run no split worker (the plan's ``why`` says so): a worker that
+   could never load is not started.
 4. When neither fits, the model runs on the CPU only (``cpu``). Without a split worker
    configured, the resident runs (``gpu``) as long as the smallest context (one token: 256
    KV cells, llama.cpp's padding) fits beside its weights: admission then sends what does not
@@ -147,6 +149,14 @@ def plan_profile(
         of = split.spec.n_layers if split else 0
         every = ", the output layer on the CPU" if n == of else ""  # llama.cpp offloads it only past them
         why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''}{every} ({split_need / MIB:.0f} MiB)"
+        # Round 73: a device a little short of the resident's cap runs the split for every request;
+        # the resident alone, with a lower cap, would keep the requests that fit at full speed.
+        longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
+        if longest > 0:
+            why += (
+                f"; without it the resident would take requests up to about {longest} tokens, all layers on the"
+                f" device: [gpu_lane] ctx_cap_tokens = {longest} keeps them there"
+            )
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
     if split is None:  # rule 4: the resident serves the requests that fit, if any does
         longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
