@@ -90,8 +90,8 @@ WRITTEN = {
     ),
 }
 # Round 72's off-grid cells (an independent check's random shapes and a search for the envelope's
-# lowest): flash attention with a query narrower than a row (n_head x head size != n_embd), a
-# mask about a row wide and the logits the largest path. The envelope was up to 5.6 % under on
+# lowest): flash attention with a query of another width than a row (n_head x head size !=
+# n_embd), a mask about a row wide and the logits the largest path. The envelope was up to 5.6 % under on
 # them. ``--offgrid`` measures these instead of the grid (``--write``: tests/core/data/memory_offgrid.json).
 OFFGRID = {
     "qn-e800-hd96-tied-1L": TinyLlamaSpec(
@@ -252,8 +252,8 @@ def main() -> int:
         help=f"the other architectures instead (spillover.testing.gguf_arch: {', '.join(ARCHES)}), on the same grid",
     )
     a = ap.parse_args()
-    if a.offgrid and (a.arches or a.full):
-        sys.stderr.write("--offgrid measures its own cells: not with --arches or --full\n")
+    if a.offgrid and (a.arches or a.full or a.cells != CELLS or a.seed):
+        sys.stderr.write("--offgrid measures its own cells: not with --arches, --full, --cells or --seed\n")
         return 2
     if a.write and a.arches:
         sys.stderr.write("--write records the llama table: not with --arches\n")
@@ -334,7 +334,8 @@ def main() -> int:
                 else f" --cells {a.cells}"
                 if not a.full
                 else " --full"
-            ),
+            )
+            + (f" --seed {a.seed}" if a.seed else ""),
             "specs": {name: spec_json(s) for name, s in specs.items()},
             "cells": cells,
         }

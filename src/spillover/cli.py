@@ -432,8 +432,8 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
             ctx = f"largest context {fit['largest_ctx']}, the model's training context (at {at}; more may fit)"
         layers = fit["largest_gpu_layers"]
         every = (  # round 73: serve's split keeps the output layer on the host (``core.profiles.split_layers``)
-            f": every layer and the output layer (a spillover serve split worker puts at most {out['n_layers']}"
-            " there: it keeps the output layer on the host)"
+            f": every layer and the output layer; spillover serve's split worker puts at most {out['n_layers']}"
+            " there (the output layer stays on the host)"
             if layers == out["n_layers"] + 1
             else ""
         )

@@ -282,14 +282,15 @@ def test_a_quantized_cache_of_64_value_heads_adds_its_rotation_matrices(head: in
 def test_a_query_wider_than_a_row_by_hand() -> None:
     """Heads of 128 on an embedding of 8 (2 heads: a query 32 rows wide), 100 tokens (256 cells):
     - flash attention: the logits (400_000) beside the f16 mask (65_536), the query (102_400)
-      and 5 rows (16_000): a query not as wide as a row (round 72); the attention path is 8.5 query-wide rows
+      and 4 rows (12_800): a query of another width than a row, one row fewer for a wider one
+      (round 72); the attention path is 8.5 query-wide rows
       (870_400) and the mask; the feed-forward (no n_ff) the mask and 5.5 rows (83_136), and the
       query beyond a row (99_200);
     - without it: no query below the logits (6 rows), and the f32 mask (131_072) beside the
       feed-forward, a layer of four not being the last."""
     spec = replace(TINY, head_dim_k=128, head_dim_v=128)
     fa = MemoryModel(spec, flash_attn=True).compute_paths(100)
-    assert fa == (400_000 + 65_536 + 118_400 + SLACK, 870_400 + 65_536 + SLACK, 83_136 + 99_200 + SLACK)
+    assert fa == (400_000 + 65_536 + 115_200 + SLACK, 870_400 + 65_536 + SLACK, 83_136 + 99_200 + SLACK)
     plain = MemoryModel(spec).compute_paths(100)
     assert plain[0] == 400_000 + 19_200 + SLACK
     assert plain[2] == 131_072 + 17_600 + 99_200 + SLACK
@@ -299,10 +300,13 @@ def test_a_query_narrower_than_a_row_by_hand() -> None:
     """Round 72: heads of 2 on an embedding of 8 (a query half a row wide), 100 tokens (256 cells),
     flash attention: the logits (400_000) beside the f16 mask (65_536), the query (1_600) and 5
     rows (16_000), more than the mask and 3 rows (75_136). A query as wide as a row (heads of 4)
-    is reused: the mask and 3 rows. Without flash attention neither keeps the mask there."""
+    is reused: the mask and 3 rows; so is a query a row wide whose V heads are wider (the
+    attention output's width counts too). Without flash attention neither keeps the mask there."""
     narrow = MemoryModel(replace(TINY, head_dim_k=2, head_dim_v=2), flash_attn=True).compute_paths(100)
     assert narrow[0] == 400_000 + 65_536 + 1_600 + 16_000 + SLACK
     assert MemoryModel(TINY, flash_attn=True).compute_paths(100)[0] == 400_000 + 65_536 + 9_600 + SLACK
+    wide_v = MemoryModel(replace(TINY, head_dim_v=8), flash_attn=True).compute_paths(100)[0]
+    assert wide_v == 400_000 + 65_536 + 3_200 + 16_000 + SLACK
     assert MemoryModel(replace(TINY, head_dim_k=2, head_dim_v=2)).compute_paths(100)[0] == 400_000 + 19_200 + SLACK
 
 

@@ -5,7 +5,6 @@ on: tests/core/data/memory_table.json, recorded by ``python -m benchmarks.estima
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,9 @@ from spillover.core.estimate import estimate
 from spillover.core.memory import MemoryModel, ModelSpec
 
 TABLE = json.loads((Path(__file__).parent / "data" / "memory_table.json").read_text())
-# Round 72's off-grid cells (``--offgrid --write``): a query narrower than a row with flash
-# attention, where the envelope was up to 5.6 % under. Held to the same bounds, but for the
-# envelope's over-estimate: on them it is up to 20 % (room kept free).
+# Round 72's off-grid cells (``--offgrid --write``): flash attention with a query of another
+# width than a row, where the envelope was up to 5.6 % under. Held to the same bounds, but for
+# the envelope's over-estimate: on them it is up to 16.6 % (room kept free).
 OFFGRID = json.loads((Path(__file__).parent / "data" / "memory_offgrid.json").read_text())
 
 
@@ -33,6 +32,7 @@ SPECS = _specs(TABLE)
 OFFGRID_SPECS = _specs(OFFGRID)
 PRINTED = 16 * 1024  # llama.cpp prints MiB with two decimals, per buffer
 ENVELOPE_OVER = 0.06  # the envelope's worst over-estimate on the table (5.8 %): room kept free
+OFFGRID_OVER = 0.17  # and on the off-grid cells (16.6 %)
 
 
 def _id(c: dict[str, Any]) -> str:
@@ -59,7 +59,7 @@ def test_the_table_covers_the_grid() -> None:
 
 @pytest.mark.parametrize(
     ("cell", "over"),
-    [*((c, ENVELOPE_OVER) for c in TABLE["cells"]), *((c, math.inf) for c in OFFGRID["cells"])],
+    [*((c, ENVELOPE_OVER) for c in TABLE["cells"]), *((c, OFFGRID_OVER) for c in OFFGRID["cells"])],
     ids=lambda v: _id(v) if isinstance(v, dict) else "grid" if v == ENVELOPE_OVER else "offgrid",
 )
 def test_every_measured_cell(cell: dict[str, Any], over: float) -> None:

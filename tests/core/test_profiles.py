@@ -81,13 +81,29 @@ def test_a_split_plan_names_the_cap_that_keeps_the_resident(memory: MemoryModel)
     plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
     longest = _longest_request(resident, GPU_CTX, usable)
     assert plan.profile == "split" and 0 < longest < GPU_CTX
-    assert f"[gpu_lane] ctx_cap_tokens = {longest} keeps them there" in plan.why
+    assert f"the resident would take requests up to about {longest} tokens" in plan.why
+    assert f"[gpu_lane] ctx_cap_tokens = {longest}, every chat model's cap" in plan.why
     kept = plan_profile(resident, gpu_ctx_tokens=longest, usable_bytes=usable, split=split, split_ctx_tokens=SPLIT_CTX)
     assert kept.profile == "gpu" and kept.resident_tokens == longest
     tiny = plan_profile(
         resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=60 * MIB, split=split, split_ctx_tokens=SPLIT_CTX
     )
     assert tiny.profile == "split" and "ctx_cap_tokens" not in tiny.why
+
+
+def test_a_split_that_cannot_run_leaves_the_resident_what_fits(memory: MemoryModel) -> None:
+    """Round 73: a configured split that fits nowhere (its cap too long, or too many slots) runs
+    no split worker; the resident then takes the requests that fit, as without a
+    split (rule 4), instead of leaving the device unused."""
+    resident, split = models(memory)
+    usable = device_bytes(resident, 1, GPU_CTX) - 1
+    longest = _longest_request(resident, GPU_CTX, usable)
+    for kw in ({"split_ctx_tokens": 1_000_000}, {"split_ctx_tokens": SPLIT_CTX, "split_slots": 100}):
+        plan = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, **kw)
+        assert (plan.profile, plan.split_layers, plan.resident_tokens) == ("gpu", 0, longest), plan.why
+        assert "no split" in plan.why and f"the resident alone: requests up to about {longest} tokens fit" in plan.why
+    alone = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable)
+    assert (alone.profile, alone.resident_tokens) == ("gpu", longest)
 
 
 def test_two_split_slots_fit_fewer_layers(memory: MemoryModel) -> None:

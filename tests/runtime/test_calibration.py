@@ -192,7 +192,7 @@ def test_the_fit_leaves_what_spillover_serve_never_hands_out_and_says_so(
     assert main(["estimate", model_path, "--ctx", "1024", "--device-mib", "1000"]) == 0
     out = capsys.readouterr().out
     assert "in 1000 MiB of device memory (968 MiB of it usable: --reserve-mib 32): fits" in out
-    assert "largest --gpu-layers 31 (at context 1024): every layer and the output layer (a spillover serve split" in out
+    assert "largest --gpu-layers 31 (at context 1024): every layer and the output layer; spillover serve's split" in out
     for bad, why in (
         (["--device-mib", "32"], " (by default 32: [device].margin_mib)"),  # round 73: the reserve nobody gave
         (["--device-mib", "100", "--reserve-mib", "-1"], ""),

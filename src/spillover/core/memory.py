@@ -333,20 +333,23 @@ class MemoryModel:
         # the f32 mask is freed after the last layer, so it is beside every layer's
         # feed-forward but the last one's (measured: a one-layer model does without it).
         # Below the logits: the rows, or the kept mask beside the three rows always there,
-        # or (flash attention) a query wider than a row beside ``QUERY_ROWS`` rows.
+        # or (flash attention) a query wider than a row beside ``QUERY_ROWS`` rows, or (below)
+        # the mask and a query of another width than a row together.
         kept = mask if self.flash_attn else 0
         query = ub * s.n_head * s.head_dim_k * 4
         wide_query = query + QUERY_ROWS * embd if self.flash_attn else 0
         # The f32 mask is beside the logits and their rows too when no feed-forward follows the
         # last layer's attention (measured on deci: a mask's bytes more, the logits taking fresh room).
         unfreed = mask + (LOGITS_ROWS + 1) * embd if not s.last_layer_ffn else 0  # a row to spare
-        # A query whose width is not a row's (n_head x head size != n_embd) leaves blocks of two
-        # sizes that the allocator cannot reuse for each other: with flash attention the logits
-        # then sit beside the kept mask, the query and ``QUERY_ROWS`` rows (round 72: measured up
-        # to exactly that on 2,100 cells, up to 5.6 % more than the other bounds where the mask
-        # is about a row wide; a query as wide as a row is reused and takes nothing more).
-        narrow = self.flash_attn and s.n_head * s.head_dim_k != s.n_embd
-        both = kept + query + QUERY_ROWS * embd if narrow else 0
+        # A query or attention output of another width than a row (n_head x head size !=
+        # n_embd) leaves blocks of two sizes that the allocator cannot reuse for each other: with
+        # flash attention the logits then sit beside the kept mask, the query and
+        # ``QUERY_ROWS`` rows, one fewer for a query wider than a row (round 72: measured up to
+        # exactly that on 2,100 cells, up to 5.6 % more than the other bounds where the mask is
+        # about a row wide; a query as wide as a row is reused and takes nothing more).
+        widths = {s.n_head * s.head_dim_k, s.n_head * s.head_dim_v}
+        other_width = self.flash_attn and widths != {s.n_embd}
+        both = kept + query + (QUERY_ROWS - (query > embd)) * embd if other_width else 0
         logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd, wide_query, unfreed, both)
         # A mixture of experts keeps more rows beside the scores (measured: 2.6 KiB a micro-batch
         # row more on a qwen2moe of width 256 with a shared expert).

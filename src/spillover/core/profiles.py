@@ -23,10 +23,10 @@ Rules:
    alone could take there, and the GPU lane's cap that keeps it resident). Configured layers
    that do not fit that room run no split worker (the plan's ``why`` says so): a worker that
    could never load is not started.
-4. When neither fits, the model runs on the CPU only (``cpu``). Without a split worker
-   configured, the resident runs (``gpu``) as long as the smallest context (one token: 256
-   KV cells, llama.cpp's padding) fits beside its weights: admission then sends what does not
-   fit to the CPU, and the plan says up to about how many tokens fit. When not even that
+4. When neither fits, the model runs on the CPU only (``cpu``). Without a split worker (none
+   configured, or none fits), the resident runs (``gpu``) as long as the smallest context (one
+   token: 256 KV cells, llama.cpp's padding) fits beside its weights: admission then sends what
+   does not fit to the CPU, and the plan says up to about how many tokens fit. When not even that
    fits, no resident worker runs: it would hold the weights on the device and never be
    admitted a request.
 5. ``resident_tokens`` is the most tokens (prompt and answer) of one request the resident
@@ -149,26 +149,30 @@ def plan_profile(
         of = split.spec.n_layers if split else 0
         every = ", the output layer on the CPU" if n == of else ""  # llama.cpp offloads it only past them
         why = f"{short}; {n} of {of} layers fit{'s' if n == 1 else ''}{every} ({split_need / MIB:.0f} MiB)"
-        # Round 73: a device a little short of the resident's cap runs the split for every request;
+        # Round 73: a device short of the resident at its cap runs the split for every request;
         # the resident alone, with a lower cap, would keep the requests that fit at full speed.
         longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
         if longest > 0:
             why += (
-                f"; without it the resident would take requests up to about {longest} tokens, all layers on the"
-                f" device: [gpu_lane] ctx_cap_tokens = {longest} keeps them there"
+                f"; with a lower GPU lane cap the resident would take requests up to about {longest} tokens,"
+                f" every layer on the device ([gpu_lane] ctx_cap_tokens = {longest}, every chat model's cap;"
+                " longer ones then go to the CPU, or to a split beside it if one still fits)"
             )
         return ProfilePlan("split", need, n, split_need, usable_bytes, why)
-    if split is None:  # rule 4: the resident serves the requests that fit, if any does
-        longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
-        if longest > 0:
-            fit = (
-                f"requests up to about {longest} tokens fit (the resident's context cap); longer go to the CPU, "
-                "within its own cap"
-            )
-            return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}; no split worker configured: {fit}", longest)
-        why = f"{short}; not even a 1-token request fits beside its weights"
-        return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)
-    return ProfilePlan("cpu", need, 0, 0, usable_bytes, short + split_why)
+    # Rule 4: no split worker runs (none configured, or none fits): the resident serves the
+    # requests that fit, if any does (round 73: a configured split that could not run left the
+    # device unused).
+    none = "; no split worker configured" if split is None else split_why
+    longest = _longest_request(resident, gpu_ctx_tokens, usable_bytes)
+    if longest > 0:
+        fit = (
+            f"requests up to about {longest} tokens fit (the resident's context cap); longer go to the CPU, "
+            "within its own cap"
+        )
+        alone = ": " if split is None else "; the resident alone: "
+        return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}{none}{alone}{fit}", longest)
+    why = f"{short}; not even a 1-token request fits beside its weights{none if split is not None else ''}"
+    return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)
 
 
 def _longest_request(model: MemoryModel, cap_tokens: int, usable_bytes: int) -> int:
