@@ -301,13 +301,16 @@ def test_a_query_narrower_than_a_row_by_hand() -> None:
     flash attention: the logits (400_000) beside the f16 mask (65_536), the query (1_600) and 5
     rows (16_000), more than the mask and 3 rows (75_136). A query as wide as a row (heads of 4)
     is reused: the mask and 3 rows; so is a query a row wide whose V heads are wider (the
-    attention output's width counts too). Without flash attention neither keeps the mask there."""
+    attention output's width counts too). Without flash attention (round 74) the narrower query
+    sits there beside the f32 mask (131_072) and 5 rows; one a row wide beside 6 rows only."""
     narrow = MemoryModel(replace(TINY, head_dim_k=2, head_dim_v=2), flash_attn=True).compute_paths(100)
     assert narrow[0] == 400_000 + 65_536 + 1_600 + 16_000 + SLACK
     assert MemoryModel(TINY, flash_attn=True).compute_paths(100)[0] == 400_000 + 65_536 + 9_600 + SLACK
     wide_v = MemoryModel(replace(TINY, head_dim_v=8), flash_attn=True).compute_paths(100)[0]
     assert wide_v == 400_000 + 65_536 + 3_200 + 16_000 + SLACK
-    assert MemoryModel(replace(TINY, head_dim_k=2, head_dim_v=2)).compute_paths(100)[0] == 400_000 + 19_200 + SLACK
+    plain = MemoryModel(replace(TINY, head_dim_k=2, head_dim_v=2)).compute_paths(100)[0]
+    assert plain == 400_000 + 131_072 + 1_600 + 16_000 + SLACK
+    assert MemoryModel(TINY).compute_paths(100)[0] == 400_000 + 19_200 + SLACK
 
 
 def test_per_layer_kv_heads_and_recurrent_state_by_hand() -> None:
@@ -339,7 +342,9 @@ def test_the_envelopes_terms_for_other_architectures_by_hand() -> None:
     - a sliding window adds a second f32 mask (256 x 128 x 4 = 131_072) to the attention path;
     - a biased fused Q/K/V of width 24 adds 100 x 24 x 4 to it;
     - a mixture of experts (2 of width 16, no n_ff) adds 3.5 rows of 8 to it, and its shared
-      expert of width 40 three rows of 40 (48_000) to the feed-forward."""
+      expert of width 40 three rows of 40 (48_000) to the feed-forward, and a row (3_200)
+      beside the logits: 7 rows, not 6 (round 74, qwen2moe);
+    - a hybrid's Mamba2 layers leave 9 rows beside the logits (round 74, granite-hybrid)."""
     base = MemoryModel(TINY).compute_paths(100)
     swa = MemoryModel(replace(TINY, sliding_window=64)).compute_paths(100)
     assert swa[1] - base[1] == 131_072 and swa[2] - base[2] == 131_072
@@ -350,6 +355,9 @@ def test_the_envelopes_terms_for_other_architectures_by_hand() -> None:
     assert routed[1] - base[1] == 3.5 * 100 * 8 * 4
     shared = MemoryModel(replace(moe, n_ff_shared=40)).compute_paths(100)
     assert shared[2] - routed[2] == 3 * 100 * 40 * 4 and shared[1] == routed[1]
+    assert (routed[0] - base[0], shared[0] - base[0]) == (0, 3_200)
+    hybrid = MemoryModel(replace(TINY, ssm_row_floats=10)).compute_paths(100)
+    assert hybrid[0] - base[0] == 3 * 3_200
 
 
 def test_a_mamba_layers_scan_by_hand() -> None:

@@ -58,6 +58,8 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 # them beside the logits and 5 to 7 beside the attention scores (up to 8 without grouped
 # query attention: mpt and deci's layers of as many KV heads as query heads, measured).
 LOGITS_ROWS = 6.0
+SHARED_LOGITS_ROWS = 7.0  # beside the logits of a mixture of experts with a shared expert
+HYBRID_LOGITS_ROWS = 9.0  # beside the logits of a hybrid with recurrent (Mamba2) layers
 ATTENTION_ROWS = 8.5
 FFN_ROWS = 6.0
 MOE_ATTENTION_ROWS = 3.5  # more rows beside the attention scores in a mixture of experts
@@ -347,10 +349,21 @@ class MemoryModel:
         # ``QUERY_ROWS`` rows, one fewer for a query wider than a row (round 72: measured up to
         # exactly that on 2,100 cells, up to 5.6 % more than the other bounds where the mask is
         # about a row wide; a query as wide as a row is reused and takes nothing more).
+        # Without flash attention the same holds for a query narrower than a row, beside the f32
+        # mask (round 74: 2.9 % under on a llama of 4 heads of 256 on 1056; a wider query's
+        # blocks take the rows' place).
         widths = {s.n_head * s.head_dim_k, s.n_head * s.head_dim_v}
-        other_width = self.flash_attn and widths != {s.n_embd}
-        both = kept + query + (QUERY_ROWS - (query > embd)) * embd if other_width else 0
-        logits_path = ub * s.n_vocab * 4 + max(LOGITS_ROWS * embd, kept + 3 * embd, wide_query, unfreed, both)
+        if self.flash_attn and widths != {s.n_embd}:
+            both = mask + query + (QUERY_ROWS - (query > embd)) * embd
+        elif not self.flash_attn and min(widths) < s.n_embd:
+            both = mask + query + QUERY_ROWS * embd
+        else:
+            both = 0
+        # More rows beside the logits where more kinds of blocks come before them (round 74): a
+        # shared expert's (qwen2moe: 6.85 rows measured), a hybrid's Mamba2 layers' (granite-hybrid:
+        # 8.8 rows, without flash attention; 7.4 with it).
+        rows_beside = HYBRID_LOGITS_ROWS if s.ssm_row_floats else SHARED_LOGITS_ROWS if s.n_ff_shared else LOGITS_ROWS
+        logits_path = ub * s.n_vocab * 4 + max(rows_beside * embd, kept + 3 * embd, wide_query, unfreed, both)
         # A mixture of experts keeps more rows beside the scores (measured: 2.6 KiB a micro-batch
         # row more on a qwen2moe of width 256 with a shared expert).
         rows = (
