@@ -104,6 +104,14 @@ def test_a_split_that_cannot_run_leaves_the_resident_what_fits(memory: MemoryMod
         assert "no split" in plan.why and f"the resident alone: requests up to about {longest} tokens fit" in plan.why
     alone = plan_profile(resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable)
     assert (alone.profile, alone.resident_tokens) == ("gpu", longest)
+    # configured layers that do not fit (2 layers with 64 slots of its cap) take
+    # the same path, and say what would fit
+    many = plan_profile(
+        resident, gpu_ctx_tokens=GPU_CTX, usable_bytes=usable, split=split, split_slots=64, split_gpu_layers=2,
+        split_ctx_tokens=SPLIT_CTX,
+    )  # fmt: skip
+    assert (many.profile, many.split_layers, many.resident_tokens) == ("gpu", 0, longest), many.why
+    assert "the configured split of 2 layers needs" in many.why
 
 
 def test_two_split_slots_fit_fewer_layers(memory: MemoryModel) -> None:

@@ -65,7 +65,7 @@ FFN_ROWS = 6.0
 MOE_ATTENTION_ROWS = 3.5  # more rows beside the attention scores in a mixture of experts
 FFN_KEPT_ROWS = 5.5  # rows beside the mask on the feed-forward path (where it is kept there)
 GRAPH_SLACK_BYTES = 16 * 1024  # beside every path: inputs and alignment that do not grow with it
-QUERY_ROWS = 5.0  # with flash attention: rows beside a query wider than a row, below the logits
+QUERY_ROWS = 5.0  # rows beside a query of another width than a row (and the mask), below the logits
 KQ_MASK_PAD = 64  # llama.cpp pads the KQ mask's token dimension to this
 
 
@@ -298,7 +298,10 @@ class MemoryModel:
         llama.cpp reserves the graph of a full micro-batch ``ub`` (``ubatch``) with every
         row's logits, and the buffer is the allocator's high-water mark. It is the largest of:
 
-        - the logits, ``ub x n_vocab`` f32, beside ``LOGITS_ROWS`` activation rows;
+        - the logits, ``ub x n_vocab`` f32, beside ``LOGITS_ROWS`` activation rows
+          (``SHARED_LOGITS_ROWS`` with a shared expert, ``HYBRID_LOGITS_ROWS`` in a hybrid), or
+          beside the mask, a query of another width than a row and ``QUERY_ROWS`` rows (one
+          fewer for a wider query; without flash attention only a narrower one);
         - without flash attention, the attention scores ``ub x n_kv x n_head`` f32 beside
           ``ATTENTION_ROWS`` rows of the wider of ``n_embd`` and the query
           (``n_head x head_k``); with flash attention no scores are kept, but an f32 cache's
@@ -350,8 +353,11 @@ class MemoryModel:
         # exactly that on 2,100 cells, up to 5.6 % more than the other bounds where the mask is
         # about a row wide; a query as wide as a row is reused and takes nothing more).
         # Without flash attention the same holds for a query narrower than a row, beside the f32
-        # mask (round 74: 2.9 % under on a llama of 4 heads of 256 on 1056; a wider query's
-        # blocks take the rows' place).
+        # mask (round 74: 2.9 % under on a llama of 4 heads of 256 on 1056, +8.1 % over now; a
+        # wider query's blocks take the rows' place). The f32 mask is not always all there (3
+        # layers: about a query and 6 rows measured), but it is on others (2 layers: the mask,
+        # the query and 4.1 rows at masks of 5 and 8 rows; a 1-layer model was 1.4 % under
+        # without it), so the bound keeps it.
         widths = {s.n_head * s.head_dim_k, s.n_head * s.head_dim_v}
         if self.flash_attn and widths != {s.n_embd}:
             both = mask + query + (QUERY_ROWS - (query > embd)) * embd

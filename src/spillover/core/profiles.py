@@ -23,12 +23,11 @@ Rules:
    alone could take there, and the GPU lane's cap that keeps it resident). Configured layers
    that do not fit that room run no split worker (the plan's ``why`` says so): a worker that
    could never load is not started.
-4. When neither fits, the model runs on the CPU only (``cpu``). Without a split worker (none
-   configured, or none fits), the resident runs (``gpu``) as long as the smallest context (one
-   token: 256 KV cells, llama.cpp's padding) fits beside its weights: admission then sends what
-   does not fit to the CPU, and the plan says up to about how many tokens fit. When not even that
-   fits, no resident worker runs: it would hold the weights on the device and never be
-   admitted a request.
+4. Without a split worker (none configured, or none fits), the resident runs (``gpu``) as
+   long as the smallest context (one token: 256 KV cells, llama.cpp's padding) fits beside its
+   weights: admission then sends what does not fit to the CPU, and the plan says up to about
+   how many tokens fit. When not even that fits, the model runs on the CPU only (``cpu``): no
+   resident worker would hold the weights on the device and never be admitted a request.
 5. ``resident_tokens`` is the most tokens (prompt and answer) of one request the resident
    can ever hold: the GPU lane's cap when it fits, rule 4's longest request when only that
    fits, 0 when it does not run. It is the resident's context cap for admission (a longer
