@@ -82,6 +82,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # graceful shutdown) and the process exits with status 1.
         gw = Gateway(cfg, on_fatal=lambda why: signal.raise_signal(signal.SIGTERM))
         app = create_app(gw)
+        app.freeze_gc = True  # what the start made, out of the collector's way (GatewayLifespan)
         protocol = bounded_protocol(s.max_connections, s.header_timeout_s, s.send_timeout_s)
         gw.listener = protocol.guard.statistics
         # uvicorn.run's own steps, with the server whose tick is the gateway's (TickingServer).

@@ -57,6 +57,15 @@ def test_success_clears_failures() -> None:
     assert b.failures == 0
 
 
+def test_a_success_with_nothing_to_clear_keeps_the_state() -> None:
+    """Every request a healthy worker finishes is a success: with no failure counted it
+    changes nothing, and makes no new state (issue 13 item 5: a copy per request)."""
+    b = BreakerState()
+    assert advance(b, E.SUCCESS, 5, P) is b
+    failed = advance(b, E.FAILURE, 1, P)
+    assert advance(failed, E.SUCCESS, 2, P) == replace(failed, failures=0, first_failure_s=0.0)
+
+
 def test_severe_failure_opens_at_once() -> None:
     """A classified OOM/crash opens the breaker on the first occurrence."""
     assert advance(BreakerState(), E.SEVERE_FAILURE, 0, P).circuit is Circuit.OPEN

@@ -83,7 +83,9 @@ def test_a_move_queued_behind_a_write_waits_its_turn_on_the_thread(tmp_path: Pat
         calls = spy_threads(j, "_move")
         for i in range(20):
             gate = threading.Event()
-            busy = j._pool.submit(gate.wait, 10)  # the thread's next job, ahead of the accept's pass
+            held: list[bool] = []
+            # the thread's next job, ahead of the accept's pass
+            j._thread.submit(lambda held=held, gate=gate: held.append(gate.wait(10)))
             accept = asyncio.ensure_future(queued(j, f"r{i}"))
             for _ in range(1000):  # until the accept waits for the thread
                 if j._draining:
@@ -95,7 +97,7 @@ def test_a_move_queued_behind_a_write_waits_its_turn_on_the_thread(tmp_path: Pat
             assert not move.done() and not accept.done()  # both wait for the thread, in order
             gate.set()
             await asyncio.gather(accept, move)
-            assert busy.result() is True
+            assert held == [True]
             assert (await j.get(f"r{i}")).state is State.ADMITTED  # type: ignore[union-attr]
         assert on_thread(calls, "_move") == [True] * 20
 

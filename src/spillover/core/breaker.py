@@ -147,6 +147,8 @@ def _same(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
 
 
 def _clear(b: BreakerState, now_s: float, p: BreakerPolicy) -> BreakerState:
+    if not b.failures and not b.first_failure_s:  # every success of a healthy worker: nothing to clear
+        return b
     return replace(b, failures=0, first_failure_s=0.0)
 
 

@@ -75,11 +75,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +153,59 @@ STATES_KEPT = 100_000  # unfinished requests whose state the journal thread reme
 REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound grew this share of max_bytes
 
 
+class _Thread:
+    """The journal's one thread: runs what is queued on it, in order. A ``ThreadPoolExecutor``
+    of one worker, without what each job costs there (a future with its condition, a semaphore
+    taken and given back: issue 13 item 5). Started with the first job; ``shutdown`` runs what
+    is queued, then ends it. A job's exception is logged (the pool kept it in a future nobody
+    read)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)``; RuntimeError once shut down (as the pool's)."""
+        if self._thread is None or self._closed:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("cannot schedule new jobs after shutdown")
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+                    self._thread.start()
+        self._jobs.put((fn, args))
+
+    def _main(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:
+                log.exception("journal: %s failed on the journal thread", getattr(fn, "__name__", fn))
+
+    def shutdown(self) -> None:
+        """Refuse new jobs, run the queued ones, and wait for the thread's end."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            self._jobs.put(None)
+            thread.join()
+
+
+def _deliver(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    """A read's result, on its caller's loop (its caller may have gone: then nobody hears)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
 def _nothing() -> None:
     """A write with nothing to write: ``Journal.flush`` waits for the writes before it."""
 
@@ -189,7 +242,7 @@ class Journal:
         self.retention_s = retention_s
         self.max_requests = max_requests
         self.max_bytes = max_bytes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
+        self._thread = _Thread("journal")
         # Writes waiting for the journal thread (group commit, rule 1), and whether a drain runs.
         self._pending: list[_Op] = []
         self._pending_lock = threading.Lock()
@@ -232,7 +285,22 @@ class Journal:
         )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *args)
+        """``fn(*args)`` on the journal thread, holding the connection; its result here."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def job() -> None:
+            value: Any = None
+            exc: BaseException | None = None
+            try:
+                value = self._locked(fn, *args)
+            except BaseException as e:
+                exc = e
+            with suppress(RuntimeError):  # a closed loop: nobody waits there any more
+                loop.call_soon_threadsafe(_deliver, fut, value, exc)
+
+        self._thread.submit(job)
+        return await fut
 
     def _locked(self, fn: Callable[..., T], *args: Any) -> T:
         with self._db_lock:
@@ -287,7 +355,7 @@ class Journal:
     def _start_drain(self) -> None:
         """Queue a drain pass (the caller set ``_draining``)."""
         try:
-            self._pool.submit(self._drain)
+            self._thread.submit(self._drain)
         except RuntimeError as exc:  # closed: every write waiting now fails as this one
             with self._pending_lock:
                 ops, self._pending, self._draining = self._pending, [], False
@@ -327,7 +395,7 @@ class Journal:
             ops, results = [], []
             self._checkpoint_if_due()
             if more:
-                self._pool.submit(self._drain)
+                self._thread.submit(self._drain)
         except BaseException as exc:  # a bug, or the pool closed: no caller may wait for ever
             with self._pending_lock:
                 rest, self._pending, self._draining = ops[len(results) :] + self._pending, [], False
@@ -869,4 +937,4 @@ class Journal:
                 self._db = None
 
         await self._run(_close)
-        self._pool.shutdown(wait=True)
+        self._thread.shutdown()
