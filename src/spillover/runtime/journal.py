@@ -157,8 +157,9 @@ class _Thread:
     """The journal's one thread: runs what is queued on it, in order. A ``ThreadPoolExecutor``
     of one worker, without what each job costs there (a future with its condition, a semaphore
     taken and given back: issue 13 item 5). Started with the first job; ``shutdown`` runs what
-    is queued, then ends it. A job's exception is logged (the pool kept it in a future nobody
-    read)."""
+    is queued, then ends it, and so does the interpreter's exit (as the pool's: the writes
+    queued then are made before the process ends). A job's exception is logged (the pool kept
+    it in a future nobody read)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -174,8 +175,11 @@ class _Thread:
                 if self._closed:
                     raise RuntimeError("cannot schedule new jobs after shutdown")
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+                    self._thread = threading.Thread(target=self._main, name=self.name)
                     self._thread.start()
+                    # Before the exit joins the threads (an ``atexit`` hook runs after it): the
+                    # pool's own hook.
+                    threading._register_atexit(self._jobs.put, None)  # type: ignore[attr-defined]
         self._jobs.put((fn, args))
 
     def _main(self) -> None:
