@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +35,7 @@ SCRIPT = textwrap.dedent(
         async def send(message):
             sent.append(message["type"])
             if message["type"] == "lifespan.startup.complete":
-                print(sent[-1], gc.get_freeze_count() > 0)
+                print(sent[-1], gc.get_freeze_count() > 1000)  # the start's lists among them
                 await events.put({"type": "lifespan.shutdown"})
 
         await lifespan({"type": "lifespan"}, events.get, send)
@@ -49,3 +50,20 @@ def test_the_start_freezes_what_it_made_only_when_asked(how: str, frozen: bool) 
     out = subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["lifespan.startup.complete", str(frozen)]
+
+
+def test_serve_asks_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's gateway is the process's alone: ``spillover serve`` sets the flag on
+    the app it hands the server (the server's run is stood in for: nothing starts)."""
+    from spillover import cli
+    from spillover.http.server import TickingServer
+
+    seen: list[bool] = []
+
+    def run(self: TickingServer) -> None:
+        seen.append(self.config.app.freeze_gc)
+        self.started = True
+
+    monkeypatch.setattr(TickingServer, "run", run)
+    assert cli.main(["serve", "--state-dir", str(tmp_path), "--port", "0", "--chat-only"]) == 0
+    assert seen == [True]

@@ -1,15 +1,20 @@
 """The journal's own thread (``runtime.journal._Thread``): what the ``ThreadPoolExecutor`` of one
 worker it replaced promised, kept: order, a job that raises does not end it, ``shutdown`` runs
-what is queued and refuses what comes after, and an exit without ``shutdown`` still runs the
-queued jobs (the writes queued then) before the process ends."""
+what is queued and refuses what comes after (never a job queued behind its end), an exit
+without ``shutdown`` still runs the queued jobs (the writes queued then) before the process
+ends, a thread that cannot start is tried again, and one whose ``_Thread`` is dropped unclosed
+ends (round 78's review found the last three, and the race, broken in the first version)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+import weakref
 
 import pytest
 
@@ -55,3 +60,66 @@ def test_the_exit_runs_the_queued_jobs_first() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (0, "ran\n"), out.stderr
+
+
+def test_a_thread_that_cannot_start_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused start (a process limit) raises to its caller; the next job starts the thread
+    (the first version kept the unstarted thread: every later job waited for ever)."""
+    real = threading.Thread.start
+    refused: list[str] = []
+
+    def start_once_refused(self: threading.Thread) -> None:
+        if self.name == "journal-start" and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_refused)
+    t = _Thread("journal-start")
+    with pytest.raises(RuntimeError, match="can't start"):
+        t.submit(print)
+    done = threading.Event()
+    t.submit(done.set)
+    assert done.wait(10)
+    t.shutdown()
+
+
+def test_a_thread_dropped_unclosed_ends() -> None:
+    """A journal nobody closed and nobody holds lets its thread go (as the pool's did)."""
+    t = _Thread("journal-dropped")
+    ran = threading.Event()
+    t.submit(ran.set)
+    assert ran.wait(10)
+    gone = weakref.ref(t)
+    del t
+    gc.collect()
+    assert gone() is None
+    for _ in range(500):
+        if not any(th.name == "journal-dropped" for th in threading.enumerate()):
+            break
+        time.sleep(0.01)
+    assert not any(th.name == "journal-dropped" for th in threading.enumerate())
+
+
+def test_a_job_is_either_refused_or_run_when_shutdown_comes_at_once() -> None:
+    """Submits racing ``shutdown`` from other threads: each one raised, or its job ran (none
+    queued behind the end and lost)."""
+    for _ in range(50):
+        t = _Thread("journal-race")
+        t.submit(time.sleep, 0.001)
+        ran: list[int] = []
+        refused: list[int] = []
+
+        def send(i: int, t: _Thread = t, ran: list[int] = ran, refused: list[int] = refused) -> None:
+            try:
+                t.submit(ran.append, i)
+            except RuntimeError:
+                refused.append(i)
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for th in senders:
+            th.start()
+        t.shutdown()
+        for th in senders:
+            th.join()
+        assert sorted(ran + refused) == list(range(8))

@@ -79,6 +79,7 @@ import queue
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -153,50 +154,79 @@ STATES_KEPT = 100_000  # unfinished requests whose state the journal thread reme
 REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound grew this share of max_bytes
 
 
-class _Thread:
-    """The journal's one thread: runs what is queued on it, in order. A ``ThreadPoolExecutor``
-    of one worker, without what each job costs there (a future with its condition, a semaphore
-    taken and given back: issue 13 item 5). Started with the first job; ``shutdown`` runs what
-    is queued, then ends it, and so does the interpreter's exit (as the pool's: the writes
-    queued then are made before the process ends). A job's exception is logged (the pool kept
-    it in a future nobody read)."""
+_Job = tuple[Callable[..., Any], tuple[Any, ...]] | None  # None: the thread ends
+_LOCK = threading.Lock()  # every journal thread's submit, shutdown and the exit's hook
+_LIVE: set[queue.SimpleQueue[_Job]] = set()  # the queues of journal threads that run
+_exiting = False  # the interpreter's exit began: no new job (as a pool's)
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)``; RuntimeError once shut down (as the pool's)."""
-        if self._thread is None or self._closed:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("cannot schedule new jobs after shutdown")
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._main, name=self.name)
-                    self._thread.start()
-                    # Before the exit joins the threads (an ``atexit`` hook runs after it): the
-                    # pool's own hook.
-                    threading._register_atexit(self._jobs.put, None)  # type: ignore[attr-defined]
-        self._jobs.put((fn, args))
+def _at_exit() -> None:
+    """Before the exit joins the threads (an ``atexit`` hook runs after it; the pool's hook
+    runs here too): each journal thread runs what is queued, then ends."""
+    global _exiting
+    with _LOCK:
+        _exiting = True
+        for jobs in _LIVE:
+            jobs.put(None)
 
-    def _main(self) -> None:
-        while (job := self._jobs.get()) is not None:
+
+threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
+
+
+def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
+    """A journal thread's life: each job in order until a None (its ``shutdown``, the exit's
+    hook, or its ``_Thread`` collected unclosed). It holds the queue, not the ``_Thread``, and
+    drops each job once run (a read's job holds its result)."""
+    try:
+        while (job := jobs.get()) is not None:
             fn, args = job
             try:
                 fn(*args)
             except BaseException:
                 log.exception("journal: %s failed on the journal thread", getattr(fn, "__name__", fn))
+            del job, fn, args
+    finally:
+        with _LOCK:
+            _LIVE.discard(jobs)
+
+
+class _Thread:
+    """The journal's one thread: runs what is queued on it, in order. A ``ThreadPoolExecutor``
+    of one worker, without what each job costs there (a future with its condition, a semaphore
+    taken and given back: issue 13 item 5), and with what it promised: started with the first
+    job (a start that fails raises, and the next job tries again); ``shutdown`` refuses new
+    jobs (RuntimeError), runs the queued ones and ends it, and so does the interpreter's exit
+    (the writes queued then are made before the process ends); one collected unclosed ends its
+    thread. A job's exception is logged (the pool kept it in a future nobody read)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)``; RuntimeError once shut down, or once the exit began."""
+        with _LOCK:  # checked and queued at once: never queued behind the end
+            if self._closed or _exiting:
+                raise RuntimeError("cannot schedule new jobs after shutdown")
+            if self._thread is None:
+                thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name)
+                thread.start()
+                self._thread = thread
+                _LIVE.add(self._jobs)
+                weakref.finalize(self, self._jobs.put, None)  # collected unclosed: its thread ends
+            self._jobs.put((fn, args))
 
     def shutdown(self) -> None:
-        """Refuse new jobs, run the queued ones, and wait for the thread's end."""
-        with self._lock:
+        """Refuse new jobs, run the queued ones, and wait for the thread's end (not from the
+        thread itself: a job that shuts its own thread down ends it after itself)."""
+        with _LOCK:
             self._closed = True
             thread = self._thread
+            if thread is not None:
+                self._jobs.put(None)
         if thread is not None and thread is not threading.current_thread():
-            self._jobs.put(None)
             thread.join()
 
 
