@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 
@@ -99,6 +101,68 @@ def test_a_thread_dropped_unclosed_ends() -> None:
             break
         time.sleep(0.01)
     assert not any(th.name == "journal-dropped" for th in threading.enumerate())
+
+
+class _HeldQueue(queue.SimpleQueue[Any]):
+    """A queue whose job ``put`` waits, once told to, until released: the window between a
+    submit's check and its put, held open."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.inside = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if item is not None and self.hold.is_set():
+            self.inside.set()
+            self.release.wait(10)
+        super().put(item)
+
+
+def test_a_job_submitted_as_shutdown_comes_runs_or_is_refused() -> None:
+    """A submit that passed its check when ``shutdown`` comes is queued before the end, and runs
+    (the first version checked and queued apart: its job went behind the end, lost)."""
+    t = _Thread("journal-held")
+    jobs = t._jobs = _HeldQueue()
+    ran = threading.Event()
+    t.submit(time.sleep, 0)  # the thread runs
+    jobs.hold.set()
+    sender = threading.Thread(target=t.submit, args=(ran.set,))
+    sender.start()
+    assert jobs.inside.wait(10)  # past its check, not queued yet
+    stopper = threading.Thread(target=t.shutdown)
+    stopper.start()
+    time.sleep(0.2)  # shutdown waits for the submit (or, in the first version, queued its end)
+    jobs.release.set()
+    sender.join(10)
+    stopper.join(10)
+    assert ran.is_set()
+
+
+def test_a_thread_interrupted_as_it_starts_stays_the_only_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt during the start (after the thread runs) keeps that thread as the queue's
+    one: the next job does not start a second, and the order holds."""
+    real = threading.Thread.start
+
+    def start_then_interrupt(self: threading.Thread) -> None:
+        real(self)
+        if self.name == "journal-interrupted":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    t = _Thread("journal-interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        t.submit(time.sleep, 0.2)  # queued? no: the interrupt came first; the thread runs empty
+    order: list[int] = []
+    t.submit(time.sleep, 0.1)
+    t.submit(order.append, 1)
+    t.submit(order.append, 2)
+    stopper = threading.Thread(target=t.shutdown, daemon=True)  # a second thread would keep it waiting
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    assert order == [1, 2]
+    assert sum(th.name == "journal-interrupted" for th in threading.enumerate()) == 0
 
 
 def test_a_job_is_either_refused_or_run_when_shutdown_comes_at_once() -> None:

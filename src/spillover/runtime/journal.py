@@ -212,11 +212,23 @@ class _Thread:
                 raise RuntimeError("cannot schedule new jobs after shutdown")
             if self._thread is None:
                 thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name)
-                thread.start()
-                self._thread = thread
-                _LIVE.add(self._jobs)
-                weakref.finalize(self, self._jobs.put, None)  # collected unclosed: its thread ends
+                try:
+                    thread.start()
+                except BaseException as exc:
+                    # The system refused it (RuntimeError): nothing runs, the next job tries again.
+                    # Interrupted as it started (a KeyboardInterrupt): it may run, so it is the
+                    # queue's one thread (a second would break the order).
+                    if not isinstance(exc, Exception):
+                        self._own(thread)
+                    raise
+                self._own(thread)
             self._jobs.put((fn, args))
+
+    def _own(self, thread: threading.Thread) -> None:
+        """``thread`` serves this queue (``_LOCK`` held)."""
+        self._thread = thread
+        _LIVE.add(self._jobs)
+        weakref.finalize(self, self._jobs.put, None)  # collected unclosed: its thread ends
 
     def shutdown(self) -> None:
         """Refuse new jobs, run the queued ones, and wait for the thread's end (not from the
