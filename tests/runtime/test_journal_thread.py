@@ -1,8 +1,8 @@
-"""The journal's own thread (``runtime.journal._Thread``): what the ``ThreadPoolExecutor`` of one
+"""The journal's own thread (``runtime.journal_thread``): what the ``ThreadPoolExecutor`` of one
 worker it replaced promised, kept: order, a job that raises does not end it, ``shutdown`` runs
 what is queued and refuses what comes after (never a job queued behind its end), an exit
 without ``shutdown`` still runs the queued jobs (the writes queued then) before the process
-ends, a thread that cannot start is tried again, and one whose ``_Thread`` is dropped unclosed
+ends, a thread that cannot start is tried again, and one whose ``JournalThread`` is dropped unclosed
 ends (round 78's review found the last three, and the race, broken in the first version)."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from spillover.runtime.journal import _Thread
+from spillover.runtime.journal_thread import JournalThread
 
 
 def test_jobs_run_in_order_on_one_thread_and_a_failing_one_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    t = _Thread("journal")
+    t = JournalThread("journal")
     ran: list[tuple[int, str]] = []
 
     def boom() -> None:
@@ -44,7 +44,7 @@ def test_jobs_run_in_order_on_one_thread_and_a_failing_one_is_logged(caplog: pyt
 
 
 def test_shutdown_before_any_job_starts_nothing() -> None:
-    t = _Thread("journal")
+    t = JournalThread("journal")
     t.shutdown()
     with pytest.raises(RuntimeError):
         t.submit(print)
@@ -54,8 +54,8 @@ def test_the_exit_runs_the_queued_jobs_first() -> None:
     code = textwrap.dedent(
         """
         import time
-        from spillover.runtime.journal import _Thread
-        t = _Thread("journal")
+        from spillover.runtime.journal_thread import JournalThread
+        t = JournalThread("journal")
         t.submit(time.sleep, 0.3)
         t.submit(print, "ran")
         """
@@ -77,7 +77,7 @@ def test_a_thread_that_cannot_start_is_tried_again(monkeypatch: pytest.MonkeyPat
         real(self)
 
     monkeypatch.setattr(threading.Thread, "start", start_once_refused)
-    t = _Thread("journal-start")
+    t = JournalThread("journal-start")
     with pytest.raises(RuntimeError, match="can't start"):
         t.submit(print)
     done = threading.Event()
@@ -88,7 +88,7 @@ def test_a_thread_that_cannot_start_is_tried_again(monkeypatch: pytest.MonkeyPat
 
 def test_a_thread_dropped_unclosed_ends() -> None:
     """A journal nobody closed and nobody holds lets its thread go (as the pool's did)."""
-    t = _Thread("journal-dropped")
+    t = JournalThread("journal-dropped")
     ran = threading.Event()
     t.submit(ran.set)
     assert ran.wait(10)
@@ -122,7 +122,7 @@ class _HeldQueue(queue.SimpleQueue[Any]):
 def test_a_job_submitted_as_shutdown_comes_runs_or_is_refused() -> None:
     """A submit that passed its check when ``shutdown`` comes is queued before the end, and runs
     (the first version checked and queued apart: its job went behind the end, lost)."""
-    t = _Thread("journal-held")
+    t = JournalThread("journal-held")
     jobs = t._jobs = _HeldQueue()
     ran = threading.Event()
     t.submit(time.sleep, 0)  # the thread runs
@@ -150,7 +150,7 @@ def test_a_thread_interrupted_as_it_starts_stays_the_only_one(monkeypatch: pytes
             raise KeyboardInterrupt
 
     monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
-    t = _Thread("journal-interrupted")
+    t = JournalThread("journal-interrupted")
     with pytest.raises(KeyboardInterrupt):
         t.submit(time.sleep, 0.2)  # queued? no: the interrupt came first; the thread runs empty
     order: list[int] = []
@@ -169,12 +169,12 @@ def test_a_job_is_either_refused_or_run_when_shutdown_comes_at_once() -> None:
     """Submits racing ``shutdown`` from other threads: each one raised, or its job ran (none
     queued behind the end and lost)."""
     for _ in range(50):
-        t = _Thread("journal-race")
+        t = JournalThread("journal-race")
         t.submit(time.sleep, 0.001)
         ran: list[int] = []
         refused: list[int] = []
 
-        def send(i: int, t: _Thread = t, ran: list[int] = ran, refused: list[int] = refused) -> None:
+        def send(i: int, t: JournalThread = t, ran: list[int] = ran, refused: list[int] = refused) -> None:
             try:
                 t.submit(ran.append, i)
             except RuntimeError:

@@ -4,9 +4,9 @@ A request is ACCEPTED only once its row is committed with ``synchronous=FULL`` (
 before the first response byte. Later transitions commit with ``synchronous=NORMAL``:
 in WAL mode they survive a killed gateway (the SIGKILL case), only an OS crash could
 lose the last of them. Every lifecycle move is a row in ``transitions``. On start-up the
-journal is the truth (see ``Journal.unfinished``). SQLite work runs on one dedicated thread,
-except the writes rule 8 lets the event loop make itself; writes keep their order, and the
-event loop never waits for an fsync.
+journal is the truth (see ``Journal.unfinished``). SQLite work runs on one dedicated thread
+(``runtime.journal_thread``), except the writes rule 8 lets the event loop make itself; writes
+keep their order, and the event loop never waits for an fsync.
 
 This module owns the connection, its transactions and the lifecycle writes. What is stored
 (schema, ``JournalRecord``) is in ``runtime.journal_records``; the size bounds, retention and
@@ -75,11 +75,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -103,6 +101,7 @@ from spillover.runtime.journal_records import (
     record,
     stored_json,
 )
+from spillover.runtime.journal_thread import JournalThread
 
 __all__ = [
     "NOTED",
@@ -154,94 +153,6 @@ STATES_KEPT = 100_000  # unfinished requests whose state the journal thread reme
 REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound grew this share of max_bytes
 
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...]] | None  # None: the thread ends
-_LOCK = threading.Lock()  # every journal thread's submit, shutdown and the exit's hook
-_LIVE: set[queue.SimpleQueue[_Job]] = set()  # the queues of journal threads that run
-_exiting = False  # the interpreter's exit began: no new job (as a pool's)
-
-
-def _at_exit() -> None:
-    """Before the exit joins the threads (an ``atexit`` hook runs after it; the pool's hook
-    runs here too): each journal thread runs what is queued, then ends."""
-    global _exiting
-    with _LOCK:
-        _exiting = True
-        for jobs in _LIVE:
-            jobs.put(None)
-
-
-threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
-
-
-def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
-    """A journal thread's life: each job in order until a None (its ``shutdown``, the exit's
-    hook, or its ``_Thread`` collected unclosed). It holds the queue, not the ``_Thread``, and
-    drops each job once run (a read's job holds its result)."""
-    try:
-        while (job := jobs.get()) is not None:
-            fn, args = job
-            try:
-                fn(*args)
-            except BaseException:
-                log.exception("journal: %s failed on the journal thread", getattr(fn, "__name__", fn))
-            del job, fn, args
-    finally:
-        with _LOCK:
-            _LIVE.discard(jobs)
-
-
-class _Thread:
-    """The journal's one thread: runs what is queued on it, in order. A ``ThreadPoolExecutor``
-    of one worker, without what each job costs there (a future with its condition, a semaphore
-    taken and given back: issue 13 item 5), and with what it promised: started with the first
-    job (a start that fails raises, and the next job tries again); ``shutdown`` refuses new
-    jobs (RuntimeError), runs the queued ones and ends it, and so does the interpreter's exit
-    (the writes queued then are made before the process ends); one collected unclosed ends its
-    thread. A job's exception is logged (the pool kept it in a future nobody read)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)``; RuntimeError once shut down, or once the exit began."""
-        with _LOCK:  # checked and queued at once: never queued behind the end
-            if self._closed or _exiting:
-                raise RuntimeError("cannot schedule new jobs after shutdown")
-            if self._thread is None:
-                thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name)
-                try:
-                    thread.start()
-                except BaseException as exc:
-                    # The system refused it (RuntimeError): nothing runs, the next job tries again.
-                    # Interrupted as it started (a KeyboardInterrupt): it may run, so it is the
-                    # queue's one thread (a second would break the order).
-                    if not isinstance(exc, Exception):
-                        self._own(thread)
-                    raise
-                self._own(thread)
-            self._jobs.put((fn, args))
-
-    def _own(self, thread: threading.Thread) -> None:
-        """``thread`` serves this queue (``_LOCK`` held)."""
-        self._thread = thread
-        _LIVE.add(self._jobs)
-        weakref.finalize(self, self._jobs.put, None)  # collected unclosed: its thread ends
-
-    def shutdown(self) -> None:
-        """Refuse new jobs, run the queued ones, and wait for the thread's end (not from the
-        thread itself: a job that shuts its own thread down ends it after itself)."""
-        with _LOCK:
-            self._closed = True
-            thread = self._thread
-            if thread is not None:
-                self._jobs.put(None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-
-
 def _deliver(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
     """A read's result, on its caller's loop (its caller may have gone: then nobody hears)."""
     if fut.done():
@@ -288,7 +199,7 @@ class Journal:
         self.retention_s = retention_s
         self.max_requests = max_requests
         self.max_bytes = max_bytes
-        self._thread = _Thread("journal")
+        self._thread = JournalThread("journal")
         # Writes waiting for the journal thread (group commit, rule 1), and whether a drain runs.
         self._pending: list[_Op] = []
         self._pending_lock = threading.Lock()
@@ -442,7 +353,7 @@ class Journal:
             self._checkpoint_if_due()
             if more:
                 self._thread.submit(self._drain)
-        except BaseException as exc:  # a bug, or the pool closed: no caller may wait for ever
+        except BaseException as exc:  # a bug, or the thread closed: no caller may wait for ever
             with self._pending_lock:
                 rest, self._pending, self._draining = ops[len(results) :] + self._pending, [], False
             self._settle(ops[: len(results)], results)
