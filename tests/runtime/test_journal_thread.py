@@ -3,7 +3,8 @@ worker it replaced promised, kept: order, a job that raises does not end it, ``s
 what is queued and refuses what comes after (never a job queued behind its end), an exit
 without ``shutdown`` still runs the queued jobs (the writes queued then) before the process
 ends, a thread that cannot start is tried again, and one whose ``JournalThread`` is dropped unclosed
-ends (round 78's review found the last three, and the race, broken in the first version)."""
+ends (round 78's review found the last three, and the race, broken in the first version), and
+one interrupted as it starts stays the queue's only thread (round 79)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,8 @@ REMEASURE_RATIO = 0.01  # the bytes in use are measured again once the bound gre
 
 
 def _deliver(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
-    """A read's result, on its caller's loop (its caller may have gone: then nobody hears)."""
+    """A read's or a write's result, on its caller's loop (its caller may have gone, cancelled:
+    then nobody hears, and a write stands)."""
     if fut.done():
         return
     if exc is not None:
@@ -174,12 +175,8 @@ def _need(fields: dict[str, Any]) -> int:
 
 def _resolve(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
     for op, value, exc in done:
-        if op.future is None or op.future.done():  # its caller was cancelled; the write stands
-            continue
-        if exc is not None:
-            op.future.set_exception(exc)
-        else:
-            op.future.set_result(value)
+        if op.future is not None:  # a noted move has no caller
+            _deliver(op.future, value, exc)
 
 
 class Journal:
