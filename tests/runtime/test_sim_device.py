@@ -278,3 +278,37 @@ def test_a_full_disk_writes_the_ledger_over_its_own_blocks(tmp_path: Path, monke
         dev.allocate(f"req:{big}", MIB, owner="gpu0")
     monkeypatch.undo()
     assert SimDevice(tmp_path).snapshot().used_bytes == 42 * MIB  # what another process reads, whole
+
+
+def test_a_zombies_memory_is_released_and_a_live_process_named_like_one_keeps_its_own(tmp_path: Path) -> None:
+    """Reaping reads each holder's state once: a zombie's allocations (two here) go, as a dead
+    process's do; a live process whose command holds ``) Z`` (the state is the field after the
+    command's last parenthesis, not its first) keeps its allocations."""
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+    code = "open('/proc/self/comm', 'w').write('x) Z (y'); print('ready', flush=True); import sys; sys.stdin.read()"
+    live = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    doomed = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert live.stdout is not None and live.stdout.readline().strip() == "ready"
+        assert Path(f"/proc/{live.pid}/comm").read_text().strip() == "x) Z (y"
+        assert dev.allocate("w", 10 * MIB, "doomed", pid=doomed.pid)
+        assert dev.allocate("kv", 5 * MIB, "doomed", pid=doomed.pid)
+        assert dev.allocate("w", 20 * MIB, "live", pid=live.pid)
+        assert dev.allocate("kv", 1 * MIB, "live", pid=live.pid)
+        assert dev.snapshot().used_bytes == 36 * MIB
+        assert doomed.stdin is not None
+        doomed.stdin.close()  # it exits; not waited for, it stays a zombie
+        for _ in range(500):
+            if Path(f"/proc/{doomed.pid}/stat").read_bytes().rpartition(b")")[2][1:2] == b"Z":
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the child never became a zombie")
+        snap = dev.snapshot()
+        assert sorted((tag, pid) for tag, pid, _, _ in snap.allocations) == [("kv", live.pid), ("w", live.pid)]
+        assert snap.used_bytes == 21 * MIB
+    finally:
+        for p in (live, doomed):
+            p.kill()
+            p.communicate()  # waited for, its pipes closed

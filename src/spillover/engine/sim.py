@@ -85,12 +85,17 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie still answers kill(0); treat it as gone (its memory is released).
+    # A zombie still answers kill(0); treat it as gone (its memory is released). Its state is
+    # the field after the command's closing parenthesis (the last one: a command may hold one).
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)  # no file object: read 10 times a second
+        try:
+            stat = os.read(fd, 512)
+        finally:
+            os.close(fd)
+    except OSError:
         return True
+    return stat.rpartition(b")")[2][1:2] != b"Z"
 
 
 class SimDevice:
@@ -116,17 +121,20 @@ class SimDevice:
     def _flocked(self) -> Iterator[None]:
         """The ledger's lock file, held exclusively (the folder is made only when missing:
         the gateway reads the ledger 10 times a second)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC  # a descriptor, no file object
         try:
-            lock_file = open(self.lock_path, "a+")  # noqa: SIM115 - closed below
+            fd = os.open(self.lock_path, flags, 0o666)
         except FileNotFoundError:
             self.dir.mkdir(parents=True, exist_ok=True)
-            lock_file = open(self.lock_path, "a+")  # noqa: SIM115
-        with lock_file as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            fd = os.open(self.lock_path, flags, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
@@ -141,9 +149,7 @@ class SimDevice:
 
     def _read(self) -> dict[str, Any]:
         try:
-            with open(self.path, encoding="utf-8") as fh:
-                data: dict[str, Any] = json.load(fh)
-                return data
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)  # a descriptor, no file object
         except FileNotFoundError:
             return {
                 "capacity": 0,
@@ -153,6 +159,14 @@ class SimDevice:
                 "alloc_failures": 0,
                 "allocs": {},
             }
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        data: dict[str, Any] = json.loads(b"".join(chunks))
+        return data
 
     def _write(self, state: dict[str, Any]) -> None:
         seq = self._seq_map()  # mapped first: a write that cannot count itself does not happen
@@ -213,7 +227,8 @@ class SimDevice:
     def _reap(state: dict[str, Any]) -> bool:
         """Drop the allocations of processes that are gone; True when it dropped any."""
         allocs = state["allocs"]
-        dead = [k for k, a in allocs.items() if not _alive(int(a["pid"]))]
+        gone = {pid for pid in {int(a["pid"]) for a in allocs.values()} if not _alive(pid)}  # each process once
+        dead = [k for k, a in allocs.items() if int(a["pid"]) in gone]
         for key in dead:
             del allocs[key]
         return bool(dead)
