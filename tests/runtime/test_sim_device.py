@@ -286,11 +286,18 @@ def test_a_zombies_memory_is_released_and_a_live_process_named_like_one_keeps_it
     command's last parenthesis, not its first) keeps its allocations."""
     dev = SimDevice(tmp_path)
     dev.create(100 * MIB)
-    code = "open('/proc/self/comm', 'w').write('x) Z (y'); print('ready', flush=True); import sys; sys.stdin.read()"
+    code = (
+        "import sys\n"
+        "try:\n    open('/proc/self/comm', 'w').write('x) Z (y')\nexcept OSError:\n    print('no comm', flush=True)\n"
+        "print('ready', flush=True)\nsys.stdin.read()"
+    )
     live = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     doomed = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        assert live.stdout is not None and live.stdout.readline().strip() == "ready"
+        assert live.stdout is not None
+        if (line := live.stdout.readline().strip()) == "no comm":
+            pytest.skip("this system does not let a process name itself (/proc/self/comm)")
+        assert line == "ready"
         assert Path(f"/proc/{live.pid}/comm").read_text().strip() == "x) Z (y"
         assert dev.allocate("w", 10 * MIB, "doomed", pid=doomed.pid)
         assert dev.allocate("kv", 5 * MIB, "doomed", pid=doomed.pid)
