@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,59 @@ def test_writes_after_close_fail_on_the_thread_path(tmp_path: Path) -> None:
     j: Journal = run_journal(path, body)
 
     async def late() -> None:
-        with pytest.raises((JournalUnavailable, RuntimeError)):
+        with pytest.raises(JournalUnavailable):
             await j.move("r", State.ADMITTED, route="gpu")
 
     asyncio.run(late())
+
+
+def test_a_closed_journal_answers_every_call_with_its_503(tmp_path: Path) -> None:
+    """Round 79's leftover: after ``close`` a write failed with ``RuntimeError`` (the thread
+    refused the job) and one that reached a thread whose connection was closed with
+    ``AssertionError``: a 500 where a stopping gateway means a 503 with Retry-After. Every
+    read and write of a closed journal is ``JournalUnavailable`` now, whichever path it takes."""
+    path = tmp_path / "j.sqlite3"
+
+    async def body(j: Journal) -> Journal:
+        await queued(j, "r")
+        return j
+
+    j: Journal = run_journal(path, body)
+
+    async def late() -> None:
+        calls = [
+            lambda: j.move("r", State.ADMITTED, route="gpu"),
+            lambda: j.update("r", tokens_delivered=1),
+            lambda: j.get("r"),
+            j.count,
+            lambda: j.by_key("k"),
+        ]
+        for call in calls:
+            with pytest.raises(JournalUnavailable) as err:
+                await call()
+            assert err.value.retry_after_s == journal_module.RETRY_AFTER_S
+            assert "closed" in err.value.message
+
+    asyncio.run(late())
+
+
+def test_a_write_that_reaches_the_thread_after_the_connection_closed_is_a_503(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The window inside ``close``: the connection is closed on the thread, the thread still
+    runs. A group of writes queued then (two moves at once) gets the closed journal's error,
+    and the thread logs no failure of its own."""
+
+    async def body(j: Journal) -> None:
+        await queued(j, "a")
+        await queued(j, "b")
+        await j._run(j._db_().close)  # what ``close`` does on the thread, before the thread ends
+        j._db = None
+        got = await asyncio.gather(
+            j.move("a", State.ADMITTED, route="gpu"), j.move("b", State.ADMITTED, route="gpu"), return_exceptions=True
+        )
+        assert [type(e) for e in got] == [JournalUnavailable, JournalUnavailable]
+
+    with caplog.at_level(logging.ERROR, logger="spillover.journal"):
+        with_journal(tmp_path, body)
+    assert not [r for r in caplog.records if "failed on the journal thread" in r.getMessage()]

@@ -121,6 +121,14 @@ log = logging.getLogger("spillover.journal")
 T = TypeVar("T")
 
 RETRY_AFTER_S = 2.0  # what a client is told after a failed journal write
+
+
+def _closed() -> JournalUnavailable:
+    """What a read or write gets from a journal that is not open (the gateway is stopping):
+    the 503 any journal failure is, not a bug's error (``RuntimeError``, ``AssertionError``)."""
+    return JournalUnavailable("the request journal is closed (the gateway is stopping)", retry_after_s=RETRY_AFTER_S)
+
+
 FILE_MODE = 0o600
 
 
@@ -253,7 +261,10 @@ class Journal:
             with suppress(RuntimeError):  # a closed loop: nobody waits there any more
                 loop.call_soon_threadsafe(_deliver, fut, value, exc)
 
-        self._thread.submit(job)
+        try:
+            self._thread.submit(job)
+        except RuntimeError as exc:  # closed: the journal thread takes nothing more
+            raise _closed() from exc
         return await fut
 
     def _locked(self, fn: Callable[..., T], *args: Any) -> T:
@@ -313,7 +324,9 @@ class Journal:
         except RuntimeError as exc:  # closed: every write waiting now fails as this one
             with self._pending_lock:
                 ops, self._pending, self._draining = self._pending, [], False
-            self._settle(ops, [(None, exc)] * len(ops))
+            err = _closed()
+            err.__cause__ = exc
+            self._settle(ops, [(None, err)] * len(ops))
 
     def _tick(self) -> None:
         """Rule 7's timer (event loop): start a drain for the noted moves still waiting, and
@@ -354,13 +367,17 @@ class Journal:
             with self._pending_lock:
                 rest, self._pending, self._draining = ops[len(results) :] + self._pending, [], False
             self._settle(ops[: len(results)], results)
-            self._settle(rest, [(None, exc)] * len(rest))
+            err = _closed() if isinstance(exc, RuntimeError) else exc  # the thread closed (a bug: itself)
+            self._settle(rest, [(None, err)] * len(rest))
             if not isinstance(exc, RuntimeError):
                 raise
 
     def _write_ops(self, ops: list[_Op], results: list[tuple[Any, BaseException | None]]) -> None:
         """Write ``ops`` in order (holding ``_db_lock``): runs of two or more lifecycle writes
         as one group, anything else alone; each one's result is appended to ``results``."""
+        if self._db is None:  # closed (or never opened): each fails as a closed journal's write
+            results += [(None, _closed()) for _ in ops]
+            return
         i = 0
         while i < len(ops):
             j = i
@@ -504,7 +521,8 @@ class Journal:
                 os.chmod(f, FILE_MODE)
 
     def _db_(self) -> sqlite3.Connection:
-        assert self._db is not None, "journal not open"
+        if self._db is None:  # never opened, or closed (a write that came after ``close``)
+            raise _closed()
         return self._db
 
     def _used_bytes(self) -> int:
