@@ -15,7 +15,8 @@ Faults it supports (from any process):
 - ``set_hang(True)``: kernels stop making progress until cleared.
 
 Allocations of processes that no longer exist are reaped on every operation, as a real
-driver frees a dead process's memory.
+driver frees a dead process's memory. An allocation records its process's start time, so a
+pid the system gave to a new process does not keep a dead one's memory.
 
 Every write also bumps a change counter: 8 bytes in a sibling ``.seq`` file that each
 process maps into memory (``change_count``). A reader that polls (the gateway, 10 times a
@@ -76,26 +77,42 @@ class SimSnapshot:
         }
 
 
-def _alive(pid: int) -> bool:
+def _presence(pid: int) -> tuple[bool, int | None]:
+    """Whether process ``pid`` lives, and its start time (clock ticks after boot; None when
+    unknown). A zombie still answers kill(0): one whose whole thread group has exited is gone
+    (its memory is released); a thread-group leader that exited while its other threads run
+    shows ``Z`` too, and lives on (its thread count says so). The state and the fields after
+    it follow the command's last parenthesis (a command may hold one)."""
     if pid <= 0:
-        return False
+        return False, None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return False, None
     except PermissionError:
-        return True
-    # A zombie still answers kill(0); treat it as gone (its memory is released). Its state is
-    # the field after the command's closing parenthesis (the last one: a command may hold one).
+        return True, None
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)  # no file object: read 10 times a second
         try:
-            stat = os.read(fd, 512)
+            stat = os.read(fd, 1024)
         finally:
             os.close(fd)
     except OSError:
-        return True
-    return stat.rpartition(b")")[2][1:2] != b"Z"
+        return True, None
+    fields = stat.rpartition(b")")[2].split()  # fields 3.. of proc(5): state is [0], num_threads [17], starttime [19]
+    try:
+        threads, start = int(fields[17]), int(fields[19])
+    except (IndexError, ValueError):
+        return fields[:1] != [b"Z"], None
+    return (fields[0] != b"Z" or threads > 1), start
+
+
+def _gone(alloc: dict[str, Any], presence: tuple[bool, int | None]) -> bool:
+    """Whether ``alloc``'s process has exited: it is not alive, or its pid now names another
+    process (a start time other than the one recorded when it allocated: the pid was reused)."""
+    alive, start = presence
+    recorded = alloc.get("start")
+    return not alive or (recorded is not None and start is not None and int(recorded) != start)
 
 
 class SimDevice:
@@ -227,8 +244,8 @@ class SimDevice:
     def _reap(state: dict[str, Any]) -> bool:
         """Drop the allocations of processes that are gone; True when it dropped any."""
         allocs = state["allocs"]
-        gone = {pid for pid in {int(a["pid"]) for a in allocs.values()} if not _alive(pid)}  # each process once
-        dead = [k for k, a in allocs.items() if int(a["pid"]) in gone]
+        presence = {pid: _presence(pid) for pid in {int(a["pid"]) for a in allocs.values()}}  # each process once
+        dead = [k for k, a in allocs.items() if _gone(a, presence[int(a["pid"])])]
         for key in dead:
             del allocs[key]
         return bool(dead)
@@ -260,7 +277,7 @@ class SimDevice:
             if used + nbytes > int(s["capacity"]):
                 s["alloc_failures"] += 1
                 return False
-            s["allocs"][key] = {"pid": pid, "bytes": int(nbytes), "owner": owner}
+            s["allocs"][key] = {"pid": pid, "bytes": int(nbytes), "owner": owner, "start": _presence(pid)[1]}
             return True
 
     def free(self, tag: str, pid: int | None = None) -> bool:
