@@ -23,6 +23,10 @@ __all__ = ["main"]
 MIB = 1024 * 1024
 STOP_GRACE_S = 8  # Ctrl-C: uvicorn's grace; the gateway stops what still runs STOP_AHEAD_S before its end
 N_CTX_MAX = 2**32 - 256  # llama.cpp's n_ctx is 32 bits and padded to 256 cells: above this it wraps
+# ``estimate --device-mib``: every whole cell of the first this many (of those whose bytes without the
+# compute buffer fit) is planned, in one dry run's process: 6-25 ms a context for SmolLM2, so at most
+# about 4 s; past them the search is binary (``core.estimate.largest_context``).
+FIT_SCAN_CELLS = 512
 
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -283,21 +287,33 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         placement = "gpu" if offloads or a.gpu_layers is not None or a.device_mib is not None else "cpu"
     layers = -1 if a.gpu_layers is None else a.gpu_layers
 
-    import functools
-
-    from spillover.engine.plan import PLAN_CELLS_MAX, PlanRefused, plan_buffers_isolated
+    from spillover.engine.plan import PLAN_CELLS_MAX, PlanRefused, plan_buffers_isolated, plan_buffers_many_isolated
 
     unplanned: list[str] = []  # why llama.cpp gave no plan
+    planned: dict[int, int | None] = {}  # the fit search asks again for a few contexts
 
-    @functools.cache  # the fit search asks again for a few contexts
     def plan_of(n_ctx: int) -> int | None:
-        cells = model.cells(n_ctx)
-        if cells > PLAN_CELLS_MAX:  # no dry run there (its memory grows with the context): a straight line
-            return _extended_plan(plan_of, cells, PLAN_CELLS_MAX)
-        p = plan_buffers_isolated(
-            a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=unplanned
+        if n_ctx not in planned:
+            cells = model.cells(n_ctx)
+            if cells > PLAN_CELLS_MAX:  # no dry run there (its memory grows with the context): a straight line
+                planned[n_ctx] = _extended_plan(plan_of, cells, PLAN_CELLS_MAX)
+            else:
+                p = plan_buffers_isolated(
+                    a.model, n_ctx, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=unplanned
+                )
+                planned[n_ctx] = None if p is None else p.compute_bytes
+        return planned[n_ctx]
+
+    def plan_all(n_ctxs: list[int]) -> None:
+        """Plan the contexts the fit search will ask each of, in one dry run's process."""
+        todo = [n for n in n_ctxs if n not in planned and model.cells(n) <= PLAN_CELLS_MAX]
+        if compute is None or not todo:
+            return
+        plans = plan_buffers_many_isolated(
+            a.model, todo, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=unplanned
         )
-        return None if p is None else p.compute_bytes
+        for n, p in zip(todo, plans or (), strict=False):  # none (the child died): each is asked alone
+            planned[n] = None if p is None else p.compute_bytes
 
     compute = None
     too_long = model.cells(a.ctx) > PLAN_CELLS_MAX
@@ -307,10 +323,11 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     except PlanRefused as exc:
         raise ConfigError(f"estimate: {exc}") from None
 
-    def at(n_ctx: int, gpu_layers: int = layers, where: str = placement) -> Any:
+    def at(n_ctx: int, gpu_layers: int = layers, where: str = placement, without_compute: bool = False) -> Any:
         return estimate(
             spec, n_ctx, n_batch=a.batch, n_ubatch=a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn,
-            placement=where, gpu_layers=gpu_layers, margin_ratio=a.margin, compute=compute,
+            placement=where, gpu_layers=gpu_layers, margin_ratio=a.margin,
+            compute=(lambda n: 0) if without_compute else compute,
         )  # fmt: skip
 
     try:
@@ -321,10 +338,19 @@ def cmd_estimate(a: argparse.Namespace) -> int:
             # Up to the model's training context (what llama.cpp runs by default; more is
             # possible, with rope scaling, and not what a user asking "will it fit?" means),
             # or llama.cpp's largest where the file gives none that can be used.
+            # A context asked past the training context is searched up to it.
             trained = 0 < spec.n_ctx_train <= N_CTX_MAX
-            ctx_limit = spec.n_ctx_train if trained else N_CTX_MAX
-            fits_ctx = largest_context(
-                lambda n: at(n, where="gpu").device.total_with_margin_bytes <= budget, limit=ctx_limit
+            ctx_limit = max(spec.n_ctx_train, a.ctx) if trained else N_CTX_MAX
+            limit_source = "llama.cpp's largest"
+            if trained:
+                limit_source = "training context" if ctx_limit == spec.n_ctx_train else "the context asked"
+            ctx_fit = largest_context(
+                lambda n: at(n, where="gpu").device.total_with_margin_bytes <= budget,
+                limit=ctx_limit,
+                floor_fits=lambda n: at(n, where="gpu", without_compute=True).device.total_with_margin_bytes <= budget,
+                step=model.ctx_pad_tokens,
+                scan_cells=FIT_SCAN_CELLS if compute is not None else 0,  # the envelope grows steadily
+                prefetch=plan_all,
             )
             fits_layers = largest_gpu_layers(
                 lambda n: at(a.ctx, n, "gpu").device.total_with_margin_bytes <= budget, spec.n_layers
@@ -333,9 +359,11 @@ def cmd_estimate(a: argparse.Namespace) -> int:
                 "device_mib": a.device_mib,
                 "reserve_mib": a.reserve_mib,
                 "fits": at(a.ctx, where="gpu").device.total_with_margin_bytes <= budget,
-                "largest_ctx": fits_ctx,
+                "largest_ctx": ctx_fit.largest,
+                "ctx_gaps": [list(g) for g in ctx_fit.gaps],
+                "ctx_every_cell_to": ctx_fit.scanned_cells * model.ctx_pad_tokens,
                 "ctx_limit": ctx_limit,
-                "ctx_limit_source": "training context" if trained else "llama.cpp's largest",
+                "ctx_limit_source": limit_source,
                 "largest_gpu_layers": fits_layers,
             }
     except ValueError as exc:  # PlanRefused included
@@ -343,8 +371,11 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     from spillover.engine.llamacpp import cpu_backend_repacks
 
     out = {"model": a.model, "name": spec.name, "arch": spec.arch, **est.as_dict(), "gpu_backend": offloads}
+    out["n_ctx_train"] = spec.n_ctx_train  # 0: the file gives none
     if compute is not None and too_long:
-        out["compute_source"] = f"llama.cpp plan, extended past {PLAN_CELLS_MAX} cells"
+        out["compute_source"] = out["compute_source"].replace(
+            "llama.cpp plan", f"llama.cpp plan, extended past {PLAN_CELLS_MAX} cells", 1
+        )
     out["cpu_repack"] = cpu_backend_repacks()  # the host's weights include the CPU backend's repacked copies
     if compute is None and not a.no_plan:
         out["unplanned"] = unplanned[0] if unplanned else "llama.cpp could not plan it"
@@ -425,12 +456,20 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
     ):
         lines.append(f"{label:16}{mib(d[key])}{mib(h[key])}")
     lines.append(f"compute buffer from the {out['compute_source']}; total_bytes = {out['total_bytes']}")
+    if 0 < out["n_ctx_train"] < out["n_ctx"]:
+        lines.append(
+            f"context {out['n_ctx']} is past the model's training context ({out['n_ctx_train']}): llama.cpp runs it"
+            " with the model's RoPE scaling, if any, and its answers may degrade"
+        )
     fit = out.get("fit")
     if fit:
         at = f"--gpu-layers {out['gpu_layers']}"
         ctx = f"largest context {fit['largest_ctx']} (at {at})" if fit["largest_ctx"] else f"no context fits at {at}"
         if fit["largest_ctx"] == fit["ctx_limit"] and fit["ctx_limit_source"] == "training context":
             ctx = f"largest context {fit['largest_ctx']}, the model's training context (at {at}; more may fit)"
+        if fit["ctx_gaps"]:  # llama.cpp's planned buffer fell between: shorter contexts that do not fit
+            gaps = ", ".join(f"{lo}-{hi}" for lo, hi in fit["ctx_gaps"])
+            ctx += f"; shorter ones that do NOT fit: {gaps} (llama.cpp's compute buffer shrinks past them)"
         layers = fit["largest_gpu_layers"]
         every = (  # round 73: serve's split keeps the output layer on the host (``core.profiles.split_layers``)
             f": every layer and the output layer; spillover serve's split worker puts at most {out['n_layers']}"
@@ -648,7 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-mib",
         type=int,
         help="device memory in MiB: also print whether it fits, the largest context (up to the model's "
-        "training context) and the largest --gpu-layers that fit (with the margin), in what is left after "
+        "training context, or --ctx when longer; shorter ones that do not fit are named) and the largest "
+        "--gpu-layers that fit (with the margin), in what is left after "
         "--reserve-mib. spillover serve plans its profile with the compute envelope: add --no-plan for its "
         "answer on whether the resident fits at --ctx and on its split layers",
     )

@@ -42,6 +42,22 @@ def test_the_plan_replaces_the_envelope() -> None:
     assert e.host.compute_bytes == 3_000 and e.compute_source == "llama.cpp plan"
 
 
+def test_a_splits_compute_says_where_each_side_comes_from() -> None:
+    """Helper round 81: with some of the layers on the device, the device's compute buffer is the
+    envelope's share of them, but the output said "compute buffer from the llama.cpp plan"."""
+    plan = lambda n: n * 10  # noqa: E731
+    for layers, source in ((0, "llama.cpp plan"), (5, "llama.cpp plan"), (4, None), (1, None)):
+        e = estimate(SPEC, 300, placement="gpu", gpu_layers=layers, compute=plan)
+        assert e.compute_source == (
+            source or "llama.cpp plan on the host; the device's share of the layers from the memory model envelope"
+        )
+        if source is None:
+            assert e.device.compute_bytes == MemoryModel(SPEC, n_batch=512, n_ubatch=512).layers_compute_bytes(300)
+            assert e.host.compute_bytes == 3_000
+    split = estimate(SPEC, 300, placement="gpu", gpu_layers=2)  # without a plan: the envelope everywhere
+    assert split.compute_source == "memory model envelope"
+
+
 def test_gpu_all_layers_and_the_output_layer() -> None:
     """-1 places every layer and the output layer (n_layers + 1); token_embd stays on the host."""
     e = estimate(SPEC, 300, placement="gpu")
@@ -141,10 +157,10 @@ def test_largest_context_in_whole_cells() -> None:
     the next cell, so past the micro-batch the answer is a whole number of cells."""
     for budget_ctx in (1000, 2048, 3000):
         budget = _bytes(budget_ctx)
-        found = largest_context(lambda n, b=budget: _bytes(n) <= b, limit=4096)  # type: ignore[misc]
+        found = largest_context(lambda n, b=budget: _bytes(n) <= b, limit=4096).largest  # type: ignore[misc]
         assert found % 256 == 0 and _bytes(found) <= budget < _bytes(found + 1)
-    assert largest_context(lambda n: True, limit=4096) == 4096
-    assert largest_context(lambda n: False, limit=4096) == 0
+    assert largest_context(lambda n: True, limit=4096).largest == 4096
+    assert largest_context(lambda n: False, limit=4096).largest == 0
 
 
 def test_largest_context_inside_a_cell_where_the_micro_batch_clamps() -> None:
@@ -153,9 +169,41 @@ def test_largest_context_inside_a_cell_where_the_micro_batch_clamps() -> None:
     SmolLM2, which fits at a context of 10). The answer is exact: it fits, one more does not."""
     heavy = {"per_cell": 1, "per_ubatch": 100}  # compute dominates, as on a small model
     for budget in (_bytes(10, **heavy), _bytes(300, **heavy), _bytes(257, **heavy) - 1):
-        found = largest_context(lambda n, b=budget: _bytes(n, **heavy) <= b, limit=4096)  # type: ignore[misc]
+        found = largest_context(lambda n, b=budget: _bytes(n, **heavy) <= b, limit=4096).largest  # type: ignore[misc]
         assert found > 0 and _bytes(found, **heavy) <= budget < _bytes(found + 1, **heavy)
-    assert largest_context(lambda n: _bytes(n, **heavy) <= _bytes(1, **heavy) - 1, limit=4096) == 0
+    assert largest_context(lambda n: _bytes(n, **heavy) <= _bytes(1, **heavy) - 1, limit=4096).largest == 0
+
+
+def _dipping(n: int) -> int:
+    """Bytes as llama.cpp plans them for some models (SmolLM2 with a q8_0 cache): 10 a cell, but
+    a compute buffer 25 smaller from the fifth cell on."""
+    cells = -(-max(1, n) // 256)
+    return cells * 10 + (100 if cells < 5 else 75)
+
+
+def test_a_context_past_a_dip_in_the_planned_bytes_is_found_and_the_ones_before_it_named() -> None:
+    """Helper round 81: llama.cpp's plan does not grow steadily with the context, and the binary
+    search answered 768 where 1280 fits (and, the other way, a context past shorter ones that
+    do not). With ``floor_fits`` (the bytes without the compute buffer, which grow steadily)
+    every cell of the first ``scan_cells`` is asked: the answer is the largest that fits, and the
+    cells below it that do not are named. ``prefetch`` hears every context asked that way, first."""
+    budget = 134  # cells 1-3 fit (110, 120, 130), 4 does not (140), 5-5 fit again (125), 6 (135) not
+    asked: list[list[int]] = []
+    fit = largest_context(
+        lambda n: _dipping(n) <= budget,
+        limit=4096,
+        floor_fits=lambda n: -(-max(1, n) // 256) * 10 <= budget,
+        scan_cells=64,
+        prefetch=asked.append,
+    )
+    assert (fit.largest, fit.gaps, fit.scanned_cells) == (1280, ((769, 1024),), 13)
+    assert asked == [[n * 256 for n in range(1, 14)]]  # the floor: 13 cells of 10 fit in 134
+    # Without the scan, a binary search (monotone bytes assumed): what it answered before.
+    assert largest_context(lambda n: _dipping(n) <= budget, limit=4096).largest == 768
+    # Past the scanned cells, the search is binary: a budget no scanned cell fits finds none.
+    assert largest_context(lambda n: False, limit=4096, floor_fits=lambda n: True, scan_cells=4).largest == 0
+    far = largest_context(lambda n: n <= 3000, limit=4096, floor_fits=lambda n: True, scan_cells=4)
+    assert (far.largest, far.gaps, far.scanned_cells) == (3000, (), 4)
 
 
 def test_largest_gpu_layers() -> None:
@@ -243,12 +291,12 @@ def test_search_edges() -> None:
     """A limit that is not a whole number of cells (a training context of 1000, or of 100, below one
     cell) is itself the answer when it fits, else the largest below it that does; a step other
     than 256; only zero layers."""
-    assert largest_context(lambda n: True, limit=1000) == 1000
-    assert largest_context(lambda n: n <= 900, limit=1000) == 900
-    assert largest_context(lambda n: n <= 300, limit=4096, step=100) == 300
-    assert largest_context(lambda n: True, limit=100) == 100
-    assert largest_context(lambda n: n < 100, limit=100) == 99
-    assert largest_context(lambda n: False, limit=100) == 0
+    assert largest_context(lambda n: True, limit=1000).largest == 1000
+    assert largest_context(lambda n: n <= 900, limit=1000).largest == 900
+    assert largest_context(lambda n: n <= 300, limit=4096, step=100).largest == 300
+    assert largest_context(lambda n: True, limit=100).largest == 100
+    assert largest_context(lambda n: n < 100, limit=100).largest == 99
+    assert largest_context(lambda n: False, limit=100).largest == 0
     assert largest_gpu_layers(lambda n: n == 0, 4) == 0
     assert largest_gpu_layers(lambda n: n <= 5, 4) == 5
 

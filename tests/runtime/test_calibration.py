@@ -658,6 +658,69 @@ def test_the_largest_context_says_when_it_is_the_training_context(
     assert "largest context 8192, the model's training context" in capsys.readouterr().out
 
 
+def test_the_fit_search_finds_a_context_past_a_dip_in_llama_cpps_plan(
+    model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Helper round 81: llama.cpp plans SmolLM2 with a q8_0 cache 3.3 MB smaller at 1280 cells
+    than at 1024, so in 241 MiB (209 usable) 1280 fits and 1024 does not, and the binary search
+    answered "fits; largest context 768" for --ctx 1280. Every cell the floor allows (up to
+    ``FIT_SCAN_CELLS``) is planned now, in one dry run's process: the answer is the largest
+    context that fits, and the shorter ones that do not are named. Checked against llama.cpp's
+    plan for every cell, one by one."""
+    import json
+
+    from spillover.cli import main
+    from spillover.core.estimate import estimate
+    from spillover.engine.gguf_meta import read_model_spec
+    from spillover.engine.plan import plan_buffers, plan_buffers_many
+
+    settings = ["--kv-type", "q8_0", "--device-mib", "241"]
+    assert main(["estimate", model_path, "--ctx", "1280", *settings, "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)["fit"]
+    assert (fit["fits"], fit["largest_ctx"], fit["ctx_gaps"]) == (True, 1280, [[769, 1024]])
+    assert fit["ctx_every_cell_to"] == 8192  # the floor allows every cell of the training context
+    spec = read_model_spec(model_path)
+    contexts = list(range(256, 8193, 256))
+    plans = plan_buffers_many(model_path, contexts, kv_type="q8_0", flash_attn=True)
+    assert plans is not None and all(p is not None for p in plans)
+    by_ctx = {n: p.compute_bytes for n, p in zip(contexts, plans, strict=True) if p is not None}
+    one = plan_buffers(model_path, 1280, kv_type="q8_0", flash_attn=True)
+    assert one is not None and one.compute_bytes == by_ctx[1280]  # one model opened or many: the same plan
+
+    def fits(n: int) -> bool:
+        e = estimate(spec, n, kv_type="q8_0", flash_attn=True, placement="gpu", compute=by_ctx.__getitem__)
+        return bool(e.device.total_with_margin_bytes <= (241 - 32) * 2**20)
+
+    assert [n for n in contexts if fits(n)] == [256, 512, 768, 1280]
+    assert main(["estimate", model_path, "--ctx", "1024", *settings]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit; largest context 1280 (at --gpu-layers 31); shorter ones that do NOT fit: 769-1024" in out
+
+
+def test_a_context_past_the_training_context_is_searched_to_and_flagged(
+    model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Helper round 81: --ctx 9000 on SmolLM2 (trained on 8192) fitted, yet the search stopped at
+    8192 ("largest context 8192, the model's training context"), and nothing said 9000 is past
+    what the model was trained on. The search goes to the context asked now, and the text says so."""
+    import json
+
+    from spillover.cli import main
+
+    args = ["estimate", model_path, "--ctx", "9000", "--device-mib", "100000", "--no-plan"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_ctx_train"] == 8192
+    fit = out["fit"]
+    assert (fit["fits"], fit["largest_ctx"], fit["ctx_limit"], fit["ctx_limit_source"]) == (
+        True, 9000, 9000, "the context asked",
+    )  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "context 9000 is past the model's training context (8192)" in text
+    assert "largest context 9000 (at --gpu-layers 31)" in text
+
+
 def test_a_hybrids_spec_reads_its_layers_by_hand(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> None:
     """granite-hybrid (width 128; layer 0 Mamba2 of inner 256, state 64, one group, conv 4, 8
     heads; layer 1 attention of 2 KV heads): layer 0 holds no KV and a state of

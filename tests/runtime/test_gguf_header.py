@@ -153,6 +153,35 @@ def test_per_layer_head_counts_and_models_without_heads(tmp_path: Path) -> None:
             spec_of(_header("mamba", 2, **heads), tmp_path / "m.gguf", {})
 
 
+def test_a_layers_kv_heads_must_divide_its_query_heads(tmp_path: Path) -> None:
+    """Helper round 81: a head_count_kv list of [3, 3] under 4 query heads passed (llama.cpp
+    aborts on it; a scalar 3 was refused). Each layer is checked against its own query heads
+    (a per-layer list's, not the widest layer's); a layer without KV (0) shares nothing."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    for heads, layer, q, kv in (
+        ({"ARCH.attention.head_count": 4, "ARCH.attention.head_count_kv": [2, 3]}, 1, 4, 3),
+        ({"ARCH.attention.head_count": [4, 6], "ARCH.attention.head_count_kv": [2, 4]}, 1, 6, 4),
+    ):
+        with pytest.raises(ValueError, match=f"layer {layer}'s {q} query heads cannot share its {kv} KV heads"):
+            spec_of(_header("llama", 2, **heads), tmp_path / "m.gguf", {})
+    fine = {"ARCH.attention.head_count": [4, 6], "ARCH.attention.head_count_kv": [0, 3]}  # 6 % 3, and none
+    assert spec_of(_header("llama", 2, **fine), tmp_path / "m.gguf", {}).layer_kv_heads == (0, 3)
+
+
+@pytest.mark.parametrize("key", ["context_length", "feed_forward_length", "attention.head_count_kv"])
+def test_a_negative_shape_field_is_refused_as_llama_cpp_refuses_it(tmp_path: Path, key: str) -> None:
+    """Helper round 81: with --no-plan a context_length of -5 or a feed_forward_length of -1 (a
+    signed field) gave an estimate; llama.cpp refuses the file ("wrong type i32 but expected type
+    u32"). Every shape field is an unsigned integer now, a per-layer list's values too."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    for value in (-1, [4, -1]):
+        fields = {"ARCH.attention.head_count": 4, f"ARCH.{key}": value}
+        with pytest.raises(ValueError, match=f"llama.{key} is -1: llama.cpp reads an unsigned integer there"):
+            spec_of(_header("llama", 2, **fields), tmp_path / "m.gguf", {})
+        if key == "context_length":
+            break  # one number, never a list
+
+
 def test_a_block_count_past_the_tensors_is_refused_before_any_list_of_it(tmp_path: Path) -> None:
     """A damaged block_count (10**8 layers, two tensors) refuses at once, in bounded memory."""
     (tmp_path / "m.gguf").write_bytes(b"x")

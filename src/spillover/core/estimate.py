@@ -32,7 +32,7 @@ from typing import Any
 
 from spillover.core.memory import MemoryModel, ModelSpec, layer_shares
 
-__all__ = ["PLACEMENTS", "Estimate", "Parts", "estimate", "largest_context", "largest_gpu_layers"]
+__all__ = ["PLACEMENTS", "ContextFit", "Estimate", "Parts", "estimate", "largest_context", "largest_gpu_layers"]
 
 PLACEMENTS = ("cpu", "gpu")
 ComputeFn = Callable[[int], int]  # n_ctx -> the whole compute buffer in bytes
@@ -187,6 +187,8 @@ def estimate(
     head = spec.output_layer_bytes
     host_head = head - spec.input_bytes if spec.tied_output else head
     layer_part = model.layers_compute_bytes(n_ctx)
+    if compute is not None and 0 < placed <= n:  # the device's part of a split is the envelope's share
+        source = f"{source} on the host; the device's share of the layers from the memory model envelope"
     device_compute = whole if output_on_device else layer_part if on_device else 0
     host_compute = whole if not output_on_device else layer_part if on_device < n else 0
     device = Parts(
@@ -207,17 +209,62 @@ def estimate(
     return made("gpu", placed, device, host)
 
 
-def largest_context(fits: Callable[[int], bool], *, limit: int, step: int = 256) -> int:
-    """The largest context up to ``limit`` for which ``fits`` holds (0 when not even one token
-    does). ``fits`` must be monotone (more context, no fewer bytes). llama.cpp pads a context to
-    whole ``step``-token cells, so the search first takes whole cells (``fits`` is asked at the
-    cells a context ends in, the most any context in them costs), then the contexts inside the
-    next cell: they cost that cell's KV, which did not fit, but a context shorter than the
+@dataclass(frozen=True)
+class ContextFit:
+    """The fit search's answer: the largest context that fits (0: none), and the contexts
+    shorter than it that do not (``gaps``: inclusive ``(first, last)`` ranges of whole cells),
+    found in the first ``scanned_cells`` cells, where every cell was asked."""
+
+    largest: int
+    gaps: tuple[tuple[int, int], ...] = ()
+    scanned_cells: int = 0
+
+
+def largest_context(
+    fits: Callable[[int], bool],
+    *,
+    limit: int,
+    step: int = 256,
+    floor_fits: Callable[[int], bool] | None = None,
+    scan_cells: int = 0,
+    prefetch: Callable[[list[int]], None] | None = None,
+) -> ContextFit:
+    """The largest context up to ``limit`` for which ``fits`` holds. llama.cpp pads a context
+    to whole ``step``-token cells, so the search takes whole cells first (``fits`` is asked at
+    the cells a context ends in, the most any context in them costs), then the contexts inside
+    the next cell: they cost that cell's KV, which did not fit, but a context shorter than the
     micro-batch clamps it (``MemoryModel.ubatch``), and a smaller compute buffer can make one
-    of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at 256)."""
-    cells = _last_true(lambda n: fits(n * step), 0, max(0, limit // step))
+    of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at 256).
+
+    llama.cpp's planned compute buffer does not always grow with the context (its graph
+    allocator reuses memory by the sizes of the tensors, and which tensor sets the peak changes:
+    SmolLM2 with a q8_0 cache plans 3.3 MB less at 1280 cells than at 1024), so the bytes can
+    fall from one cell to the next, and a binary search could miss a context that fits, or
+    name one past contexts that do not. ``floor_fits`` (monotone: the bytes without the compute
+    buffer) bounds the cells that can fit; the first ``scan_cells`` of those are each asked
+    (every context that fits there is found, and the ones below the answer that do not are
+    ``gaps``), and a binary search takes the cells past them, where the buffer grows with the
+    context. Without ``floor_fits``, ``fits`` is taken as monotone (the envelope's bytes are).
+    ``prefetch`` is told the contexts that will each be asked, before they are."""
+    top = max(0, limit // step)
+    bound = top if floor_fits is None else _last_true(lambda n: floor_fits(n * step), 0, top)
+    scanned = min(bound, scan_cells)
+    if prefetch is not None and scanned:
+        prefetch([n * step for n in range(1, scanned + 1)])
+    above = _last_true(lambda n: fits(n * step), scanned, bound)
+    ok = [fits(n * step) for n in range(1, scanned + 1)]
+    cells = above if above > scanned else max((n for n, good in enumerate(ok, 1) if good), default=0)
+    gaps: list[tuple[int, int]] = []
+    for n, good in enumerate(ok[: max(0, cells - 1)], 1):
+        if good:
+            continue
+        if gaps and gaps[-1][1] == (n - 1) * step:  # the cell after a gap's: one range
+            gaps[-1] = (gaps[-1][0], n * step)
+        else:
+            gaps.append(((n - 1) * step + 1, n * step))
     # Inside the next cell (or up to a limit between two whole cells, a training context of 1000).
-    return _last_true(fits, cells * step, min((cells + 1) * step - 1, limit))
+    found = _last_true(fits, cells * step, min((cells + 1) * step - 1, limit))
+    return ContextFit(found, tuple(gaps), scanned)
 
 
 def largest_gpu_layers(fits: Callable[[int], bool], n_layers: int) -> int:

@@ -161,7 +161,8 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         raise ValueError(f"{arch}.block_count is {n_layers}, but the file holds {len(header.tensors)} tensors")
     n_embd = _integer(fields, f"{arch}.embedding_length")
     # the widest layer's, for per-layer lists
-    n_head = _n_ff(_integer(fields, f"{arch}.attention.head_count", 0, layers=n_layers))
+    n_head_raw = _integer(fields, f"{arch}.attention.head_count", 0, layers=n_layers)
+    n_head = _n_ff(n_head_raw)
     if n_head <= 0:
         raise UnsupportedModel(
             f"{arch} has no attention heads (a recurrent model): spillover's memory model covers attention models only"
@@ -172,6 +173,15 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     n_head_kv = max(per_layer_kv, default=0) if per_layer_kv else int(n_head_kv_raw)
     if per_layer_kv and not 0 <= min(per_layer_kv) <= n_head_kv <= HEADS_MAX:
         raise ValueError(f"{arch}.attention.head_count_kv holds {min(per_layer_kv)} to {n_head_kv}: 0 to {HEADS_MAX}")
+    # Each layer's query heads share its KV heads in whole groups (llama.cpp aborts otherwise; a
+    # scalar count is checked by ``MemoryModel``): helper round 81, a list of [3, 3] under 4 heads.
+    q_heads = [int(x) for x in n_head_raw] if isinstance(n_head_raw, list) else [n_head] * len(per_layer_kv)
+    for i, (q, kv) in enumerate(zip(q_heads, per_layer_kv, strict=False)):
+        if kv and q % kv:
+            raise ValueError(
+                f"layer {i}'s {q} query heads cannot share its {kv} KV heads ({arch}.attention.head_count_kv):"
+                " llama.cpp needs the first to be a multiple of the second"
+            )
     head_k = _integer(fields, f"{arch}.attention.key_length", n_embd // n_head)
     head_v = _integer(fields, f"{arch}.attention.value_length", n_embd // n_head)
     for key, value, top in (
@@ -334,9 +344,10 @@ def _hybrid_layers(
 
 
 def _integer(fields: dict[str, Any], key: str, default: Any = None, *, layers: int = 0) -> Any:
-    """A shape field as llama.cpp reads it: an integer (``layers``: or one for each of that
-    many layers), or ``default`` when the file does not give it (None: a key the model needs).
-    Another type, or a list of another length, is a damaged field that llama.cpp refuses too."""
+    """A shape field as llama.cpp reads it: an unsigned integer (``layers``: or one for each of
+    that many layers), or ``default`` when the file does not give it (None: a key the model
+    needs). Another type (a negative number: a signed one), or a list of another length, is a
+    damaged field that llama.cpp refuses too."""
     value = fields.get(key, default)
     if value is None:
         raise ValueError(f"{key} is missing")
@@ -345,6 +356,8 @@ def _integer(fields: dict[str, Any], key: str, default: Any = None, *, layers: i
         if isinstance(item, bool) or not isinstance(item, int):
             shown = f"a list of {len(item)}" if isinstance(item, list) else repr(item)[:40]
             raise ValueError(f"{key} is {shown}: llama.cpp reads an integer there")
+        if item < 0:  # a signed field: llama.cpp refuses its type ("wrong type i32 but expected type u32")
+            raise ValueError(f"{key} is {item}: llama.cpp reads an unsigned integer there")
     if layers and isinstance(value, list) and len(value) != layers:
         raise ValueError(f"{key} holds {len(value)} values for {layers} layers")
     return value

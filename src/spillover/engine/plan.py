@@ -28,13 +28,22 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from spillover.engine.calibrate import COMPUTE_LINE, OUTPUT_LINE, by_buffer, ggml_type
 from spillover.engine.llamacpp import OP_OFFLOAD, load_llama_cpp
 
-__all__ = ["PLAN_CELLS_MAX", "PlanRefused", "PlannedBuffers", "plan_buffers", "plan_buffers_isolated"]
+__all__ = [
+    "PLAN_CELLS_MAX",
+    "PlanRefused",
+    "PlannedBuffers",
+    "plan_buffers",
+    "plan_buffers_isolated",
+    "plan_buffers_many",
+    "plan_buffers_many_isolated",
+]
 
 PLAN_CELLS_MAX = 2**22  # the largest context (in cells) a dry run is made for: about 70 MB of bookkeeping here
 
@@ -73,9 +82,22 @@ DAMAGED = (
 )  # fmt: skip
 
 
-def plan_buffers(
+def plan_buffers(model_path: str, n_ctx: int, *args: Any, **kwargs: Any) -> PlannedBuffers | None:
+    """llama.cpp's own compute and output buffer sizes for this context, from a dry run
+    (``plan_buffers_many``'s settings: the batch sizes, ``kv_type``, ``flash_attn``,
+    ``n_gpu_layers``, ``why``).
+
+    The batch sizes are clamped as llama-cpp-python clamps them (``n_batch`` to the context,
+    ``n_ubatch`` to ``n_batch``), so the plan is of the context the engine would create.
+    When it returns None, ``why`` (when given) gets the reason, as a sentence.
+    """
+    plans = plan_buffers_many(model_path, [n_ctx], *args, **kwargs)
+    return None if plans is None else plans[0]
+
+
+def plan_buffers_many(
     model_path: str,
-    n_ctx: int,
+    n_ctxs: Sequence[int],
     n_batch: int = 512,
     n_ubatch: int = 512,
     *,
@@ -83,13 +105,11 @@ def plan_buffers(
     flash_attn: bool = False,
     n_gpu_layers: int = 0,
     why: list[str] | None = None,
-) -> PlannedBuffers | None:
-    """llama.cpp's own compute and output buffer sizes for this context, from a dry run.
-
-    The batch sizes are clamped as llama-cpp-python clamps them (``n_batch`` to the context,
-    ``n_ubatch`` to ``n_batch``), so the plan is of the context the engine would create.
-    When it returns None, ``why`` (when given) gets the reason, as a sentence.
-    """
+) -> list[PlannedBuffers | None] | None:
+    """``plan_buffers`` for each context of ``n_ctxs``, the model opened once (a context's
+    dry run then takes milliseconds: the fit search asks every cell of a context's range).
+    None when llama.cpp cannot load the file; an entry is None when llama.cpp reported no
+    compute buffer for that context (``why`` says so); ``PlanRefused`` as ``plan_buffers``."""
     llama_cpp = load_llama_cpp()
     lines: list[tuple[int, str]] = []  # (ggml log level, text)
 
@@ -97,23 +117,13 @@ def plan_buffers(
     def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         lines.append((level, text.decode("utf-8", "replace")))
 
-    n_batch = min(n_ctx, n_batch)
     mp = llama_cpp.llama_model_default_params()
     mp.no_alloc = True
     mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
     mp.n_gpu_layers = n_gpu_layers
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = n_batch
-    cp.n_ubatch = min(n_batch, n_ubatch)
-    cp.n_threads = cp.n_threads_batch = 1
-    cp.type_k = cp.type_v = ggml_type(kv_type)
-    cp.op_offload = OP_OFFLOAD  # as the engine's contexts run
-    cp.flash_attn_type = (
-        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    )
     from llama_cpp import _logger
 
+    plans: list[PlannedBuffers | None] = []
     with _LOCK:
         llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
         try:
@@ -126,21 +136,35 @@ def plan_buffers(
                     why.append(f"this llama.cpp build cannot load the file ({errors})")
                 return None
             try:
-                ctx = llama_cpp.llama_init_from_model(model, cp)
-                if not ctx:
-                    raise PlanRefused(_reason(lines))
-                llama_cpp.llama_free(ctx)
+                for n_ctx in n_ctxs:
+                    lines.clear()
+                    batch = min(n_ctx, n_batch)
+                    cp = llama_cpp.llama_context_default_params()
+                    cp.n_ctx = n_ctx
+                    cp.n_batch = batch
+                    cp.n_ubatch = min(batch, n_ubatch)
+                    cp.n_threads = cp.n_threads_batch = 1
+                    cp.type_k = cp.type_v = ggml_type(kv_type)
+                    cp.op_offload = OP_OFFLOAD  # as the engine's contexts run
+                    cp.flash_attn_type = (
+                        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                        if flash_attn
+                        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                    )
+                    ctx = llama_cpp.llama_init_from_model(model, cp)
+                    if not ctx:
+                        raise PlanRefused(_reason(lines))
+                    llama_cpp.llama_free(ctx)
+                    text = "".join(t for _, t in lines)
+                    compute = by_buffer(COMPUTE_LINE, text)
+                    if not compute and why is not None:
+                        why.append("llama.cpp reported no compute buffer for it")
+                    plans.append(PlannedBuffers(compute, by_buffer(OUTPUT_LINE, text)) if compute else None)
             finally:
                 llama_cpp.llama_model_free(model)
         finally:
             llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-    text = "".join(t for _, t in lines)
-    compute = by_buffer(COMPUTE_LINE, text)
-    if not compute:
-        if why is not None:
-            why.append("llama.cpp reported no compute buffer for it")
-        return None
-    return PlannedBuffers(compute=compute, output=by_buffer(OUTPUT_LINE, text))
+    return plans
 
 
 LOG_ERROR, LOG_CONT = 4, 5  # ggml_log_level: GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT
@@ -175,12 +199,21 @@ def plan_buffers_isolated(
     Returns ``None`` when the child dies (by a signal or an exit status) or llama.cpp cannot
     plan, with the reason in ``why`` (when given); raises ``PlanRefused`` as ``plan_buffers`` does.
     """
+    plans = plan_buffers_many_isolated(model_path, [n_ctx], *args, why=why, **kwargs)
+    return None if plans is None else plans[0]
+
+
+def plan_buffers_many_isolated(
+    model_path: str, n_ctxs: Sequence[int], *args: Any, why: list[str] | None = None, **kwargs: Any
+) -> list[PlannedBuffers | None] | None:
+    """``plan_buffers_many`` in one forked child (``plan_buffers_isolated``'s rules): None when
+    the child dies or llama.cpp cannot load the file."""
     import json
     import os
 
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: plan, write one JSON line, leave without cleanup
+    if pid == 0:  # the child: plan, write one JSON document, leave without cleanup
         os.close(read)
         # An abort's backtrace (ggml runs gdb, which writes to the inherited stdout as well as
         # stderr) is not the user's to read, and must not land in ``--json``'s one object.
@@ -191,13 +224,16 @@ def plan_buffers_isolated(
         out: dict[str, Any]
         reasons: list[str] = []
         try:
-            plan = plan_buffers(model_path, n_ctx, *args, why=reasons, **kwargs)
-            out = {"plan": None if plan is None else [plan.compute, plan.output], "why": reasons}
+            plans = plan_buffers_many(model_path, n_ctxs, *args, why=reasons, **kwargs)
+            shown = None if plans is None else [None if p is None else [p.compute, p.output] for p in plans]
+            out = {"plans": shown, "why": reasons}
         except PlanRefused as exc:
             out = {"refused": str(exc)}
         except BaseException as exc:  # anything else is "cannot plan"
             out = {"error": repr(exc), "why": [f"the dry run failed ({exc!r})"]}
-        os.write(write, json.dumps(out).encode())
+        data = memoryview(json.dumps(out).encode())
+        while data:
+            data = data[os.write(write, data) :]
         os._exit(0)
     os.close(write)
     chunks = []
@@ -215,9 +251,8 @@ def plan_buffers_isolated(
     out = json.loads(b"".join(chunks))
     if "refused" in out:
         raise PlanRefused(out["refused"])
-    if out.get("plan") is None:
-        if why is not None:
-            why.extend(out.get("why") or ["llama.cpp could not plan it"])
+    if why is not None:
+        why.extend(out.get("why") or ([] if out.get("plans") else ["llama.cpp could not plan it"]))
+    if out.get("plans") is None:
         return None
-    compute, output = out["plan"]
-    return PlannedBuffers(compute=compute, output=output)
+    return [None if p is None else PlannedBuffers(compute=p[0], output=p[1]) for p in out["plans"]]
