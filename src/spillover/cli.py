@@ -24,9 +24,10 @@ MIB = 1024 * 1024
 STOP_GRACE_S = 8  # Ctrl-C: uvicorn's grace; the gateway stops what still runs STOP_AHEAD_S before its end
 N_CTX_MAX = 2**32 - 256  # llama.cpp's n_ctx is 32 bits and padded to 256 cells: above this it wraps
 # ``estimate --device-mib``: every whole cell of the first this many (of those whose bytes without the
-# compute buffer fit) is planned, in one dry run's process: 6-25 ms a context for SmolLM2, so at most
-# about 4 s; past them the search is binary (``core.estimate.largest_context``).
-FIT_SCAN_CELLS = 512
+# compute buffer fit) is planned, in one dry run's process (contexts up to 32,768 tokens: 6-15 ms a
+# context for SmolLM2, about 60 ms for 80 layers); past them the search is binary
+# (``core.estimate.largest_context``).
+FIT_SCAN_CELLS = 128
 
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -304,16 +305,19 @@ def cmd_estimate(a: argparse.Namespace) -> int:
                 planned[n_ctx] = None if p is None else p.compute_bytes
         return planned[n_ctx]
 
-    def plan_all(n_ctxs: list[int]) -> None:
-        """Plan the contexts the fit search will ask each of, in one dry run's process."""
+    def plan_all(n_ctxs: list[int]) -> bool:
+        """Plan the contexts the fit search will ask each of, in one dry run's process; False
+        when llama.cpp gave no plan for one of them (the search then asks as few as it can)."""
         todo = [n for n in n_ctxs if n not in planned and model.cells(n) <= PLAN_CELLS_MAX]
-        if compute is None or not todo:
-            return
+        if not todo:
+            return True
         plans = plan_buffers_many_isolated(
-            a.model, todo, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=unplanned
+            a.model, todo, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=[]
         )
-        for n, p in zip(todo, plans or (), strict=False):  # none (the child died): each is asked alone
-            planned[n] = None if p is None else p.compute_bytes
+        if plans is None or any(p is None for p in plans):
+            return False
+        planned.update((n, p.compute_bytes) for n, p in zip(todo, plans, strict=True) if p is not None)
+        return True
 
     compute = None
     too_long = model.cells(a.ctx) > PLAN_CELLS_MAX
@@ -338,6 +342,7 @@ def cmd_estimate(a: argparse.Namespace) -> int:
             # Up to the model's training context (what llama.cpp runs by default; more is
             # possible, with rope scaling, and not what a user asking "will it fit?" means),
             # or llama.cpp's largest where the file gives none that can be used.
+            placed_all = layers < 0 or layers > spec.n_layers  # the output layer too: the whole plan on the device
             # A context asked past the training context is searched up to it.
             trained = 0 < spec.n_ctx_train <= N_CTX_MAX
             ctx_limit = max(spec.n_ctx_train, a.ctx) if trained else N_CTX_MAX
@@ -349,8 +354,10 @@ def cmd_estimate(a: argparse.Namespace) -> int:
                 limit=ctx_limit,
                 floor_fits=lambda n: at(n, where="gpu", without_compute=True).device.total_with_margin_bytes <= budget,
                 step=model.ctx_pad_tokens,
-                scan_cells=FIT_SCAN_CELLS if compute is not None else 0,  # the envelope grows steadily
+                # Only the plan falls: the envelope grows steadily (a split's device share is the envelope's).
+                scan_cells=FIT_SCAN_CELLS if compute is not None and placed_all else 0,
                 prefetch=plan_all,
+                clamped_below=min(a.batch, a.ubatch),
             )
             fits_layers = largest_gpu_layers(
                 lambda n: at(a.ctx, n, "gpu").device.total_with_margin_bytes <= budget, spec.n_layers
@@ -469,7 +476,10 @@ def _estimate_text(out: dict[str, Any], offloads: bool) -> str:
             ctx = f"largest context {fit['largest_ctx']}, the model's training context (at {at}; more may fit)"
         if fit["ctx_gaps"]:  # llama.cpp's planned buffer fell between: shorter contexts that do not fit
             gaps = ", ".join(f"{lo}-{hi}" for lo, hi in fit["ctx_gaps"])
-            ctx += f"; shorter ones that do NOT fit: {gaps} (llama.cpp's compute buffer shrinks past them)"
+            ctx += (
+                f"; shorter ones that do NOT fit: {gaps} (llama.cpp's compute buffer shrinks past them; every"
+                f" context up to {fit['ctx_every_cell_to']} asked)"
+            )
         layers = fit["largest_gpu_layers"]
         every = (  # round 73: serve's split keeps the output layer on the host (``core.profiles.split_layers``)
             f": every layer and the output layer; spillover serve's split worker puts at most {out['n_layers']}"

@@ -194,7 +194,7 @@ def test_a_context_past_a_dip_in_the_planned_bytes_is_found_and_the_ones_before_
         limit=4096,
         floor_fits=lambda n: -(-max(1, n) // 256) * 10 <= budget,
         scan_cells=64,
-        prefetch=asked.append,
+        prefetch=lambda contexts: asked.append(contexts) is None,
     )
     assert (fit.largest, fit.gaps, fit.scanned_cells) == (1280, ((769, 1024),), 13)
     assert asked == [[n * 256 for n in range(1, 14)]]  # the floor: 13 cells of 10 fit in 134
@@ -204,6 +204,39 @@ def test_a_context_past_a_dip_in_the_planned_bytes_is_found_and_the_ones_before_
     assert largest_context(lambda n: False, limit=4096, floor_fits=lambda n: True, scan_cells=4).largest == 0
     far = largest_context(lambda n: n <= 3000, limit=4096, floor_fits=lambda n: True, scan_cells=4)
     assert (far.largest, far.gaps, far.scanned_cells) == (3000, (), 4)
+    # The contexts could not each be planned (prefetch says so): a binary search, as without a scan.
+    plain = largest_context(lambda n: _dipping(n) <= budget, limit=4096, floor_fits=lambda n: True, scan_cells=64,
+                            prefetch=lambda contexts: False)  # fmt: skip
+    assert (plain.largest, plain.gaps, plain.scanned_cells) == (768, (), 0)
+
+
+def test_a_limit_inside_a_cell_is_asked_where_the_whole_cell_below_does_not_fit() -> None:
+    """Round 82: a training context of 1100 ends in the fifth cell, whose bytes fit where the
+    fourth cell's do not (the dip above): 768 was answered beside "fits" for --ctx 1100. The
+    part of a cell at the limit is asked first; its contexts cost the fifth cell."""
+    budget = 134
+    fit = largest_context(lambda n: _dipping(n) <= budget, limit=1100, floor_fits=lambda n: True, scan_cells=64)
+    assert (fit.largest, fit.gaps) == (1100, ((769, 1024),))
+    short = largest_context(lambda n: _dipping(n) <= 124, limit=1100, floor_fits=lambda n: True, scan_cells=64)
+    assert (short.largest, short.gaps) == (512, ())  # cells 3 and 4 (130, 140) and the part (125) do not fit
+
+
+def test_a_gap_below_the_micro_batch_starts_where_the_contexts_stop_fitting() -> None:
+    """Round 82: a cell that does not fit at its end may fit for its shorter contexts, which
+    clamp the micro-batch (``clamped_below``): the gap starts at the first one that does not."""
+
+    def dipping_clamped(n: int) -> int:  # cell 1's compute grows with the context up to 256
+        return _dipping(n) - (0 if n > 256 else (256 - n) // 10)
+
+    fit = largest_context(lambda n: dipping_clamped(n) <= 105, limit=4096, floor_fits=lambda n: True,
+                          scan_cells=64)  # fmt: skip
+    assert fit.largest == 206  # inside cell 1: 110 - (256 - 206) // 10 = 105
+    # Cell 1 does not fit at 256, but its contexts up to 206 do; cells 2-4 do not (200); 5 does (100).
+    fit = largest_context(
+        lambda n: (dipping_clamped(n) if n <= 256 else 100 if -(-n // 256) == 5 else 200) <= 105,
+        limit=4096, floor_fits=lambda n: True, scan_cells=64, clamped_below=512,
+    )  # fmt: skip
+    assert (fit.largest, fit.gaps) == (1280, ((207, 1024),))
 
 
 def test_largest_gpu_layers() -> None:

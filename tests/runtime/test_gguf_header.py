@@ -161,6 +161,7 @@ def test_a_layers_kv_heads_must_divide_its_query_heads(tmp_path: Path) -> None:
     for heads, layer, q, kv in (
         ({"ARCH.attention.head_count": 4, "ARCH.attention.head_count_kv": [2, 3]}, 1, 4, 3),
         ({"ARCH.attention.head_count": [4, 6], "ARCH.attention.head_count_kv": [2, 4]}, 1, 6, 4),
+        ({"ARCH.attention.head_count": [8, 6], "ARCH.attention.head_count_kv": 4}, 1, 6, 4),  # round 82
     ):
         with pytest.raises(ValueError, match=f"layer {layer}'s {q} query heads cannot share its {kv} KV heads"):
             spec_of(_header("llama", 2, **heads), tmp_path / "m.gguf", {})

@@ -376,3 +376,24 @@ def test_an_allocation_whose_pid_names_another_process_now_is_released(tmp_path:
     snap = dev.snapshot()
     assert sorted(tag for tag, _, _, _ in snap.allocations) == ["mine", "unrecorded"]
     assert snap.used_bytes == 3 * MIB
+
+
+def test_another_users_process_is_judged_by_its_start_time_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 82: kill(pid, 0) on another user's process fails with EPERM, and the holder was
+    taken as alive without its start time read (``/proc/<pid>/stat`` is readable by anyone): a
+    pid reused by another user's process kept the dead holder's memory. Here every kill(0)
+    is refused so, as another user's would be."""
+    import spillover.engine.sim as sim
+
+    dev = SimDevice(tmp_path)
+    dev.create(100 * MIB)
+
+    def refused(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(sim.os, "kill", refused)
+    assert dev.allocate("mine", 1 * MIB, "me") and dev.allocate("old", 10 * MIB, "me")
+    with dev._locked() as s:
+        assert isinstance(s["allocs"][f"{os.getpid()}:mine"]["start"], int)  # read through the refusal
+        s["allocs"][f"{os.getpid()}:old"]["start"] -= 1  # the pid's earlier holder
+    assert [tag for tag, _, _, _ in dev.snapshot().allocations] == ["mine"]

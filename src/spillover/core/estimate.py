@@ -212,8 +212,8 @@ def estimate(
 @dataclass(frozen=True)
 class ContextFit:
     """The fit search's answer: the largest context that fits (0: none), and the contexts
-    shorter than it that do not (``gaps``: inclusive ``(first, last)`` ranges of whole cells),
-    found in the first ``scanned_cells`` cells, where every cell was asked."""
+    shorter than it that do not (``gaps``: inclusive ``(first, last)`` ranges), found in the
+    first ``scanned_cells`` cells, where every cell was asked."""
 
     largest: int
     gaps: tuple[tuple[int, int], ...] = ()
@@ -227,14 +227,18 @@ def largest_context(
     step: int = 256,
     floor_fits: Callable[[int], bool] | None = None,
     scan_cells: int = 0,
-    prefetch: Callable[[list[int]], None] | None = None,
+    prefetch: Callable[[list[int]], bool] | None = None,
+    clamped_below: int = 0,
 ) -> ContextFit:
     """The largest context up to ``limit`` for which ``fits`` holds. llama.cpp pads a context
     to whole ``step``-token cells, so the search takes whole cells first (``fits`` is asked at
     the cells a context ends in, the most any context in them costs), then the contexts inside
     the next cell: they cost that cell's KV, which did not fit, but a context shorter than the
-    micro-batch clamps it (``MemoryModel.ubatch``), and a smaller compute buffer can make one
-    of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at 256).
+    micro-batch (``clamped_below``) clamps it (``MemoryModel.ubatch``), and a smaller compute
+    buffer can make one of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at
+    256). A limit between two whole cells (a training context of 1100) ends in a part of a
+    cell, asked first: its contexts cost the next cell's bytes, which can fit where the whole
+    cell below does not (see next).
 
     llama.cpp's planned compute buffer does not always grow with the context (its graph
     allocator reuses memory by the sizes of the tensors, and which tensor sets the peak changes:
@@ -245,25 +249,32 @@ def largest_context(
     (every context that fits there is found, and the ones below the answer that do not are
     ``gaps``), and a binary search takes the cells past them, where the buffer grows with the
     context. Without ``floor_fits``, ``fits`` is taken as monotone (the envelope's bytes are).
-    ``prefetch`` is told the contexts that will each be asked, before they are."""
+    ``prefetch`` is told the contexts that will each be asked, before they are; when it says
+    they cannot be (False: no plan for one of them), the search is binary throughout."""
     top = max(0, limit // step)
     bound = top if floor_fits is None else _last_true(lambda n: floor_fits(n * step), 0, top)
     scanned = min(bound, scan_cells)
-    if prefetch is not None and scanned:
-        prefetch([n * step for n in range(1, scanned + 1)])
+    if scanned and prefetch is not None and not prefetch([n * step for n in range(1, scanned + 1)]):
+        scanned = 0
     above = _last_true(lambda n: fits(n * step), scanned, bound)
     ok = [fits(n * step) for n in range(1, scanned + 1)]
     cells = above if above > scanned else max((n for n, good in enumerate(ok, 1) if good), default=0)
+    partial = limit > top * step and cells < top and (floor_fits is None or floor_fits(limit))
+    if partial and (tail := _last_true(fits, top * step, limit)) > top * step:  # the part of a cell at the limit
+        found, below = tail, top + 1
+    else:  # inside the next cell (or up to a limit between two whole cells, a training context of 1000)
+        found, below = _last_true(fits, cells * step, min((cells + 1) * step - 1, limit)), cells
     gaps: list[tuple[int, int]] = []
-    for n, good in enumerate(ok[: max(0, cells - 1)], 1):
+    for n, good in enumerate(ok[: max(0, below - 1)], 1):
         if good:
             continue
-        if gaps and gaps[-1][1] == (n - 1) * step:  # the cell after a gap's: one range
+        first = (n - 1) * step + 1
+        if first < clamped_below:  # a shorter context clamps the micro-batch: some of the cell may fit
+            first = _last_true(fits, first - 1, n * step) + 1
+        if gaps and gaps[-1][1] == first - 1:  # the cell after a gap's: one range
             gaps[-1] = (gaps[-1][0], n * step)
         else:
-            gaps.append(((n - 1) * step + 1, n * step))
-    # Inside the next cell (or up to a limit between two whole cells, a training context of 1000).
-    found = _last_true(fits, cells * step, min((cells + 1) * step - 1, limit))
+            gaps.append((first, n * step))
     return ContextFit(found, tuple(gaps), scanned)
 
 

@@ -173,15 +173,17 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
     n_head_kv = max(per_layer_kv, default=0) if per_layer_kv else int(n_head_kv_raw)
     if per_layer_kv and not 0 <= min(per_layer_kv) <= n_head_kv <= HEADS_MAX:
         raise ValueError(f"{arch}.attention.head_count_kv holds {min(per_layer_kv)} to {n_head_kv}: 0 to {HEADS_MAX}")
-    # Each layer's query heads share its KV heads in whole groups (llama.cpp aborts otherwise; a
-    # scalar count is checked by ``MemoryModel``): helper round 81, a list of [3, 3] under 4 heads.
-    q_heads = [int(x) for x in n_head_raw] if isinstance(n_head_raw, list) else [n_head] * len(per_layer_kv)
-    for i, (q, kv) in enumerate(zip(q_heads, per_layer_kv, strict=False)):
-        if kv and q % kv:
-            raise ValueError(
-                f"layer {i}'s {q} query heads cannot share its {kv} KV heads ({arch}.attention.head_count_kv):"
-                " llama.cpp needs the first to be a multiple of the second"
-            )
+    # Each layer's query heads share its KV heads in whole groups (llama.cpp aborts otherwise; two
+    # scalar counts are checked by ``MemoryModel``): helper round 81, a KV list of [3, 3] under 4
+    # heads, round 82 a query list of [8, 6] over 4 KV heads.
+    if per_layer_kv or isinstance(n_head_raw, list):
+        q_heads = [int(x) for x in n_head_raw] if isinstance(n_head_raw, list) else [n_head] * n_layers
+        for i, (q, kv) in enumerate(zip(q_heads, per_layer_kv or [n_head_kv] * n_layers, strict=True)):
+            if kv and q % kv:
+                raise ValueError(
+                    f"layer {i}'s {q} query heads cannot share its {kv} KV heads ({arch}.attention.head_count_kv):"
+                    " llama.cpp needs the first to be a multiple of the second"
+                )
     head_k = _integer(fields, f"{arch}.attention.key_length", n_embd // n_head)
     head_v = _integer(fields, f"{arch}.attention.value_length", n_embd // n_head)
     for key, value, top in (

@@ -211,6 +211,8 @@ def plan_buffers_many_isolated(
     import json
     import os
 
+    if not n_ctxs:
+        return []
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: plan, write one JSON document, leave without cleanup

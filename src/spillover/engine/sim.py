@@ -89,8 +89,8 @@ def _presence(pid: int) -> tuple[bool, int | None]:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False, None
-    except PermissionError:
-        return True, None
+    except PermissionError:  # another user's process: it lives; its /proc/<pid>/stat is readable all the same
+        pass
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)  # no file object: read 10 times a second
         try:
