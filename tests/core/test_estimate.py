@@ -239,6 +239,32 @@ def test_a_gap_below_the_micro_batch_starts_where_the_contexts_stop_fitting() ->
     assert (fit.largest, fit.gaps) == (1280, ((207, 1024),))
 
 
+def test_a_context_two_cells_past_the_last_whole_cell_that_fits_is_found_under_a_wide_micro_batch() -> None:
+    """Round 84: with a micro-batch of 2048 a context of 1025-1032 fits SmolLM2 in 344 MiB where
+    neither 1024 nor 1280 does (the micro-batch is clamped to the context, and the plan dips
+    past 1024); only the cell after the last whole one that fits (768) was searched inside. Each
+    further cell below the micro-batch has its shortest context asked, and the gap below the
+    answer starts where cell 4's contexts stop fitting."""
+
+    def clamped(n: int) -> int:  # KV 10 a cell; compute 1 per 16 micro-batch tokens, 40 less past 1024
+        cells = -(-n // 256)
+        return cells * 10 + min(n, 2048) // 16 - (40 if cells > 4 else 0)
+
+    budget = 74  # whole cells: 256 (26) and 512 (52) fit, 768 (78) and 1024 (104) do not, 1280 (90) not
+    assert [n for n in range(256, 4097, 256) if clamped(n) <= budget] == [256, 512]
+    asked: list[list[int]] = []
+    fit = largest_context(
+        lambda n: clamped(n) <= budget, limit=4096, floor_fits=lambda n: True, scan_cells=16,
+        prefetch=lambda contexts: asked.append(contexts) is None, clamped_below=2048,
+    )  # fmt: skip
+    assert fit.largest == max(n for n in range(1, 4097) if clamped(n) <= budget) == 1039
+    assert fit.gaps == ((720, 1024),)  # cell 3 fits up to 719 (30 + 44), cell 4 not at all
+    assert asked == [list(range(256, 4097, 256)), [769, 1025, 1281, 1537, 1793]]  # cells 4-8's shortest
+    # The micro-batch within one cell (the default 512 past 256 cells): as before, no further cell asked.
+    assert largest_context(lambda n: clamped(n) <= budget, limit=4096, floor_fits=lambda n: True,
+                           scan_cells=16, clamped_below=512).largest == 719  # fmt: skip
+
+
 def test_largest_gpu_layers() -> None:
     assert largest_gpu_layers(lambda n: n <= 2, 4) == 2
     assert largest_gpu_layers(lambda n: True, 4) == 5

@@ -695,6 +695,12 @@ def test_the_fit_search_finds_a_context_past_a_dip_in_llama_cpps_plan(
     assert main(["estimate", model_path, "--ctx", "1024", *settings]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit; largest context 1280 (at --gpu-layers 31); shorter ones that do NOT fit: 769-1024" in out
+    # Round 84: a micro-batch of 2048 spans eight cells: 1025-1032 fit in 344 MiB where neither
+    # 1024 nor 1280 does (the micro-batch clamped to the context, the plan's dip past 1024).
+    wide = ["--kv-type", "q8_0", "--batch", "2048", "--ubatch", "2048", "--device-mib", "344", "--json"]
+    assert main(["estimate", model_path, "--ctx", "1030", *wide]) == 0
+    fit = json.loads(capsys.readouterr().out)["fit"]
+    assert (fit["fits"], fit["largest_ctx"], fit["ctx_gaps"]) == (True, 1032, [[1015, 1024]])
 
 
 def test_a_context_past_the_training_context_is_searched_to_and_flagged(

@@ -167,6 +167,10 @@ def test_a_layers_kv_heads_must_divide_its_query_heads(tmp_path: Path) -> None:
             spec_of(_header("llama", 2, **heads), tmp_path / "m.gguf", {})
     fine = {"ARCH.attention.head_count": [4, 6], "ARCH.attention.head_count_kv": [0, 3]}  # 6 % 3, and none
     assert spec_of(_header("llama", 2, **fine), tmp_path / "m.gguf", {}).layer_kv_heads == (0, 3)
+    # Round 84: without a KV count each layer's is its own query count (llama.cpp's default), not
+    # the widest layer's: [8, 6] heads and no KV key loads, its second layer's cache 6 heads wide.
+    spec = spec_of(_header("openelm", 2, **{"ARCH.attention.head_count": [8, 6]}), tmp_path / "m.gguf", {})
+    assert (spec.n_head_kv, spec.layer_kv_heads) == (8, (8, 6))
 
 
 @pytest.mark.parametrize("key", ["context_length", "feed_forward_length", "attention.head_count_kv"])

@@ -236,9 +236,11 @@ def largest_context(
     the next cell: they cost that cell's KV, which did not fit, but a context shorter than the
     micro-batch (``clamped_below``) clamps it (``MemoryModel.ubatch``), and a smaller compute
     buffer can make one of them fit (a 100 MiB device runs SmolLM2 at a context of 10, not at
-    256). A limit between two whole cells (a training context of 1100) ends in a part of a
-    cell, asked first: its contexts cost the next cell's bytes, which can fit where the whole
-    cell below does not (see next).
+    256), and where the micro-batch spans several cells a context in a later one can fit where
+    neither whole cell around it does (each such cell's shortest context is asked). A limit
+    between two whole cells (a training context of 1100) ends in a part of a cell, asked too:
+    its contexts cost the next cell's bytes, which can fit where the whole cell below does not
+    (see next).
 
     llama.cpp's planned compute buffer does not always grow with the context (its graph
     allocator reuses memory by the sizes of the tensors, and which tensor sets the peak changes:
@@ -259,11 +261,24 @@ def largest_context(
     above = _last_true(lambda n: fits(n * step), scanned, bound)
     ok = [fits(n * step) for n in range(1, scanned + 1)]
     cells = above if above > scanned else max((n for n, good in enumerate(ok, 1) if good), default=0)
+    # Inside the next cell (or up to a limit between two whole cells, a training context of 1000).
+    found = _last_true(fits, cells * step, min((cells + 1) * step - 1, limit))
     partial = limit > top * step and cells < top and (floor_fits is None or floor_fits(limit))
     if partial and (tail := _last_true(fits, top * step, limit)) > top * step:  # the part of a cell at the limit
-        found, below = tail, top + 1
-    else:  # inside the next cell (or up to a limit between two whole cells, a training context of 1000)
-        found, below = _last_true(fits, cells * step, min((cells + 1) * step - 1, limit)), cells
+        found = tail
+    # Further cells whose shorter contexts clamp the micro-batch (round 84: SmolLM2 with a
+    # micro-batch of 2048 fits 1032 where neither 1024 nor 1280 does): each cell's shortest
+    # context is asked (they grow within a cell), and the cell searched where it fits.
+    last = min(-(-clamped_below // step), -(-limit // step))
+    firsts = [(c - 1) * step + 1 for c in range(cells + 2, last + 1)]
+    if floor_fits is not None:  # the cell's KV, which its every context holds, fits (monotone)
+        firsts = [n for n in firsts if floor_fits(min(n - 1 + step, limit))]
+    if firsts and prefetch is not None:
+        prefetch(firsts)
+    for first in firsts:
+        if fits(first):
+            found = max(found, _last_true(fits, first, min(first - 1 + step, limit)))
+    below = -(-found // step)  # the cell the answer is in: the gaps are below it
     gaps: list[tuple[int, int]] = []
     for n, good in enumerate(ok[: max(0, below - 1)], 1):
         if good:

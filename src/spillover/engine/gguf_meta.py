@@ -167,7 +167,9 @@ def spec_of(header: Header, path: str | Path, repacks: Repacks) -> ModelSpec:
         raise UnsupportedModel(
             f"{arch} has no attention heads (a recurrent model): spillover's memory model covers attention models only"
         )
-    n_head_kv_raw = _integer(fields, f"{arch}.attention.head_count_kv", n_head, layers=n_layers)
+    # Without a KV count each layer's is its query count, as llama.cpp defaults it (round 84: the
+    # widest layer's, taken for every layer, refused an openelm of [8, 6] heads and no KV key).
+    n_head_kv_raw = _integer(fields, f"{arch}.attention.head_count_kv", n_head_raw, layers=n_layers)
     # per-layer counts (some architectures): each layer's KV is its own (0: none there)
     per_layer_kv = [int(x) for x in n_head_kv_raw] if isinstance(n_head_kv_raw, list) else []
     n_head_kv = max(per_layer_kv, default=0) if per_layer_kv else int(n_head_kv_raw)
