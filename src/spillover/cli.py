@@ -311,9 +311,12 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         todo = [n for n in n_ctxs if n not in planned and model.cells(n) <= PLAN_CELLS_MAX]
         if not todo:
             return True
-        plans = plan_buffers_many_isolated(
-            a.model, todo, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=[]
-        )
+        try:
+            plans = plan_buffers_many_isolated(
+                a.model, todo, a.batch, a.ubatch, kv_type=a.kv_type, flash_attn=a.flash_attn, why=[]
+            )
+        except PlanRefused:  # one of them: the search asks those it needs alone, and says why if it must
+            return False
         if plans is None or any(p is None for p in plans):
             return False
         planned.update((n, p.compute_bytes) for n, p in zip(todo, plans, strict=True) if p is not None)

@@ -260,6 +260,12 @@ def test_a_context_two_cells_past_the_last_whole_cell_that_fits_is_found_under_a
     assert fit.largest == max(n for n in range(1, 4097) if clamped(n) <= budget) == 1039
     assert fit.gaps == ((720, 1024),)  # cell 3 fits up to 719 (30 + 44), cell 4 not at all
     assert asked == [list(range(256, 4097, 256)), [769, 1025, 1281, 1537, 1793]]  # cells 4-8's shortest
+    # Round 85: nothing scanned (the envelope, `--no-plan`: its bytes grow steadily), nothing
+    # further asked either (a llama.cpp dry run of 28 contexts, for --no-plan, before).
+    asked.clear()
+    largest_context(lambda n: clamped(n) <= budget, limit=4096, floor_fits=lambda n: True, scan_cells=0,
+                    prefetch=lambda contexts: asked.append(contexts) is None, clamped_below=2048)  # fmt: skip
+    assert asked == []
     # The micro-batch within one cell (the default 512 past 256 cells): as before, no further cell asked.
     assert largest_context(lambda n: clamped(n) <= budget, limit=4096, floor_fits=lambda n: True,
                            scan_cells=16, clamped_below=512).largest == 719  # fmt: skip

@@ -273,6 +273,8 @@ def largest_context(
     firsts = [(c - 1) * step + 1 for c in range(cells + 2, last + 1)]
     if floor_fits is not None:  # the cell's KV, which its every context holds, fits (monotone)
         firsts = [n for n in firsts if floor_fits(min(n - 1 + step, limit))]
+    if not scanned:  # bytes that grow steadily (the envelope), or a plan not every cell has: none fit there
+        firsts = []
     if firsts and prefetch is not None:
         prefetch(firsts)
     for first in firsts:
