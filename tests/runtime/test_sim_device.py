@@ -322,41 +322,6 @@ def test_a_zombies_memory_is_released_and_a_live_process_named_like_one_keeps_it
             p.communicate()  # waited for, its pipes closed
 
 
-def test_a_process_whose_main_thread_exited_keeps_its_memory_while_its_threads_run(tmp_path: Path) -> None:
-    """Round 80's leftover: a process whose main thread ended (``pthread_exit``) while another
-    runs shows ``Z`` in ``/proc/<pid>/stat``, as a zombie does; it lives on (its thread count
-    is two), so its allocation stays until the whole process has exited."""
-    dev = SimDevice(tmp_path)
-    dev.create(100 * MIB)
-    code = (
-        "import ctypes, sys, threading\n"
-        "threading.Thread(target=lambda: (print('ready', flush=True), sys.stdin.read())).start()\n"
-        "ctypes.CDLL(None).pthread_exit(None)\n"
-    )
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        assert p.stdout.readline().strip() == "ready"
-        assert dev.allocate("w", 10 * MIB, "threads", pid=p.pid)
-        for _ in range(500):  # the main thread ends right after it started the other one
-            fields = Path(f"/proc/{p.pid}/stat").read_bytes().rpartition(b")")[2].split()
-            if fields[0] == b"Z":
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError("the main thread never ended")
-        assert int(fields[17]) == 2  # the leader, a zombie, and the thread that runs
-        assert dev.snapshot().used_bytes == 10 * MIB
-        p.stdin.close()  # the other thread ends: the process exits (not waited for: a zombie)
-        wait_used(dev, 0)
-    finally:
-        p.kill()
-        p.wait()
-        for pipe in (p.stdin, p.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
 def test_an_allocation_whose_pid_names_another_process_now_is_released(tmp_path: Path) -> None:
     """Round 80's leftover: a pid the system gave to a new process kept the dead holder's
     allocations. Each allocation records its process's start time; one whose pid now starts at

@@ -79,10 +79,12 @@ class SimSnapshot:
 
 def _presence(pid: int) -> tuple[bool, int | None]:
     """Whether process ``pid`` lives, and its start time (clock ticks after boot; None when
-    unknown). A zombie still answers kill(0): one whose whole thread group has exited is gone
-    (its memory is released); a thread-group leader that exited while its other threads run
-    shows ``Z`` too, and lives on (its thread count says so). The state and the fields after
-    it follow the command's last parenthesis (a command may hold one)."""
+    unknown). A zombie still answers kill(0); it is gone (its memory is released). So is a
+    thread-group leader that ended while its other threads run, which shows ``Z`` too: its
+    thread count cannot tell it from a group still tearing its threads down after a kill (the
+    CI's stopped worker killed with its gateway kept its memory that way), and no spillover
+    process ends its main thread first. The state and the fields after it follow the command's
+    last parenthesis (a command may hold one)."""
     if pid <= 0:
         return False, None
     try:
@@ -99,12 +101,12 @@ def _presence(pid: int) -> tuple[bool, int | None]:
             os.close(fd)
     except OSError:
         return True, None
-    fields = stat.rpartition(b")")[2].split()  # fields 3.. of proc(5): state is [0], num_threads [17], starttime [19]
+    fields = stat.rpartition(b")")[2].split()  # fields 3.. of proc(5): state is [0], starttime [19]
     try:
-        threads, start = int(fields[17]), int(fields[19])
+        start: int | None = int(fields[19])
     except (IndexError, ValueError):
-        return fields[:1] != [b"Z"], None
-    return (fields[0] != b"Z" or threads > 1), start
+        start = None
+    return fields[:1] != [b"Z"], start
 
 
 def _gone(alloc: dict[str, Any], presence: tuple[bool, int | None]) -> bool:
