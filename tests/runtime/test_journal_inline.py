@@ -184,15 +184,20 @@ def test_a_move_on_the_loop_that_the_disk_refuses_fails_and_writes_nothing(tmp_p
     with_journal(tmp_path, body)
 
 
-def test_writes_after_close_fail_on_the_thread_path(tmp_path: Path) -> None:
-    """A closed journal writes nothing on the loop: the move fails as any write then does."""
-    path = tmp_path / "j.sqlite3"
+def _closed_journal(tmp_path: Path) -> Journal:
+    """A journal that held one queued request ``r``, closed."""
 
     async def body(j: Journal) -> Journal:
         await queued(j, "r")
         return j
 
-    j: Journal = run_journal(path, body)
+    j: Journal = run_journal(tmp_path / "j.sqlite3", body)
+    return j
+
+
+def test_writes_after_close_fail_on_the_thread_path(tmp_path: Path) -> None:
+    """A closed journal writes nothing on the loop: the move fails as any write then does."""
+    j = _closed_journal(tmp_path)
 
     async def late() -> None:
         with pytest.raises(JournalUnavailable):
@@ -206,13 +211,7 @@ def test_a_closed_journal_answers_every_call_with_its_503(tmp_path: Path) -> Non
     refused the job) and one that reached a thread whose connection was closed with
     ``AssertionError``: a 500 where a stopping gateway means a 503 with Retry-After. Every
     read and write of a closed journal is ``JournalUnavailable`` now, whichever path it takes."""
-    path = tmp_path / "j.sqlite3"
-
-    async def body(j: Journal) -> Journal:
-        await queued(j, "r")
-        return j
-
-    j: Journal = run_journal(path, body)
+    j = _closed_journal(tmp_path)
 
     async def late() -> None:
         calls = [
